@@ -1,0 +1,390 @@
+//! Canonical tensor names and model version detection.
+//!
+//! # The canonical layout
+//!
+//! sd-rs names every tensor the way the original single-file checkpoints (and
+//! stable-diffusion.cpp) do:
+//!
+//! | component | canonical prefix | layout |
+//! |---|---|---|
+//! | diffusion UNet | [`UNET_PREFIX`] `model.diffusion_model.` | LDM: `input_blocks.N.M`, `middle_block`, `output_blocks`, `time_embed`, `label_emb` (SDXL), `out` |
+//! | autoencoder | [`VAE_PREFIX`] `first_stage_model.` | LDM: `encoder.down.N.block.M`, `mid.attn_1.{q,k,v,proj_out}` as `[C, C, 1, 1]`, `decoder.up.N`, `quant_conv`, `post_quant_conv` |
+//! | first text encoder | [`CLIP_PREFIX`] `cond_stage_model.transformer.` | transformers `CLIPTextModel`: `text_model.*` |
+//! | SDXL's OpenCLIP-G | [`CLIP_G_PREFIX`] `cond_stage_model.1.transformer.` | transformers `CLIPTextModel`: `text_model.*` |
+//!
+//! [`convert_to_canonical`] brings other layouts there: diffusers UNets and autoencoders
+//! (see `unet.rs` and `vae.rs` for the tables), OpenCLIP text towers (SD2's
+//! `cond_stage_model.model.*`, SDXL's `conditioner.embedders.1.model.*`, with the fused
+//! `in_proj` split into q/k/v by offsets), SDXL's `conditioner.embedders.0.transformer.*`,
+//! and transformers text encoders (see `clip.rs`, which also documents why the text
+//! projection keeps two names).
+//!
+//! # Where diffusers names may come from
+//!
+//! A diffusers pipeline is a folder of per-component files whose names carry no component
+//! prefix. Readers should prefix each with its folder name, [`DIFFUSERS_UNET`] `unet.`,
+//! [`DIFFUSERS_VAE`] `vae.`, [`DIFFUSERS_TEXT_ENCODER`] `text_encoder.`,
+//! [`DIFFUSERS_TEXT_ENCODER_2`] `text_encoder_2.`, which settles every ambiguity. Diffusers
+//! UNet names under `model.diffusion_model.` and autoencoder names under
+//! `first_stage_model.` (single files written by some tools) are converted as well. A single
+//! component file read without any prefix is recognised by a marker tensor it always has:
+//! `conv_in.weight` (a diffusers UNet; `input_blocks.0.0.weight` for an original one),
+//! `encoder.conv_in.weight` / `decoder.conv_in.weight` (an autoencoder in either layout) and
+//! `text_model.*` / `embeddings.token_embedding.weight` (a transformers text encoder, put in
+//! the second slot when 1280 wide, else the first).
+//!
+//! Anything else keeps its name: LoRA and other adapter tensors, DiT (SD3, Flux, Qwen-Image)
+//! tensors, text encoders of DiT models, T5, `logit_scale`, EMA copies. Structural renames
+//! do apply to adapter tensors that use the layouts above, e.g. a PEFT LoRA's
+//! `unet.down_blocks.0.attentions.0....to_q.lora_A.weight`.
+
+mod clip;
+mod unet;
+mod vae;
+mod version;
+
+use std::collections::HashMap;
+
+use thiserror::Error;
+
+use crate::TensorStorage;
+
+pub use clip::{CLIP_G_PREFIX, CLIP_PREFIX, TEXT_PROJECTION_LINEAR, TEXT_PROJECTION_OPENCLIP};
+pub use unet::UNET_PREFIX;
+pub use vae::VAE_PREFIX;
+pub use version::{detect_version, detect_version_of, SdVersion};
+
+use clip::{OpenClipTarget, Slot};
+use unet::UnetLayout;
+use vae::VaeLayout;
+
+/// Prefix a reader gives the tensors of a diffusers pipeline's `unet/` folder.
+pub const DIFFUSERS_UNET: &str = "unet.";
+/// Prefix a reader gives the tensors of a diffusers pipeline's `vae/` folder.
+pub const DIFFUSERS_VAE: &str = "vae.";
+/// Prefix a reader gives the tensors of a diffusers pipeline's `text_encoder/` folder.
+pub const DIFFUSERS_TEXT_ENCODER: &str = "text_encoder.";
+/// Prefix a reader gives the tensors of a diffusers pipeline's `text_encoder_2/` folder.
+pub const DIFFUSERS_TEXT_ENCODER_2: &str = "text_encoder_2.";
+
+/// Why a set of tensors could not be brought to canonical names.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum NameError {
+    /// Two source tensors convert to the same canonical name (a file holding one component in
+    /// two layouts, or a duplicate).
+    #[error("tensors `{first}` and `{second}` both map to `{target}`")]
+    Collision {
+        /// The canonical name both map to.
+        target: String,
+        /// The source name seen first.
+        first: String,
+        /// The source name seen second.
+        second: String,
+    },
+    /// A fused q/k/v tensor cannot be split into three equal parts along its outer dimension.
+    #[error("cannot split fused tensor `{name}` of shape {shape:?} ({size} bytes) into q, k, v")]
+    Split {
+        /// The fused tensor's name.
+        name: String,
+        /// Its shape.
+        shape: Vec<u64>,
+        /// Its byte size.
+        size: u64,
+    },
+}
+
+/// The result of [`convert_to_canonical_report`]: the converted storages and what was done.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Conversion {
+    /// The storages under canonical names, in input order (a split tensor's parts in its
+    /// place, q then k then v).
+    pub tensors: Vec<TensorStorage>,
+    /// How many input tensors got a new name (split ones not counted).
+    pub renamed: usize,
+    /// Canonical names of the tensors whose 2-D `[C, C]` shape is now viewed as the
+    /// `[C, C, 1, 1]` of a 1x1 convolution (autoencoder mid-block attention projections).
+    /// Same bytes, same order: only `shape` changed.
+    pub reshaped: Vec<String>,
+    /// Source names of the fused q/k/v tensors split into three storages.
+    pub split: Vec<String>,
+}
+
+/// Renames (and splits, and reshapes) tensors into the canonical sd-rs layout.
+///
+/// `version` is the model family when the caller knows it; when `None` it is detected from
+/// the storages with [`detect_version_of`]. It matters only to stay out of the way of
+/// non-UNet families: for DiT models (SD3, Flux, Qwen-Image) UNet and CLIP conversions are
+/// skipped, and for Qwen-Image the autoencoder too (its video VAE has a different layout).
+///
+/// Names already canonical and names this module does not know pass unchanged. Returns
+/// [`NameError::Collision`] when two tensors end up with one name and [`NameError::Split`]
+/// when a fused OpenCLIP `in_proj` does not split in three.
+pub fn convert_to_canonical(storages: Vec<TensorStorage>, version: Option<SdVersion>) -> Result<Vec<TensorStorage>, NameError> {
+    convert_to_canonical_report(storages, version).map(|c| c.tensors)
+}
+
+/// [`convert_to_canonical`], also reporting what was renamed, reshaped and split.
+pub fn convert_to_canonical_report(storages: Vec<TensorStorage>, version: Option<SdVersion>) -> Result<Conversion, NameError> {
+    let version = version.or_else(|| detect_version_of(&storages));
+    let bare = BareMarkers::scan(&storages);
+    let dit = version.is_some_and(|v| !v.is_unet());
+    let plans: Vec<Plan> = storages.iter().map(|s| classify(&s.name, &bare, dit)).collect();
+
+    let rels = |want: fn(&Plan) -> Option<usize>| {
+        plans
+            .iter()
+            .zip(&storages)
+            .filter_map(move |(p, s)| want(p).map(|start| &s.name[start..]))
+    };
+    let unet_layout = UnetLayout::scan(rels(|p| match p {
+        Plan::Unet(start) => Some(*start),
+        _ => None,
+    }));
+    let vae_rels = || {
+        rels(|p| match p {
+            Plan::Vae(start) => Some(*start),
+            _ => None,
+        })
+    };
+    let keep_vae = version == Some(SdVersion::QwenImage) || vae_rels().any(vae::is_foreign_vae_marker);
+    let vae_layout = VaeLayout::scan(vae_rels());
+
+    let mut out = Conversion { tensors: Vec::with_capacity(storages.len()), ..Conversion::default() };
+    let mut sources: HashMap<String, String> = HashMap::with_capacity(storages.len());
+    for (mut storage, plan) in storages.into_iter().zip(plans) {
+        let source = storage.name.clone();
+        let target = match plan {
+            Plan::Keep => Target::Name(source.clone()),
+            Plan::Unet(start) => match unet::diffusers_to_original(&source[start..], &unet_layout) {
+                Some(c) => Target::Name(format!("{UNET_PREFIX}{c}")),
+                None => Target::Name(source.clone()),
+            },
+            Plan::UnetPrefix => Target::Name(format!("{UNET_PREFIX}{source}")),
+            Plan::Vae(_) if keep_vae => Target::Name(source.clone()),
+            Plan::Vae(start) => {
+                let rel = &source[start..];
+                let canonical_rel = vae::diffusers_to_original(rel, vae_layout)
+                    .or_else(|| vae::is_vae_name(rel).then(|| rel.to_owned()));
+                match canonical_rel {
+                    Some(c) => {
+                        if vae::needs_conv_view(&c) && storage.shape.len() == 2 {
+                            storage.shape.extend([1, 1]);
+                            out.reshaped.push(format!("{VAE_PREFIX}{c}"));
+                        }
+                        Target::Name(format!("{VAE_PREFIX}{c}"))
+                    }
+                    None => Target::Name(source.clone()),
+                }
+            }
+            Plan::ClipTransformers(slot, start) => match clip::transformers_to_canonical(&source[start..]) {
+                Some(c) => Target::Name(format!("{}{c}", slot.prefix())),
+                None => Target::Name(source.clone()),
+            },
+            Plan::ClipOpen(slot, start) => match clip::openclip_to_canonical(&source[start..]) {
+                Some(OpenClipTarget::Rename(c)) => Target::Name(format!("{}{c}", slot.prefix())),
+                Some(OpenClipTarget::Split(parts)) => Target::Split(parts.map(|p| format!("{}{p}", slot.prefix()))),
+                None => Target::Name(source.clone()),
+            },
+        };
+        match target {
+            Target::Name(name) => {
+                if name != source {
+                    out.renamed += 1;
+                }
+                claim(&mut sources, &name, &source)?;
+                storage.name = name;
+                out.tensors.push(storage);
+            }
+            Target::Split(names) => {
+                let parts = storage.split_outer(3, &names).ok_or_else(|| NameError::Split {
+                    name: source.clone(),
+                    shape: storage.shape.clone(),
+                    size: storage.size,
+                })?;
+                for part in parts {
+                    claim(&mut sources, &part.name, &source)?;
+                    out.tensors.push(part);
+                }
+                out.split.push(source);
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Records that `source` maps to `target`, failing if another source already does.
+fn claim(sources: &mut HashMap<String, String>, target: &str, source: &str) -> Result<(), NameError> {
+    if let Some(first) = sources.get(target) {
+        return Err(NameError::Collision {
+            target: target.to_owned(),
+            first: first.clone(),
+            second: source.to_owned(),
+        });
+    }
+    sources.insert(target.to_owned(), source.to_owned());
+    Ok(())
+}
+
+/// What one tensor's canonical name will be.
+enum Target {
+    Name(String),
+    Split([String; 3]),
+}
+
+/// How one name is to be converted; the `usize` is where its component-relative part starts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Plan {
+    /// Leave unchanged.
+    Keep,
+    /// A UNet name (diffusers layout, possibly), relative part from the offset.
+    Unet(usize),
+    /// A bare original UNet name: only the canonical prefix is missing.
+    UnetPrefix,
+    /// An autoencoder name in either layout.
+    Vae(usize),
+    /// A transformers CLIP text encoder name for this slot.
+    ClipTransformers(Slot, usize),
+    /// An OpenCLIP text tower name (relative to the OpenCLIP model) for this slot.
+    ClipOpen(Slot, usize),
+}
+
+/// Marker tensors that make prefix-less names of a single component file safe to convert.
+#[derive(Debug, Default)]
+struct BareMarkers {
+    unet_diffusers: bool,
+    unet_original: bool,
+    vae: bool,
+    text_model: bool,
+    text_bare: bool,
+    text_hidden: Option<u64>,
+}
+
+impl BareMarkers {
+    fn scan(storages: &[TensorStorage]) -> Self {
+        let mut m = BareMarkers::default();
+        for s in storages {
+            match s.name.as_str() {
+                "conv_in.weight" => m.unet_diffusers = true,
+                "input_blocks.0.0.weight" => m.unet_original = true,
+                "encoder.conv_in.weight" | "decoder.conv_in.weight" => m.vae = true,
+                "text_model.embeddings.token_embedding.weight" | "embeddings.token_embedding.weight" => {
+                    m.text_bare |= !s.name.starts_with("text_model.");
+                    if s.shape.len() == 2 {
+                        m.text_hidden = Some(s.shape[1]);
+                    }
+                }
+                _ => {}
+            }
+            m.text_model |= s.name.starts_with("text_model.");
+        }
+        m
+    }
+}
+
+/// Decides how `name` is converted. `dit`: the model is not a UNet family, so UNet and CLIP
+/// conversions stay off.
+fn classify(name: &str, bare: &BareMarkers, dit: bool) -> Plan {
+    if name.starts_with(VAE_PREFIX) {
+        return Plan::Vae(VAE_PREFIX.len());
+    }
+    if let Some(rel) = name.strip_prefix(DIFFUSERS_VAE) {
+        return if vae::is_vae_name(rel) { Plan::Vae(DIFFUSERS_VAE.len()) } else { Plan::Keep };
+    }
+    if dit {
+        return Plan::Keep;
+    }
+    for prefix in [UNET_PREFIX, DIFFUSERS_UNET] {
+        if let Some(rel) = name.strip_prefix(prefix) {
+            return if unet::is_diffusers_name(rel) { Plan::Unet(prefix.len()) } else { Plan::Keep };
+        }
+    }
+    let slots = [
+        (CLIP_PREFIX, Slot::First, false),
+        (CLIP_G_PREFIX, Slot::Second, false),
+        ("cond_stage_model.model.", Slot::First, true),
+        ("cond_stage_model.1.model.", Slot::Second, true),
+        (DIFFUSERS_TEXT_ENCODER, Slot::First, false),
+        (DIFFUSERS_TEXT_ENCODER_2, Slot::Second, false),
+    ];
+    for (prefix, slot, openclip) in slots {
+        if name.starts_with(prefix) {
+            return if openclip {
+                Plan::ClipOpen(slot, prefix.len())
+            } else {
+                Plan::ClipTransformers(slot, prefix.len())
+            };
+        }
+    }
+    if let Some((_, rest)) = name.strip_prefix("conditioner.embedders.").and_then(split_index) {
+        let start = name.len() - rest.len();
+        if rest.starts_with("transformer.") {
+            return Plan::ClipTransformers(Slot::First, start + "transformer.".len());
+        }
+        if rest.starts_with("model.") {
+            return Plan::ClipOpen(Slot::Second, start + "model.".len());
+        }
+        return Plan::Keep;
+    }
+    // Prefix-less names of a single component file.
+    if bare.unet_diffusers && unet::is_diffusers_name(name) {
+        return Plan::Unet(0);
+    }
+    if bare.unet_original && unet::is_original_name(name) {
+        return Plan::UnetPrefix;
+    }
+    if bare.vae && vae::is_vae_name(name) {
+        return Plan::Vae(0);
+    }
+    let text_slot = Slot::for_hidden(bare.text_hidden);
+    if name.starts_with("text_model.") || (bare.text_model && name == TEXT_PROJECTION_LINEAR) {
+        return Plan::ClipTransformers(text_slot, 0);
+    }
+    if bare.text_bare && clip::is_bare_text_name(name) {
+        return Plan::ClipTransformers(text_slot, 0);
+    }
+    Plan::Keep
+}
+
+/// Splits `"N.rest"` into `(N, "rest")`; `N` is a plain decimal index (no sign, no leading
+/// zero), `rest` may be empty.
+pub(crate) fn split_index(s: &str) -> Option<(u64, &str)> {
+    let (idx, rest) = s.split_once('.')?;
+    let plain = !idx.is_empty() && idx.bytes().all(|b| b.is_ascii_digit()) && (idx == "0" || !idx.starts_with('0'));
+    if !plain {
+        return None;
+    }
+    Some((idx.parse().ok()?, rest))
+}
+
+/// Replaces the first matching prefix of `s` from `map` (`(from, to)` pairs); `None` when none
+/// matches or nothing follows the prefix.
+pub(crate) fn swap_prefix(s: &str, map: &[(&str, &str)]) -> Option<String> {
+    map.iter().find_map(|(from, to)| {
+        s.strip_prefix(from)
+            .filter(|rest| !rest.is_empty())
+            .map(|rest| format!("{to}{rest}"))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn split_index_accepts_plain_indices_only() {
+        assert_eq!(split_index("12.rest"), Some((12, "rest")));
+        assert_eq!(split_index("0."), Some((0, "")));
+        assert_eq!(split_index("01.rest"), None);
+        assert_eq!(split_index("-1.rest"), None);
+        assert_eq!(split_index("1"), None);
+        assert_eq!(split_index("99999999999999999999999.x"), None);
+    }
+
+    #[test]
+    fn swap_prefix_needs_a_remainder() {
+        let map = [("a.", "b.")];
+        assert_eq!(swap_prefix("a.x", &map).as_deref(), Some("b.x"));
+        assert_eq!(swap_prefix("a.", &map), None);
+        assert_eq!(swap_prefix("c.x", &map), None);
+    }
+}

@@ -1,0 +1,101 @@
+//! ggml's graph allocator.
+
+use std::ptr::NonNull;
+
+use ggml_sys as sys;
+
+use super::backend::BufferType;
+use super::error::{GgmlError, Result};
+use super::graph::Graph;
+use super::tensor::GTensor;
+
+/// A graph allocator (`ggml_gallocr`): measures a graph's compute buffer and allocates its
+/// intermediate tensors in one reused buffer of one buffer type.
+///
+/// Tensors it allocated forget their memory when it allocates another graph or is dropped.
+pub struct Gallocr {
+    ptr: NonNull<sys::ggml_gallocr>,
+    buft: BufferType,
+    allocated: Vec<GTensor>,
+}
+
+// SAFETY: used from one thread at a time through `&mut self`.
+unsafe impl Send for Gallocr {}
+
+impl std::fmt::Debug for Gallocr {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Gallocr({}, {} bytes)", self.buft.name(), self.buffer_size())
+    }
+}
+
+impl Drop for Gallocr {
+    fn drop(&mut self) {
+        self.forget_allocations();
+        // SAFETY: owned allocator freed once.
+        unsafe { sys::ggml_gallocr_free(self.ptr.as_ptr()) }
+    }
+}
+
+impl Gallocr {
+    /// An allocator for buffers of type `buft`.
+    pub fn new(buft: BufferType) -> Result<Gallocr> {
+        // SAFETY: live buffer type.
+        let p = unsafe { sys::ggml_gallocr_new(buft.raw()) };
+        let ptr = NonNull::new(p).ok_or_else(|| GgmlError::AllocationFailed { what: "gallocr".into(), buffer_type: buft.name(), bytes: 0 })?;
+        Ok(Gallocr { ptr, buft, allocated: Vec::new() })
+    }
+
+    fn forget_allocations(&mut self) {
+        for t in self.allocated.drain(..) {
+            t.clear_allocation();
+        }
+    }
+
+    /// Measures `graph` and reserves a buffer large enough for it; returns the buffer size.
+    pub fn reserve(&mut self, graph: &Graph) -> Result<usize> {
+        self.forget_allocations();
+        // SAFETY: live allocator and graph.
+        let ok = unsafe { sys::ggml_gallocr_reserve(self.ptr.as_ptr(), graph.raw()) };
+        if !ok {
+            return Err(GgmlError::AllocationFailed { what: "compute buffer reservation".into(), buffer_type: self.buft.name(), bytes: self.measure(graph) });
+        }
+        Ok(self.buffer_size())
+    }
+
+    /// The compute buffer bytes `graph` needs, without allocating.
+    pub fn measure(&self, graph: &Graph) -> usize {
+        let mut size = 0usize;
+        // SAFETY: one buffer type, so one size; the node/leaf buffer ids may be null.
+        unsafe {
+            sys::ggml_gallocr_reserve_n_size(self.ptr.as_ptr(), graph.raw(), std::ptr::null(), std::ptr::null(), &mut size);
+        }
+        size
+    }
+
+    /// Allocates every tensor of `graph` that has no memory yet.
+    pub fn alloc_graph(&mut self, graph: &Graph) -> Result<()> {
+        self.forget_allocations();
+        let pending = graph.unallocated_tensors();
+        // SAFETY: live allocator and graph; returns false on failure.
+        let ok = unsafe { sys::ggml_gallocr_alloc_graph(self.ptr.as_ptr(), graph.raw()) };
+        if !ok {
+            for t in &pending {
+                t.clear_allocation();
+            }
+            return Err(GgmlError::AllocationFailed { what: "compute graph".into(), buffer_type: self.buft.name(), bytes: self.measure(graph) });
+        }
+        self.allocated = pending;
+        Ok(())
+    }
+
+    /// Current size of the allocator's buffer.
+    pub fn buffer_size(&self) -> usize {
+        // SAFETY: live allocator; buffer 0 exists.
+        unsafe { sys::ggml_gallocr_get_buffer_size(self.ptr.as_ptr(), 0) }
+    }
+
+    /// The buffer type it allocates from.
+    pub fn buffer_type(&self) -> BufferType {
+        self.buft
+    }
+}

@@ -1,0 +1,550 @@
+//! Backends, devices, buffer types and buffers.
+
+use std::ffi::{CStr, CString};
+use std::ptr::NonNull;
+use std::sync::Mutex;
+
+use ggml_sys as sys;
+
+use super::context::Context;
+use super::error::{status_name, GgmlError, Result};
+use super::graph::Graph;
+use super::tensor::GTensor;
+
+fn cstr(p: *const std::os::raw::c_char) -> String {
+    if p.is_null() {
+        return String::new();
+    }
+    // SAFETY: ggml returns NUL-terminated strings that outlive the call.
+    unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
+}
+
+/// The kind of a device, as ggml reports it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DeviceKind {
+    /// Host CPU.
+    Cpu,
+    /// Discrete GPU.
+    Gpu,
+    /// Integrated GPU sharing host memory.
+    IntegratedGpu,
+    /// An accelerator used alongside the CPU (BLAS and the like).
+    Accelerator,
+    /// Anything else.
+    Other,
+}
+
+/// Free and total memory of a device in bytes, as its backend reports them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeviceMemory {
+    /// Free bytes.
+    pub free: u64,
+    /// Total bytes.
+    pub total: u64,
+}
+
+/// A ggml backend device (from ggml's registry). Devices are static for the process.
+#[derive(Clone, Copy)]
+pub struct Device {
+    ptr: NonNull<sys::ggml_backend_device>,
+}
+
+// SAFETY: device handles are process-global and immutable.
+unsafe impl Send for Device {}
+// SAFETY: see above.
+unsafe impl Sync for Device {}
+
+impl std::fmt::Debug for Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Device({}, {:?})", self.name(), self.kind())
+    }
+}
+
+impl PartialEq for Device {
+    fn eq(&self, other: &Self) -> bool {
+        self.ptr == other.ptr
+    }
+}
+impl Eq for Device {}
+
+impl Device {
+    /// All devices ggml knows, in registry order.
+    pub fn all() -> Vec<Device> {
+        // SAFETY: registry queries.
+        let n = unsafe { sys::ggml_backend_dev_count() };
+        (0..n)
+            .filter_map(|i| NonNull::new(unsafe { sys::ggml_backend_dev_get(i) }))
+            .map(|ptr| Device { ptr })
+            .collect()
+    }
+
+    /// A device by name (case-insensitive, e.g. `CPU`, `CUDA0`).
+    pub fn by_name(name: &str) -> Result<Device> {
+        Self::all()
+            .into_iter()
+            .find(|d| d.name().eq_ignore_ascii_case(name))
+            .ok_or_else(|| GgmlError::NoSuchBackend(name.to_string()))
+    }
+
+    /// The CPU device.
+    pub fn cpu() -> Result<Device> {
+        // SAFETY: registry query.
+        let p = unsafe { sys::ggml_backend_dev_by_type(sys::GGML_BACKEND_DEVICE_TYPE_CPU) };
+        NonNull::new(p).map(|ptr| Device { ptr }).ok_or_else(|| GgmlError::NoSuchBackend("CPU".into()))
+    }
+
+    pub(crate) fn raw(&self) -> sys::ggml_backend_dev_t {
+        self.ptr.as_ptr()
+    }
+
+    /// The device name (`CPU`, `CUDA0`, ...).
+    pub fn name(&self) -> String {
+        // SAFETY: live device.
+        cstr(unsafe { sys::ggml_backend_dev_name(self.raw()) })
+    }
+
+    /// A human description (the CPU model, the GPU name).
+    pub fn description(&self) -> String {
+        // SAFETY: live device.
+        cstr(unsafe { sys::ggml_backend_dev_description(self.raw()) })
+    }
+
+    /// The device kind.
+    pub fn kind(&self) -> DeviceKind {
+        // SAFETY: live device.
+        match unsafe { sys::ggml_backend_dev_type(self.raw()) } {
+            sys::GGML_BACKEND_DEVICE_TYPE_CPU => DeviceKind::Cpu,
+            sys::GGML_BACKEND_DEVICE_TYPE_GPU => DeviceKind::Gpu,
+            sys::GGML_BACKEND_DEVICE_TYPE_IGPU => DeviceKind::IntegratedGpu,
+            sys::GGML_BACKEND_DEVICE_TYPE_ACCEL => DeviceKind::Accelerator,
+            _ => DeviceKind::Other,
+        }
+    }
+
+    /// Free and total memory as reported now.
+    pub fn memory(&self) -> DeviceMemory {
+        let (mut free, mut total) = (0usize, 0usize);
+        // SAFETY: live device, valid out pointers.
+        unsafe { sys::ggml_backend_dev_memory(self.raw(), &mut free, &mut total) };
+        DeviceMemory { free: free as u64, total: total as u64 }
+    }
+
+    /// The device's default buffer type.
+    pub fn buffer_type(&self) -> Result<BufferType> {
+        // SAFETY: live device.
+        BufferType::from_raw(unsafe { sys::ggml_backend_dev_buffer_type(self.raw()) })
+    }
+
+    /// A pinned host buffer type for fast uploads to this device, if it has one.
+    pub fn host_buffer_type(&self) -> Option<BufferType> {
+        // SAFETY: live device.
+        BufferType::from_raw(unsafe { sys::ggml_backend_dev_host_buffer_type(self.raw()) }).ok()
+    }
+
+    /// Starts a backend on this device.
+    pub fn init_backend(&self) -> Result<Backend> {
+        // SAFETY: live device; NULL params.
+        let p = unsafe { sys::ggml_backend_dev_init(self.raw(), std::ptr::null()) };
+        Backend::from_raw(p, &self.name())
+    }
+}
+
+/// A buffer type: how and where a backend allocates memory. Buffer types are static.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct BufferType {
+    ptr: NonNull<sys::ggml_backend_buffer_type>,
+}
+
+// SAFETY: buffer types are process-global and immutable.
+unsafe impl Send for BufferType {}
+// SAFETY: see above.
+unsafe impl Sync for BufferType {}
+
+impl std::fmt::Debug for BufferType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "BufferType({})", self.name())
+    }
+}
+
+impl BufferType {
+    pub(crate) fn from_raw(p: sys::ggml_backend_buffer_type_t) -> Result<BufferType> {
+        NonNull::new(p).map(|ptr| BufferType { ptr }).ok_or_else(|| GgmlError::NoSuchBackend("buffer type".into()))
+    }
+
+    pub(crate) fn raw(&self) -> sys::ggml_backend_buffer_type_t {
+        self.ptr.as_ptr()
+    }
+
+    /// The CPU (host) buffer type.
+    pub fn cpu() -> BufferType {
+        // SAFETY: static buffer type.
+        BufferType::from_raw(unsafe { sys::ggml_backend_cpu_buffer_type() }).expect("CPU buffer type")
+    }
+
+    /// The buffer type's name.
+    pub fn name(&self) -> String {
+        // SAFETY: live buffer type.
+        cstr(unsafe { sys::ggml_backend_buft_name(self.raw()) })
+    }
+
+    /// Alignment of allocations.
+    pub fn alignment(&self) -> usize {
+        // SAFETY: live buffer type.
+        unsafe { sys::ggml_backend_buft_get_alignment(self.raw()) }
+    }
+
+    /// Largest single allocation.
+    pub fn max_size(&self) -> usize {
+        // SAFETY: live buffer type.
+        unsafe { sys::ggml_backend_buft_get_max_size(self.raw()) }
+    }
+
+    /// Whether its memory is host memory.
+    pub fn is_host(&self) -> bool {
+        // SAFETY: live buffer type.
+        unsafe { sys::ggml_backend_buft_is_host(self.raw()) }
+    }
+
+    /// Bytes a tensor takes in a buffer of this type (may exceed `nbytes` for padding).
+    pub fn alloc_size(&self, t: &GTensor) -> usize {
+        // SAFETY: live buffer type and descriptor.
+        unsafe { sys::ggml_backend_buft_get_alloc_size(self.raw(), t.raw()) }
+    }
+
+    /// The device this buffer type allocates on, if any.
+    pub fn device(&self) -> Option<Device> {
+        // SAFETY: live buffer type.
+        NonNull::new(unsafe { sys::ggml_backend_buft_get_device(self.raw()) }).map(|ptr| Device { ptr })
+    }
+
+    /// Allocates a buffer of `size` bytes.
+    pub fn alloc(&self, size: usize) -> Result<Buffer> {
+        // SAFETY: live buffer type; NULL on failure.
+        let p = unsafe { sys::ggml_backend_buft_alloc_buffer(self.raw(), size) };
+        NonNull::new(p)
+            .map(|ptr| Buffer { ptr, placed: Mutex::new(Vec::new()) })
+            .ok_or_else(|| GgmlError::AllocationFailed { what: "buffer".into(), buffer_type: self.name(), bytes: size })
+    }
+
+    /// Allocates one buffer holding every tensor of `ctx` that has no data yet.
+    pub fn alloc_context_tensors(&self, ctx: &Context) -> Result<Buffer> {
+        let _g = ctx.lock();
+        let mut pending = Vec::new();
+        // SAFETY: iterating a live context's tensors under its lock.
+        unsafe {
+            let mut p = sys::ggml_get_first_tensor(ctx.raw());
+            while !p.is_null() {
+                if (*p).data.is_null() {
+                    pending.push(p);
+                }
+                p = sys::ggml_get_next_tensor(ctx.raw(), p);
+            }
+        }
+        drop(_g);
+        let total: usize = pending.iter().map(|&p| unsafe { sys::ggml_backend_buft_get_alloc_size(self.raw(), p) }).sum();
+        // SAFETY: live context and buffer type; NULL on failure (or when nothing to allocate).
+        let p = unsafe { sys::ggml_backend_alloc_ctx_tensors_from_buft(ctx.raw(), self.raw()) };
+        let ptr = NonNull::new(p).ok_or_else(|| GgmlError::AllocationFailed {
+            what: "context tensors".into(),
+            buffer_type: self.name(),
+            bytes: total,
+        })?;
+        let placed = pending.into_iter().map(|p| GTensor::from_raw(ctx.clone(), p)).collect();
+        Ok(Buffer { ptr, placed: Mutex::new(placed) })
+    }
+}
+
+/// How a buffer is used (a hint some backends act on).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BufferUsage {
+    /// Any use.
+    Any,
+    /// Model weights.
+    Weights,
+    /// Compute scratch.
+    Compute,
+}
+
+/// A backend buffer (device or host memory). Freed on drop; tensors placed in it through
+/// this type forget their memory at that point.
+pub struct Buffer {
+    ptr: NonNull<sys::ggml_backend_buffer>,
+    placed: Mutex<Vec<GTensor>>,
+}
+
+// SAFETY: ggml buffers may be used from any thread; `placed` is behind a mutex.
+unsafe impl Send for Buffer {}
+// SAFETY: see above.
+unsafe impl Sync for Buffer {}
+
+impl std::fmt::Debug for Buffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Buffer({}, {} bytes)", self.name(), self.size())
+    }
+}
+
+impl Drop for Buffer {
+    fn drop(&mut self) {
+        for t in self.placed.get_mut().unwrap_or_else(|e| e.into_inner()).drain(..) {
+            if t.buffer_raw() == self.ptr.as_ptr() {
+                t.clear_allocation();
+            }
+        }
+        // SAFETY: owned buffer freed once.
+        unsafe { sys::ggml_backend_buffer_free(self.ptr.as_ptr()) }
+    }
+}
+
+impl Buffer {
+    pub(crate) fn raw(&self) -> sys::ggml_backend_buffer_t {
+        self.ptr.as_ptr()
+    }
+
+    /// Wraps host memory owned elsewhere as a CPU buffer. The caller keeps the memory alive
+    /// and unchanged in place for the buffer's lifetime (used for memory maps).
+    ///
+    /// # Safety
+    /// `ptr..ptr+size` must stay valid (and not be moved) until the buffer is dropped.
+    pub unsafe fn from_host_ptr(ptr: *mut u8, size: usize) -> Result<Buffer> {
+        let p = sys::ggml_backend_cpu_buffer_from_ptr(ptr.cast(), size);
+        NonNull::new(p)
+            .map(|ptr| Buffer { ptr, placed: Mutex::new(Vec::new()) })
+            .ok_or_else(|| GgmlError::AllocationFailed { what: "host pointer buffer".into(), buffer_type: "CPU".into(), bytes: size })
+    }
+
+    /// Size in bytes.
+    pub fn size(&self) -> usize {
+        // SAFETY: live buffer.
+        unsafe { sys::ggml_backend_buffer_get_size(self.raw()) }
+    }
+
+    /// The buffer's name.
+    pub fn name(&self) -> String {
+        // SAFETY: live buffer.
+        cstr(unsafe { sys::ggml_backend_buffer_name(self.raw()) })
+    }
+
+    /// Whether the memory is host memory.
+    pub fn is_host(&self) -> bool {
+        // SAFETY: live buffer.
+        unsafe { sys::ggml_backend_buffer_is_host(self.raw()) }
+    }
+
+    /// The buffer's type.
+    pub fn buffer_type(&self) -> Result<BufferType> {
+        // SAFETY: live buffer.
+        BufferType::from_raw(unsafe { sys::ggml_backend_buffer_get_type(self.raw()) })
+    }
+
+    /// Fills the whole buffer with `value`.
+    pub fn clear(&self, value: u8) {
+        // SAFETY: live buffer.
+        unsafe { sys::ggml_backend_buffer_clear(self.raw(), value) }
+    }
+
+    /// Sets the usage hint.
+    pub fn set_usage(&self, usage: BufferUsage) {
+        let u = match usage {
+            BufferUsage::Any => sys::GGML_BACKEND_BUFFER_USAGE_ANY,
+            BufferUsage::Weights => sys::GGML_BACKEND_BUFFER_USAGE_WEIGHTS,
+            BufferUsage::Compute => sys::GGML_BACKEND_BUFFER_USAGE_COMPUTE,
+        };
+        // SAFETY: live buffer.
+        unsafe { sys::ggml_backend_buffer_set_usage(self.raw(), u) }
+    }
+
+    /// Bytes `t` takes in this buffer.
+    pub fn alloc_size(&self, t: &GTensor) -> usize {
+        // SAFETY: live buffer and descriptor.
+        unsafe { sys::ggml_backend_buffer_get_alloc_size(self.raw(), t.raw()) }
+    }
+
+    /// Alignment of tensor placements.
+    pub fn alignment(&self) -> usize {
+        // SAFETY: live buffer.
+        unsafe { sys::ggml_backend_buffer_get_alignment(self.raw()) }
+    }
+
+    /// Places `t` (which must have no memory yet and not be a view) at byte `offset` of this
+    /// buffer. `offset` must be aligned and the tensor must fit.
+    pub fn place(&self, t: &GTensor, offset: usize) -> Result<()> {
+        if t.is_allocated() {
+            return Err(GgmlError::Mismatch(format!("tensor '{}' already has memory", t.name())));
+        }
+        if t.view_src().is_some() {
+            return Err(GgmlError::Mismatch(format!("tensor '{}' is a view", t.name())));
+        }
+        let align = self.alignment().max(1);
+        let need = self.alloc_size(t);
+        if offset % align != 0 || offset.checked_add(need).is_none_or(|e| e > self.size()) {
+            return Err(GgmlError::AllocationFailed {
+                what: format!("placing '{}' at offset {offset} (align {align})", t.name()),
+                buffer_type: self.name(),
+                bytes: need,
+            });
+        }
+        let _g = t.context().lock();
+        // SAFETY: checked above; base + offset lies inside the buffer.
+        let status = unsafe {
+            let base = sys::ggml_backend_buffer_get_base(self.raw()) as *mut u8;
+            sys::ggml_backend_tensor_alloc(self.raw(), t.raw(), base.add(offset).cast())
+        };
+        if status != sys::GGML_STATUS_SUCCESS {
+            return Err(GgmlError::AllocationFailed { what: format!("placing '{}': {}", t.name(), status_name(status)), buffer_type: self.name(), bytes: need });
+        }
+        drop(_g);
+        self.placed.lock().unwrap_or_else(|e| e.into_inner()).push(t.clone());
+        Ok(())
+    }
+
+    /// Tensors placed in this buffer through [`Buffer::place`] or
+    /// [`BufferType::alloc_context_tensors`].
+    pub fn placed_tensors(&self) -> Vec<GTensor> {
+        self.placed.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+}
+
+/// A compute backend (CPU, CUDA, RPC, ...). Freed on drop.
+pub struct Backend {
+    ptr: NonNull<sys::ggml_backend>,
+    name: String,
+}
+
+// SAFETY: a backend is used by one thread at a time (`&mut` or external locking for compute).
+unsafe impl Send for Backend {}
+// SAFETY: shared access only queries immutable properties or performs synchronized copies.
+unsafe impl Sync for Backend {}
+
+impl std::fmt::Debug for Backend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Backend({})", self.name)
+    }
+}
+
+impl Drop for Backend {
+    fn drop(&mut self) {
+        // SAFETY: owned backend freed once.
+        unsafe { sys::ggml_backend_free(self.ptr.as_ptr()) }
+    }
+}
+
+impl Backend {
+    fn from_raw(p: sys::ggml_backend_t, what: &str) -> Result<Backend> {
+        let ptr = NonNull::new(p).ok_or_else(|| GgmlError::BackendInit(what.to_string()))?;
+        // SAFETY: live backend.
+        let name = cstr(unsafe { sys::ggml_backend_name(ptr.as_ptr()) });
+        Ok(Backend { ptr, name })
+    }
+
+    pub(crate) fn raw(&self) -> sys::ggml_backend_t {
+        self.ptr.as_ptr()
+    }
+
+    /// The CPU backend with `threads` worker threads.
+    pub fn cpu(threads: usize) -> Result<Backend> {
+        // SAFETY: NULL on failure.
+        let b = Self::from_raw(unsafe { sys::ggml_backend_cpu_init() }, "CPU")?;
+        // SAFETY: b is a CPU backend.
+        unsafe { sys::ggml_backend_cpu_set_n_threads(b.raw(), threads.max(1) as i32) };
+        Ok(b)
+    }
+
+    /// A backend by device name (`CPU`, `CUDA0`, ...).
+    pub fn by_name(name: &str) -> Result<Backend> {
+        let c = CString::new(name).map_err(|_| GgmlError::NoSuchBackend(name.into()))?;
+        // SAFETY: NUL-terminated name; NULL on failure.
+        let p = unsafe { sys::ggml_backend_init_by_name(c.as_ptr(), std::ptr::null()) };
+        if p.is_null() {
+            return Err(GgmlError::NoSuchBackend(name.into()));
+        }
+        Self::from_raw(p, name)
+    }
+
+    /// The backend's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Whether this is the CPU backend.
+    pub fn is_cpu(&self) -> bool {
+        self.device().is_some_and(|d| d.kind() == DeviceKind::Cpu)
+    }
+
+    /// Sets the CPU thread count (no effect on other backends).
+    pub fn set_threads(&self, threads: usize) {
+        if self.is_cpu() {
+            // SAFETY: CPU backend.
+            unsafe { sys::ggml_backend_cpu_set_n_threads(self.raw(), threads.max(1) as i32) };
+        }
+    }
+
+    /// The backend's device.
+    pub fn device(&self) -> Option<Device> {
+        // SAFETY: live backend.
+        NonNull::new(unsafe { sys::ggml_backend_get_device(self.raw()) }).map(|ptr| Device { ptr })
+    }
+
+    /// The default buffer type.
+    pub fn buffer_type(&self) -> BufferType {
+        // SAFETY: live backend.
+        BufferType::from_raw(unsafe { sys::ggml_backend_get_default_buffer_type(self.raw()) }).expect("backend has a buffer type")
+    }
+
+    /// Whether the backend can compute `t`'s op.
+    pub fn supports_op(&self, t: &GTensor) -> bool {
+        // SAFETY: live backend and descriptor.
+        unsafe { sys::ggml_backend_supports_op(self.raw(), t.raw()) }
+    }
+
+    /// Whether the backend can use buffers of type `buft`.
+    pub fn supports_buffer_type(&self, buft: BufferType) -> bool {
+        // SAFETY: live backend and buffer type.
+        unsafe { sys::ggml_backend_supports_buft(self.raw(), buft.raw()) }
+    }
+
+    /// Computes a graph whose tensors all have memory.
+    pub fn compute(&self, graph: &Graph) -> Result<()> {
+        for t in graph.nodes() {
+            if !t.is_allocated() {
+                return Err(GgmlError::NotAllocated { name: t.name() });
+            }
+            for s in t.srcs() {
+                if !s.is_allocated() {
+                    return Err(GgmlError::NotAllocated { name: s.name() });
+                }
+            }
+        }
+        // SAFETY: every node and source has memory.
+        let status = unsafe { sys::ggml_backend_graph_compute(self.raw(), graph.raw()) };
+        if status != sys::GGML_STATUS_SUCCESS {
+            return Err(GgmlError::ComputeFailed { backend: self.name.clone(), status: status_name(status) });
+        }
+        Ok(())
+    }
+
+    /// Waits for queued work.
+    pub fn synchronize(&self) {
+        // SAFETY: live backend.
+        unsafe { sys::ggml_backend_synchronize(self.raw()) }
+    }
+
+    /// Copies `src`'s data into `dst` (same shape and type, any backends).
+    pub fn copy_tensor(src: &GTensor, dst: &GTensor) -> Result<()> {
+        if !src.is_allocated() {
+            return Err(GgmlError::NotAllocated { name: src.name() });
+        }
+        if !dst.is_allocated() {
+            return Err(GgmlError::NotAllocated { name: dst.name() });
+        }
+        if src.nbytes() != dst.nbytes() || src.dtype() != dst.dtype() || src.ne() != dst.ne() {
+            return Err(GgmlError::Mismatch(format!("copy {:?} into {:?}", src, dst)));
+        }
+        if !src.has_buffer() || !dst.has_buffer() {
+            let bytes = src.read_bytes()?;
+            return dst.write_bytes(0, &bytes);
+        }
+        // SAFETY: both allocated in live buffers, same layout.
+        unsafe { sys::ggml_backend_tensor_copy(src.raw(), dst.raw()) };
+        Ok(())
+    }
+}

@@ -1,0 +1,237 @@
+//! ggml contexts: RAII arenas that hold tensor descriptors (and, when allocating, data).
+
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
+
+use ggml_sys as sys;
+
+use super::error::{GgmlError, Result};
+use super::tensor::GTensor;
+use crate::dtype::DType;
+
+static NEXT_SERIAL: AtomicU64 = AtomicU64::new(1);
+
+pub(crate) struct ContextInner {
+    pub(crate) ptr: NonNull<sys::ggml_context>,
+    pub(crate) serial: u64,
+    pub(crate) no_alloc: bool,
+    base: usize,
+    size: usize,
+    pub(crate) lock: Mutex<()>,
+}
+
+// SAFETY: a ggml context is plain memory; every mutation (new tensors, names, flags,
+// allocation fields) goes through `lock`, so sharing between threads is sound.
+unsafe impl Send for ContextInner {}
+// SAFETY: see above.
+unsafe impl Sync for ContextInner {}
+
+impl Drop for ContextInner {
+    fn drop(&mut self) {
+        registry_remove(self.serial);
+        // SAFETY: the context was created by ggml_init and is freed once.
+        unsafe { sys::ggml_free(self.ptr.as_ptr()) }
+    }
+}
+
+/// A ggml context. Cloning is cheap and shares the same context; the context is freed when
+/// the last clone and the last [`GTensor`] of it are dropped.
+#[derive(Clone)]
+pub struct Context {
+    pub(crate) inner: Arc<ContextInner>,
+}
+
+impl std::fmt::Debug for Context {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Context")
+            .field("serial", &self.inner.serial)
+            .field("no_alloc", &self.inner.no_alloc)
+            .field("mem_size", &self.inner.size)
+            .finish()
+    }
+}
+
+impl Context {
+    /// A context that holds only tensor descriptors (data lives in backend buffers), with
+    /// room for `max_tensors` tensors and `max_graphs` graphs of `graph_size` nodes.
+    pub fn new_descriptors(max_tensors: usize, graph_size: usize, max_graphs: usize) -> Result<Self> {
+        // SAFETY: pure size queries.
+        let per_tensor = unsafe { sys::ggml_tensor_overhead() };
+        let per_graph = unsafe { sys::ggml_graph_overhead_custom(graph_size.max(1), false) };
+        let size = per_tensor
+            .checked_mul(max_tensors)
+            .and_then(|t| per_graph.checked_mul(max_graphs).and_then(|g| t.checked_add(g)))
+            .ok_or_else(|| GgmlError::ContextFull {
+                what: "context size".into(),
+                needed: usize::MAX,
+                available: 0,
+            })?;
+        Self::with_size(size + 1024, true)
+    }
+
+    /// A context of `mem_size` bytes. With `no_alloc` false, tensors created in it get their
+    /// data inside the context memory (host memory usable by the CPU backend).
+    pub fn with_size(mem_size: usize, no_alloc: bool) -> Result<Self> {
+        let params = sys::ggml_init_params {
+            mem_size,
+            mem_buffer: std::ptr::null_mut(),
+            no_alloc,
+        };
+        // SAFETY: ggml_init allocates its own buffer; it returns NULL on failure.
+        let ptr = unsafe { sys::ggml_init(params) };
+        let ptr = NonNull::new(ptr).ok_or_else(|| GgmlError::ContextFull {
+            what: "ggml_init".into(),
+            needed: mem_size,
+            available: 0,
+        })?;
+        // SAFETY: ptr is a live context.
+        let base = unsafe { sys::ggml_get_mem_buffer(ptr.as_ptr()) } as usize;
+        let inner = Arc::new(ContextInner {
+            ptr,
+            serial: NEXT_SERIAL.fetch_add(1, Ordering::Relaxed),
+            no_alloc,
+            base,
+            size: mem_size,
+            lock: Mutex::new(()),
+        });
+        registry_add(&inner);
+        Ok(Context { inner })
+    }
+
+    /// Whether tensors of this context get no data in the context itself.
+    pub fn is_no_alloc(&self) -> bool {
+        self.inner.no_alloc
+    }
+
+    /// Bytes of context memory still free.
+    pub fn free_bytes(&self) -> usize {
+        let _g = self.lock();
+        // SAFETY: live context.
+        let used = unsafe { sys::ggml_used_mem(self.inner.ptr.as_ptr()) };
+        self.inner.size.saturating_sub(used)
+    }
+
+    /// Total bytes of context memory.
+    pub fn mem_size(&self) -> usize {
+        self.inner.size
+    }
+
+    /// A unique serial number of this context (for ids and fingerprints).
+    pub fn serial(&self) -> u64 {
+        self.inner.serial
+    }
+
+    pub(crate) fn raw(&self) -> *mut sys::ggml_context {
+        self.inner.ptr.as_ptr()
+    }
+
+    pub(crate) fn lock(&self) -> MutexGuard<'_, ()> {
+        self.inner.lock.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Checks that the context has room for `tensors` more descriptors and `data` bytes.
+    pub(crate) fn ensure_room(&self, what: &str, tensors: usize, data: usize) -> Result<()> {
+        // SAFETY: pure size query / live context.
+        let per_tensor = unsafe { sys::ggml_tensor_overhead() };
+        let used = unsafe { sys::ggml_used_mem(self.raw()) };
+        let data = if self.inner.no_alloc { 0 } else { data + 64 * tensors };
+        let needed = per_tensor.saturating_mul(tensors).saturating_add(data);
+        let available = self.inner.size.saturating_sub(used);
+        if needed > available {
+            return Err(GgmlError::ContextFull { what: what.to_string(), needed, available });
+        }
+        Ok(())
+    }
+
+    /// A new tensor of `dtype` with ggml dimensions `ne` (innermost first, 1 to 4 dims).
+    pub fn new_tensor(&self, dtype: DType, ne: &[usize]) -> Result<GTensor> {
+        if ne.is_empty() || ne.len() > super::MAX_DIMS {
+            return Err(GgmlError::InvalidOperands {
+                op: "new_tensor",
+                detail: format!("{} dimensions (1 to 4 allowed)", ne.len()),
+            });
+        }
+        if ne[0] % dtype.block_size() != 0 {
+            return Err(GgmlError::InvalidOperands {
+                op: "new_tensor",
+                detail: format!("row of {} elements is not whole {} blocks", ne[0], dtype),
+            });
+        }
+        let mut bytes = dtype.row_size(ne[0]).unwrap_or(usize::MAX);
+        for &d in &ne[1..] {
+            bytes = bytes.checked_mul(d).unwrap_or(usize::MAX);
+        }
+        if bytes == usize::MAX || ne.iter().any(|&d| d > i64::MAX as usize) {
+            return Err(GgmlError::InvalidOperands {
+                op: "new_tensor",
+                detail: format!("shape {ne:?} overflows"),
+            });
+        }
+        let _g = self.lock();
+        self.ensure_room("new_tensor", 1, bytes)?;
+        let ne64: Vec<i64> = ne.iter().map(|&d| d as i64).collect();
+        // SAFETY: room checked; dims valid.
+        let t = unsafe {
+            sys::ggml_new_tensor(self.raw(), dtype.to_ggml(), ne.len() as i32, ne64.as_ptr())
+        };
+        Ok(GTensor::from_raw(self.clone(), t))
+    }
+
+    /// A new f32 tensor with the given data (an allocating context is required), ggml
+    /// dimensions `ne`.
+    pub fn new_f32_with_data(&self, ne: &[usize], data: &[f32]) -> Result<GTensor> {
+        if self.inner.no_alloc {
+            return Err(GgmlError::Mismatch(
+                "new_f32_with_data needs an allocating context".into(),
+            ));
+        }
+        let t = self.new_tensor(DType::F32, ne)?;
+        t.write_f32(data)?;
+        Ok(t)
+    }
+
+    /// Resolves a raw tensor pointer that belongs to some live context.
+    pub(crate) fn resolve(ptr: *mut sys::ggml_tensor) -> Option<GTensor> {
+        let addr = ptr as usize;
+        let ctx = registry_find(addr)?;
+        Some(GTensor::from_raw(ctx, ptr))
+    }
+}
+
+// ---- registry of live contexts, to map a raw source pointer back to its context ----
+
+struct Entry {
+    serial: u64,
+    base: usize,
+    size: usize,
+    ctx: Weak<ContextInner>,
+}
+
+fn registry() -> &'static Mutex<Vec<Entry>> {
+    static R: OnceLock<Mutex<Vec<Entry>>> = OnceLock::new();
+    R.get_or_init(|| Mutex::new(Vec::new()))
+}
+
+fn registry_add(inner: &Arc<ContextInner>) {
+    let mut r = registry().lock().unwrap_or_else(|e| e.into_inner());
+    r.push(Entry {
+        serial: inner.serial,
+        base: inner.base,
+        size: inner.size,
+        ctx: Arc::downgrade(inner),
+    });
+}
+
+fn registry_remove(serial: u64) {
+    let mut r = registry().lock().unwrap_or_else(|e| e.into_inner());
+    r.retain(|e| e.serial != serial);
+}
+
+fn registry_find(addr: usize) -> Option<Context> {
+    let r = registry().lock().unwrap_or_else(|e| e.into_inner());
+    r.iter()
+        .find(|e| addr >= e.base && addr < e.base + e.size)
+        .and_then(|e| e.ctx.upgrade())
+        .map(|inner| Context { inner })
+}

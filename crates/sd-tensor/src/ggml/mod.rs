@@ -1,0 +1,45 @@
+//! The safe ggml layer.
+//!
+//! Every raw ggml pointer lives behind one of these types:
+//! - [`Context`]: a ggml context (RAII, shared by cheap clones); its tensors are [`GTensor`]
+//!   handles that keep the context alive, and its operations check shapes before calling
+//!   ggml, so a bad graph is a [`GgmlError`] instead of a ggml abort.
+//! - [`Graph`]: a compute graph built in a context, with exact node/leaf accounting so that
+//!   it never overflows.
+//! - [`Backend`], [`Device`], [`BufferType`], [`Buffer`]: compute backends, the device list
+//!   with free/total memory, buffer types and RAII device buffers.
+//! - [`Gallocr`] and [`Scheduler`]: ggml's graph allocator and backend scheduler.
+//!
+//! Memory safety of tensor data: a tensor's `buffer`/`data` fields are reset to null when the
+//! [`Buffer`], [`Gallocr`] or [`Scheduler`] that allocated them lets go of the memory, so a
+//! later read is a [`GgmlError::NotAllocated`] instead of a dangling access.
+
+mod alloc;
+mod backend;
+mod context;
+mod error;
+mod graph;
+mod host_io;
+mod ops;
+mod sched;
+mod tensor;
+
+pub use alloc::Gallocr;
+pub use backend::{Backend, Buffer, BufferType, BufferUsage, Device, DeviceKind, DeviceMemory};
+pub use context::Context;
+pub use error::GgmlError;
+pub use graph::Graph;
+pub use ops::{Interpolation, Precision};
+pub use sched::Scheduler;
+pub use tensor::{GTensor, TensorId};
+
+/// Maximum number of dimensions of a ggml tensor.
+pub const MAX_DIMS: usize = ggml_sys::GGML_MAX_DIMS as usize;
+
+/// The ggml version string (for example `0.26.0`).
+pub fn version() -> String {
+    // SAFETY: returns a static NUL-terminated string.
+    unsafe { std::ffi::CStr::from_ptr(ggml_sys::ggml_version()) }
+        .to_string_lossy()
+        .into_owned()
+}

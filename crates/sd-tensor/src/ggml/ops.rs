@@ -1,0 +1,434 @@
+//! Graph operations on a [`Context`], each checked before ggml sees it.
+//!
+//! ggml asserts (aborts the process) on operands it cannot handle. Each method here checks
+//! the conditions ggml asserts on for that op and returns [`GgmlError::InvalidOperands`]
+//! instead. Dimensions are ggml's: `ne[0]` is the innermost (width, or features).
+
+use ggml_sys as sys;
+
+use super::context::Context;
+use super::error::{GgmlError, Result};
+use super::tensor::GTensor;
+use crate::dtype::DType;
+
+/// Interpolation mode of [`Context::interpolate`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Interpolation {
+    /// Nearest neighbour.
+    Nearest,
+    /// Bilinear, half-pixel centres (`align_corners = false`).
+    Bilinear,
+    /// Bilinear with `align_corners = true`.
+    BilinearAlignCorners,
+}
+
+/// Accumulation precision for matmul-like ops.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Precision {
+    /// The backend's default.
+    Default,
+    /// Force f32 accumulation.
+    F32,
+}
+
+fn bad(op: &'static str, detail: String) -> GgmlError {
+    GgmlError::InvalidOperands { op, detail }
+}
+
+fn can_repeat(b: &GTensor, a: &GTensor) -> bool {
+    let (an, bn) = (a.ne(), b.ne());
+    (0..4).all(|i| bn[i] != 0 && an[i] % bn[i] == 0)
+}
+
+fn same_shape(a: &GTensor, b: &GTensor) -> bool {
+    a.ne() == b.ne()
+}
+
+impl Context {
+    /// Runs `f` under the context lock after checking room for `tensors` descriptors.
+    fn op(&self, name: &'static str, tensors: usize, f: impl FnOnce(*mut sys::ggml_context) -> *mut sys::ggml_tensor) -> Result<GTensor> {
+        if !self.is_no_alloc() {
+            return Err(bad(name, "graph operations need a no_alloc context".into()));
+        }
+        let _g = self.lock();
+        self.ensure_room(name, tensors, 0)?;
+        let t = f(self.raw());
+        if t.is_null() {
+            return Err(bad(name, "ggml returned no tensor".into()));
+        }
+        Ok(GTensor::from_raw(self.clone(), t))
+    }
+
+    fn binary(&self, name: &'static str, a: &GTensor, b: &GTensor, f: unsafe extern "C" fn(*mut sys::ggml_context, *mut sys::ggml_tensor, *mut sys::ggml_tensor) -> *mut sys::ggml_tensor) -> Result<GTensor> {
+        if !can_repeat(b, a) {
+            return Err(bad(name, format!("{:?} does not broadcast to {:?}", b.ne(), a.ne())));
+        }
+        if a.dtype() != Some(DType::F32) && a.dtype() != Some(DType::F16) && a.dtype() != Some(DType::BF16) {
+            return Err(bad(name, format!("unsupported type {:?}", a.dtype())));
+        }
+        // SAFETY: operands checked; room checked in `op`.
+        self.op(name, 1, |c| unsafe { f(c, a.raw(), b.raw()) })
+    }
+
+    /// `a + b`, `b` broadcast to `a`'s shape.
+    pub fn add(&self, a: &GTensor, b: &GTensor) -> Result<GTensor> {
+        self.binary("add", a, b, sys::ggml_add)
+    }
+    /// `a - b`, `b` broadcast to `a`'s shape.
+    pub fn sub(&self, a: &GTensor, b: &GTensor) -> Result<GTensor> {
+        self.binary("sub", a, b, sys::ggml_sub)
+    }
+    /// `a * b` elementwise, `b` broadcast to `a`'s shape.
+    pub fn mul(&self, a: &GTensor, b: &GTensor) -> Result<GTensor> {
+        self.binary("mul", a, b, sys::ggml_mul)
+    }
+    /// `a / b` elementwise, `b` broadcast to `a`'s shape.
+    pub fn div(&self, a: &GTensor, b: &GTensor) -> Result<GTensor> {
+        self.binary("div", a, b, sys::ggml_div)
+    }
+
+    /// `a * s`.
+    pub fn scale(&self, a: &GTensor, s: f32) -> Result<GTensor> {
+        // SAFETY: any float tensor.
+        self.op("scale", 1, |c| unsafe { sys::ggml_scale(c, a.raw(), s) })
+    }
+
+    fn unary(&self, name: &'static str, a: &GTensor, f: unsafe extern "C" fn(*mut sys::ggml_context, *mut sys::ggml_tensor) -> *mut sys::ggml_tensor) -> Result<GTensor> {
+        if a.dtype().is_none_or(|d| !d.is_float() || d == DType::F64) {
+            return Err(bad(name, format!("unsupported type {:?}", a.dtype())));
+        }
+        // SAFETY: unary op on a float tensor.
+        self.op(name, 1, |c| unsafe { f(c, a.raw()) })
+    }
+
+    /// SiLU (`x * sigmoid(x)`).
+    pub fn silu(&self, a: &GTensor) -> Result<GTensor> {
+        self.unary("silu", a, sys::ggml_silu)
+    }
+    /// GELU (tanh approximation, as ggml computes it).
+    pub fn gelu(&self, a: &GTensor) -> Result<GTensor> {
+        self.unary("gelu", a, sys::ggml_gelu)
+    }
+    /// GELU with the exact erf formula.
+    pub fn gelu_erf(&self, a: &GTensor) -> Result<GTensor> {
+        self.unary("gelu_erf", a, sys::ggml_gelu_erf)
+    }
+    /// GELU with the quick sigmoid approximation (CLIP's `quick_gelu`).
+    pub fn gelu_quick(&self, a: &GTensor) -> Result<GTensor> {
+        self.unary("gelu_quick", a, sys::ggml_gelu_quick)
+    }
+    /// ReLU.
+    pub fn relu(&self, a: &GTensor) -> Result<GTensor> {
+        self.unary("relu", a, sys::ggml_relu)
+    }
+    /// tanh.
+    pub fn tanh(&self, a: &GTensor) -> Result<GTensor> {
+        self.unary("tanh", a, sys::ggml_tanh)
+    }
+    /// Sigmoid.
+    pub fn sigmoid(&self, a: &GTensor) -> Result<GTensor> {
+        self.unary("sigmoid", a, sys::ggml_sigmoid)
+    }
+    /// A contiguous copy.
+    pub fn cont(&self, a: &GTensor) -> Result<GTensor> {
+        // SAFETY: any tensor.
+        self.op("cont", 1, |c| unsafe { sys::ggml_cont(c, a.raw()) })
+    }
+
+    /// Leaky ReLU with slope `negative_slope` for negative inputs.
+    pub fn leaky_relu(&self, a: &GTensor, negative_slope: f32) -> Result<GTensor> {
+        // SAFETY: float tensor.
+        self.op("leaky_relu", 1, |c| unsafe { sys::ggml_leaky_relu(c, a.raw(), negative_slope, false) })
+    }
+
+    /// Matrix product: `a` is `[k, m, ...]`, `b` is `[k, n, ...]`, the result `[m, n, ...]`
+    /// (`b @ a^T` in row-major terms), with `a` broadcast over dims 2 and 3.
+    pub fn mul_mat(&self, a: &GTensor, b: &GTensor) -> Result<GTensor> {
+        let (an, bn) = (a.ne(), b.ne());
+        if an[0] != bn[0] || bn[2] % an[2].max(1) != 0 || bn[3] % an[3].max(1) != 0 || an[2] == 0 || an[3] == 0 {
+            return Err(bad("mul_mat", format!("cannot multiply {an:?} by {bn:?}")));
+        }
+        // SAFETY: ggml_is_transposed is a pure query.
+        if unsafe { sys::ggml_is_transposed(a.raw()) } {
+            return Err(bad("mul_mat", "the first operand is transposed; make it contiguous".into()));
+        }
+        // SAFETY: shapes checked.
+        self.op("mul_mat", 1, |c| unsafe { sys::ggml_mul_mat(c, a.raw(), b.raw()) })
+    }
+
+    /// Sets the accumulation precision of a matmul or attention result.
+    pub fn set_precision(&self, t: &GTensor, p: Precision) {
+        if p == Precision::F32 && (t.op_code() == sys::GGML_OP_MUL_MAT) {
+            let _g = self.lock();
+            // SAFETY: t is a MUL_MAT result.
+            unsafe { sys::ggml_mul_mat_set_prec(t.raw(), sys::GGML_PREC_F32) };
+        }
+    }
+
+    /// Layer normalisation over `ne[0]` (no affine part).
+    pub fn norm(&self, a: &GTensor, eps: f32) -> Result<GTensor> {
+        // SAFETY: float tensor.
+        self.op("norm", 1, |c| unsafe { sys::ggml_norm(c, a.raw(), eps) })
+    }
+
+    /// RMS normalisation over `ne[0]`.
+    pub fn rms_norm(&self, a: &GTensor, eps: f32) -> Result<GTensor> {
+        // SAFETY: float tensor.
+        self.op("rms_norm", 1, |c| unsafe { sys::ggml_rms_norm(c, a.raw(), eps) })
+    }
+
+    /// Group normalisation of a `[W, H, C, N]` tensor over `groups` channel groups.
+    pub fn group_norm(&self, a: &GTensor, groups: usize, eps: f32) -> Result<GTensor> {
+        let ne = a.ne();
+        if groups == 0 || ne[2] % groups != 0 {
+            return Err(bad("group_norm", format!("{} channels do not split into {groups} groups", ne[2])));
+        }
+        // SAFETY: checked.
+        self.op("group_norm", 1, |c| unsafe { sys::ggml_group_norm(c, a.raw(), groups as i32, eps) })
+    }
+
+    /// Softmax over `ne[0]`.
+    pub fn soft_max(&self, a: &GTensor) -> Result<GTensor> {
+        // SAFETY: float tensor.
+        self.op("soft_max", 1, |c| unsafe { sys::ggml_soft_max(c, a.raw()) })
+    }
+
+    /// `softmax(a * scale + mask)` with an optional mask broadcast over heads.
+    pub fn soft_max_ext(&self, a: &GTensor, mask: Option<&GTensor>, scale: f32) -> Result<GTensor> {
+        if let Some(m) = mask {
+            let (an, mn) = (a.ne(), m.ne());
+            if mn[0] != an[0] || mn[1] < an[1] || an[2] % mn[2].max(1) != 0 || an[3] % mn[3].max(1) != 0 {
+                return Err(bad("soft_max_ext", format!("mask {mn:?} does not fit scores {an:?}")));
+            }
+        }
+        let m = mask.map_or(std::ptr::null_mut(), |m| m.raw());
+        // SAFETY: checked.
+        self.op("soft_max_ext", 1, |c| unsafe { sys::ggml_soft_max_ext(c, a.raw(), m, scale, 0.0) })
+    }
+
+    /// Fused attention. `q` is `[d, n_q, heads, batch]`, `k` `[d, n_kv, heads_kv, batch]`,
+    /// `v` `[d_v, n_kv, heads_kv, batch]`; the result is `[d_v, heads, n_q, batch]`.
+    pub fn flash_attn_ext(&self, q: &GTensor, k: &GTensor, v: &GTensor, mask: Option<&GTensor>, scale: f32) -> Result<GTensor> {
+        let (qn, kn, vn) = (q.ne(), k.ne(), v.ne());
+        if qn[0] != kn[0] || kn[1] != vn[1] || kn[2] != vn[2] || kn[2] == 0 || qn[2] % kn[2] != 0 || qn[3] != kn[3] {
+            return Err(bad("flash_attn_ext", format!("q {qn:?}, k {kn:?}, v {vn:?} do not fit")));
+        }
+        if let Some(m) = mask {
+            let mn = m.ne();
+            if mn[0] != kn[1] || mn[1] < qn[1] {
+                return Err(bad("flash_attn_ext", format!("mask {mn:?} does not fit q {qn:?} / k {kn:?}")));
+            }
+        }
+        let m = mask.map_or(std::ptr::null_mut(), |m| m.raw());
+        // SAFETY: checked.
+        self.op("flash_attn_ext", 1, |c| unsafe { sys::ggml_flash_attn_ext(c, q.raw(), k.raw(), v.raw(), m, scale, 0.0, 0.0) })
+    }
+
+    /// A reshaped view of a contiguous tensor with ggml dims `ne`.
+    pub fn reshape(&self, a: &GTensor, ne: &[usize]) -> Result<GTensor> {
+        let n: usize = ne.iter().product();
+        if ne.is_empty() || ne.len() > 4 || n != a.nelements() {
+            return Err(bad("reshape", format!("{:?} ({} elements) to {ne:?}", a.ne(), a.nelements())));
+        }
+        if !a.is_contiguous() {
+            return Err(bad("reshape", "source is not contiguous".into()));
+        }
+        let d = |i: usize| *ne.get(i).unwrap_or(&1) as i64;
+        // SAFETY: element count and contiguity checked.
+        self.op("reshape", 1, |c| unsafe {
+            match ne.len() {
+                1 => sys::ggml_reshape_1d(c, a.raw(), d(0)),
+                2 => sys::ggml_reshape_2d(c, a.raw(), d(0), d(1)),
+                3 => sys::ggml_reshape_3d(c, a.raw(), d(0), d(1), d(2)),
+                _ => sys::ggml_reshape_4d(c, a.raw(), d(0), d(1), d(2), d(3)),
+            }
+        })
+    }
+
+    /// A strided view of `a`: dims `ne`, byte strides `nb[1..]` (nb[0] is the element size),
+    /// starting `offset` bytes in.
+    pub fn view(&self, a: &GTensor, ne: [usize; 4], nb: [usize; 3], offset: usize) -> Result<GTensor> {
+        let dtype = a.dtype().ok_or_else(|| bad("view", "unknown type".into()))?;
+        let row = dtype.row_size(ne[0]).ok_or_else(|| bad("view", "partial block".into()))?;
+        // The last byte touched must be inside the source.
+        let mut end = offset.checked_add(row);
+        for (i, &stride) in nb.iter().enumerate() {
+            if ne[i + 1] > 0 {
+                end = end.and_then(|e| stride.checked_mul(ne[i + 1] - 1).and_then(|x| e.checked_add(x)));
+            }
+        }
+        if ne.contains(&0) || end.is_none_or(|e| e > a.nbytes()) {
+            return Err(bad("view", format!("view {ne:?} at {offset} exceeds {} bytes of {:?}", a.nbytes(), a.ne())));
+        }
+        // SAFETY: bounds checked.
+        self.op("view", 1, |c| unsafe {
+            sys::ggml_view_4d(c, a.raw(), ne[0] as i64, ne[1] as i64, ne[2] as i64, ne[3] as i64, nb[0], nb[1], nb[2], offset)
+        })
+    }
+
+    /// Permutes dims: source axis `i` becomes result axis `axes[i]`.
+    pub fn permute(&self, a: &GTensor, axes: [usize; 4]) -> Result<GTensor> {
+        let mut seen = [false; 4];
+        for &x in &axes {
+            if x >= 4 || seen[x] {
+                return Err(bad("permute", format!("{axes:?} is not a permutation")));
+            }
+            seen[x] = true;
+        }
+        // SAFETY: valid permutation.
+        self.op("permute", 1, |c| unsafe {
+            sys::ggml_permute(c, a.raw(), axes[0] as i32, axes[1] as i32, axes[2] as i32, axes[3] as i32)
+        })
+    }
+
+    /// Swaps dims 0 and 1 (a view).
+    pub fn transpose(&self, a: &GTensor) -> Result<GTensor> {
+        // SAFETY: any tensor.
+        self.op("transpose", 1, |c| unsafe { sys::ggml_transpose(c, a.raw()) })
+    }
+
+    /// Concatenates along `dim`.
+    pub fn concat(&self, a: &GTensor, b: &GTensor, dim: usize) -> Result<GTensor> {
+        let (an, bn) = (a.ne(), b.ne());
+        if dim >= 4 || (0..4).any(|i| i != dim && an[i] != bn[i]) || a.dtype() != b.dtype() {
+            return Err(bad("concat", format!("{an:?} and {bn:?} along {dim}")));
+        }
+        // SAFETY: checked.
+        self.op("concat", 1, |c| unsafe { sys::ggml_concat(c, a.raw(), b.raw(), dim as i32) })
+    }
+
+    /// Copies `a` into `b` (converting type); the result is a view of `b`.
+    pub fn cpy(&self, a: &GTensor, b: &GTensor) -> Result<GTensor> {
+        if a.nelements() != b.nelements() {
+            return Err(bad("cpy", format!("{:?} into {:?}", a.ne(), b.ne())));
+        }
+        // SAFETY: checked.
+        self.op("cpy", 1, |c| unsafe { sys::ggml_cpy(c, a.raw(), b.raw()) })
+    }
+
+    /// Converts to `dtype` (f32, f16, bf16).
+    pub fn cast(&self, a: &GTensor, dtype: DType) -> Result<GTensor> {
+        // SAFETY: ggml_cast creates a cpy to a new tensor.
+        self.op("cast", 2, |c| unsafe { sys::ggml_cast(c, a.raw(), dtype.to_ggml()) })
+    }
+
+    /// Repeats `a` to the shape of `b`.
+    pub fn repeat(&self, a: &GTensor, b: &GTensor) -> Result<GTensor> {
+        if !can_repeat(a, b) {
+            return Err(bad("repeat", format!("{:?} does not tile {:?}", a.ne(), b.ne())));
+        }
+        // SAFETY: checked.
+        self.op("repeat", 1, |c| unsafe { sys::ggml_repeat(c, a.raw(), b.raw()) })
+    }
+
+    /// Rows of `a` selected by the I32 indices `ids`.
+    pub fn get_rows(&self, a: &GTensor, ids: &GTensor) -> Result<GTensor> {
+        if ids.dtype() != Some(DType::I32) || ids.ne()[2] != a.ne()[2] && a.ne()[2] != 1 {
+            return Err(bad("get_rows", format!("ids {:?} {:?} for rows of {:?}", ids.dtype(), ids.ne(), a.ne())));
+        }
+        // SAFETY: checked.
+        self.op("get_rows", 1, |c| unsafe { sys::ggml_get_rows(c, a.raw(), ids.raw()) })
+    }
+
+    /// 2-D convolution of `input` `[W, H, C, N]` with `kernel` `[KW, KH, C, OC]`, computed as
+    /// im2col + matmul. `exact_f32` keeps the im2col in f32 (ggml's default is f16).
+    #[allow(clippy::too_many_arguments)]
+    pub fn conv_2d(&self, kernel: &GTensor, input: &GTensor, stride: (usize, usize), pad: (usize, usize), dilation: (usize, usize), exact_f32: bool) -> Result<GTensor> {
+        let (kn, xn) = (kernel.ne(), input.ne());
+        self.check_conv(kn, xn, stride, pad, dilation)?;
+        let im2col_type = if exact_f32 && kernel.dtype() == Some(DType::F32) { sys::GGML_TYPE_F32 } else { sys::GGML_TYPE_F16 };
+        let (s0, s1, p0, p1, d0, d1) = (stride.0 as i32, stride.1 as i32, pad.0 as i32, pad.1 as i32, dilation.0 as i32, dilation.1 as i32);
+        // SAFETY: shapes checked; im2col + mul_mat + reshapes + permute + cont = 8 tensors.
+        self.op("conv_2d", 8, |c| unsafe {
+            let im = sys::ggml_im2col(c, kernel.raw(), input.raw(), s0, s1, p0, p1, d0, d1, true, im2col_type);
+            // im: [IC*KH*KW, OW, OH, N]
+            let imn = (*im).ne;
+            let im2 = sys::ggml_reshape_2d(c, im, imn[0], imn[3] * imn[2] * imn[1]);
+            let k2 = sys::ggml_reshape_2d(c, kernel.raw(), kn[0] as i64 * kn[1] as i64 * kn[2] as i64, kn[3] as i64);
+            let r = sys::ggml_mul_mat(c, im2, k2); // [N*OH*OW, OC]
+            let r = sys::ggml_reshape_4d(c, r, imn[1], imn[2], imn[3], kn[3] as i64); // [OW, OH, N, OC]
+            let r = sys::ggml_permute(c, r, 0, 1, 3, 2); // [OW, OH, OC, N]
+            sys::ggml_cont(c, r)
+        })
+    }
+
+    /// 2-D convolution computed directly (no im2col buffer), f32 exact.
+    #[allow(clippy::too_many_arguments)]
+    pub fn conv_2d_direct(&self, kernel: &GTensor, input: &GTensor, stride: (usize, usize), pad: (usize, usize), dilation: (usize, usize)) -> Result<GTensor> {
+        self.check_conv(kernel.ne(), input.ne(), stride, pad, dilation)?;
+        // SAFETY: shapes checked.
+        self.op("conv_2d_direct", 1, |c| unsafe {
+            sys::ggml_conv_2d_direct(c, kernel.raw(), input.raw(), stride.0 as i32, stride.1 as i32, pad.0 as i32, pad.1 as i32, dilation.0 as i32, dilation.1 as i32)
+        })
+    }
+
+    fn check_conv(&self, kn: [usize; 4], xn: [usize; 4], stride: (usize, usize), pad: (usize, usize), dilation: (usize, usize)) -> Result<()> {
+        if kn[2] != xn[2] {
+            return Err(bad("conv_2d", format!("kernel {kn:?} expects {} channels, input {xn:?} has {}", kn[2], xn[2])));
+        }
+        if stride.0 == 0 || stride.1 == 0 || dilation.0 == 0 || dilation.1 == 0 {
+            return Err(bad("conv_2d", "zero stride or dilation".into()));
+        }
+        let ext_w = dilation.0 * (kn[0] - 1) + 1;
+        let ext_h = dilation.1 * (kn[1] - 1) + 1;
+        if xn[0] + 2 * pad.0 < ext_w || xn[1] + 2 * pad.1 < ext_h {
+            return Err(bad("conv_2d", format!("kernel {kn:?} larger than padded input {xn:?}")));
+        }
+        Ok(())
+    }
+
+    /// Resizes dims 0 and 1 to `w` x `h` (dims 2, 3 kept).
+    pub fn interpolate(&self, a: &GTensor, w: usize, h: usize, mode: Interpolation) -> Result<GTensor> {
+        if w == 0 || h == 0 {
+            return Err(bad("interpolate", "zero output size".into()));
+        }
+        let ne = a.ne();
+        let m = match mode {
+            Interpolation::Nearest => sys::GGML_SCALE_MODE_NEAREST,
+            Interpolation::Bilinear => sys::GGML_SCALE_MODE_BILINEAR,
+            Interpolation::BilinearAlignCorners => sys::GGML_SCALE_MODE_BILINEAR | sys::GGML_SCALE_FLAG_ALIGN_CORNERS,
+        };
+        // SAFETY: sizes positive.
+        self.op("interpolate", 1, |c| unsafe {
+            sys::ggml_interpolate(c, a.raw(), w as i64, h as i64, ne[2] as i64, ne[3] as i64, m)
+        })
+    }
+
+    /// Nearest-neighbour upscale of dims 0 and 1 by an integer factor.
+    pub fn upscale(&self, a: &GTensor, factor: usize) -> Result<GTensor> {
+        let ne = a.ne();
+        self.interpolate(a, ne[0] * factor, ne[1] * factor, Interpolation::Nearest)
+    }
+
+    /// Pads each dim at its end with zeros.
+    pub fn pad(&self, a: &GTensor, p: [usize; 4]) -> Result<GTensor> {
+        // SAFETY: non-negative pads.
+        self.op("pad", 1, |c| unsafe { sys::ggml_pad(c, a.raw(), p[0] as i32, p[1] as i32, p[2] as i32, p[3] as i32) })
+    }
+
+    /// Sinusoidal timestep embedding `[dim, N]` of timesteps `[N]`.
+    pub fn timestep_embedding(&self, t: &GTensor, dim: usize, max_period: i32) -> Result<GTensor> {
+        if t.dtype() != Some(DType::F32) || t.ne()[1] != 1 {
+            return Err(bad("timestep_embedding", format!("timesteps must be f32 [N], got {:?}", t.ne())));
+        }
+        // SAFETY: checked.
+        self.op("timestep_embedding", 1, |c| unsafe { sys::ggml_timestep_embedding(c, t.raw(), dim as i32, max_period) })
+    }
+
+    /// Mean over `ne[0]` (result `[1, ...]`).
+    pub fn mean(&self, a: &GTensor) -> Result<GTensor> {
+        // SAFETY: float tensor.
+        self.op("mean", 1, |c| unsafe { sys::ggml_mean(c, a.raw()) })
+    }
+
+    /// Sum of all elements (result `[1]`).
+    pub fn sum(&self, a: &GTensor) -> Result<GTensor> {
+        // SAFETY: float tensor.
+        self.op("sum", 1, |c| unsafe { sys::ggml_sum(c, a.raw()) })
+    }
+
+    /// `same_shape` helper exposed for model code assertions.
+    pub fn same_shape(a: &GTensor, b: &GTensor) -> bool {
+        same_shape(a, b)
+    }
+}

@@ -1,0 +1,309 @@
+//! ggml round trip: a graph with conv2d, group_norm, mul_mat, flash attention and upscale,
+//! computed on the CPU backend (through the graph allocator and through the scheduler) and
+//! compared with plain Rust computations.
+
+use sd_tensor::ggml::{Backend, BufferType, Context, Gallocr, Graph, Interpolation, Scheduler};
+use sd_tensor::DType;
+
+/// Deterministic pseudo-random values in [-1, 1).
+fn rnd(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    (0..n)
+        .map(|_| {
+            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect()
+}
+
+fn max_abs(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}
+
+/// x: [C, H, W], k: [OC, C, KH, KW] -> [OC, OH, OW]
+#[allow(clippy::too_many_arguments)]
+fn conv2d_ref(x: &[f32], c: usize, h: usize, w: usize, k: &[f32], oc: usize, kh: usize, kw: usize, stride: usize, pad: usize) -> (Vec<f32>, usize, usize) {
+    let oh = (h + 2 * pad - kh) / stride + 1;
+    let ow = (w + 2 * pad - kw) / stride + 1;
+    let mut out = vec![0f32; oc * oh * ow];
+    for o in 0..oc {
+        for y in 0..oh {
+            for xx in 0..ow {
+                let mut acc = 0f64;
+                for ci in 0..c {
+                    for ky in 0..kh {
+                        for kx in 0..kw {
+                            let iy = (y * stride + ky) as isize - pad as isize;
+                            let ix = (xx * stride + kx) as isize - pad as isize;
+                            if iy < 0 || ix < 0 || iy >= h as isize || ix >= w as isize {
+                                continue;
+                            }
+                            acc += x[(ci * h + iy as usize) * w + ix as usize] as f64 * k[((o * c + ci) * kh + ky) * kw + kx] as f64;
+                        }
+                    }
+                }
+                out[(o * oh + y) * ow + xx] = acc as f32;
+            }
+        }
+    }
+    (out, oh, ow)
+}
+
+/// x: [C, H*W], groups over channels.
+fn group_norm_ref(x: &[f32], c: usize, hw: usize, groups: usize, eps: f32) -> Vec<f32> {
+    let mut out = vec![0f32; x.len()];
+    let cpg = c / groups;
+    for g in 0..groups {
+        let s = &x[g * cpg * hw..(g + 1) * cpg * hw];
+        let mean = s.iter().map(|&v| v as f64).sum::<f64>() / s.len() as f64;
+        let var = s.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / s.len() as f64;
+        for (i, &v) in s.iter().enumerate() {
+            out[g * cpg * hw + i] = ((v as f64 - mean) / (var + eps as f64).sqrt()) as f32;
+        }
+    }
+    out
+}
+
+/// a: [m, k], b: [n, k] -> [n, m] (ggml's mul_mat in row-major terms).
+fn mul_mat_ref(a: &[f32], b: &[f32], m: usize, n: usize, k: usize) -> Vec<f32> {
+    let mut out = vec![0f32; n * m];
+    for j in 0..n {
+        for i in 0..m {
+            out[j * m + i] = (0..k).map(|t| a[i * k + t] as f64 * b[j * k + t] as f64).sum::<f64>() as f32;
+        }
+    }
+    out
+}
+
+/// q: [heads, nq, d], k/v: [heads, nkv, d] -> [nq, heads, d]
+fn attention_ref(q: &[f32], k: &[f32], v: &[f32], heads: usize, nq: usize, nkv: usize, d: usize, scale: f32) -> Vec<f32> {
+    let mut out = vec![0f32; nq * heads * d];
+    for h in 0..heads {
+        for i in 0..nq {
+            let qi = &q[(h * nq + i) * d..(h * nq + i + 1) * d];
+            let scores: Vec<f64> = (0..nkv)
+                .map(|j| {
+                    let kj = &k[(h * nkv + j) * d..(h * nkv + j + 1) * d];
+                    qi.iter().zip(kj).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>() * scale as f64
+                })
+                .collect();
+            let mx = scores.iter().cloned().fold(f64::MIN, f64::max);
+            let e: Vec<f64> = scores.iter().map(|s| (s - mx).exp()).collect();
+            let z: f64 = e.iter().sum();
+            for t in 0..d {
+                let acc: f64 = (0..nkv).map(|j| e[j] / z * v[(h * nkv + j) * d + t] as f64).sum();
+                out[(i * heads + h) * d + t] = acc as f32;
+            }
+        }
+    }
+    out
+}
+
+fn f16_round(v: &[f32]) -> Vec<f32> {
+    v.iter().map(|&x| half::f16::from_f32(x).to_f32()).collect()
+}
+
+struct Case {
+    ctx: Context,
+    graph: Graph,
+    outputs: Vec<(String, sd_tensor::ggml::GTensor, Vec<f32>, f32)>,
+    _weights: sd_tensor::ggml::Buffer,
+}
+
+fn build_case() -> Case {
+    let ctx = Context::new_descriptors(256, 256, 1).unwrap();
+    // conv2d: x [N=1, C=6, H=9, W=11], kernel [OC=4, C=6, 3, 3], stride 1, pad 1.
+    let (c, h, w, oc) = (6, 9, 11, 4);
+    let x = ctx.new_tensor(DType::F32, &[w, h, c, 1]).unwrap();
+    let k = ctx.new_tensor(DType::F32, &[3, 3, c, oc]).unwrap();
+    // group norm input [W=5, H=4, C=8, 1], 2 groups.
+    let gn_in = ctx.new_tensor(DType::F32, &[5, 4, 8, 1]).unwrap();
+    // mul_mat: a [k=64, m=33], b [k=64, n=7].
+    let ma = ctx.new_tensor(DType::F32, &[64, 33]).unwrap();
+    let mb = ctx.new_tensor(DType::F32, &[64, 7]).unwrap();
+    // attention: d=64, nq=5, nkv=24, heads=2; k/v in f16.
+    let q = ctx.new_tensor(DType::F32, &[64, 5, 2, 1]).unwrap();
+    let kk = ctx.new_tensor(DType::F16, &[64, 24, 2, 1]).unwrap();
+    let vv = ctx.new_tensor(DType::F16, &[64, 24, 2, 1]).unwrap();
+    // upscale input [W=3, H=2, C=2, 1].
+    let up_in = ctx.new_tensor(DType::F32, &[3, 2, 2, 1]).unwrap();
+
+    let weights = BufferType::cpu().alloc_context_tensors(&ctx).unwrap();
+
+    let xv = rnd(c * h * w, 1);
+    let kv = rnd(oc * c * 9, 2);
+    let gv = rnd(5 * 4 * 8, 3);
+    let mav = rnd(64 * 33, 4);
+    let mbv = rnd(64 * 7, 5);
+    let qv = rnd(64 * 5 * 2, 6);
+    let kkv = f16_round(&rnd(64 * 24 * 2, 7));
+    let vvv = f16_round(&rnd(64 * 24 * 2, 8));
+    let upv = rnd(12, 9);
+    x.write_f32(&xv).unwrap();
+    k.write_f32(&kv).unwrap();
+    gn_in.write_f32(&gv).unwrap();
+    ma.write_f32(&mav).unwrap();
+    mb.write_f32(&mbv).unwrap();
+    q.write_f32(&qv).unwrap();
+    kk.write_f32(&kkv).unwrap();
+    vv.write_f32(&vvv).unwrap();
+    up_in.write_f32(&upv).unwrap();
+
+    let conv = ctx.conv_2d(&k, &x, (1, 1), (1, 1), (1, 1), true).unwrap();
+    let conv_direct = ctx.conv_2d_direct(&k, &x, (1, 1), (1, 1), (1, 1)).unwrap();
+    let gn = ctx.group_norm(&gn_in, 2, 1e-6).unwrap();
+    let mm = ctx.mul_mat(&ma, &mb).unwrap();
+    let scale = 1.0 / 8.0;
+    let fa = ctx.flash_attn_ext(&q, &kk, &vv, None, scale).unwrap();
+    let up = ctx.interpolate(&up_in, 6, 4, Interpolation::Nearest).unwrap();
+
+    let (conv_ref, oh, ow) = conv2d_ref(&xv, c, h, w, &kv, oc, 3, 3, 1, 1);
+    assert_eq!(conv.ne(), [ow, oh, oc, 1]);
+    let gn_ref = group_norm_ref(&gv, 8, 20, 2, 1e-6);
+    let mm_ref = mul_mat_ref(&mav, &mbv, 33, 7, 64);
+    assert_eq!(mm.ne(), [33, 7, 1, 1]);
+    let fa_ref = attention_ref(&qv, &kkv, &vvv, 2, 5, 24, 64, scale);
+    assert_eq!(fa.ne(), [64, 2, 5, 1]);
+    let mut up_ref = vec![0f32; 2 * 4 * 6];
+    for ch in 0..2 {
+        for y in 0..4 {
+            for xx in 0..6 {
+                up_ref[(ch * 4 + y) * 6 + xx] = upv[(ch * 2 + y / 2) * 3 + xx / 2];
+            }
+        }
+    }
+
+    let mut graph = Graph::new(&ctx, 256).unwrap();
+    let outputs = vec![
+        ("conv2d".to_string(), conv, conv_ref.clone(), 1e-5),
+        ("conv2d_direct".to_string(), conv_direct, conv_ref, 1e-5),
+        ("group_norm".to_string(), gn, gn_ref, 1e-5),
+        ("mul_mat".to_string(), mm, mm_ref, 1e-4),
+        // K/V are f16 and ggml's CPU kernel rounds Q and the softmax weights to f16.
+        ("flash_attn_ext".to_string(), fa, fa_ref, 2e-3),
+        ("upscale".to_string(), up, up_ref, 0.0),
+    ];
+    for (_, t, _, _) in &outputs {
+        t.set_output();
+        graph.build_forward_expand(t).unwrap();
+    }
+    Case { ctx, graph, outputs, _weights: weights }
+}
+
+fn check(case: &Case) {
+    for (name, t, want, tol) in &case.outputs {
+        let got = t.read_f32().unwrap();
+        let err = max_abs(&got, want);
+        assert!(err <= *tol, "{name}: max abs error {err} > {tol}");
+    }
+}
+
+#[test]
+fn graph_allocator_path_matches_rust() {
+    let case = build_case();
+    let backend = Backend::cpu(2).unwrap();
+    let mut galloc = Gallocr::new(backend.buffer_type()).unwrap();
+    let size = galloc.reserve(&case.graph).unwrap();
+    assert!(size > 0);
+    assert_eq!(galloc.measure(&case.graph), size);
+    galloc.alloc_graph(&case.graph).unwrap();
+    backend.compute(&case.graph).unwrap();
+    check(&case);
+    assert!(case.ctx.free_bytes() > 0);
+    // Dropping the allocator makes its tensors unreadable instead of dangling.
+    let conv = case.outputs[0].1.clone();
+    drop(galloc);
+    assert!(matches!(conv.read_f32(), Err(sd_tensor::GgmlError::NotAllocated { .. })));
+}
+
+#[test]
+fn scheduler_path_matches_rust() {
+    let case = build_case();
+    let backend = Backend::cpu(2).unwrap();
+    let mut sched = Scheduler::new(&[&backend], 256, false).unwrap();
+    let seen = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let s2 = seen.clone();
+    sched.set_eval_callback(Box::new(move |_t, ask| {
+        if !ask {
+            s2.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+        true
+    }));
+    sched.reserve(&case.graph).unwrap();
+    assert!(sched.buffer_size(&backend).unwrap() > 0);
+    sched.alloc_graph(&case.graph).unwrap();
+    sched.compute(&case.graph).unwrap();
+    assert!(sched.n_splits() >= 1);
+    assert_eq!(seen.load(std::sync::atomic::Ordering::Relaxed), case.graph.n_nodes());
+    check(&case);
+}
+
+#[test]
+fn bad_operands_are_errors_not_aborts() {
+    let ctx = Context::new_descriptors(16, 16, 1).unwrap();
+    let a = ctx.new_tensor(DType::F32, &[4, 3]).unwrap();
+    let b = ctx.new_tensor(DType::F32, &[5, 3]).unwrap();
+    assert!(ctx.mul_mat(&a, &b).is_err());
+    assert!(ctx.add(&a, &b).is_err());
+    assert!(ctx.reshape(&a, &[5]).is_err());
+    assert!(ctx.permute(&a, [0, 0, 1, 2]).is_err());
+    assert!(ctx.group_norm(&a, 0, 1e-5).is_err());
+    assert!(ctx.concat(&a, &b, 1).is_err());
+    assert!(ctx.view(&a, [4, 4, 1, 1], [16, 64, 64], 0).is_err());
+    let k = ctx.new_tensor(DType::F32, &[3, 3, 2, 4]).unwrap();
+    let x = ctx.new_tensor(DType::F32, &[8, 8, 3, 1]).unwrap();
+    assert!(ctx.conv_2d(&k, &x, (1, 1), (1, 1), (1, 1), true).is_err());
+    assert!(ctx.new_tensor(DType::Q8_0, &[33]).is_err());
+    assert!(ctx.new_tensor(DType::F32, &[usize::MAX, 2]).is_err());
+    // Data I/O on an unallocated tensor.
+    assert!(matches!(a.read_f32(), Err(sd_tensor::GgmlError::NotAllocated { .. })));
+    // Context exhaustion is an error.
+    let small = Context::new_descriptors(2, 1, 0).unwrap();
+    let mut made = 0;
+    while small.new_tensor(DType::F32, &[4]).is_ok() {
+        made += 1;
+        assert!(made < 10);
+    }
+    // Graph overflow is an error.
+    let ctx2 = Context::new_descriptors(64, 4, 1).unwrap();
+    let mut g = Graph::new(&ctx2, 4).unwrap();
+    let mut t = ctx2.new_tensor(DType::F32, &[4]).unwrap();
+    let mut failed = false;
+    for _ in 0..8 {
+        t = ctx2.scale(&t, 2.0).unwrap();
+        if g.build_forward_expand(&t).is_err() {
+            failed = true;
+            break;
+        }
+    }
+    assert!(failed);
+}
+
+#[test]
+fn buffer_placement_and_copies() {
+    let ctx = Context::new_descriptors(8, 8, 1).unwrap();
+    let a = ctx.new_tensor(DType::F16, &[32, 2]).unwrap();
+    let b = ctx.new_tensor(DType::F16, &[32, 2]).unwrap();
+    let buf = BufferType::cpu().alloc(4096).unwrap();
+    buf.place(&a, 0).unwrap();
+    assert!(buf.place(&a, 128).is_err(), "placing twice");
+    assert!(buf.place(&b, 4090).is_err(), "out of range");
+    buf.place(&b, 256).unwrap();
+    let v: Vec<f32> = (0..64).map(|i| i as f32 * 0.5).collect();
+    a.write_f32(&v).unwrap();
+    Backend::copy_tensor(&a, &b).unwrap();
+    assert_eq!(b.read_f32().unwrap(), v);
+    drop(buf);
+    assert!(!a.is_allocated() && !b.is_allocated());
+}
+
+#[test]
+fn devices_report_memory() {
+    let devs = sd_tensor::ggml::Device::all();
+    assert!(!devs.is_empty());
+    let cpu = sd_tensor::ggml::Device::cpu().unwrap();
+    let m = cpu.memory();
+    assert!(m.total > 0 && m.free <= m.total);
+    assert!(!sd_tensor::ggml::version().is_empty());
+}
