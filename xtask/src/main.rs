@@ -24,7 +24,11 @@ fn main() {
         "bench" => bench(rest),
         _ => {
             eprintln!("usage: cargo xtask <setup|demo|test|bench NAME>");
-            exit(if cmd == "help" || cmd == "--help" { 0 } else { 2 });
+            exit(if cmd == "help" || cmd == "--help" {
+                0
+            } else {
+                2
+            });
         }
     };
     if let Err(e) = result {
@@ -36,12 +40,17 @@ fn main() {
 type Res<T> = Result<T, String>;
 
 fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap()
+        .to_path_buf()
 }
 
 fn run(cmd: &mut Command) -> Res<()> {
     eprintln!("+ {cmd:?}");
-    let st = cmd.status().map_err(|e| format!("cannot run {cmd:?}: {e}"))?;
+    let st = cmd
+        .status()
+        .map_err(|e| format!("cannot run {cmd:?}: {e}"))?;
     if st.success() {
         Ok(())
     } else {
@@ -50,7 +59,11 @@ fn run(cmd: &mut Command) -> Res<()> {
 }
 
 fn works(prog: &str, arg: &str) -> bool {
-    Command::new(prog).arg(arg).output().map(|o| o.status.success()).unwrap_or(false)
+    Command::new(prog)
+        .arg(arg)
+        .output()
+        .map(|o| o.status.success())
+        .unwrap_or(false)
 }
 
 /// Finds a directory holding libclang, as clang-sys would search it.
@@ -66,16 +79,33 @@ fn find_libclang() -> Option<PathBuf> {
             }
         }
     }
-    dirs.extend(["/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/local/lib"].map(PathBuf::from));
+    dirs.extend(
+        [
+            "/usr/lib/x86_64-linux-gnu",
+            "/usr/lib/aarch64-linux-gnu",
+            "/usr/lib64",
+            "/usr/local/lib",
+        ]
+        .map(PathBuf::from),
+    );
     dirs.into_iter().find(|d| {
         std::fs::read_dir(d)
-            .map(|rd| rd.flatten().any(|e| e.file_name().to_string_lossy().starts_with("libclang") && e.file_name().to_string_lossy().contains(".so")))
+            .map(|rd| {
+                rd.flatten().any(|e| {
+                    e.file_name().to_string_lossy().starts_with("libclang")
+                        && e.file_name().to_string_lossy().contains(".so")
+                })
+            })
             .unwrap_or(false)
     })
 }
 
 fn is_root() -> bool {
-    Command::new("id").arg("-u").output().map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0").unwrap_or(false)
+    Command::new("id")
+        .arg("-u")
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
+        .unwrap_or(false)
 }
 
 /// Environment variables the build needs after setup (PATH and LIBCLANG_PATH from pip).
@@ -102,11 +132,15 @@ fn setup() -> Res<BuildEnv> {
     eprintln!("xtask: installing native build tools (cmake: {have_cmake}, libclang: {have_clang})");
     if is_root() && works("apt-get", "--version") {
         run(Command::new("apt-get").args(["update", "-qq"]))?;
-        run(Command::new("apt-get").args(["install", "-y", "-qq", "cmake", "libclang-dev", "clang"]).env("DEBIAN_FRONTEND", "noninteractive"))?;
+        run(Command::new("apt-get")
+            .args(["install", "-y", "-qq", "cmake", "libclang-dev", "clang"])
+            .env("DEBIAN_FRONTEND", "noninteractive"))?;
         return Ok(benv);
     }
     // Without root: cmake and libclang wheels from PyPI.
-    run(Command::new("python3").args(["-m", "pip", "install", "--user", "--quiet", "cmake", "libclang"]))?;
+    run(Command::new("python3").args([
+        "-m", "pip", "install", "--user", "--quiet", "cmake", "libclang",
+    ]))?;
     let out = Command::new("python3")
         .args(["-c", "import os,site,clang; print(site.USER_BASE + '/bin'); print(os.path.join(os.path.dirname(clang.__file__), 'native'))"])
         .output()
@@ -121,7 +155,8 @@ fn setup() -> Res<BuildEnv> {
     // The wheel has no clang resource headers; let bindgen use gcc's.
     if let Ok(o) = Command::new("gcc").arg("-print-file-name=include").output() {
         let inc = String::from_utf8_lossy(&o.stdout).trim().to_string();
-        benv.vars.push(("BINDGEN_EXTRA_CLANG_ARGS".into(), format!("-I{inc}")));
+        benv.vars
+            .push(("BINDGEN_EXTRA_CLANG_ARGS".into(), format!("-I{inc}")));
     }
     Ok(benv)
 }
@@ -149,7 +184,14 @@ fn demo(rest: &[String]) -> Res<()> {
 fn test(rest: &[String]) -> Res<()> {
     let benv = setup()?;
     run(cargo(&benv).args(["fmt", "--all", "--check"]))?;
-    run(cargo(&benv).args(["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"]))?;
+    run(cargo(&benv).args([
+        "clippy",
+        "--workspace",
+        "--all-targets",
+        "--",
+        "-D",
+        "warnings",
+    ]))?;
     let mut t = cargo(&benv);
     t.args(["test", "--workspace"]).args(rest);
     run(&mut t)
@@ -159,7 +201,9 @@ fn bench(rest: &[String]) -> Res<()> {
     let benv = setup()?;
     let name = rest.first().map(String::as_str).unwrap_or("matmul");
     match name {
-        "matmul" => run(cargo(&benv).args(["bench", "-p", "sd-tensor", "--bench", "matmul", "--"]).args(&rest[1..])),
+        "matmul" => run(cargo(&benv)
+            .args(["bench", "-p", "sd-tensor", "--bench", "matmul", "--"])
+            .args(&rest[1..])),
         other => Err(format!("unknown benchmark '{other}' (known: matmul)")),
     }
 }

@@ -15,7 +15,9 @@ fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut list = false;
     let mut check = false;
-    let mut threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    let mut threads = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1);
     let mut i = 0;
     while i < args.len() {
         match args[i].as_str() {
@@ -23,7 +25,11 @@ fn main() -> ExitCode {
             "--self-check" => check = true,
             "-v" | "--verbose" => {}
             "--version" => {
-                println!("sd {} (ggml {})", env!("CARGO_PKG_VERSION"), sd_tensor::ggml::version());
+                println!(
+                    "sd {} (ggml {})",
+                    env!("CARGO_PKG_VERSION"),
+                    sd_tensor::ggml::version()
+                );
                 return ExitCode::SUCCESS;
             }
             "-h" | "--help" => {
@@ -32,7 +38,11 @@ fn main() -> ExitCode {
             }
             "-t" | "--threads" => {
                 i += 1;
-                match args.get(i).and_then(|v| v.parse::<usize>().ok()).filter(|&n| n > 0) {
+                match args
+                    .get(i)
+                    .and_then(|v| v.parse::<usize>().ok())
+                    .filter(|&n| n > 0)
+                {
                     Some(n) => threads = n,
                     None => {
                         eprintln!("error: -t/--threads needs a positive integer");
@@ -63,7 +73,11 @@ fn main() -> ExitCode {
 }
 
 fn list_devices() {
-    println!("ggml {}: {} device(s)", sd_tensor::ggml::version(), Device::all().len());
+    println!(
+        "ggml {}: {} device(s)",
+        sd_tensor::ggml::version(),
+        Device::all().len()
+    );
     for d in Device::all() {
         let m = d.memory();
         println!(
@@ -100,10 +114,17 @@ fn self_check(threads: usize) -> Result<(), sd_tensor::GgmlError> {
         for i in 0..8 {
             let want: f32 = (0..16).map(|k| av[i * 16 + k] * bv[j * 16 + k]).sum();
             if (got[j * 8 + i] - want).abs() > 1e-4 {
-                return Err(sd_tensor::GgmlError::Mismatch(format!("c[{j},{i}] = {} != {want}", got[j * 8 + i])));
+                return Err(sd_tensor::GgmlError::Mismatch(format!(
+                    "c[{j},{i}] = {} != {want}",
+                    got[j * 8 + i]
+                )));
             }
         }
     }
-    println!("self-check: 8x16 @ 16x4 matmul on {} ({} threads) ok", backend.name(), threads);
+    println!(
+        "self-check: 8x16 @ 16x4 matmul on {} ({} threads) ok",
+        backend.name(),
+        threads
+    );
     Ok(())
 }

@@ -5,6 +5,7 @@
 //! `DeviceResidencyManager` trait, `ModelManager` and the capacity arithmetic that answers
 //! whether a piece of work fits a device.
 
+pub mod capacity;
 pub mod files;
 pub mod names;
 pub mod storage;

@@ -49,7 +49,7 @@ impl TensorStorage {
             return None;
         }
         let outer = self.shape[0];
-        if outer % parts != 0 || self.size % parts != 0 {
+        if !outer.is_multiple_of(parts) || !self.size.is_multiple_of(parts) {
             return None;
         }
         let part_size = self.size / parts;

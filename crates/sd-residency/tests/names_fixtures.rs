@@ -9,11 +9,14 @@ use std::collections::BTreeMap;
 
 use common::{assert_same, by_name, entries_by_name, load, prefixed, storages};
 use sd_residency::names::{
-    convert_to_canonical, convert_to_canonical_report, SdVersion, CLIP_G_PREFIX, CLIP_PREFIX, TEXT_PROJECTION_LINEAR,
-    TEXT_PROJECTION_OPENCLIP,
+    convert_to_canonical, convert_to_canonical_report, SdVersion, CLIP_G_PREFIX, CLIP_PREFIX,
+    TEXT_PROJECTION_LINEAR, TEXT_PROJECTION_OPENCLIP,
 };
 
-fn convert(entries: &[(String, Vec<u64>)], version: Option<SdVersion>) -> BTreeMap<String, Vec<u64>> {
+fn convert(
+    entries: &[(String, Vec<u64>)],
+    version: Option<SdVersion>,
+) -> BTreeMap<String, Vec<u64>> {
     by_name(&convert_to_canonical(storages(entries), version).expect("conversion"))
 }
 
@@ -54,7 +57,12 @@ fn bare_original_unet_gets_its_prefix() {
     let original = load("sd15_unet_original");
     let bare: Vec<_> = original
         .iter()
-        .map(|(n, s)| (n.strip_prefix("model.diffusion_model.").unwrap().to_owned(), s.clone()))
+        .map(|(n, s)| {
+            (
+                n.strip_prefix("model.diffusion_model.").unwrap().to_owned(),
+                s.clone(),
+            )
+        })
         .collect();
     assert_same(&convert(&bare, None), &entries_by_name(&original));
 }
@@ -64,7 +72,8 @@ fn vae_diffusers_to_original_with_conv_view() {
     let diffusers = load("sd_vae_diffusers");
     let want = entries_by_name(&load("sd_vae_original"));
     for prefix in ["", "vae.", "first_stage_model."] {
-        let report = convert_to_canonical_report(storages(&prefixed(&diffusers, prefix)), None).unwrap();
+        let report =
+            convert_to_canonical_report(storages(&prefixed(&diffusers, prefix)), None).unwrap();
         assert_same(&by_name(&report.tensors), &want);
         let mut reshaped = report.reshaped.clone();
         reshaped.sort();
@@ -76,9 +85,18 @@ fn vae_diffusers_to_original_with_conv_view() {
     // The reshape is a view: same bytes, same offsets.
     let input = storages(&diffusers);
     let out = convert_to_canonical(input.clone(), None).unwrap();
-    let q_in = input.iter().find(|s| s.name == "decoder.mid_block.attentions.0.to_q.weight").unwrap();
-    let q_out = out.iter().find(|s| s.name == "first_stage_model.decoder.mid.attn_1.q.weight").unwrap();
-    assert_eq!((q_in.offset, q_in.size, q_in.dtype), (q_out.offset, q_out.size, q_out.dtype));
+    let q_in = input
+        .iter()
+        .find(|s| s.name == "decoder.mid_block.attentions.0.to_q.weight")
+        .unwrap();
+    let q_out = out
+        .iter()
+        .find(|s| s.name == "first_stage_model.decoder.mid.attn_1.q.weight")
+        .unwrap();
+    assert_eq!(
+        (q_in.offset, q_in.size, q_in.dtype),
+        (q_out.offset, q_out.size, q_out.dtype)
+    );
     assert_eq!(q_out.shape, vec![512, 512, 1, 1]);
 }
 
@@ -96,8 +114,13 @@ fn vae_legacy_diffusers_attention_names() {
             (n, s)
         })
         .collect();
-    assert!(legacy.iter().any(|(n, _)| n.ends_with("attentions.0.proj_attn.weight")));
-    assert_same(&convert(&legacy, None), &entries_by_name(&load("sd_vae_original")));
+    assert!(legacy
+        .iter()
+        .any(|(n, _)| n.ends_with("attentions.0.proj_attn.weight")));
+    assert_same(
+        &convert(&legacy, None),
+        &entries_by_name(&load("sd_vae_original")),
+    );
 }
 
 #[test]
@@ -105,11 +128,22 @@ fn vae_original_two_dimensional_projections_are_viewed_as_conv() {
     let want = entries_by_name(&load("sd_vae_original"));
     let flat: Vec<_> = load("sd_vae_original")
         .into_iter()
-        .map(|(n, s)| if s.len() == 4 && n.contains("mid.attn_1.") { (n, s[..2].to_vec()) } else { (n, s) })
+        .map(|(n, s)| {
+            if s.len() == 4 && n.contains("mid.attn_1.") {
+                (n, s[..2].to_vec())
+            } else {
+                (n, s)
+            }
+        })
         .collect();
     let bare: Vec<_> = flat
         .iter()
-        .map(|(n, s)| (n.strip_prefix("first_stage_model.").unwrap().to_owned(), s.clone()))
+        .map(|(n, s)| {
+            (
+                n.strip_prefix("first_stage_model.").unwrap().to_owned(),
+                s.clone(),
+            )
+        })
         .collect();
     assert_same(&convert(&flat, None), &want);
     assert_same(&convert(&bare, None), &want);
@@ -119,7 +153,12 @@ fn vae_original_two_dimensional_projections_are_viewed_as_conv() {
 fn clip_l_transformers_to_canonical() {
     let diffusers = load("sd15_clip_diffusers");
     let want = entries_by_name(&load("sd15_clip_original"));
-    for prefix in ["", "text_encoder.", "cond_stage_model.transformer.", "conditioner.embedders.0.transformer."] {
+    for prefix in [
+        "",
+        "text_encoder.",
+        "cond_stage_model.transformer.",
+        "conditioner.embedders.0.transformer.",
+    ] {
         assert_same(&convert(&prefixed(&diffusers, prefix), None), &want);
     }
     // transformers >= 5 drops the `text_model.` level.
@@ -141,7 +180,10 @@ fn sd2_openclip_to_canonical() {
     assert_eq!(report.split.len(), 2 * 23);
     // The diffusers text encoder lands on the same names.
     let diffusers = load("sd2_clip_diffusers");
-    assert_same(&convert(&prefixed(&diffusers, "text_encoder."), None), &want);
+    assert_same(
+        &convert(&prefixed(&diffusers, "text_encoder."), None),
+        &want,
+    );
     assert_same(&convert(&diffusers, None), &want);
 }
 
@@ -150,7 +192,11 @@ fn clip_g_expected(projection: &str) -> BTreeMap<String, Vec<u64>> {
     load("sdxl_clip_g_diffusers")
         .into_iter()
         .map(|(n, s)| {
-            let n = if n == TEXT_PROJECTION_LINEAR { projection.to_owned() } else { n };
+            let n = if n == TEXT_PROJECTION_LINEAR {
+                projection.to_owned()
+            } else {
+                n
+            };
             (format!("{CLIP_G_PREFIX}{n}"), s)
         })
         .collect()
@@ -159,11 +205,17 @@ fn clip_g_expected(projection: &str) -> BTreeMap<String, Vec<u64>> {
 #[test]
 fn sdxl_openclip_g_to_canonical() {
     let original = load("sdxl_clip_g_original");
-    assert_same(&convert(&original, None), &clip_g_expected(TEXT_PROJECTION_OPENCLIP));
+    assert_same(
+        &convert(&original, None),
+        &clip_g_expected(TEXT_PROJECTION_OPENCLIP),
+    );
 
     let diffusers = load("sdxl_clip_g_diffusers");
     let want = clip_g_expected(TEXT_PROJECTION_LINEAR);
-    assert_same(&convert(&prefixed(&diffusers, "text_encoder_2."), None), &want);
+    assert_same(
+        &convert(&prefixed(&diffusers, "text_encoder_2."), None),
+        &want,
+    );
     // A bare transformers file 1280 wide is bigG: second slot.
     assert_same(&convert(&diffusers, None), &want);
 }
@@ -189,13 +241,19 @@ fn sd15_pipeline_folders_to_single_file_names() {
 fn sdxl_single_file_to_canonical() {
     let mut checkpoint = load("sdxl_unet_original");
     checkpoint.extend(load("sd_vae_original"));
-    checkpoint.extend(prefixed(&load("sd15_clip_diffusers"), "conditioner.embedders.0.transformer."));
+    checkpoint.extend(prefixed(
+        &load("sd15_clip_diffusers"),
+        "conditioner.embedders.0.transformer.",
+    ));
     checkpoint.extend(load("sdxl_clip_g_original"));
     checkpoint.push(("conditioner.embedders.1.model.logit_scale".into(), vec![]));
 
     let mut want = entries_by_name(&load("sdxl_unet_original"));
     want.extend(entries_by_name(&load("sd_vae_original")));
-    want.extend(entries_by_name(&prefixed(&load("sd15_clip_diffusers"), CLIP_PREFIX)));
+    want.extend(entries_by_name(&prefixed(
+        &load("sd15_clip_diffusers"),
+        CLIP_PREFIX,
+    )));
     want.extend(clip_g_expected(TEXT_PROJECTION_OPENCLIP));
     want.insert("conditioner.embedders.1.model.logit_scale".into(), vec![]);
 
@@ -209,8 +267,13 @@ fn sdxl_single_file_to_canonical() {
     pipeline.extend(prefixed(&load("sdxl_clip_g_diffusers"), "text_encoder_2."));
     let mut want_pipeline = want.clone();
     want_pipeline.remove("conditioner.embedders.1.model.logit_scale");
-    let projection = want_pipeline.remove(&format!("{CLIP_G_PREFIX}{TEXT_PROJECTION_OPENCLIP}")).unwrap();
-    want_pipeline.insert(format!("{CLIP_G_PREFIX}{TEXT_PROJECTION_LINEAR}"), projection);
+    let projection = want_pipeline
+        .remove(&format!("{CLIP_G_PREFIX}{TEXT_PROJECTION_OPENCLIP}"))
+        .unwrap();
+    want_pipeline.insert(
+        format!("{CLIP_G_PREFIX}{TEXT_PROJECTION_LINEAR}"),
+        projection,
+    );
     assert_same(&convert(&pipeline, None), &want_pipeline);
 }
 

@@ -10,7 +10,10 @@ use sd_tensor::ggml::{Backend, BufferType, Context, Gallocr, Graph};
 use sd_tensor::DType;
 
 fn env_usize(name: &str, default: usize) -> usize {
-    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
 }
 
 fn bench_matmul(c: &mut Criterion) {
@@ -25,7 +28,9 @@ fn bench_matmul(c: &mut Criterion) {
         let a = ctx.new_tensor(dtype, &[n, n]).unwrap();
         let b = ctx.new_tensor(DType::F32, &[n, n]).unwrap();
         let _buf = BufferType::cpu().alloc_context_tensors(&ctx).unwrap();
-        let vals: Vec<f32> = (0..n * n).map(|i| ((i * 7919 % 1000) as f32 - 500.0) / 500.0).collect();
+        let vals: Vec<f32> = (0..n * n)
+            .map(|i| ((i * 7919 % 1000) as f32 - 500.0) / 500.0)
+            .collect();
         a.write_f32(&vals).unwrap();
         b.write_f32(&vals).unwrap();
         let out = ctx.mul_mat(&a, &b).unwrap();
@@ -34,7 +39,9 @@ fn bench_matmul(c: &mut Criterion) {
         g.build_forward_expand(&out).unwrap();
         let mut galloc = Gallocr::new(backend.buffer_type()).unwrap();
         galloc.alloc_graph(&g).unwrap();
-        group.bench_function(dtype.name(), |bench| bench.iter(|| backend.compute(&g).unwrap()));
+        group.bench_function(dtype.name(), |bench| {
+            bench.iter(|| backend.compute(&g).unwrap())
+        });
     }
     group.finish();
 }

@@ -19,7 +19,11 @@ pub enum ConvertError {
     RaggedBytes { dtype: DType, bytes: usize },
     /// A row length that is not a multiple of the target's block size.
     #[error("rows of {row} elements cannot be stored as {dtype} (block size {block})")]
-    RaggedRow { dtype: DType, row: usize, block: usize },
+    RaggedRow {
+        dtype: DType,
+        row: usize,
+        block: usize,
+    },
     /// The element count is not a multiple of the row length.
     #[error("{elements} elements do not split into rows of {row}")]
     RaggedRows { elements: usize, row: usize },
@@ -31,7 +35,7 @@ pub enum ConvertError {
 /// Number of elements held by `bytes` bytes of `dtype`.
 pub fn element_count(dtype: DType, bytes: usize) -> Result<usize, ConvertError> {
     let ts = dtype.type_size();
-    if bytes % ts != 0 {
+    if !bytes.is_multiple_of(ts) {
         return Err(ConvertError::RaggedBytes { dtype, bytes });
     }
     Ok(bytes / ts * dtype.block_size())
@@ -49,7 +53,10 @@ pub fn to_f32(dtype: DType, bytes: &[u8]) -> Result<Vec<f32>, ConvertError> {
 pub fn to_f32_into(dtype: DType, bytes: &[u8], out: &mut [f32]) -> Result<(), ConvertError> {
     let n = element_count(dtype, bytes.len())?;
     if n != out.len() {
-        return Err(ConvertError::RaggedRows { elements: n, row: out.len() });
+        return Err(ConvertError::RaggedRows {
+            elements: n,
+            row: out.len(),
+        });
     }
     match dtype {
         DType::F32 => {
@@ -97,9 +104,10 @@ pub fn to_f32_into(dtype: DType, bytes: &[u8], out: &mut [f32]) -> Result<(), Co
             // sizes were checked above (bytes hold exactly n / block_size blocks).
             unsafe {
                 let traits = sys::ggml_get_type_traits(q.to_ggml());
-                let f = (*traits)
-                    .to_float
-                    .ok_or(ConvertError::Unsupported { from: q, to: DType::F32 })?;
+                let f = (*traits).to_float.ok_or(ConvertError::Unsupported {
+                    from: q,
+                    to: DType::F32,
+                })?;
                 f(bytes.as_ptr().cast(), out.as_mut_ptr(), n as i64);
             }
         }
@@ -110,12 +118,17 @@ pub fn to_f32_into(dtype: DType, bytes: &[u8], out: &mut [f32]) -> Result<(), Co
 /// Encodes f32 values as `dtype`, with rows of `row` elements (quantized types need rows
 /// that are whole blocks). Integer targets round toward zero with saturation.
 pub fn from_f32(dtype: DType, values: &[f32], row: usize) -> Result<Vec<u8>, ConvertError> {
-    if row == 0 || values.len() % row != 0 {
-        return Err(ConvertError::RaggedRows { elements: values.len(), row });
+    if row == 0 || !values.len().is_multiple_of(row) {
+        return Err(ConvertError::RaggedRows {
+            elements: values.len(),
+            row,
+        });
     }
     let mut out = Vec::with_capacity(values.len() * dtype.type_size() / dtype.block_size());
     match dtype {
-        DType::F32 => values.iter().for_each(|v| out.extend_from_slice(&v.to_le_bytes())),
+        DType::F32 => values
+            .iter()
+            .for_each(|v| out.extend_from_slice(&v.to_le_bytes())),
         DType::F16 => values
             .iter()
             .for_each(|v| out.extend_from_slice(&f16::from_f32(*v).to_le_bytes())),
@@ -145,8 +158,11 @@ pub fn quantize(dtype: DType, values: &[f32], row: usize) -> Result<Vec<u8>, Con
     if !dtype.is_quantized() {
         return from_f32(dtype, values, row);
     }
-    if row == 0 || values.len() % row != 0 {
-        return Err(ConvertError::RaggedRows { elements: values.len(), row });
+    if row == 0 || !values.len().is_multiple_of(row) {
+        return Err(ConvertError::RaggedRows {
+            elements: values.len(),
+            row,
+        });
     }
     let row_bytes = dtype.row_size(row).ok_or(ConvertError::RaggedRow {
         dtype,
@@ -196,16 +212,27 @@ mod tests {
     use super::*;
 
     fn ramp(n: usize) -> Vec<f32> {
-        (0..n).map(|i| ((i * 37 % 101) as f32 / 50.0) - 1.0).collect()
+        (0..n)
+            .map(|i| ((i * 37 % 101) as f32 / 50.0) - 1.0)
+            .collect()
     }
 
     #[test]
     fn float_round_trips() {
         let v = ramp(512);
-        for (d, tol) in [(DType::F32, 0.0), (DType::F16, 1e-3), (DType::BF16, 8e-3), (DType::F64, 0.0)] {
+        for (d, tol) in [
+            (DType::F32, 0.0),
+            (DType::F16, 1e-3),
+            (DType::BF16, 8e-3),
+            (DType::F64, 0.0),
+        ] {
             let b = from_f32(d, &v, 512).unwrap();
             let back = to_f32(d, &b).unwrap();
-            let err = v.iter().zip(&back).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+            let err = v
+                .iter()
+                .zip(&back)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
             assert!(err <= tol, "{d}: {err}");
         }
     }
@@ -223,16 +250,29 @@ mod tests {
             let b = quantize(d, &v, 256).unwrap();
             assert_eq!(b.len(), 4 * d.row_size(256).unwrap());
             let back = to_f32(d, &b).unwrap();
-            let err = v.iter().zip(&back).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+            let err = v
+                .iter()
+                .zip(&back)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
             assert!(err <= tol, "{d}: {err}");
         }
     }
 
     #[test]
     fn ragged_input_is_an_error() {
-        assert!(matches!(to_f32(DType::F32, &[0; 7]), Err(ConvertError::RaggedBytes { .. })));
-        assert!(matches!(quantize(DType::Q8_0, &[0.0; 48], 48), Err(ConvertError::RaggedRow { .. })));
-        assert!(matches!(from_f32(DType::F16, &[0.0; 5], 2), Err(ConvertError::RaggedRows { .. })));
+        assert!(matches!(
+            to_f32(DType::F32, &[0; 7]),
+            Err(ConvertError::RaggedBytes { .. })
+        ));
+        assert!(matches!(
+            quantize(DType::Q8_0, &[0.0; 48], 48),
+            Err(ConvertError::RaggedRow { .. })
+        ));
+        assert!(matches!(
+            from_f32(DType::F16, &[0.0; 5], 2),
+            Err(ConvertError::RaggedRows { .. })
+        ));
         assert!(convert(DType::I32, &[0; 4], DType::Q8_0, 1).is_err());
     }
 }

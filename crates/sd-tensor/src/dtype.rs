@@ -124,7 +124,7 @@ impl DType {
     /// Bytes taken by a row of `n` elements, or `None` when `n` is not a whole number of
     /// blocks or the size overflows.
     pub fn row_size(self, n: usize) -> Option<usize> {
-        if n % self.block_size() != 0 {
+        if !n.is_multiple_of(self.block_size()) {
             return None;
         }
         (n / self.block_size()).checked_mul(self.type_size())
@@ -162,7 +162,10 @@ impl DType {
     /// Parses a name as written by users (`--type q8_0`, case-insensitive).
     pub fn parse(s: &str) -> Option<DType> {
         let l = s.to_ascii_lowercase();
-        ALL_DTYPES.iter().copied().find(|d| d.name().to_ascii_lowercase() == l)
+        ALL_DTYPES
+            .iter()
+            .copied()
+            .find(|d| d.name().to_ascii_lowercase() == l)
     }
 }
 

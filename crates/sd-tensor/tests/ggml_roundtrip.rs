@@ -7,10 +7,14 @@ use sd_tensor::DType;
 
 /// Deterministic pseudo-random values in [-1, 1).
 fn rnd(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    let mut s = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
     (0..n)
         .map(|_| {
-            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
         })
         .collect()
@@ -18,12 +22,26 @@ fn rnd(n: usize, seed: u64) -> Vec<f32> {
 
 fn max_abs(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
 }
 
 /// x: [C, H, W], k: [OC, C, KH, KW] -> [OC, OH, OW]
 #[allow(clippy::too_many_arguments)]
-fn conv2d_ref(x: &[f32], c: usize, h: usize, w: usize, k: &[f32], oc: usize, kh: usize, kw: usize, stride: usize, pad: usize) -> (Vec<f32>, usize, usize) {
+fn conv2d_ref(
+    x: &[f32],
+    c: usize,
+    h: usize,
+    w: usize,
+    k: &[f32],
+    oc: usize,
+    kh: usize,
+    kw: usize,
+    stride: usize,
+    pad: usize,
+) -> (Vec<f32>, usize, usize) {
     let oh = (h + 2 * pad - kh) / stride + 1;
     let ow = (w + 2 * pad - kw) / stride + 1;
     let mut out = vec![0f32; oc * oh * ow];
@@ -39,7 +57,8 @@ fn conv2d_ref(x: &[f32], c: usize, h: usize, w: usize, k: &[f32], oc: usize, kh:
                             if iy < 0 || ix < 0 || iy >= h as isize || ix >= w as isize {
                                 continue;
                             }
-                            acc += x[(ci * h + iy as usize) * w + ix as usize] as f64 * k[((o * c + ci) * kh + ky) * kw + kx] as f64;
+                            acc += x[(ci * h + iy as usize) * w + ix as usize] as f64
+                                * k[((o * c + ci) * kh + ky) * kw + kx] as f64;
                         }
                     }
                 }
@@ -70,14 +89,26 @@ fn mul_mat_ref(a: &[f32], b: &[f32], m: usize, n: usize, k: usize) -> Vec<f32> {
     let mut out = vec![0f32; n * m];
     for j in 0..n {
         for i in 0..m {
-            out[j * m + i] = (0..k).map(|t| a[i * k + t] as f64 * b[j * k + t] as f64).sum::<f64>() as f32;
+            out[j * m + i] = (0..k)
+                .map(|t| a[i * k + t] as f64 * b[j * k + t] as f64)
+                .sum::<f64>() as f32;
         }
     }
     out
 }
 
 /// q: [heads, nq, d], k/v: [heads, nkv, d] -> [nq, heads, d]
-fn attention_ref(q: &[f32], k: &[f32], v: &[f32], heads: usize, nq: usize, nkv: usize, d: usize, scale: f32) -> Vec<f32> {
+#[allow(clippy::too_many_arguments)]
+fn attention_ref(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    heads: usize,
+    nq: usize,
+    nkv: usize,
+    d: usize,
+    scale: f32,
+) -> Vec<f32> {
     let mut out = vec![0f32; nq * heads * d];
     for h in 0..heads {
         for i in 0..nq {
@@ -85,14 +116,20 @@ fn attention_ref(q: &[f32], k: &[f32], v: &[f32], heads: usize, nq: usize, nkv: 
             let scores: Vec<f64> = (0..nkv)
                 .map(|j| {
                     let kj = &k[(h * nkv + j) * d..(h * nkv + j + 1) * d];
-                    qi.iter().zip(kj).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>() * scale as f64
+                    qi.iter()
+                        .zip(kj)
+                        .map(|(a, b)| *a as f64 * *b as f64)
+                        .sum::<f64>()
+                        * scale as f64
                 })
                 .collect();
             let mx = scores.iter().cloned().fold(f64::MIN, f64::max);
             let e: Vec<f64> = scores.iter().map(|s| (s - mx).exp()).collect();
             let z: f64 = e.iter().sum();
             for t in 0..d {
-                let acc: f64 = (0..nkv).map(|j| e[j] / z * v[(h * nkv + j) * d + t] as f64).sum();
+                let acc: f64 = (0..nkv)
+                    .map(|j| e[j] / z * v[(h * nkv + j) * d + t] as f64)
+                    .sum();
                 out[(i * heads + h) * d + t] = acc as f32;
             }
         }
@@ -156,7 +193,9 @@ fn build_case() -> Case {
     let mm = ctx.mul_mat(&ma, &mb).unwrap();
     let scale = 1.0 / 8.0;
     let fa = ctx.flash_attn_ext(&q, &kk, &vv, None, scale).unwrap();
-    let up = ctx.interpolate(&up_in, 6, 4, Interpolation::Nearest).unwrap();
+    let up = ctx
+        .interpolate(&up_in, 6, 4, Interpolation::Nearest)
+        .unwrap();
 
     let (conv_ref, oh, ow) = conv2d_ref(&xv, c, h, w, &kv, oc, 3, 3, 1, 1);
     assert_eq!(conv.ne(), [ow, oh, oc, 1]);
@@ -188,7 +227,12 @@ fn build_case() -> Case {
         t.set_output();
         graph.build_forward_expand(t).unwrap();
     }
-    Case { ctx, graph, outputs, _weights: weights }
+    Case {
+        ctx,
+        graph,
+        outputs,
+        _weights: weights,
+    }
 }
 
 fn check(case: &Case) {
@@ -214,7 +258,10 @@ fn graph_allocator_path_matches_rust() {
     // Dropping the allocator makes its tensors unreadable instead of dangling.
     let conv = case.outputs[0].1.clone();
     drop(galloc);
-    assert!(matches!(conv.read_f32(), Err(sd_tensor::GgmlError::NotAllocated { .. })));
+    assert!(matches!(
+        conv.read_f32(),
+        Err(sd_tensor::GgmlError::NotAllocated { .. })
+    ));
 }
 
 #[test]
@@ -235,7 +282,10 @@ fn scheduler_path_matches_rust() {
     sched.alloc_graph(&case.graph).unwrap();
     sched.compute(&case.graph).unwrap();
     assert!(sched.n_splits() >= 1);
-    assert_eq!(seen.load(std::sync::atomic::Ordering::Relaxed), case.graph.n_nodes());
+    assert_eq!(
+        seen.load(std::sync::atomic::Ordering::Relaxed),
+        case.graph.n_nodes()
+    );
     check(&case);
 }
 
@@ -257,7 +307,10 @@ fn bad_operands_are_errors_not_aborts() {
     assert!(ctx.new_tensor(DType::Q8_0, &[33]).is_err());
     assert!(ctx.new_tensor(DType::F32, &[usize::MAX, 2]).is_err());
     // Data I/O on an unallocated tensor.
-    assert!(matches!(a.read_f32(), Err(sd_tensor::GgmlError::NotAllocated { .. })));
+    assert!(matches!(
+        a.read_f32(),
+        Err(sd_tensor::GgmlError::NotAllocated { .. })
+    ));
     // Context exhaustion is an error.
     let small = Context::new_descriptors(2, 1, 0).unwrap();
     let mut made = 0;
@@ -306,4 +359,21 @@ fn devices_report_memory() {
     let m = cpu.memory();
     assert!(m.total > 0 && m.free <= m.total);
     assert!(!sd_tensor::ggml::version().is_empty());
+}
+
+#[test]
+fn shared_bytes_buffers_are_zero_copy_and_read_only() {
+    let values: Vec<f32> = (0..64).map(|i| i as f32 - 3.5).collect();
+    let mut bytes: Vec<u8> = Vec::new();
+    bytes.extend(std::iter::repeat_n(0u8, 64));
+    bytes.extend(values.iter().flat_map(|v| v.to_le_bytes()));
+    let shared: sd_tensor::ggml::SharedBytes = std::sync::Arc::new(bytes);
+    let buf = sd_tensor::ggml::Buffer::from_shared_bytes(shared).unwrap();
+    let ctx = Context::new_descriptors(4, 4, 1).unwrap();
+    let t = ctx.new_tensor(DType::F32, &[64]).unwrap();
+    buf.place(&t, 64).unwrap();
+    assert_eq!(t.read_f32().unwrap(), values);
+    assert!(t.write_f32(&values).is_err(), "mapped memory is read-only");
+    drop(buf);
+    assert!(!t.is_allocated());
 }

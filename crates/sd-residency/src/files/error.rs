@@ -254,30 +254,55 @@ impl<'a> Ctx<'a> {
     }
 
     pub fn io(&self, source: io::Error) -> FileError {
-        FileError::Io { path: self.p(), source }
+        FileError::Io {
+            path: self.p(),
+            source,
+        }
     }
 
     pub fn malformed(&self, detail: impl Into<String>) -> FileError {
-        FileError::Malformed { path: self.p(), detail: detail.into() }
+        FileError::Malformed {
+            path: self.p(),
+            detail: detail.into(),
+        }
     }
 
     pub fn unsupported(&self, detail: impl Into<String>) -> FileError {
-        FileError::Unsupported { path: self.p(), detail: detail.into() }
+        FileError::Unsupported {
+            path: self.p(),
+            detail: detail.into(),
+        }
     }
 
     pub fn bad_tensor(&self, tensor: &str, detail: impl Into<String>) -> FileError {
-        FileError::BadTensor { path: self.p(), tensor: tensor.to_string(), detail: detail.into() }
+        FileError::BadTensor {
+            path: self.p(),
+            tensor: tensor.to_string(),
+            detail: detail.into(),
+        }
     }
 
     pub fn truncated(&self, offset: u64, end: u64, len: u64) -> FileError {
-        FileError::Truncated { path: self.p(), offset, end, len }
+        FileError::Truncated {
+            path: self.p(),
+            offset,
+            end,
+            len,
+        }
     }
 
     pub fn unsupported_dtype(&self, tensor: &str, dtype: impl Into<String>) -> FileError {
-        FileError::UnsupportedDType { path: self.p(), tensor: tensor.to_string(), dtype: dtype.into() }
+        FileError::UnsupportedDType {
+            path: self.p(),
+            tensor: tensor.to_string(),
+            dtype: dtype.into(),
+        }
     }
 
     pub fn duplicate(&self, tensor: &str) -> FileError {
-        FileError::DuplicateTensor { path: self.p(), tensor: tensor.to_string() }
+        FileError::DuplicateTensor {
+            path: self.p(),
+            tensor: tensor.to_string(),
+        }
     }
 }

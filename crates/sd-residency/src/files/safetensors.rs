@@ -72,7 +72,11 @@ pub(crate) fn read(src: &dyn Source, ctx: Ctx, file: FileId) -> Result<Safetenso
     let mut cur = Cursor::new(src, ctx, 0, len);
     let header_len = cur.u64()?;
     if header_len > MAX_HEADER_LEN {
-        return Err(FileError::HeaderTooLarge { path: ctx.p(), len: header_len, limit: MAX_HEADER_LEN });
+        return Err(FileError::HeaderTooLarge {
+            path: ctx.p(),
+            len: header_len,
+            limit: MAX_HEADER_LEN,
+        });
     }
     let header = cur.read_vec(header_len)?;
     let data_start = cur.pos();
@@ -92,7 +96,11 @@ pub(crate) fn read(src: &dyn Source, ctx: Ctx, file: FileId) -> Result<Safetenso
             continue;
         }
         let t = tensor(&ctx, &name, &value, file, data_start, data_len)?;
-        spans.push(Span { start: t.offset, end: t.offset + t.size, name: name.clone() });
+        spans.push(Span {
+            start: t.offset,
+            end: t.offset + t.size,
+            name: name.clone(),
+        });
         out.tensors.push(t);
     }
     check_overlaps(&ctx, spans)?;
@@ -120,7 +128,9 @@ fn tensor(
     data_start: u64,
     data_len: u64,
 ) -> Result<TensorStorage, FileError> {
-    let obj = value.as_object().ok_or_else(|| ctx.bad_tensor(name, "header entry is not a JSON object"))?;
+    let obj = value
+        .as_object()
+        .ok_or_else(|| ctx.bad_tensor(name, "header entry is not a JSON object"))?;
     let dtype_name = obj
         .get("dtype")
         .and_then(Value::as_str)
@@ -130,7 +140,11 @@ fn tensor(
         .and_then(Value::as_array)
         .ok_or_else(|| ctx.bad_tensor(name, "missing or non-array `shape`"))?
         .iter()
-        .map(|d| d.as_u64().ok_or_else(|| ctx.bad_tensor(name, format!("dimension {d} is not a non-negative integer"))))
+        .map(|d| {
+            d.as_u64().ok_or_else(|| {
+                ctx.bad_tensor(name, format!("dimension {d} is not a non-negative integer"))
+            })
+        })
         .collect::<Result<Vec<u64>, _>>()?;
     let offsets = obj
         .get("data_offsets")
@@ -143,7 +157,8 @@ fn tensor(
         },
         _ => return Err(ctx.bad_tensor(name, "`data_offsets` must have two entries")),
     };
-    let dtype = dtype_from_name(dtype_name).ok_or_else(|| ctx.unsupported_dtype(name, dtype_name))?;
+    let dtype =
+        dtype_from_name(dtype_name).ok_or_else(|| ctx.unsupported_dtype(name, dtype_name))?;
     let expected = byte_size(ctx, name, dtype, &shape)?;
     let size = end - begin;
     if size != expected {
@@ -157,5 +172,12 @@ fn tensor(
         });
     }
     check_bounds(ctx, name, begin, size, data_len)?;
-    Ok(TensorStorage { name: name.to_string(), dtype, shape, file, offset: data_start + begin, size })
+    Ok(TensorStorage {
+        name: name.to_string(),
+        dtype,
+        shape,
+        file,
+        offset: data_start + begin,
+        size,
+    })
 }

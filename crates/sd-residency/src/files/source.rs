@@ -28,17 +28,35 @@ pub trait Source: Sync {
     }
 }
 
-impl Source for [u8] {
+fn slice_read_at(s: &[u8], offset: u64, buf: &mut [u8]) -> io::Result<()> {
+    let start = usize::try_from(offset).map_err(|_| eof())?;
+    let end = start.checked_add(buf.len()).ok_or_else(eof)?;
+    let src = s.get(start..end).ok_or_else(eof)?;
+    buf.copy_from_slice(src);
+    Ok(())
+}
+
+impl Source for &[u8] {
     fn len(&self) -> u64 {
         <[u8]>::len(self) as u64
     }
 
     fn read_at(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
-        let start = usize::try_from(offset).map_err(|_| eof())?;
-        let end = start.checked_add(buf.len()).ok_or_else(eof)?;
-        let src = self.get(start..end).ok_or_else(eof)?;
-        buf.copy_from_slice(src);
-        Ok(())
+        slice_read_at(self, offset, buf)
+    }
+
+    fn as_slice(&self) -> Option<&[u8]> {
+        Some(self)
+    }
+}
+
+impl Source for Vec<u8> {
+    fn len(&self) -> u64 {
+        <[u8]>::len(self) as u64
+    }
+
+    fn read_at(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
+        slice_read_at(self, offset, buf)
     }
 
     fn as_slice(&self) -> Option<&[u8]> {
@@ -72,7 +90,10 @@ impl Source for FileSource {
 }
 
 fn eof() -> io::Error {
-    io::Error::new(io::ErrorKind::UnexpectedEof, "read past the end of the data")
+    io::Error::new(
+        io::ErrorKind::UnexpectedEof,
+        "read past the end of the data",
+    )
 }
 
 /// Positioned read of exactly `buf.len()` bytes, without moving any shared file cursor.
@@ -113,7 +134,14 @@ impl<'a> Cursor<'a> {
     /// A cursor over `src[start..end]` (`end` clamped to the source length).
     pub fn new(src: &'a dyn Source, ctx: Ctx<'a>, start: u64, end: u64) -> Self {
         let end = end.min(src.len());
-        Cursor { src, ctx, pos: start, end, buf: Vec::new(), buf_start: 0 }
+        Cursor {
+            src,
+            ctx,
+            pos: start,
+            end,
+            buf: Vec::new(),
+            buf_start: 0,
+        }
     }
 
     /// Current absolute position.
@@ -126,13 +154,11 @@ impl<'a> Cursor<'a> {
         self.end.saturating_sub(self.pos)
     }
 
-    /// End of the readable region.
-    pub fn end(&self) -> u64 {
-        self.end
-    }
-
     fn check(&self, n: u64) -> Result<u64, FileError> {
-        let end = self.pos.checked_add(n).ok_or_else(|| self.ctx.truncated(self.pos, u64::MAX, self.end))?;
+        let end = self
+            .pos
+            .checked_add(n)
+            .ok_or_else(|| self.ctx.truncated(self.pos, u64::MAX, self.end))?;
         if end > self.end {
             return Err(self.ctx.truncated(self.pos, end, self.end));
         }
@@ -145,15 +171,6 @@ impl<'a> Cursor<'a> {
         Ok(())
     }
 
-    /// Moves to absolute position `pos` (which must be inside the region).
-    pub fn seek(&mut self, pos: u64) -> Result<(), FileError> {
-        if pos > self.end {
-            return Err(self.ctx.truncated(pos, pos, self.end));
-        }
-        self.pos = pos;
-        Ok(())
-    }
-
     /// Fills `out` from the current position.
     pub fn read_exact(&mut self, out: &mut [u8]) -> Result<(), FileError> {
         let n = out.len() as u64;
@@ -163,13 +180,17 @@ impl<'a> Cursor<'a> {
             let (a, b) = (self.pos as usize, end as usize);
             out.copy_from_slice(&s[a..b]);
         } else if out.len() >= CHUNK {
-            self.src.read_at(self.pos, out).map_err(|e| self.ctx.io(e))?;
+            self.src
+                .read_at(self.pos, out)
+                .map_err(|e| self.ctx.io(e))?;
         } else {
             let buf_end = self.buf_start + self.buf.len() as u64;
             if self.pos < self.buf_start || end > buf_end {
                 let want = (self.end - self.pos).min(CHUNK as u64) as usize;
                 self.buf.resize(want, 0);
-                self.src.read_at(self.pos, &mut self.buf).map_err(|e| self.ctx.io(e))?;
+                self.src
+                    .read_at(self.pos, &mut self.buf)
+                    .map_err(|e| self.ctx.io(e))?;
                 self.buf_start = self.pos;
             }
             let a = (self.pos - self.buf_start) as usize;

@@ -98,7 +98,11 @@ pub(crate) fn is_bare_text_name(rel: &str) -> bool {
 /// The slot-relative canonical name of a transformers `CLIPTextModel(WithProjection)` name;
 /// `None` if it is not one.
 pub(crate) fn transformers_to_canonical(rel: &str) -> Option<String> {
-    if rel.strip_prefix("text_model.").is_some_and(|r| !r.is_empty()) || rel == TEXT_PROJECTION_LINEAR {
+    if rel
+        .strip_prefix("text_model.")
+        .is_some_and(|r| !r.is_empty())
+        || rel == TEXT_PROJECTION_LINEAR
+    {
         return Some(rel.to_owned());
     }
     if is_bare_text_name(rel) {
@@ -117,8 +121,14 @@ pub(crate) enum OpenClipTarget {
 }
 
 const OPENCLIP_TOP: [(&str, &str); 4] = [
-    ("token_embedding.weight", "text_model.embeddings.token_embedding.weight"),
-    ("positional_embedding", "text_model.embeddings.position_embedding.weight"),
+    (
+        "token_embedding.weight",
+        "text_model.embeddings.token_embedding.weight",
+    ),
+    (
+        "positional_embedding",
+        "text_model.embeddings.position_embedding.weight",
+    ),
     ("ln_final.weight", "text_model.final_layer_norm.weight"),
     ("ln_final.bias", "text_model.final_layer_norm.bias"),
 ];
@@ -140,7 +150,9 @@ pub(crate) fn openclip_to_canonical(rel: &str) -> Option<OpenClipTarget> {
     if rel == "text_projection" {
         return Some(OpenClipTarget::Rename(TEXT_PROJECTION_OPENCLIP.to_owned()));
     }
-    let (layer, x) = rel.strip_prefix("transformer.resblocks.").and_then(split_index)?;
+    let (layer, x) = rel
+        .strip_prefix("transformer.resblocks.")
+        .and_then(split_index)?;
     let layer_prefix = format!("text_model.encoder.layers.{layer}.");
     let fused = match x {
         "attn.in_proj_weight" => Some("weight"),
@@ -176,7 +188,9 @@ mod tests {
     fn openclip_names() {
         assert_eq!(
             openclip_to_canonical("transformer.resblocks.7.mlp.c_proj.bias"),
-            Some(OpenClipTarget::Rename("text_model.encoder.layers.7.mlp.fc2.bias".into()))
+            Some(OpenClipTarget::Rename(
+                "text_model.encoder.layers.7.mlp.fc2.bias".into()
+            ))
         );
         assert_eq!(
             openclip_to_canonical("transformer.resblocks.0.attn.in_proj_bias"),
@@ -192,6 +206,9 @@ mod tests {
         );
         assert_eq!(openclip_to_canonical("logit_scale"), None);
         assert_eq!(openclip_to_canonical("visual.proj"), None);
-        assert_eq!(openclip_to_canonical("transformer.resblocks.0.attn.unknown"), None);
+        assert_eq!(
+            openclip_to_canonical("transformer.resblocks.0.attn.unknown"),
+            None
+        );
     }
 }

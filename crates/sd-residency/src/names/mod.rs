@@ -16,8 +16,17 @@
 //! (see `unet.rs` and `vae.rs` for the tables), OpenCLIP text towers (SD2's
 //! `cond_stage_model.model.*`, SDXL's `conditioner.embedders.1.model.*`, with the fused
 //! `in_proj` split into q/k/v by offsets), SDXL's `conditioner.embedders.0.transformer.*`,
-//! and transformers text encoders (see `clip.rs`, which also documents why the text
-//! projection keeps two names).
+//! and transformers text encoders (see `clip.rs`).
+//!
+//! # Two names for the text projection
+//!
+//! OpenCLIP stores the pooled-output projection as a matrix `P`, `[width, proj]`, applied as
+//! `x @ P`; transformers stores a `Linear` weight `W = P^T`, `[proj, width]`. For bigG both
+//! are `[1280, 1280]`: the shape cannot tell them apart and a rename cannot transpose. So
+//! they keep distinct canonical names under the slot prefix: [`TEXT_PROJECTION_OPENCLIP`]
+//! `text_model.text_projection` (holds `P`; stable-diffusion.cpp's name) and
+//! [`TEXT_PROJECTION_LINEAR`] `text_projection.weight` (holds `W`). A model must accept
+//! either and transpose `P`.
 //!
 //! # Where diffusers names may come from
 //!
@@ -119,16 +128,25 @@ pub struct Conversion {
 /// Names already canonical and names this module does not know pass unchanged. Returns
 /// [`NameError::Collision`] when two tensors end up with one name and [`NameError::Split`]
 /// when a fused OpenCLIP `in_proj` does not split in three.
-pub fn convert_to_canonical(storages: Vec<TensorStorage>, version: Option<SdVersion>) -> Result<Vec<TensorStorage>, NameError> {
+pub fn convert_to_canonical(
+    storages: Vec<TensorStorage>,
+    version: Option<SdVersion>,
+) -> Result<Vec<TensorStorage>, NameError> {
     convert_to_canonical_report(storages, version).map(|c| c.tensors)
 }
 
 /// [`convert_to_canonical`], also reporting what was renamed, reshaped and split.
-pub fn convert_to_canonical_report(storages: Vec<TensorStorage>, version: Option<SdVersion>) -> Result<Conversion, NameError> {
+pub fn convert_to_canonical_report(
+    storages: Vec<TensorStorage>,
+    version: Option<SdVersion>,
+) -> Result<Conversion, NameError> {
     let version = version.or_else(|| detect_version_of(&storages));
     let bare = BareMarkers::scan(&storages);
     let dit = version.is_some_and(|v| !v.is_unet());
-    let plans: Vec<Plan> = storages.iter().map(|s| classify(&s.name, &bare, dit)).collect();
+    let plans: Vec<Plan> = storages
+        .iter()
+        .map(|s| classify(&s.name, &bare, dit))
+        .collect();
 
     let rels = |want: fn(&Plan) -> Option<usize>| {
         plans
@@ -146,25 +164,31 @@ pub fn convert_to_canonical_report(storages: Vec<TensorStorage>, version: Option
             _ => None,
         })
     };
-    let keep_vae = version == Some(SdVersion::QwenImage) || vae_rels().any(vae::is_foreign_vae_marker);
+    let keep_vae =
+        version == Some(SdVersion::QwenImage) || vae_rels().any(vae::is_foreign_vae_marker);
     let vae_layout = VaeLayout::scan(vae_rels());
 
-    let mut out = Conversion { tensors: Vec::with_capacity(storages.len()), ..Conversion::default() };
+    let mut out = Conversion {
+        tensors: Vec::with_capacity(storages.len()),
+        ..Conversion::default()
+    };
     let mut sources: HashMap<String, String> = HashMap::with_capacity(storages.len());
     for (mut storage, plan) in storages.into_iter().zip(plans) {
         let source = storage.name.clone();
         let target = match plan {
             Plan::Keep => Target::Name(source.clone()),
-            Plan::Unet(start) => match unet::diffusers_to_original(&source[start..], &unet_layout) {
-                Some(c) => Target::Name(format!("{UNET_PREFIX}{c}")),
-                None => Target::Name(source.clone()),
-            },
+            Plan::Unet(start) => {
+                match unet::diffusers_to_original(&source[start..], &unet_layout) {
+                    Some(c) => Target::Name(format!("{UNET_PREFIX}{c}")),
+                    None => Target::Name(source.clone()),
+                }
+            }
             Plan::UnetPrefix => Target::Name(format!("{UNET_PREFIX}{source}")),
             Plan::Vae(_) if keep_vae => Target::Name(source.clone()),
             Plan::Vae(start) => {
                 let rel = &source[start..];
                 let canonical_rel = vae::diffusers_to_original(rel, vae_layout)
-                    .or_else(|| vae::is_vae_name(rel).then(|| rel.to_owned()));
+                    .or_else(|| vae::is_original_name(rel).then(|| rel.to_owned()));
                 match canonical_rel {
                     Some(c) => {
                         if vae::needs_conv_view(&c) && storage.shape.len() == 2 {
@@ -176,13 +200,17 @@ pub fn convert_to_canonical_report(storages: Vec<TensorStorage>, version: Option
                     None => Target::Name(source.clone()),
                 }
             }
-            Plan::ClipTransformers(slot, start) => match clip::transformers_to_canonical(&source[start..]) {
-                Some(c) => Target::Name(format!("{}{c}", slot.prefix())),
-                None => Target::Name(source.clone()),
-            },
+            Plan::ClipTransformers(slot, start) => {
+                match clip::transformers_to_canonical(&source[start..]) {
+                    Some(c) => Target::Name(format!("{}{c}", slot.prefix())),
+                    None => Target::Name(source.clone()),
+                }
+            }
             Plan::ClipOpen(slot, start) => match clip::openclip_to_canonical(&source[start..]) {
                 Some(OpenClipTarget::Rename(c)) => Target::Name(format!("{}{c}", slot.prefix())),
-                Some(OpenClipTarget::Split(parts)) => Target::Split(parts.map(|p| format!("{}{p}", slot.prefix()))),
+                Some(OpenClipTarget::Split(parts)) => {
+                    Target::Split(parts.map(|p| format!("{}{p}", slot.prefix())))
+                }
                 None => Target::Name(source.clone()),
             },
         };
@@ -196,11 +224,13 @@ pub fn convert_to_canonical_report(storages: Vec<TensorStorage>, version: Option
                 out.tensors.push(storage);
             }
             Target::Split(names) => {
-                let parts = storage.split_outer(3, &names).ok_or_else(|| NameError::Split {
-                    name: source.clone(),
-                    shape: storage.shape.clone(),
-                    size: storage.size,
-                })?;
+                let parts = storage
+                    .split_outer(3, &names)
+                    .ok_or_else(|| NameError::Split {
+                        name: source.clone(),
+                        shape: storage.shape.clone(),
+                        size: storage.size,
+                    })?;
                 for part in parts {
                     claim(&mut sources, &part.name, &source)?;
                     out.tensors.push(part);
@@ -213,7 +243,11 @@ pub fn convert_to_canonical_report(storages: Vec<TensorStorage>, version: Option
 }
 
 /// Records that `source` maps to `target`, failing if another source already does.
-fn claim(sources: &mut HashMap<String, String>, target: &str, source: &str) -> Result<(), NameError> {
+fn claim(
+    sources: &mut HashMap<String, String>,
+    target: &str,
+    source: &str,
+) -> Result<(), NameError> {
     if let Some(first) = sources.get(target) {
         return Err(NameError::Collision {
             target: target.to_owned(),
@@ -267,7 +301,8 @@ impl BareMarkers {
                 "conv_in.weight" => m.unet_diffusers = true,
                 "input_blocks.0.0.weight" => m.unet_original = true,
                 "encoder.conv_in.weight" | "decoder.conv_in.weight" => m.vae = true,
-                "text_model.embeddings.token_embedding.weight" | "embeddings.token_embedding.weight" => {
+                "text_model.embeddings.token_embedding.weight"
+                | "embeddings.token_embedding.weight" => {
                     m.text_bare |= !s.name.starts_with("text_model.");
                     if s.shape.len() == 2 {
                         m.text_hidden = Some(s.shape[1]);
@@ -288,14 +323,22 @@ fn classify(name: &str, bare: &BareMarkers, dit: bool) -> Plan {
         return Plan::Vae(VAE_PREFIX.len());
     }
     if let Some(rel) = name.strip_prefix(DIFFUSERS_VAE) {
-        return if vae::is_vae_name(rel) { Plan::Vae(DIFFUSERS_VAE.len()) } else { Plan::Keep };
+        return if vae::is_vae_name(rel) {
+            Plan::Vae(DIFFUSERS_VAE.len())
+        } else {
+            Plan::Keep
+        };
     }
     if dit {
         return Plan::Keep;
     }
     for prefix in [UNET_PREFIX, DIFFUSERS_UNET] {
         if let Some(rel) = name.strip_prefix(prefix) {
-            return if unet::is_diffusers_name(rel) { Plan::Unet(prefix.len()) } else { Plan::Keep };
+            return if unet::is_diffusers_name(rel) {
+                Plan::Unet(prefix.len())
+            } else {
+                Plan::Keep
+            };
         }
     }
     let slots = [
@@ -315,7 +358,10 @@ fn classify(name: &str, bare: &BareMarkers, dit: bool) -> Plan {
             };
         }
     }
-    if let Some((_, rest)) = name.strip_prefix("conditioner.embedders.").and_then(split_index) {
+    if let Some((_, rest)) = name
+        .strip_prefix("conditioner.embedders.")
+        .and_then(split_index)
+    {
         let start = name.len() - rest.len();
         if rest.starts_with("transformer.") {
             return Plan::ClipTransformers(Slot::First, start + "transformer.".len());
@@ -349,7 +395,9 @@ fn classify(name: &str, bare: &BareMarkers, dit: bool) -> Plan {
 /// zero), `rest` may be empty.
 pub(crate) fn split_index(s: &str) -> Option<(u64, &str)> {
     let (idx, rest) = s.split_once('.')?;
-    let plain = !idx.is_empty() && idx.bytes().all(|b| b.is_ascii_digit()) && (idx == "0" || !idx.starts_with('0'));
+    let plain = !idx.is_empty()
+        && idx.bytes().all(|b| b.is_ascii_digit())
+        && (idx == "0" || !idx.starts_with('0'));
     if !plain {
         return None;
     }

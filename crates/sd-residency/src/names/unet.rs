@@ -52,9 +52,16 @@ pub(crate) fn is_diffusers_name(rel: &str) -> bool {
 
 /// Whether `rel` (a name relative to the UNet) starts like an original UNet name.
 pub(crate) fn is_original_name(rel: &str) -> bool {
-    ["input_blocks.", "middle_block.", "output_blocks.", "time_embed.", "label_emb.", "out."]
-        .iter()
-        .any(|h| rel.starts_with(h))
+    [
+        "input_blocks.",
+        "middle_block.",
+        "output_blocks.",
+        "time_embed.",
+        "label_emb.",
+        "out.",
+    ]
+    .iter()
+    .any(|h| rel.starts_with(h))
 }
 
 /// The block structure of a diffusers UNet, read from its own names.
@@ -68,7 +75,10 @@ pub(crate) struct UnetLayout {
 
 impl Default for UnetLayout {
     fn default() -> Self {
-        UnetLayout { layers_per_block: 2, up_blocks_with_attention: BTreeSet::new() }
+        UnetLayout {
+            layers_per_block: 2,
+            up_blocks_with_attention: BTreeSet::new(),
+        }
     }
 }
 
@@ -98,7 +108,10 @@ impl UnetLayout {
         } else {
             2
         };
-        UnetLayout { layers_per_block, up_blocks_with_attention: with_attention }
+        UnetLayout {
+            layers_per_block,
+            up_blocks_with_attention: with_attention,
+        }
     }
 }
 
@@ -142,13 +155,19 @@ pub(crate) fn diffusers_to_original(rel: &str, layout: &UnetLayout) -> Option<St
             if j >= l {
                 return None;
             }
-            return resnet(format!("input_blocks.{}.0.", base.checked_add(j)?.checked_add(1)?), x);
+            return resnet(
+                format!("input_blocks.{}.0.", base.checked_add(j)?.checked_add(1)?),
+                x,
+            );
         }
         if let Some((j, x)) = rest.strip_prefix("attentions.").and_then(split_index) {
             if j >= l || x.is_empty() {
                 return None;
             }
-            return Some(format!("input_blocks.{}.1.{x}", base.checked_add(j)?.checked_add(1)?));
+            return Some(format!(
+                "input_blocks.{}.1.{x}",
+                base.checked_add(j)?.checked_add(1)?
+            ));
         }
         let x = rest.strip_prefix("downsamplers.0.conv.")?;
         let index = base.checked_add(stride)?;
@@ -169,7 +188,11 @@ pub(crate) fn diffusers_to_original(rel: &str, layout: &UnetLayout) -> Option<St
             return Some(format!("output_blocks.{}.1.{x}", base.checked_add(j)?));
         }
         let x = rest.strip_prefix("upsamplers.0.")?;
-        let slot = if layout.up_blocks_with_attention.contains(&i) { 2 } else { 1 };
+        let slot = if layout.up_blocks_with_attention.contains(&i) {
+            2
+        } else {
+            1
+        };
         let index = base.checked_add(l)?;
         return (!x.is_empty()).then(|| format!("output_blocks.{index}.{slot}.{x}"));
     }
@@ -189,7 +212,10 @@ mod tests {
     use super::*;
 
     fn sd1() -> UnetLayout {
-        UnetLayout::scan(["down_blocks.0.resnets.1.conv1.weight", "up_blocks.1.attentions.0.proj_in.weight"])
+        UnetLayout::scan([
+            "down_blocks.0.resnets.1.conv1.weight",
+            "up_blocks.1.attentions.0.proj_in.weight",
+        ])
     }
 
     #[test]
@@ -204,7 +230,10 @@ mod tests {
     fn maps_structure() {
         let l = sd1();
         let m = |n: &str| diffusers_to_original(n, &l);
-        assert_eq!(m("conv_in.weight").as_deref(), Some("input_blocks.0.0.weight"));
+        assert_eq!(
+            m("conv_in.weight").as_deref(),
+            Some("input_blocks.0.0.weight")
+        );
         assert_eq!(
             m("down_blocks.1.resnets.0.conv_shortcut.weight").as_deref(),
             Some("input_blocks.4.0.skip_connection.weight")
@@ -213,8 +242,14 @@ mod tests {
             m("down_blocks.2.downsamplers.0.conv.bias").as_deref(),
             Some("input_blocks.9.0.op.bias")
         );
-        assert_eq!(m("up_blocks.0.upsamplers.0.conv.weight").as_deref(), Some("output_blocks.2.1.conv.weight"));
-        assert_eq!(m("up_blocks.1.upsamplers.0.conv.weight").as_deref(), Some("output_blocks.5.2.conv.weight"));
+        assert_eq!(
+            m("up_blocks.0.upsamplers.0.conv.weight").as_deref(),
+            Some("output_blocks.2.1.conv.weight")
+        );
+        assert_eq!(
+            m("up_blocks.1.upsamplers.0.conv.weight").as_deref(),
+            Some("output_blocks.5.2.conv.weight")
+        );
         assert_eq!(
             m("mid_block.resnets.1.time_emb_proj.weight").as_deref(),
             Some("middle_block.2.emb_layers.1.weight")
@@ -234,7 +269,13 @@ mod tests {
         assert_eq!(m("down_blocks.0.resnets.0.weird.weight"), None);
         assert_eq!(m("mid_block.resnets.2.conv1.weight"), None);
         assert_eq!(m("down_blocks.x.resnets.0.conv1.weight"), None);
-        assert_eq!(m("down_blocks.99999999999999999999.resnets.0.conv1.weight"), None);
-        assert_eq!(m("down_blocks.18446744073709551615.attentions.0.norm.weight"), None);
+        assert_eq!(
+            m("down_blocks.99999999999999999999.resnets.0.conv1.weight"),
+            None
+        );
+        assert_eq!(
+            m("down_blocks.18446744073709551615.attentions.0.norm.weight"),
+            None
+        );
     }
 }

@@ -26,29 +26,38 @@ use super::{split_index, swap_prefix};
 /// The canonical prefix of the autoencoder.
 pub const VAE_PREFIX: &str = "first_stage_model.";
 
-/// Sub-module heads inside `encoder.` / `decoder.` in either layout.
-const SIDE_HEADS: [&str; 9] = [
+/// Sub-module heads inside `encoder.` / `decoder.` of the diffusers layout (with `mid_block.`).
+const SIDE_HEADS: [&str; 5] = [
     "conv_in.",
-    "conv_out.",
     "conv_norm_out.",
-    "norm_out.",
     "down_blocks.",
     "up_blocks.",
     "mid_block.",
-    "down.",
-    "up.",
 ];
+
+/// Sub-module heads inside `encoder.` / `decoder.` in the original layout.
+const ORIGINAL_SIDE_HEADS: [&str; 6] =
+    ["conv_in.", "conv_out.", "norm_out.", "down.", "up.", "mid."];
 
 /// Whether `rel` (a name relative to the autoencoder) looks like an autoencoder tensor in
 /// either layout.
 pub(crate) fn is_vae_name(rel: &str) -> bool {
+    is_original_name(rel)
+        || side_inner(rel).is_some_and(|inner| SIDE_HEADS.iter().any(|h| inner.starts_with(h)))
+}
+
+/// Whether `rel` (a name relative to the autoencoder) is an original-layout autoencoder name.
+pub(crate) fn is_original_name(rel: &str) -> bool {
     if rel.starts_with("quant_conv.") || rel.starts_with("post_quant_conv.") {
         return true;
     }
-    let Some(inner) = rel.strip_prefix("encoder.").or_else(|| rel.strip_prefix("decoder.")) else {
-        return false;
-    };
-    SIDE_HEADS.iter().any(|h| inner.starts_with(h)) || inner.starts_with("mid.")
+    side_inner(rel).is_some_and(|inner| ORIGINAL_SIDE_HEADS.iter().any(|h| inner.starts_with(h)))
+}
+
+/// The part of `rel` after `encoder.` or `decoder.`.
+fn side_inner(rel: &str) -> Option<&str> {
+    rel.strip_prefix("encoder.")
+        .or_else(|| rel.strip_prefix("decoder."))
 }
 
 /// Whether `rel` marks a non-KL autoencoder (the Wan / Qwen-Image video VAE), whose diffusers
@@ -78,7 +87,9 @@ impl VaeLayout {
             .filter_map(|n| n.strip_prefix("decoder.up_blocks.").and_then(split_index))
             .map(|(i, _)| i.saturating_add(1))
             .max();
-        VaeLayout { up_blocks: up_blocks.unwrap_or(4) }
+        VaeLayout {
+            up_blocks: up_blocks.unwrap_or(4),
+        }
     }
 }
 
@@ -116,18 +127,32 @@ pub(crate) fn diffusers_to_original(rel: &str, layout: VaeLayout) -> Option<Stri
     };
     let mapped = if let Some(x) = inner.strip_prefix("conv_norm_out.") {
         format!("norm_out.{x}")
-    } else if let Some((i, rest)) = inner.strip_prefix("down_blocks.").and_then(split_index) {
+    } else if let Some((i, rest)) = inner
+        .strip_prefix("down_blocks.")
+        .and_then(split_index)
+        .filter(|_| side == "encoder.")
+    {
         if let Some((j, x)) = rest.strip_prefix("resnets.").and_then(split_index) {
             resnet(format!("down.{i}.block.{j}."), x)?
         } else {
-            format!("down.{i}.downsample.{}", rest.strip_prefix("downsamplers.0.")?)
+            format!(
+                "down.{i}.downsample.{}",
+                rest.strip_prefix("downsamplers.0.")?
+            )
         }
-    } else if let Some((i, rest)) = inner.strip_prefix("up_blocks.").and_then(split_index) {
+    } else if let Some((i, rest)) = inner
+        .strip_prefix("up_blocks.")
+        .and_then(split_index)
+        .filter(|_| side == "decoder.")
+    {
         let level = layout.up_blocks.checked_sub(1)?.checked_sub(i)?;
         if let Some((j, x)) = rest.strip_prefix("resnets.").and_then(split_index) {
             resnet(format!("up.{level}.block.{j}."), x)?
         } else {
-            format!("up.{level}.upsample.{}", rest.strip_prefix("upsamplers.0.")?)
+            format!(
+                "up.{level}.upsample.{}",
+                rest.strip_prefix("upsamplers.0.")?
+            )
         }
     } else if let Some(rest) = inner.strip_prefix("mid_block.resnets.") {
         match split_index(rest)? {
@@ -148,12 +173,18 @@ pub(crate) fn diffusers_to_original(rel: &str, layout: VaeLayout) -> Option<Stri
 /// Whether the original autoencoder-relative name `rel` is a mid-block attention projection
 /// weight, which the original layout stores as a 1x1 convolution `[C, C, 1, 1]`.
 pub(crate) fn needs_conv_view(rel: &str) -> bool {
-    let Some(inner) = rel.strip_prefix("encoder.").or_else(|| rel.strip_prefix("decoder.")) else {
+    let Some(inner) = rel
+        .strip_prefix("encoder.")
+        .or_else(|| rel.strip_prefix("decoder."))
+    else {
         return false;
     };
     matches!(
         inner,
-        "mid.attn_1.q.weight" | "mid.attn_1.k.weight" | "mid.attn_1.v.weight" | "mid.attn_1.proj_out.weight"
+        "mid.attn_1.q.weight"
+            | "mid.attn_1.k.weight"
+            | "mid.attn_1.v.weight"
+            | "mid.attn_1.proj_out.weight"
     )
 }
 
@@ -185,10 +216,15 @@ mod tests {
             m("decoder.mid_block.attentions.0.to_out.0.bias").as_deref(),
             Some("decoder.mid.attn_1.proj_out.bias")
         );
-        assert_eq!(m("encoder.conv_norm_out.weight").as_deref(), Some("encoder.norm_out.weight"));
+        assert_eq!(
+            m("encoder.conv_norm_out.weight").as_deref(),
+            Some("encoder.norm_out.weight")
+        );
         assert_eq!(m("decoder.up_blocks.4.resnets.0.conv1.weight"), None);
         assert_eq!(m("encoder.down.0.block.0.conv1.weight"), None);
         assert_eq!(m("encoder.mid_block.attentions.0.to_q."), None);
+        assert_eq!(m("encoder.up_blocks.0.resnets.0.conv1.weight"), None);
+        assert_eq!(m("decoder.down_blocks.0.resnets.0.conv1.weight"), None);
     }
 
     #[test]
@@ -202,8 +238,17 @@ mod tests {
     fn classifies() {
         assert!(is_vae_name("encoder.down.0.block.0.conv1.weight"));
         assert!(is_vae_name("post_quant_conv.bias"));
-        assert!(!is_vae_name("encoder.block.0.layer.0.SelfAttention.q.weight"));
+        assert!(!is_vae_name(
+            "encoder.block.0.layer.0.SelfAttention.q.weight"
+        ));
         assert!(!is_vae_name("encoder.final_layer_norm.weight"));
-        assert!(is_foreign_vae_marker("decoder.up_blocks.0.resnets.0.norm1.gamma"));
+        assert!(is_foreign_vae_marker(
+            "decoder.up_blocks.0.resnets.0.norm1.gamma"
+        ));
+        assert!(is_vae_name("decoder.mid_block.resnets.0.conv1.weight"));
+        assert!(!is_original_name(
+            "decoder.mid_block.resnets.0.conv1.weight"
+        ));
+        assert!(is_original_name("decoder.mid.block_1.conv1.weight"));
     }
 }

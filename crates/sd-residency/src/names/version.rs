@@ -1,26 +1,6 @@
 //! Model family detection from tensor names and shapes.
 //!
-//! Detection looks at a handful of characteristic tensors and works on the original
-//! single-file names and on the diffusers names alike, with or without the component
-//! prefixes (`model.diffusion_model.`, `unet.`, `transformer.`, or none):
-//!
-//! | family | evidence |
-//! |---|---|
-//! | Qwen-Image | `transformer_blocks.N.img_mod.1.weight` |
-//! | Flux.2 | `double_stream_modulation_img.*` |
-//! | Flux.1 | `double_blocks.*` / `single_blocks.*` (original), `single_transformer_blocks.*` (diffusers); Fill when the image input takes 384 channels |
-//! | SD3 / SD3.5 | `joint_blocks.*` (original), `pos_embed.proj.weight` with `transformer_blocks.*` (diffusers) |
-//! | SDXL | `label_emb.*` / `add_embedding.*`, or a 2048-wide cross-attention context, or a second text encoder |
-//! | SDXL refiner | `label_emb.*` with a 1280-wide cross-attention context |
-//! | SD2.x | 1024-wide cross-attention context (`attn2.to_k.weight` is `[inner, 1024]`), else an OpenCLIP / 1024-wide text encoder |
-//! | SD1.x | 768-wide cross-attention context, else a 768-wide text encoder |
-//!
-//! The UNet variants come from the input channels of `input_blocks.0.0.weight` /
-//! `conv_in.weight`: 4 is the base model, 9 inpainting, 8 InstructPix2Pix.
-//!
-//! What the weights cannot tell: the prediction type. SD2.x 768-v (v-prediction) and SD2.x
-//! 512-base (epsilon) have identical tensors, as do v-prediction fine-tunes of SD1.x/SDXL;
-//! the caller must get it from metadata, a config file or the user.
+//! See [`detect_version`] for the evidence used.
 
 use std::fmt;
 
@@ -82,7 +62,10 @@ impl SdVersion {
 
     /// SD1.x and its UNet variants.
     pub fn is_sd1(self) -> bool {
-        matches!(self, SdVersion::Sd1 | SdVersion::Sd1Inpaint | SdVersion::Sd1Pix2Pix)
+        matches!(
+            self,
+            SdVersion::Sd1 | SdVersion::Sd1Inpaint | SdVersion::Sd1Pix2Pix
+        )
     }
 
     /// SD2.x and its UNet variants.
@@ -94,13 +77,19 @@ impl SdVersion {
     pub fn is_sdxl(self) -> bool {
         matches!(
             self,
-            SdVersion::Sdxl | SdVersion::SdxlInpaint | SdVersion::SdxlPix2Pix | SdVersion::SdxlRefiner
+            SdVersion::Sdxl
+                | SdVersion::SdxlInpaint
+                | SdVersion::SdxlPix2Pix
+                | SdVersion::SdxlRefiner
         )
     }
 
     /// The Flux family.
     pub fn is_flux(self) -> bool {
-        matches!(self, SdVersion::Flux | SdVersion::FluxFill | SdVersion::Flux2)
+        matches!(
+            self,
+            SdVersion::Flux | SdVersion::FluxFill | SdVersion::Flux2
+        )
     }
 
     /// Whether the diffusion model is an LDM UNet (SD1, SD2, SDXL) rather than a DiT.
@@ -110,7 +99,10 @@ impl SdVersion {
 
     /// Whether this is an inpainting UNet (9 input channels).
     pub fn is_inpaint(self) -> bool {
-        matches!(self, SdVersion::Sd1Inpaint | SdVersion::Sd2Inpaint | SdVersion::SdxlInpaint)
+        matches!(
+            self,
+            SdVersion::Sd1Inpaint | SdVersion::Sd2Inpaint | SdVersion::SdxlInpaint
+        )
     }
 
     /// The cross-attention context width of the UNet families, `None` for DiTs.
@@ -137,7 +129,12 @@ impl fmt::Display for SdVersion {
 
 /// Prefixes under which a diffusion model's own names may appear; the empty prefix (bare
 /// names, a diffusers `unet/` or `transformer/` file) is tried last.
-const DIFFUSION_PREFIXES: [&str; 4] = ["model.diffusion_model.", "diffusion_model.", "unet.", "transformer."];
+const DIFFUSION_PREFIXES: [&str; 4] = [
+    "model.diffusion_model.",
+    "diffusion_model.",
+    "unet.",
+    "transformer.",
+];
 
 /// Everything detection learns in one pass over the names.
 #[derive(Default, Debug)]
@@ -307,13 +304,34 @@ fn is_qwen_image_modulation(rel: &str) -> bool {
 
 /// Detects the model family from tensor names and shapes (outermost dimension first).
 ///
-/// Works on original single-file names and on diffusers names, with or without the
-/// component prefixes; see the [module documentation](self) for the evidence used. Returns
-/// `None` when the tensors hold no diffusion model of a known family (a VAE or a text
-/// encoder alone, an upscaler, a LoRA) or the evidence is contradictory, e.g. a UNet with an
-/// unusual number of input channels. The prediction type (epsilon or v) is never detected:
-/// it is not in the weights.
-pub fn detect_version<'a>(tensors: impl IntoIterator<Item = (&'a str, &'a [u64])>) -> Option<SdVersion> {
+/// Detection looks at a handful of characteristic tensors and works on the original
+/// single-file names and on the diffusers names alike, with or without the component
+/// prefixes (`model.diffusion_model.`, `unet.`, `transformer.`, or none):
+///
+/// | family | evidence |
+/// |---|---|
+/// | Qwen-Image | `transformer_blocks.N.img_mod.1.weight` |
+/// | Flux.2 | `double_stream_modulation_img.*` |
+/// | Flux.1 | `double_blocks.*` / `single_blocks.*` (original), `single_transformer_blocks.*` (diffusers); Fill when the image input takes 384 channels |
+/// | SD3 / SD3.5 | `joint_blocks.*` (original), `pos_embed.proj.weight` with `transformer_blocks.*` (diffusers) |
+/// | SDXL | `label_emb.*` / `add_embedding.*`, or a 2048-wide cross-attention context, or a second text encoder |
+/// | SDXL refiner | `label_emb.*` with a 1280-wide cross-attention context |
+/// | SD2.x | 1024-wide cross-attention context (`attn2.to_k.weight` is `[inner, 1024]`), else an OpenCLIP / 1024-wide text encoder |
+/// | SD1.x | 768-wide cross-attention context, else a 768-wide text encoder |
+///
+/// The UNet variants come from the input channels of `input_blocks.0.0.weight` /
+/// `conv_in.weight`: 4 is the base model, 9 inpainting, 8 InstructPix2Pix.
+///
+/// What the weights cannot tell: the prediction type. SD2.x 768-v (v-prediction) and SD2.x
+/// 512-base (epsilon) have identical tensors, as do v-prediction fine-tunes of SD1.x/SDXL;
+/// the caller must get it from metadata, a config file or the user.
+///
+/// Returns `None` when the tensors hold no diffusion model of a known family (a VAE or a
+/// text encoder alone, an upscaler, a LoRA, HunyuanVideo) or the evidence is contradictory,
+/// e.g. a UNet with an unusual number of input channels (SD2 depth-to-image's 5).
+pub fn detect_version<'a>(
+    tensors: impl IntoIterator<Item = (&'a str, &'a [u64])>,
+) -> Option<SdVersion> {
     let mut evidence = Evidence::default();
     for (name, shape) in tensors {
         evidence.observe(name, shape);
@@ -323,7 +341,11 @@ pub fn detect_version<'a>(tensors: impl IntoIterator<Item = (&'a str, &'a [u64])
 
 /// [`detect_version`] over a storage list.
 pub fn detect_version_of(storages: &[crate::TensorStorage]) -> Option<SdVersion> {
-    detect_version(storages.iter().map(|s| (s.name.as_str(), s.shape.as_slice())))
+    detect_version(
+        storages
+            .iter()
+            .map(|s| (s.name.as_str(), s.shape.as_slice())),
+    )
 }
 
 #[cfg(test)]
@@ -336,21 +358,33 @@ mod tests {
 
     #[test]
     fn qwen_image_modulation_name() {
-        assert!(is_qwen_image_modulation("transformer_blocks.12.img_mod.1.weight"));
-        assert!(!is_qwen_image_modulation("transformer_blocks..img_mod.1.weight"));
-        assert!(!is_qwen_image_modulation("transformer_blocks.1.img_mod.1.bias"));
+        assert!(is_qwen_image_modulation(
+            "transformer_blocks.12.img_mod.1.weight"
+        ));
+        assert!(!is_qwen_image_modulation(
+            "transformer_blocks..img_mod.1.weight"
+        ));
+        assert!(!is_qwen_image_modulation(
+            "transformer_blocks.1.img_mod.1.bias"
+        ));
     }
 
     #[test]
     fn nothing_known_is_none() {
         assert_eq!(detect(&[]), None);
-        assert_eq!(detect(&[("first_stage_model.decoder.conv_in.weight", &[512, 4, 3, 3])]), None);
+        assert_eq!(
+            detect(&[("first_stage_model.decoder.conv_in.weight", &[512, 4, 3, 3])]),
+            None
+        );
     }
 
     #[test]
     fn unusual_channel_count_is_none() {
         let t: &[(&str, &[u64])] = &[
-            ("model.diffusion_model.input_blocks.0.0.weight", &[320, 5, 3, 3]),
+            (
+                "model.diffusion_model.input_blocks.0.0.weight",
+                &[320, 5, 3, 3],
+            ),
             (
                 "model.diffusion_model.input_blocks.1.1.transformer_blocks.0.attn2.to_k.weight",
                 &[320, 1024],
@@ -362,8 +396,14 @@ mod tests {
     #[test]
     fn context_from_text_encoder_when_no_attention() {
         let t: &[(&str, &[u64])] = &[
-            ("model.diffusion_model.input_blocks.0.0.weight", &[320, 4, 3, 3]),
-            ("cond_stage_model.model.token_embedding.weight", &[49408, 1024]),
+            (
+                "model.diffusion_model.input_blocks.0.0.weight",
+                &[320, 4, 3, 3],
+            ),
+            (
+                "cond_stage_model.model.token_embedding.weight",
+                &[49408, 1024],
+            ),
         ];
         assert_eq!(detect(t), Some(SdVersion::Sd2));
     }

@@ -24,7 +24,12 @@ unsafe impl Send for Gallocr {}
 
 impl std::fmt::Debug for Gallocr {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Gallocr({}, {} bytes)", self.buft.name(), self.buffer_size())
+        write!(
+            f,
+            "Gallocr({}, {} bytes)",
+            self.buft.name(),
+            self.buffer_size()
+        )
     }
 }
 
@@ -41,8 +46,16 @@ impl Gallocr {
     pub fn new(buft: BufferType) -> Result<Gallocr> {
         // SAFETY: live buffer type.
         let p = unsafe { sys::ggml_gallocr_new(buft.raw()) };
-        let ptr = NonNull::new(p).ok_or_else(|| GgmlError::AllocationFailed { what: "gallocr".into(), buffer_type: buft.name(), bytes: 0 })?;
-        Ok(Gallocr { ptr, buft, allocated: Vec::new() })
+        let ptr = NonNull::new(p).ok_or_else(|| GgmlError::AllocationFailed {
+            what: "gallocr".into(),
+            buffer_type: buft.name(),
+            bytes: 0,
+        })?;
+        Ok(Gallocr {
+            ptr,
+            buft,
+            allocated: Vec::new(),
+        })
     }
 
     fn forget_allocations(&mut self) {
@@ -57,7 +70,11 @@ impl Gallocr {
         // SAFETY: live allocator and graph.
         let ok = unsafe { sys::ggml_gallocr_reserve(self.ptr.as_ptr(), graph.raw()) };
         if !ok {
-            return Err(GgmlError::AllocationFailed { what: "compute buffer reservation".into(), buffer_type: self.buft.name(), bytes: self.measure(graph) });
+            return Err(GgmlError::AllocationFailed {
+                what: "compute buffer reservation".into(),
+                buffer_type: self.buft.name(),
+                bytes: self.measure(graph),
+            });
         }
         Ok(self.buffer_size())
     }
@@ -67,7 +84,13 @@ impl Gallocr {
         let mut size = 0usize;
         // SAFETY: one buffer type, so one size; the node/leaf buffer ids may be null.
         unsafe {
-            sys::ggml_gallocr_reserve_n_size(self.ptr.as_ptr(), graph.raw(), std::ptr::null(), std::ptr::null(), &mut size);
+            sys::ggml_gallocr_reserve_n_size(
+                self.ptr.as_ptr(),
+                graph.raw(),
+                std::ptr::null(),
+                std::ptr::null(),
+                &mut size,
+            );
         }
         size
     }
@@ -82,7 +105,11 @@ impl Gallocr {
             for t in &pending {
                 t.clear_allocation();
             }
-            return Err(GgmlError::AllocationFailed { what: "compute graph".into(), buffer_type: self.buft.name(), bytes: self.measure(graph) });
+            return Err(GgmlError::AllocationFailed {
+                what: "compute graph".into(),
+                buffer_type: self.buft.name(),
+                bytes: self.measure(graph),
+            });
         }
         self.allocated = pending;
         Ok(())

@@ -90,7 +90,9 @@ impl Device {
     pub fn cpu() -> Result<Device> {
         // SAFETY: registry query.
         let p = unsafe { sys::ggml_backend_dev_by_type(sys::GGML_BACKEND_DEVICE_TYPE_CPU) };
-        NonNull::new(p).map(|ptr| Device { ptr }).ok_or_else(|| GgmlError::NoSuchBackend("CPU".into()))
+        NonNull::new(p)
+            .map(|ptr| Device { ptr })
+            .ok_or_else(|| GgmlError::NoSuchBackend("CPU".into()))
     }
 
     pub(crate) fn raw(&self) -> sys::ggml_backend_dev_t {
@@ -126,7 +128,10 @@ impl Device {
         let (mut free, mut total) = (0usize, 0usize);
         // SAFETY: live device, valid out pointers.
         unsafe { sys::ggml_backend_dev_memory(self.raw(), &mut free, &mut total) };
-        DeviceMemory { free: free as u64, total: total as u64 }
+        DeviceMemory {
+            free: free as u64,
+            total: total as u64,
+        }
     }
 
     /// The device's default buffer type.
@@ -168,7 +173,9 @@ impl std::fmt::Debug for BufferType {
 
 impl BufferType {
     pub(crate) fn from_raw(p: sys::ggml_backend_buffer_type_t) -> Result<BufferType> {
-        NonNull::new(p).map(|ptr| BufferType { ptr }).ok_or_else(|| GgmlError::NoSuchBackend("buffer type".into()))
+        NonNull::new(p)
+            .map(|ptr| BufferType { ptr })
+            .ok_or_else(|| GgmlError::NoSuchBackend("buffer type".into()))
     }
 
     pub(crate) fn raw(&self) -> sys::ggml_backend_buffer_type_t {
@@ -178,7 +185,8 @@ impl BufferType {
     /// The CPU (host) buffer type.
     pub fn cpu() -> BufferType {
         // SAFETY: static buffer type.
-        BufferType::from_raw(unsafe { sys::ggml_backend_cpu_buffer_type() }).expect("CPU buffer type")
+        BufferType::from_raw(unsafe { sys::ggml_backend_cpu_buffer_type() })
+            .expect("CPU buffer type")
     }
 
     /// The buffer type's name.
@@ -214,7 +222,8 @@ impl BufferType {
     /// The device this buffer type allocates on, if any.
     pub fn device(&self) -> Option<Device> {
         // SAFETY: live buffer type.
-        NonNull::new(unsafe { sys::ggml_backend_buft_get_device(self.raw()) }).map(|ptr| Device { ptr })
+        NonNull::new(unsafe { sys::ggml_backend_buft_get_device(self.raw()) })
+            .map(|ptr| Device { ptr })
     }
 
     /// Allocates a buffer of `size` bytes.
@@ -222,8 +231,15 @@ impl BufferType {
         // SAFETY: live buffer type; NULL on failure.
         let p = unsafe { sys::ggml_backend_buft_alloc_buffer(self.raw(), size) };
         NonNull::new(p)
-            .map(|ptr| Buffer { ptr, placed: Mutex::new(Vec::new()) })
-            .ok_or_else(|| GgmlError::AllocationFailed { what: "buffer".into(), buffer_type: self.name(), bytes: size })
+            .map(|ptr| Buffer {
+                ptr,
+                placed: Mutex::new(Vec::new()),
+            })
+            .ok_or_else(|| GgmlError::AllocationFailed {
+                what: "buffer".into(),
+                buffer_type: self.name(),
+                bytes: size,
+            })
     }
 
     /// Allocates one buffer holding every tensor of `ctx` that has no data yet.
@@ -241,7 +257,10 @@ impl BufferType {
             }
         }
         drop(_g);
-        let total: usize = pending.iter().map(|&p| unsafe { sys::ggml_backend_buft_get_alloc_size(self.raw(), p) }).sum();
+        let total: usize = pending
+            .iter()
+            .map(|&p| unsafe { sys::ggml_backend_buft_get_alloc_size(self.raw(), p) })
+            .sum();
         // SAFETY: live context and buffer type; NULL on failure (or when nothing to allocate).
         let p = unsafe { sys::ggml_backend_alloc_ctx_tensors_from_buft(ctx.raw(), self.raw()) };
         let ptr = NonNull::new(p).ok_or_else(|| GgmlError::AllocationFailed {
@@ -249,8 +268,14 @@ impl BufferType {
             buffer_type: self.name(),
             bytes: total,
         })?;
-        let placed = pending.into_iter().map(|p| GTensor::from_raw(ctx.clone(), p)).collect();
-        Ok(Buffer { ptr, placed: Mutex::new(placed) })
+        let placed = pending
+            .into_iter()
+            .map(|p| GTensor::from_raw(ctx.clone(), p))
+            .collect();
+        Ok(Buffer {
+            ptr,
+            placed: Mutex::new(placed),
+        })
     }
 }
 
@@ -285,13 +310,19 @@ impl std::fmt::Debug for Buffer {
 
 impl Drop for Buffer {
     fn drop(&mut self) {
-        for t in self.placed.get_mut().unwrap_or_else(|e| e.into_inner()).drain(..) {
+        for t in self
+            .placed
+            .get_mut()
+            .unwrap_or_else(|e| e.into_inner())
+            .drain(..)
+        {
             if t.buffer_raw() == self.ptr.as_ptr() {
                 t.clear_allocation();
             }
         }
         // SAFETY: owned buffer freed once.
         unsafe { sys::ggml_backend_buffer_free(self.ptr.as_ptr()) }
+        super::mapped::release(self.ptr.as_ptr());
     }
 }
 
@@ -306,10 +337,25 @@ impl Buffer {
     /// # Safety
     /// `ptr..ptr+size` must stay valid (and not be moved) until the buffer is dropped.
     pub unsafe fn from_host_ptr(ptr: *mut u8, size: usize) -> Result<Buffer> {
+        // ggml asserts on unaligned pointers (TENSOR_ALIGNMENT is 32).
+        if ptr.is_null() || !(ptr as usize).is_multiple_of(32) {
+            return Err(GgmlError::AllocationFailed {
+                what: format!("host pointer buffer at an address not aligned to 32 bytes ({ptr:p})"),
+                buffer_type: "CPU".into(),
+                bytes: size,
+            });
+        }
         let p = sys::ggml_backend_cpu_buffer_from_ptr(ptr.cast(), size);
         NonNull::new(p)
-            .map(|ptr| Buffer { ptr, placed: Mutex::new(Vec::new()) })
-            .ok_or_else(|| GgmlError::AllocationFailed { what: "host pointer buffer".into(), buffer_type: "CPU".into(), bytes: size })
+            .map(|ptr| Buffer {
+                ptr,
+                placed: Mutex::new(Vec::new()),
+            })
+            .ok_or_else(|| GgmlError::AllocationFailed {
+                what: "host pointer buffer".into(),
+                buffer_type: "CPU".into(),
+                bytes: size,
+            })
     }
 
     /// Size in bytes.
@@ -369,14 +415,21 @@ impl Buffer {
     /// buffer. `offset` must be aligned and the tensor must fit.
     pub fn place(&self, t: &GTensor, offset: usize) -> Result<()> {
         if t.is_allocated() {
-            return Err(GgmlError::Mismatch(format!("tensor '{}' already has memory", t.name())));
+            return Err(GgmlError::Mismatch(format!(
+                "tensor '{}' already has memory",
+                t.name()
+            )));
         }
         if t.view_src().is_some() {
-            return Err(GgmlError::Mismatch(format!("tensor '{}' is a view", t.name())));
+            return Err(GgmlError::Mismatch(format!(
+                "tensor '{}' is a view",
+                t.name()
+            )));
         }
         let align = self.alignment().max(1);
         let need = self.alloc_size(t);
-        if offset % align != 0 || offset.checked_add(need).is_none_or(|e| e > self.size()) {
+        if !offset.is_multiple_of(align) || offset.checked_add(need).is_none_or(|e| e > self.size())
+        {
             return Err(GgmlError::AllocationFailed {
                 what: format!("placing '{}' at offset {offset} (align {align})", t.name()),
                 buffer_type: self.name(),
@@ -390,17 +443,27 @@ impl Buffer {
             sys::ggml_backend_tensor_alloc(self.raw(), t.raw(), base.add(offset).cast())
         };
         if status != sys::GGML_STATUS_SUCCESS {
-            return Err(GgmlError::AllocationFailed { what: format!("placing '{}': {}", t.name(), status_name(status)), buffer_type: self.name(), bytes: need });
+            return Err(GgmlError::AllocationFailed {
+                what: format!("placing '{}': {}", t.name(), status_name(status)),
+                buffer_type: self.name(),
+                bytes: need,
+            });
         }
         drop(_g);
-        self.placed.lock().unwrap_or_else(|e| e.into_inner()).push(t.clone());
+        self.placed
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(t.clone());
         Ok(())
     }
 
     /// Tensors placed in this buffer through [`Buffer::place`] or
     /// [`BufferType::alloc_context_tensors`].
     pub fn placed_tensors(&self) -> Vec<GTensor> {
-        self.placed.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        self.placed
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 }
 
@@ -487,7 +550,8 @@ impl Backend {
     /// The default buffer type.
     pub fn buffer_type(&self) -> BufferType {
         // SAFETY: live backend.
-        BufferType::from_raw(unsafe { sys::ggml_backend_get_default_buffer_type(self.raw()) }).expect("backend has a buffer type")
+        BufferType::from_raw(unsafe { sys::ggml_backend_get_default_buffer_type(self.raw()) })
+            .expect("backend has a buffer type")
     }
 
     /// Whether the backend can compute `t`'s op.
@@ -517,7 +581,10 @@ impl Backend {
         // SAFETY: every node and source has memory.
         let status = unsafe { sys::ggml_backend_graph_compute(self.raw(), graph.raw()) };
         if status != sys::GGML_STATUS_SUCCESS {
-            return Err(GgmlError::ComputeFailed { backend: self.name.clone(), status: status_name(status) });
+            return Err(GgmlError::ComputeFailed {
+                backend: self.name.clone(),
+                status: status_name(status),
+            });
         }
         Ok(())
     }
@@ -537,7 +604,10 @@ impl Backend {
             return Err(GgmlError::NotAllocated { name: dst.name() });
         }
         if src.nbytes() != dst.nbytes() || src.dtype() != dst.dtype() || src.ne() != dst.ne() {
-            return Err(GgmlError::Mismatch(format!("copy {:?} into {:?}", src, dst)));
+            return Err(GgmlError::Mismatch(format!(
+                "copy {:?} into {:?}",
+                src, dst
+            )));
         }
         if !src.has_buffer() || !dst.has_buffer() {
             let bytes = src.read_bytes()?;

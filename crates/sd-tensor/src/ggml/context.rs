@@ -55,13 +55,21 @@ impl std::fmt::Debug for Context {
 impl Context {
     /// A context that holds only tensor descriptors (data lives in backend buffers), with
     /// room for `max_tensors` tensors and `max_graphs` graphs of `graph_size` nodes.
-    pub fn new_descriptors(max_tensors: usize, graph_size: usize, max_graphs: usize) -> Result<Self> {
+    pub fn new_descriptors(
+        max_tensors: usize,
+        graph_size: usize,
+        max_graphs: usize,
+    ) -> Result<Self> {
         // SAFETY: pure size queries.
         let per_tensor = unsafe { sys::ggml_tensor_overhead() };
         let per_graph = unsafe { sys::ggml_graph_overhead_custom(graph_size.max(1), false) };
         let size = per_tensor
             .checked_mul(max_tensors)
-            .and_then(|t| per_graph.checked_mul(max_graphs).and_then(|g| t.checked_add(g)))
+            .and_then(|t| {
+                per_graph
+                    .checked_mul(max_graphs)
+                    .and_then(|g| t.checked_add(g))
+            })
             .ok_or_else(|| GgmlError::ContextFull {
                 what: "context size".into(),
                 needed: usize::MAX,
@@ -135,11 +143,19 @@ impl Context {
         // SAFETY: pure size query / live context.
         let per_tensor = unsafe { sys::ggml_tensor_overhead() };
         let used = unsafe { sys::ggml_used_mem(self.raw()) };
-        let data = if self.inner.no_alloc { 0 } else { data + 64 * tensors };
+        let data = if self.inner.no_alloc {
+            0
+        } else {
+            data + 64 * tensors
+        };
         let needed = per_tensor.saturating_mul(tensors).saturating_add(data);
         let available = self.inner.size.saturating_sub(used);
         if needed > available {
-            return Err(GgmlError::ContextFull { what: what.to_string(), needed, available });
+            return Err(GgmlError::ContextFull {
+                what: what.to_string(),
+                needed,
+                available,
+            });
         }
         Ok(())
     }
@@ -152,7 +168,7 @@ impl Context {
                 detail: format!("{} dimensions (1 to 4 allowed)", ne.len()),
             });
         }
-        if ne[0] % dtype.block_size() != 0 {
+        if !ne[0].is_multiple_of(dtype.block_size()) {
             return Err(GgmlError::InvalidOperands {
                 op: "new_tensor",
                 detail: format!("row of {} elements is not whole {} blocks", ne[0], dtype),
@@ -160,7 +176,7 @@ impl Context {
         }
         let mut bytes = dtype.row_size(ne[0]).unwrap_or(usize::MAX);
         for &d in &ne[1..] {
-            bytes = bytes.checked_mul(d).unwrap_or(usize::MAX);
+            bytes = bytes.saturating_mul(d);
         }
         if bytes == usize::MAX || ne.iter().any(|&d| d > i64::MAX as usize) {
             return Err(GgmlError::InvalidOperands {

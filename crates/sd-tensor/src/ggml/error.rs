@@ -7,7 +7,11 @@ use thiserror::Error;
 pub enum GgmlError {
     /// A context could not be created or has no room left.
     #[error("ggml context out of memory: {what} needs {needed} bytes, {available} left")]
-    ContextFull { what: String, needed: usize, available: usize },
+    ContextFull {
+        what: String,
+        needed: usize,
+        available: usize,
+    },
     /// A graph has no room for more nodes or leafs.
     #[error("graph full: {needed} more nodes needed, capacity {capacity}")]
     GraphFull { needed: usize, capacity: usize },
@@ -16,7 +20,11 @@ pub enum GgmlError {
     InvalidOperands { op: &'static str, detail: String },
     /// A buffer or graph allocation failed.
     #[error("allocation of {bytes} bytes failed on {buffer_type}: {what}")]
-    AllocationFailed { what: String, buffer_type: String, bytes: usize },
+    AllocationFailed {
+        what: String,
+        buffer_type: String,
+        bytes: usize,
+    },
     /// A tensor's data was read or written while it has no memory.
     #[error("tensor '{name}' has no data allocated")]
     NotAllocated { name: String },

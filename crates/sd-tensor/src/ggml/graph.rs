@@ -44,12 +44,27 @@ impl Graph {
         let need = unsafe { sys::ggml_graph_overhead_custom(capacity, false) };
         let free = ctx.free_bytes_unlocked();
         if need > free {
-            return Err(GgmlError::ContextFull { what: "graph".into(), needed: need, available: free });
+            return Err(GgmlError::ContextFull {
+                what: "graph".into(),
+                needed: need,
+                available: free,
+            });
         }
         // SAFETY: room checked.
         let ptr = unsafe { sys::ggml_new_graph_custom(ctx.raw(), capacity, false) };
-        let ptr = NonNull::new(ptr).ok_or_else(|| GgmlError::ContextFull { what: "graph".into(), needed: need, available: free })?;
-        Ok(Graph { ctx: ctx.clone(), ptr, capacity, visited: HashSet::new(), n_nodes: 0, n_leafs: 0 })
+        let ptr = NonNull::new(ptr).ok_or_else(|| GgmlError::ContextFull {
+            what: "graph".into(),
+            needed: need,
+            available: free,
+        })?;
+        Ok(Graph {
+            ctx: ctx.clone(),
+            ptr,
+            capacity,
+            visited: HashSet::new(),
+            n_nodes: 0,
+            n_leafs: 0,
+        })
     }
 
     pub(crate) fn raw(&self) -> *mut sys::ggml_cgraph {
@@ -89,7 +104,10 @@ impl Graph {
             }
         }
         if self.n_nodes + new_nodes > self.capacity || self.n_leafs + new_leafs > self.capacity {
-            return Err(GgmlError::GraphFull { needed: new_nodes.max(new_leafs), capacity: self.capacity });
+            return Err(GgmlError::GraphFull {
+                needed: new_nodes.max(new_leafs),
+                capacity: self.capacity,
+            });
         }
         let _g = self.ctx.lock();
         // SAFETY: capacity checked exactly as ggml counts.
@@ -98,7 +116,8 @@ impl Graph {
         self.n_nodes += new_nodes;
         self.n_leafs += new_leafs;
         // SAFETY: live graph.
-        debug_assert_eq!(self.n_nodes, unsafe { sys::ggml_graph_n_nodes(self.raw()) } as usize);
+        debug_assert_eq!(self.n_nodes, unsafe { sys::ggml_graph_n_nodes(self.raw()) }
+            as usize);
         Ok(())
     }
 

@@ -12,7 +12,10 @@ use crate::host::Tensor;
 /// ggml dims for a host shape (reversed, 1 to 4 dims).
 pub fn ne_for_shape(shape: &[usize]) -> Result<Vec<usize>> {
     if shape.is_empty() || shape.len() > 4 {
-        return Err(GgmlError::InvalidOperands { op: "host tensor", detail: format!("shape {shape:?} has {} dims (1 to 4)", shape.len()) });
+        return Err(GgmlError::InvalidOperands {
+            op: "host tensor",
+            detail: format!("shape {shape:?} has {} dims (1 to 4)", shape.len()),
+        });
     }
     Ok(shape.iter().rev().copied().collect())
 }
@@ -32,7 +35,10 @@ impl GTensor {
         let ne = self.ne();
         let matches = (0..4).all(|i| *want.get(i).unwrap_or(&1) == ne[i]);
         if !matches {
-            return Err(GgmlError::DataMismatch { name: self.name(), detail: format!("host shape {:?} does not match ggml ne {:?}", t.shape(), ne) });
+            return Err(GgmlError::DataMismatch {
+                name: self.name(),
+                detail: format!("host shape {:?} does not match ggml ne {:?}", t.shape(), ne),
+            });
         }
         self.write_f32(t.data())
     }
@@ -42,9 +48,15 @@ impl GTensor {
         let n = n_dims.clamp(1, 4);
         let ne = self.ne();
         if ne[n..].iter().any(|&d| d != 1) {
-            return Err(GgmlError::DataMismatch { name: self.name(), detail: format!("ne {ne:?} does not fit in {n} dims") });
+            return Err(GgmlError::DataMismatch {
+                name: self.name(),
+                detail: format!("ne {ne:?} does not fit in {n} dims"),
+            });
         }
         let data = self.read_f32()?;
-        Tensor::new(self.shape(n), data).map_err(|e| GgmlError::DataMismatch { name: self.name(), detail: e.to_string() })
+        Tensor::new(self.shape(n), data).map_err(|e| GgmlError::DataMismatch {
+            name: self.name(),
+            detail: e.to_string(),
+        })
     }
 }

@@ -20,6 +20,7 @@ mod context;
 mod error;
 mod graph;
 mod host_io;
+mod mapped;
 mod ops;
 mod sched;
 mod tensor;
@@ -29,8 +30,9 @@ pub use backend::{Backend, Buffer, BufferType, BufferUsage, Device, DeviceKind, 
 pub use context::Context;
 pub use error::GgmlError;
 pub use graph::Graph;
+pub use mapped::SharedBytes;
 pub use ops::{Interpolation, Precision};
-pub use sched::Scheduler;
+pub use sched::{EvalCallback, Scheduler};
 pub use tensor::{GTensor, TensorId};
 
 /// Maximum number of dimensions of a ggml tensor.

@@ -46,7 +46,12 @@ fn same_shape(a: &GTensor, b: &GTensor) -> bool {
 
 impl Context {
     /// Runs `f` under the context lock after checking room for `tensors` descriptors.
-    fn op(&self, name: &'static str, tensors: usize, f: impl FnOnce(*mut sys::ggml_context) -> *mut sys::ggml_tensor) -> Result<GTensor> {
+    fn op(
+        &self,
+        name: &'static str,
+        tensors: usize,
+        f: impl FnOnce(*mut sys::ggml_context) -> *mut sys::ggml_tensor,
+    ) -> Result<GTensor> {
         if !self.is_no_alloc() {
             return Err(bad(name, "graph operations need a no_alloc context".into()));
         }
@@ -59,11 +64,27 @@ impl Context {
         Ok(GTensor::from_raw(self.clone(), t))
     }
 
-    fn binary(&self, name: &'static str, a: &GTensor, b: &GTensor, f: unsafe extern "C" fn(*mut sys::ggml_context, *mut sys::ggml_tensor, *mut sys::ggml_tensor) -> *mut sys::ggml_tensor) -> Result<GTensor> {
+    fn binary(
+        &self,
+        name: &'static str,
+        a: &GTensor,
+        b: &GTensor,
+        f: unsafe extern "C" fn(
+            *mut sys::ggml_context,
+            *mut sys::ggml_tensor,
+            *mut sys::ggml_tensor,
+        ) -> *mut sys::ggml_tensor,
+    ) -> Result<GTensor> {
         if !can_repeat(b, a) {
-            return Err(bad(name, format!("{:?} does not broadcast to {:?}", b.ne(), a.ne())));
+            return Err(bad(
+                name,
+                format!("{:?} does not broadcast to {:?}", b.ne(), a.ne()),
+            ));
         }
-        if a.dtype() != Some(DType::F32) && a.dtype() != Some(DType::F16) && a.dtype() != Some(DType::BF16) {
+        if a.dtype() != Some(DType::F32)
+            && a.dtype() != Some(DType::F16)
+            && a.dtype() != Some(DType::BF16)
+        {
             return Err(bad(name, format!("unsupported type {:?}", a.dtype())));
         }
         // SAFETY: operands checked; room checked in `op`.
@@ -93,7 +114,15 @@ impl Context {
         self.op("scale", 1, |c| unsafe { sys::ggml_scale(c, a.raw(), s) })
     }
 
-    fn unary(&self, name: &'static str, a: &GTensor, f: unsafe extern "C" fn(*mut sys::ggml_context, *mut sys::ggml_tensor) -> *mut sys::ggml_tensor) -> Result<GTensor> {
+    fn unary(
+        &self,
+        name: &'static str,
+        a: &GTensor,
+        f: unsafe extern "C" fn(
+            *mut sys::ggml_context,
+            *mut sys::ggml_tensor,
+        ) -> *mut sys::ggml_tensor,
+    ) -> Result<GTensor> {
         if a.dtype().is_none_or(|d| !d.is_float() || d == DType::F64) {
             return Err(bad(name, format!("unsupported type {:?}", a.dtype())));
         }
@@ -138,22 +167,34 @@ impl Context {
     /// Leaky ReLU with slope `negative_slope` for negative inputs.
     pub fn leaky_relu(&self, a: &GTensor, negative_slope: f32) -> Result<GTensor> {
         // SAFETY: float tensor.
-        self.op("leaky_relu", 1, |c| unsafe { sys::ggml_leaky_relu(c, a.raw(), negative_slope, false) })
+        self.op("leaky_relu", 1, |c| unsafe {
+            sys::ggml_leaky_relu(c, a.raw(), negative_slope, false)
+        })
     }
 
     /// Matrix product: `a` is `[k, m, ...]`, `b` is `[k, n, ...]`, the result `[m, n, ...]`
     /// (`b @ a^T` in row-major terms), with `a` broadcast over dims 2 and 3.
     pub fn mul_mat(&self, a: &GTensor, b: &GTensor) -> Result<GTensor> {
         let (an, bn) = (a.ne(), b.ne());
-        if an[0] != bn[0] || bn[2] % an[2].max(1) != 0 || bn[3] % an[3].max(1) != 0 || an[2] == 0 || an[3] == 0 {
+        if an[0] != bn[0]
+            || bn[2] % an[2].max(1) != 0
+            || bn[3] % an[3].max(1) != 0
+            || an[2] == 0
+            || an[3] == 0
+        {
             return Err(bad("mul_mat", format!("cannot multiply {an:?} by {bn:?}")));
         }
         // SAFETY: ggml_is_transposed is a pure query.
         if unsafe { sys::ggml_is_transposed(a.raw()) } {
-            return Err(bad("mul_mat", "the first operand is transposed; make it contiguous".into()));
+            return Err(bad(
+                "mul_mat",
+                "the first operand is transposed; make it contiguous".into(),
+            ));
         }
         // SAFETY: shapes checked.
-        self.op("mul_mat", 1, |c| unsafe { sys::ggml_mul_mat(c, a.raw(), b.raw()) })
+        self.op("mul_mat", 1, |c| unsafe {
+            sys::ggml_mul_mat(c, a.raw(), b.raw())
+        })
     }
 
     /// Sets the accumulation precision of a matmul or attention result.
@@ -174,17 +215,24 @@ impl Context {
     /// RMS normalisation over `ne[0]`.
     pub fn rms_norm(&self, a: &GTensor, eps: f32) -> Result<GTensor> {
         // SAFETY: float tensor.
-        self.op("rms_norm", 1, |c| unsafe { sys::ggml_rms_norm(c, a.raw(), eps) })
+        self.op("rms_norm", 1, |c| unsafe {
+            sys::ggml_rms_norm(c, a.raw(), eps)
+        })
     }
 
     /// Group normalisation of a `[W, H, C, N]` tensor over `groups` channel groups.
     pub fn group_norm(&self, a: &GTensor, groups: usize, eps: f32) -> Result<GTensor> {
         let ne = a.ne();
-        if groups == 0 || ne[2] % groups != 0 {
-            return Err(bad("group_norm", format!("{} channels do not split into {groups} groups", ne[2])));
+        if groups == 0 || !ne[2].is_multiple_of(groups) {
+            return Err(bad(
+                "group_norm",
+                format!("{} channels do not split into {groups} groups", ne[2]),
+            ));
         }
         // SAFETY: checked.
-        self.op("group_norm", 1, |c| unsafe { sys::ggml_group_norm(c, a.raw(), groups as i32, eps) })
+        self.op("group_norm", 1, |c| unsafe {
+            sys::ggml_group_norm(c, a.raw(), groups as i32, eps)
+        })
     }
 
     /// Softmax over `ne[0]`.
@@ -197,38 +245,71 @@ impl Context {
     pub fn soft_max_ext(&self, a: &GTensor, mask: Option<&GTensor>, scale: f32) -> Result<GTensor> {
         if let Some(m) = mask {
             let (an, mn) = (a.ne(), m.ne());
-            if mn[0] != an[0] || mn[1] < an[1] || an[2] % mn[2].max(1) != 0 || an[3] % mn[3].max(1) != 0 {
-                return Err(bad("soft_max_ext", format!("mask {mn:?} does not fit scores {an:?}")));
+            if mn[0] != an[0]
+                || mn[1] < an[1]
+                || an[2] % mn[2].max(1) != 0
+                || an[3] % mn[3].max(1) != 0
+            {
+                return Err(bad(
+                    "soft_max_ext",
+                    format!("mask {mn:?} does not fit scores {an:?}"),
+                ));
             }
         }
         let m = mask.map_or(std::ptr::null_mut(), |m| m.raw());
         // SAFETY: checked.
-        self.op("soft_max_ext", 1, |c| unsafe { sys::ggml_soft_max_ext(c, a.raw(), m, scale, 0.0) })
+        self.op("soft_max_ext", 1, |c| unsafe {
+            sys::ggml_soft_max_ext(c, a.raw(), m, scale, 0.0)
+        })
     }
 
     /// Fused attention. `q` is `[d, n_q, heads, batch]`, `k` `[d, n_kv, heads_kv, batch]`,
     /// `v` `[d_v, n_kv, heads_kv, batch]`; the result is `[d_v, heads, n_q, batch]`.
-    pub fn flash_attn_ext(&self, q: &GTensor, k: &GTensor, v: &GTensor, mask: Option<&GTensor>, scale: f32) -> Result<GTensor> {
+    pub fn flash_attn_ext(
+        &self,
+        q: &GTensor,
+        k: &GTensor,
+        v: &GTensor,
+        mask: Option<&GTensor>,
+        scale: f32,
+    ) -> Result<GTensor> {
         let (qn, kn, vn) = (q.ne(), k.ne(), v.ne());
-        if qn[0] != kn[0] || kn[1] != vn[1] || kn[2] != vn[2] || kn[2] == 0 || qn[2] % kn[2] != 0 || qn[3] != kn[3] {
-            return Err(bad("flash_attn_ext", format!("q {qn:?}, k {kn:?}, v {vn:?} do not fit")));
+        if qn[0] != kn[0]
+            || kn[1] != vn[1]
+            || kn[2] != vn[2]
+            || kn[2] == 0
+            || qn[2] % kn[2] != 0
+            || qn[3] != kn[3]
+        {
+            return Err(bad(
+                "flash_attn_ext",
+                format!("q {qn:?}, k {kn:?}, v {vn:?} do not fit"),
+            ));
         }
         if let Some(m) = mask {
             let mn = m.ne();
             if mn[0] != kn[1] || mn[1] < qn[1] {
-                return Err(bad("flash_attn_ext", format!("mask {mn:?} does not fit q {qn:?} / k {kn:?}")));
+                return Err(bad(
+                    "flash_attn_ext",
+                    format!("mask {mn:?} does not fit q {qn:?} / k {kn:?}"),
+                ));
             }
         }
         let m = mask.map_or(std::ptr::null_mut(), |m| m.raw());
         // SAFETY: checked.
-        self.op("flash_attn_ext", 1, |c| unsafe { sys::ggml_flash_attn_ext(c, q.raw(), k.raw(), v.raw(), m, scale, 0.0, 0.0) })
+        self.op("flash_attn_ext", 1, |c| unsafe {
+            sys::ggml_flash_attn_ext(c, q.raw(), k.raw(), v.raw(), m, scale, 0.0, 0.0)
+        })
     }
 
     /// A reshaped view of a contiguous tensor with ggml dims `ne`.
     pub fn reshape(&self, a: &GTensor, ne: &[usize]) -> Result<GTensor> {
         let n: usize = ne.iter().product();
         if ne.is_empty() || ne.len() > 4 || n != a.nelements() {
-            return Err(bad("reshape", format!("{:?} ({} elements) to {ne:?}", a.ne(), a.nelements())));
+            return Err(bad(
+                "reshape",
+                format!("{:?} ({} elements) to {ne:?}", a.ne(), a.nelements()),
+            ));
         }
         if !a.is_contiguous() {
             return Err(bad("reshape", "source is not contiguous".into()));
@@ -245,24 +326,56 @@ impl Context {
         })
     }
 
-    /// A strided view of `a`: dims `ne`, byte strides `nb[1..]` (nb[0] is the element size),
+    /// A strided view of `a`: dims `ne`, byte strides `nb[1..]` (`nb[0]` is the element size),
     /// starting `offset` bytes in.
-    pub fn view(&self, a: &GTensor, ne: [usize; 4], nb: [usize; 3], offset: usize) -> Result<GTensor> {
-        let dtype = a.dtype().ok_or_else(|| bad("view", "unknown type".into()))?;
-        let row = dtype.row_size(ne[0]).ok_or_else(|| bad("view", "partial block".into()))?;
+    pub fn view(
+        &self,
+        a: &GTensor,
+        ne: [usize; 4],
+        nb: [usize; 3],
+        offset: usize,
+    ) -> Result<GTensor> {
+        let dtype = a
+            .dtype()
+            .ok_or_else(|| bad("view", "unknown type".into()))?;
+        let row = dtype
+            .row_size(ne[0])
+            .ok_or_else(|| bad("view", "partial block".into()))?;
         // The last byte touched must be inside the source.
         let mut end = offset.checked_add(row);
         for (i, &stride) in nb.iter().enumerate() {
             if ne[i + 1] > 0 {
-                end = end.and_then(|e| stride.checked_mul(ne[i + 1] - 1).and_then(|x| e.checked_add(x)));
+                end = end.and_then(|e| {
+                    stride
+                        .checked_mul(ne[i + 1] - 1)
+                        .and_then(|x| e.checked_add(x))
+                });
             }
         }
         if ne.contains(&0) || end.is_none_or(|e| e > a.nbytes()) {
-            return Err(bad("view", format!("view {ne:?} at {offset} exceeds {} bytes of {:?}", a.nbytes(), a.ne())));
+            return Err(bad(
+                "view",
+                format!(
+                    "view {ne:?} at {offset} exceeds {} bytes of {:?}",
+                    a.nbytes(),
+                    a.ne()
+                ),
+            ));
         }
         // SAFETY: bounds checked.
         self.op("view", 1, |c| unsafe {
-            sys::ggml_view_4d(c, a.raw(), ne[0] as i64, ne[1] as i64, ne[2] as i64, ne[3] as i64, nb[0], nb[1], nb[2], offset)
+            sys::ggml_view_4d(
+                c,
+                a.raw(),
+                ne[0] as i64,
+                ne[1] as i64,
+                ne[2] as i64,
+                ne[3] as i64,
+                nb[0],
+                nb[1],
+                nb[2],
+                offset,
+            )
         })
     }
 
@@ -277,14 +390,23 @@ impl Context {
         }
         // SAFETY: valid permutation.
         self.op("permute", 1, |c| unsafe {
-            sys::ggml_permute(c, a.raw(), axes[0] as i32, axes[1] as i32, axes[2] as i32, axes[3] as i32)
+            sys::ggml_permute(
+                c,
+                a.raw(),
+                axes[0] as i32,
+                axes[1] as i32,
+                axes[2] as i32,
+                axes[3] as i32,
+            )
         })
     }
 
     /// Swaps dims 0 and 1 (a view).
     pub fn transpose(&self, a: &GTensor) -> Result<GTensor> {
         // SAFETY: any tensor.
-        self.op("transpose", 1, |c| unsafe { sys::ggml_transpose(c, a.raw()) })
+        self.op("transpose", 1, |c| unsafe {
+            sys::ggml_transpose(c, a.raw())
+        })
     }
 
     /// Concatenates along `dim`.
@@ -294,7 +416,9 @@ impl Context {
             return Err(bad("concat", format!("{an:?} and {bn:?} along {dim}")));
         }
         // SAFETY: checked.
-        self.op("concat", 1, |c| unsafe { sys::ggml_concat(c, a.raw(), b.raw(), dim as i32) })
+        self.op("concat", 1, |c| unsafe {
+            sys::ggml_concat(c, a.raw(), b.raw(), dim as i32)
+        })
     }
 
     /// Copies `a` into `b` (converting type); the result is a view of `b`.
@@ -309,42 +433,95 @@ impl Context {
     /// Converts to `dtype` (f32, f16, bf16).
     pub fn cast(&self, a: &GTensor, dtype: DType) -> Result<GTensor> {
         // SAFETY: ggml_cast creates a cpy to a new tensor.
-        self.op("cast", 2, |c| unsafe { sys::ggml_cast(c, a.raw(), dtype.to_ggml()) })
+        self.op("cast", 2, |c| unsafe {
+            sys::ggml_cast(c, a.raw(), dtype.to_ggml())
+        })
     }
 
     /// Repeats `a` to the shape of `b`.
     pub fn repeat(&self, a: &GTensor, b: &GTensor) -> Result<GTensor> {
         if !can_repeat(a, b) {
-            return Err(bad("repeat", format!("{:?} does not tile {:?}", a.ne(), b.ne())));
+            return Err(bad(
+                "repeat",
+                format!("{:?} does not tile {:?}", a.ne(), b.ne()),
+            ));
         }
         // SAFETY: checked.
-        self.op("repeat", 1, |c| unsafe { sys::ggml_repeat(c, a.raw(), b.raw()) })
+        self.op("repeat", 1, |c| unsafe {
+            sys::ggml_repeat(c, a.raw(), b.raw())
+        })
     }
 
     /// Rows of `a` selected by the I32 indices `ids`.
     pub fn get_rows(&self, a: &GTensor, ids: &GTensor) -> Result<GTensor> {
         if ids.dtype() != Some(DType::I32) || ids.ne()[2] != a.ne()[2] && a.ne()[2] != 1 {
-            return Err(bad("get_rows", format!("ids {:?} {:?} for rows of {:?}", ids.dtype(), ids.ne(), a.ne())));
+            return Err(bad(
+                "get_rows",
+                format!(
+                    "ids {:?} {:?} for rows of {:?}",
+                    ids.dtype(),
+                    ids.ne(),
+                    a.ne()
+                ),
+            ));
         }
         // SAFETY: checked.
-        self.op("get_rows", 1, |c| unsafe { sys::ggml_get_rows(c, a.raw(), ids.raw()) })
+        self.op("get_rows", 1, |c| unsafe {
+            sys::ggml_get_rows(c, a.raw(), ids.raw())
+        })
     }
 
     /// 2-D convolution of `input` `[W, H, C, N]` with `kernel` `[KW, KH, C, OC]`, computed as
     /// im2col + matmul. `exact_f32` keeps the im2col in f32 (ggml's default is f16).
     #[allow(clippy::too_many_arguments)]
-    pub fn conv_2d(&self, kernel: &GTensor, input: &GTensor, stride: (usize, usize), pad: (usize, usize), dilation: (usize, usize), exact_f32: bool) -> Result<GTensor> {
+    pub fn conv_2d(
+        &self,
+        kernel: &GTensor,
+        input: &GTensor,
+        stride: (usize, usize),
+        pad: (usize, usize),
+        dilation: (usize, usize),
+        exact_f32: bool,
+    ) -> Result<GTensor> {
         let (kn, xn) = (kernel.ne(), input.ne());
         self.check_conv(kn, xn, stride, pad, dilation)?;
-        let im2col_type = if exact_f32 && kernel.dtype() == Some(DType::F32) { sys::GGML_TYPE_F32 } else { sys::GGML_TYPE_F16 };
-        let (s0, s1, p0, p1, d0, d1) = (stride.0 as i32, stride.1 as i32, pad.0 as i32, pad.1 as i32, dilation.0 as i32, dilation.1 as i32);
+        let im2col_type = if exact_f32 && kernel.dtype() == Some(DType::F32) {
+            sys::GGML_TYPE_F32
+        } else {
+            sys::GGML_TYPE_F16
+        };
+        let (s0, s1, p0, p1, d0, d1) = (
+            stride.0 as i32,
+            stride.1 as i32,
+            pad.0 as i32,
+            pad.1 as i32,
+            dilation.0 as i32,
+            dilation.1 as i32,
+        );
         // SAFETY: shapes checked; im2col + mul_mat + reshapes + permute + cont = 8 tensors.
         self.op("conv_2d", 8, |c| unsafe {
-            let im = sys::ggml_im2col(c, kernel.raw(), input.raw(), s0, s1, p0, p1, d0, d1, true, im2col_type);
+            let im = sys::ggml_im2col(
+                c,
+                kernel.raw(),
+                input.raw(),
+                s0,
+                s1,
+                p0,
+                p1,
+                d0,
+                d1,
+                true,
+                im2col_type,
+            );
             // im: [IC*KH*KW, OW, OH, N]
             let imn = (*im).ne;
             let im2 = sys::ggml_reshape_2d(c, im, imn[0], imn[3] * imn[2] * imn[1]);
-            let k2 = sys::ggml_reshape_2d(c, kernel.raw(), kn[0] as i64 * kn[1] as i64 * kn[2] as i64, kn[3] as i64);
+            let k2 = sys::ggml_reshape_2d(
+                c,
+                kernel.raw(),
+                kn[0] as i64 * kn[1] as i64 * kn[2] as i64,
+                kn[3] as i64,
+            );
             let r = sys::ggml_mul_mat(c, im2, k2); // [N*OH*OW, OC]
             let r = sys::ggml_reshape_4d(c, r, imn[1], imn[2], imn[3], kn[3] as i64); // [OW, OH, N, OC]
             let r = sys::ggml_permute(c, r, 0, 1, 3, 2); // [OW, OH, OC, N]
@@ -354,17 +531,47 @@ impl Context {
 
     /// 2-D convolution computed directly (no im2col buffer), f32 exact.
     #[allow(clippy::too_many_arguments)]
-    pub fn conv_2d_direct(&self, kernel: &GTensor, input: &GTensor, stride: (usize, usize), pad: (usize, usize), dilation: (usize, usize)) -> Result<GTensor> {
+    pub fn conv_2d_direct(
+        &self,
+        kernel: &GTensor,
+        input: &GTensor,
+        stride: (usize, usize),
+        pad: (usize, usize),
+        dilation: (usize, usize),
+    ) -> Result<GTensor> {
         self.check_conv(kernel.ne(), input.ne(), stride, pad, dilation)?;
         // SAFETY: shapes checked.
         self.op("conv_2d_direct", 1, |c| unsafe {
-            sys::ggml_conv_2d_direct(c, kernel.raw(), input.raw(), stride.0 as i32, stride.1 as i32, pad.0 as i32, pad.1 as i32, dilation.0 as i32, dilation.1 as i32)
+            sys::ggml_conv_2d_direct(
+                c,
+                kernel.raw(),
+                input.raw(),
+                stride.0 as i32,
+                stride.1 as i32,
+                pad.0 as i32,
+                pad.1 as i32,
+                dilation.0 as i32,
+                dilation.1 as i32,
+            )
         })
     }
 
-    fn check_conv(&self, kn: [usize; 4], xn: [usize; 4], stride: (usize, usize), pad: (usize, usize), dilation: (usize, usize)) -> Result<()> {
+    fn check_conv(
+        &self,
+        kn: [usize; 4],
+        xn: [usize; 4],
+        stride: (usize, usize),
+        pad: (usize, usize),
+        dilation: (usize, usize),
+    ) -> Result<()> {
         if kn[2] != xn[2] {
-            return Err(bad("conv_2d", format!("kernel {kn:?} expects {} channels, input {xn:?} has {}", kn[2], xn[2])));
+            return Err(bad(
+                "conv_2d",
+                format!(
+                    "kernel {kn:?} expects {} channels, input {xn:?} has {}",
+                    kn[2], xn[2]
+                ),
+            ));
         }
         if stride.0 == 0 || stride.1 == 0 || dilation.0 == 0 || dilation.1 == 0 {
             return Err(bad("conv_2d", "zero stride or dilation".into()));
@@ -372,13 +579,22 @@ impl Context {
         let ext_w = dilation.0 * (kn[0] - 1) + 1;
         let ext_h = dilation.1 * (kn[1] - 1) + 1;
         if xn[0] + 2 * pad.0 < ext_w || xn[1] + 2 * pad.1 < ext_h {
-            return Err(bad("conv_2d", format!("kernel {kn:?} larger than padded input {xn:?}")));
+            return Err(bad(
+                "conv_2d",
+                format!("kernel {kn:?} larger than padded input {xn:?}"),
+            ));
         }
         Ok(())
     }
 
     /// Resizes dims 0 and 1 to `w` x `h` (dims 2, 3 kept).
-    pub fn interpolate(&self, a: &GTensor, w: usize, h: usize, mode: Interpolation) -> Result<GTensor> {
+    pub fn interpolate(
+        &self,
+        a: &GTensor,
+        w: usize,
+        h: usize,
+        mode: Interpolation,
+    ) -> Result<GTensor> {
         if w == 0 || h == 0 {
             return Err(bad("interpolate", "zero output size".into()));
         }
@@ -386,11 +602,21 @@ impl Context {
         let m = match mode {
             Interpolation::Nearest => sys::GGML_SCALE_MODE_NEAREST,
             Interpolation::Bilinear => sys::GGML_SCALE_MODE_BILINEAR,
-            Interpolation::BilinearAlignCorners => sys::GGML_SCALE_MODE_BILINEAR | sys::GGML_SCALE_FLAG_ALIGN_CORNERS,
+            Interpolation::BilinearAlignCorners => {
+                sys::GGML_SCALE_MODE_BILINEAR | sys::GGML_SCALE_FLAG_ALIGN_CORNERS
+            }
         };
         // SAFETY: sizes positive.
         self.op("interpolate", 1, |c| unsafe {
-            sys::ggml_interpolate(c, a.raw(), w as i64, h as i64, ne[2] as i64, ne[3] as i64, m)
+            sys::ggml_interpolate(
+                c,
+                a.raw(),
+                w as i64,
+                h as i64,
+                ne[2] as i64,
+                ne[3] as i64,
+                m,
+            )
         })
     }
 
@@ -403,16 +629,30 @@ impl Context {
     /// Pads each dim at its end with zeros.
     pub fn pad(&self, a: &GTensor, p: [usize; 4]) -> Result<GTensor> {
         // SAFETY: non-negative pads.
-        self.op("pad", 1, |c| unsafe { sys::ggml_pad(c, a.raw(), p[0] as i32, p[1] as i32, p[2] as i32, p[3] as i32) })
+        self.op("pad", 1, |c| unsafe {
+            sys::ggml_pad(
+                c,
+                a.raw(),
+                p[0] as i32,
+                p[1] as i32,
+                p[2] as i32,
+                p[3] as i32,
+            )
+        })
     }
 
     /// Sinusoidal timestep embedding `[dim, N]` of timesteps `[N]`.
     pub fn timestep_embedding(&self, t: &GTensor, dim: usize, max_period: i32) -> Result<GTensor> {
         if t.dtype() != Some(DType::F32) || t.ne()[1] != 1 {
-            return Err(bad("timestep_embedding", format!("timesteps must be f32 [N], got {:?}", t.ne())));
+            return Err(bad(
+                "timestep_embedding",
+                format!("timesteps must be f32 [N], got {:?}", t.ne()),
+            ));
         }
         // SAFETY: checked.
-        self.op("timestep_embedding", 1, |c| unsafe { sys::ggml_timestep_embedding(c, t.raw(), dim as i32, max_period) })
+        self.op("timestep_embedding", 1, |c| unsafe {
+            sys::ggml_timestep_embedding(c, t.raw(), dim as i32, max_period)
+        })
     }
 
     /// Mean over `ne[0]` (result `[1, ...]`).

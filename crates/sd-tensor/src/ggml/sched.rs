@@ -36,7 +36,11 @@ impl Drop for Scheduler<'_> {
     }
 }
 
-unsafe extern "C" fn eval_trampoline(t: *mut sys::ggml_tensor, ask: bool, user: *mut c_void) -> bool {
+unsafe extern "C" fn eval_trampoline(
+    t: *mut sys::ggml_tensor,
+    ask: bool,
+    user: *mut c_void,
+) -> bool {
     // SAFETY: user is the Box<EvalCallback> owned by the scheduler, alive while it computes.
     let cb = unsafe { &mut *(user as *mut EvalCallback) };
     match Context::resolve(t) {
@@ -51,18 +55,43 @@ unsafe extern "C" fn eval_trampoline(t: *mut sys::ggml_tensor, ask: bool, user: 
 impl<'b> Scheduler<'b> {
     /// A scheduler over `backends` (the CPU backend last) for graphs of up to `graph_size`
     /// nodes.
-    pub fn new(backends: &[&'b Backend], graph_size: usize, parallel: bool) -> Result<Scheduler<'b>> {
-        let last = backends.last().ok_or_else(|| GgmlError::Mismatch("scheduler needs at least one backend".into()))?;
+    pub fn new(
+        backends: &[&'b Backend],
+        graph_size: usize,
+        parallel: bool,
+    ) -> Result<Scheduler<'b>> {
+        let last = backends
+            .last()
+            .ok_or_else(|| GgmlError::Mismatch("scheduler needs at least one backend".into()))?;
         if !last.is_cpu() {
-            return Err(GgmlError::Mismatch(format!("the scheduler's last backend must be the CPU, got {}", last.name())));
+            return Err(GgmlError::Mismatch(format!(
+                "the scheduler's last backend must be the CPU, got {}",
+                last.name()
+            )));
         }
         let mut raws: Vec<sys::ggml_backend_t> = backends.iter().map(|b| b.raw()).collect();
         // SAFETY: live backends; NULL bufts means defaults.
         let p = unsafe {
-            sys::ggml_backend_sched_new(raws.as_mut_ptr(), std::ptr::null_mut(), raws.len() as i32, graph_size.max(16), parallel, false)
+            sys::ggml_backend_sched_new(
+                raws.as_mut_ptr(),
+                std::ptr::null_mut(),
+                raws.len() as i32,
+                graph_size.max(16),
+                parallel,
+                false,
+            )
         };
-        let ptr = NonNull::new(p).ok_or_else(|| GgmlError::AllocationFailed { what: "scheduler".into(), buffer_type: "-".into(), bytes: 0 })?;
-        Ok(Scheduler { ptr, backends: backends.to_vec(), allocated: Vec::new(), callback: None })
+        let ptr = NonNull::new(p).ok_or_else(|| GgmlError::AllocationFailed {
+            what: "scheduler".into(),
+            buffer_type: "-".into(),
+            bytes: 0,
+        })?;
+        Ok(Scheduler {
+            ptr,
+            backends: backends.to_vec(),
+            allocated: Vec::new(),
+            callback: None,
+        })
     }
 
     fn forget_allocations(&mut self) {
@@ -75,7 +104,10 @@ impl<'b> Scheduler<'b> {
         if self.backends.iter().any(|x| std::ptr::eq(*x, b)) {
             Ok(())
         } else {
-            Err(GgmlError::Mismatch(format!("backend {} is not part of this scheduler", b.name())))
+            Err(GgmlError::Mismatch(format!(
+                "backend {} is not part of this scheduler",
+                b.name()
+            )))
         }
     }
 
@@ -86,7 +118,11 @@ impl<'b> Scheduler<'b> {
         if unsafe { sys::ggml_backend_sched_reserve(self.ptr.as_ptr(), graph.raw()) } {
             Ok(())
         } else {
-            Err(GgmlError::AllocationFailed { what: "scheduler reservation".into(), buffer_type: "-".into(), bytes: 0 })
+            Err(GgmlError::AllocationFailed {
+                what: "scheduler reservation".into(),
+                buffer_type: "-".into(),
+                bytes: 0,
+            })
         }
     }
 
@@ -101,7 +137,9 @@ impl<'b> Scheduler<'b> {
     pub fn set_tensor_backend(&mut self, t: &GTensor, backend: &Backend) -> Result<()> {
         self.check_backend(backend)?;
         // SAFETY: backend belongs to the scheduler.
-        unsafe { sys::ggml_backend_sched_set_tensor_backend(self.ptr.as_ptr(), t.raw(), backend.raw()) };
+        unsafe {
+            sys::ggml_backend_sched_set_tensor_backend(self.ptr.as_ptr(), t.raw(), backend.raw())
+        };
         Ok(())
     }
 
@@ -114,7 +152,11 @@ impl<'b> Scheduler<'b> {
             for t in &pending {
                 t.clear_allocation();
             }
-            return Err(GgmlError::AllocationFailed { what: "scheduled graph".into(), buffer_type: "-".into(), bytes: 0 });
+            return Err(GgmlError::AllocationFailed {
+                what: "scheduled graph".into(),
+                buffer_type: "-".into(),
+                bytes: 0,
+            });
         }
         self.allocated = pending;
         Ok(())
@@ -126,9 +168,13 @@ impl<'b> Scheduler<'b> {
             self.alloc_graph(graph)?;
         }
         // SAFETY: graph allocated by this scheduler.
-        let status = unsafe { sys::ggml_backend_sched_graph_compute(self.ptr.as_ptr(), graph.raw()) };
+        let status =
+            unsafe { sys::ggml_backend_sched_graph_compute(self.ptr.as_ptr(), graph.raw()) };
         if status != sys::GGML_STATUS_SUCCESS {
-            return Err(GgmlError::ComputeFailed { backend: "scheduler".into(), status: status_name(status) });
+            return Err(GgmlError::ComputeFailed {
+                backend: "scheduler".into(),
+                status: status_name(status),
+            });
         }
         Ok(())
     }
@@ -157,7 +203,13 @@ impl<'b> Scheduler<'b> {
         let mut boxed: Box<EvalCallback> = Box::new(cb);
         let user = (&mut *boxed) as *mut EvalCallback as *mut c_void;
         // SAFETY: the box is kept in self and outlives every compute call.
-        unsafe { sys::ggml_backend_sched_set_eval_callback(self.ptr.as_ptr(), Some(eval_trampoline), user) };
+        unsafe {
+            sys::ggml_backend_sched_set_eval_callback(
+                self.ptr.as_ptr(),
+                Some(eval_trampoline),
+                user,
+            )
+        };
         self.callback = Some(boxed);
     }
 }

@@ -46,13 +46,23 @@ impl std::hash::Hash for GTensor {
 
 impl fmt::Debug for GTensor {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "GTensor('{}', {:?} {:?}, {})", self.name(), self.dtype_raw(), self.ne(), self.op_name())
+        write!(
+            f,
+            "GTensor('{}', {:?} {:?}, {})",
+            self.name(),
+            self.dtype_raw(),
+            self.ne(),
+            self.op_name()
+        )
     }
 }
 
 impl GTensor {
     pub(crate) fn from_raw(ctx: Context, ptr: *mut sys::ggml_tensor) -> GTensor {
-        GTensor { ctx, ptr: NonNull::new(ptr).expect("ggml returned a null tensor") }
+        GTensor {
+            ctx,
+            ptr: NonNull::new(ptr).expect("ggml returned a null tensor"),
+        }
     }
 
     pub(crate) fn raw(&self) -> *mut sys::ggml_tensor {
@@ -82,7 +92,12 @@ impl GTensor {
     /// ggml dimensions, innermost first (always 4 entries).
     pub fn ne(&self) -> [usize; 4] {
         let ne = self.t().ne;
-        [ne[0] as usize, ne[1] as usize, ne[2] as usize, ne[3] as usize]
+        [
+            ne[0] as usize,
+            ne[1] as usize,
+            ne[2] as usize,
+            ne[3] as usize,
+        ]
     }
 
     /// Strides in bytes, innermost first.
@@ -119,7 +134,9 @@ impl GTensor {
     }
 
     fn dtype_raw(&self) -> String {
-        self.dtype().map(|d| d.to_string()).unwrap_or_else(|| format!("type{}", self.t().type_))
+        self.dtype()
+            .map(|d| d.to_string())
+            .unwrap_or_else(|| format!("type{}", self.t().type_))
     }
 
     /// Whether the data is laid out contiguously.
@@ -131,7 +148,9 @@ impl GTensor {
     /// The tensor's name.
     pub fn name(&self) -> String {
         // SAFETY: name is a NUL-terminated fixed array.
-        unsafe { CStr::from_ptr(self.t().name.as_ptr()) }.to_string_lossy().into_owned()
+        unsafe { CStr::from_ptr(self.t().name.as_ptr()) }
+            .to_string_lossy()
+            .into_owned()
     }
 
     /// Sets the name (truncated to ggml's limit).
@@ -148,7 +167,9 @@ impl GTensor {
     /// The operation that produces this tensor (`NONE` for leafs).
     pub fn op_name(&self) -> &'static str {
         // SAFETY: static string per op.
-        unsafe { CStr::from_ptr(sys::ggml_op_name(self.t().op)) }.to_str().unwrap_or("?")
+        unsafe { CStr::from_ptr(sys::ggml_op_name(self.t().op)) }
+            .to_str()
+            .unwrap_or("?")
     }
 
     /// The raw op code (for fingerprints).
@@ -177,7 +198,9 @@ impl GTensor {
 
     /// All sources, in order.
     pub fn srcs(&self) -> Vec<GTensor> {
-        (0..sys::GGML_MAX_SRC as usize).filter_map(|i| self.src(i)).collect()
+        (0..sys::GGML_MAX_SRC as usize)
+            .filter_map(|i| self.src(i))
+            .collect()
     }
 
     /// The tensor this one is a view of, if any.
@@ -243,7 +266,8 @@ impl GTensor {
     pub fn is_host(&self) -> bool {
         let b = self.t().buffer;
         // SAFETY: a non-null buffer field points to a live buffer (reset on free).
-        b.is_null() && !self.t().data.is_null() || !b.is_null() && unsafe { sys::ggml_backend_buffer_is_host(b) }
+        b.is_null() && !self.t().data.is_null()
+            || !b.is_null() && unsafe { sys::ggml_backend_buffer_is_host(b) }
     }
 
     pub(crate) fn buffer_raw(&self) -> sys::ggml_backend_buffer_t {
@@ -280,6 +304,12 @@ impl GTensor {
     /// one row).
     pub fn write_bytes(&self, offset: usize, bytes: &[u8]) -> Result<()> {
         self.check_io(bytes.len(), offset)?;
+        if super::mapped::is_read_only(self.buffer_raw()) {
+            return Err(GgmlError::DataMismatch {
+                name: self.name(),
+                detail: "its memory is a read-only mapping".into(),
+            });
+        }
         if bytes.is_empty() {
             return Ok(());
         }
@@ -342,10 +372,17 @@ impl GTensor {
             });
         }
         if !self.is_contiguous() {
-            return Err(GgmlError::DataMismatch { name: self.name(), detail: "not contiguous".into() });
+            return Err(GgmlError::DataMismatch {
+                name: self.name(),
+                detail: "not contiguous".into(),
+            });
         }
-        let bytes = crate::convert::from_f32(dtype, values, self.ne()[0].max(1))
-            .map_err(|e| GgmlError::DataMismatch { name: self.name(), detail: e.to_string() })?;
+        let bytes = crate::convert::from_f32(dtype, values, self.ne()[0].max(1)).map_err(|e| {
+            GgmlError::DataMismatch {
+                name: self.name(),
+                detail: e.to_string(),
+            }
+        })?;
         self.write_bytes(0, &bytes)
     }
 
@@ -353,11 +390,16 @@ impl GTensor {
     pub fn read_f32(&self) -> Result<Vec<f32>> {
         let dtype = self.dtype().ok_or_else(|| self.type_err())?;
         if !self.is_contiguous() {
-            return Err(GgmlError::DataMismatch { name: self.name(), detail: "not contiguous".into() });
+            return Err(GgmlError::DataMismatch {
+                name: self.name(),
+                detail: "not contiguous".into(),
+            });
         }
         let bytes = self.read_bytes()?;
-        crate::convert::to_f32(dtype, &bytes)
-            .map_err(|e| GgmlError::DataMismatch { name: self.name(), detail: e.to_string() })
+        crate::convert::to_f32(dtype, &bytes).map_err(|e| GgmlError::DataMismatch {
+            name: self.name(),
+            detail: e.to_string(),
+        })
     }
 
     /// Writes i32 values (the tensor must be I32).
@@ -365,7 +407,12 @@ impl GTensor {
         if self.dtype() != Some(DType::I32) || values.len() != self.nelements() {
             return Err(GgmlError::DataMismatch {
                 name: self.name(),
-                detail: format!("{} i32 values for a {:?} tensor of {} elements", values.len(), self.dtype(), self.nelements()),
+                detail: format!(
+                    "{} i32 values for a {:?} tensor of {} elements",
+                    values.len(),
+                    self.dtype(),
+                    self.nelements()
+                ),
             });
         }
         let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
@@ -373,6 +420,9 @@ impl GTensor {
     }
 
     fn type_err(&self) -> GgmlError {
-        GgmlError::DataMismatch { name: self.name(), detail: format!("unsupported type {}", self.dtype_raw()) }
+        GgmlError::DataMismatch {
+            name: self.name(),
+            detail: format!("unsupported type {}", self.dtype_raw()),
+        }
     }
 }

@@ -158,10 +158,18 @@ impl std::fmt::Debug for Image {
 
 fn check_size(width: usize, height: usize) -> Result<()> {
     if width == 0 || height == 0 {
-        return Err(ImageError::Size { width, height, reason: "width and height must be at least 1" });
+        return Err(ImageError::Size {
+            width,
+            height,
+            reason: "width and height must be at least 1",
+        });
     }
     if width > u32::MAX as usize || height > u32::MAX as usize {
-        return Err(ImageError::Size { width, height, reason: "too large" });
+        return Err(ImageError::Size {
+            width,
+            height,
+            reason: "too large",
+        });
     }
     Ok(())
 }
@@ -171,10 +179,16 @@ fn image_dims(shape: &[usize]) -> Result<(usize, usize, usize)> {
     let chw = match shape {
         [1, c, h, w] | [c, h, w] => (*c, *h, *w),
         [_, _, _, _] => {
-            return Err(ImageError::TensorShape { shape: shape.to_vec(), reason: "batch size must be 1" });
+            return Err(ImageError::TensorShape {
+                shape: shape.to_vec(),
+                reason: "batch size must be 1",
+            });
         }
         _ => {
-            return Err(ImageError::TensorShape { shape: shape.to_vec(), reason: "expected [1, C, H, W] or [C, H, W]" });
+            return Err(ImageError::TensorShape {
+                shape: shape.to_vec(),
+                reason: "expected [1, C, H, W] or [C, H, W]",
+            });
         }
     };
     Ok(chw)
@@ -190,11 +204,26 @@ impl Image {
         let expected = width
             .checked_mul(height)
             .and_then(|n| n.checked_mul(channels))
-            .ok_or(ImageError::Size { width, height, reason: "too large" })?;
+            .ok_or(ImageError::Size {
+                width,
+                height,
+                reason: "too large",
+            })?;
         if pixels.len() != expected {
-            return Err(ImageError::PixelCount { width, height, channels, expected, got: pixels.len() });
+            return Err(ImageError::PixelCount {
+                width,
+                height,
+                channels,
+                expected,
+                got: pixels.len(),
+            });
         }
-        Ok(Image { width, height, channels, pixels })
+        Ok(Image {
+            width,
+            height,
+            channels,
+            pixels,
+        })
     }
 
     /// An RGB image from interleaved pixels.
@@ -210,7 +239,11 @@ impl Image {
     /// An image with every pixel `color` (3 or 4 values, which sets the channel count).
     pub fn filled(width: usize, height: usize, color: &[u8]) -> Result<Self> {
         check_size(width, height)?;
-        let n = width.checked_mul(height).ok_or(ImageError::Size { width, height, reason: "too large" })?;
+        let n = width.checked_mul(height).ok_or(ImageError::Size {
+            width,
+            height,
+            reason: "too large",
+        })?;
         if color.len() != 3 && color.len() != 4 {
             return Err(ImageError::Channels(color.len()));
         }
@@ -293,7 +326,10 @@ impl Image {
             1 => 3,
             3 | 4 => c,
             _ => {
-                return Err(ImageError::TensorShape { shape: t.shape().to_vec(), reason: "channels must be 1, 3 or 4" });
+                return Err(ImageError::TensorShape {
+                    shape: t.shape().to_vec(),
+                    reason: "channels must be 1, 3 or 4",
+                });
             }
         };
         let mut pixels = Vec::with_capacity(plane * out_c);
@@ -321,8 +357,14 @@ impl Image {
             rgb.extend_from_slice(&px[..3]);
             alpha.push(px[3] as f32 / 255.0);
         }
-        let img = Image { width: self.width, height: self.height, channels: 3, pixels: rgb };
-        let a = Tensor::new([1, 1, self.height, self.width], alpha).expect("consistent alpha shape");
+        let img = Image {
+            width: self.width,
+            height: self.height,
+            channels: 3,
+            pixels: rgb,
+        };
+        let a =
+            Tensor::new([1, 1, self.height, self.width], alpha).expect("consistent alpha shape");
         (img, Some(a))
     }
 
@@ -333,7 +375,10 @@ impl Image {
         let (h, w) = match alpha.shape() {
             [h, w] | [1, h, w] | [1, 1, h, w] => (*h, *w),
             s => {
-                return Err(ImageError::TensorShape { shape: s.to_vec(), reason: "alpha must be [H, W], [1, H, W] or [1, 1, H, W]" });
+                return Err(ImageError::TensorShape {
+                    shape: s.to_vec(),
+                    reason: "alpha must be [H, W], [1, H, W] or [1, 1, H, W]",
+                });
             }
         };
         if (w, h) != (self.width, self.height) {
@@ -366,7 +411,12 @@ impl Image {
             pixels.extend_from_slice(px);
             pixels.push(255);
         }
-        Image { width: self.width, height: self.height, channels: 4, pixels }
+        Image {
+            width: self.width,
+            height: self.height,
+            channels: 4,
+            pixels,
+        }
     }
 
     /// Raw pixel values as a `[1, C, H, W]` tensor (0.0..=255.0), for resampling.
@@ -387,7 +437,11 @@ impl Image {
         if (width, height) == (self.width, self.height) {
             return Ok(self.clone());
         }
-        Self::from_raw_tensor(&self.raw_tensor().interpolate_bilinear(height, width, false)?)
+        Self::from_raw_tensor(
+            &self
+                .raw_tensor()
+                .interpolate_bilinear(height, width, false)?,
+        )
     }
 
     /// The image resampled to `width` x `height` taking the nearest pixel (torch `nearest`).
@@ -404,7 +458,14 @@ impl Image {
             && x.checked_add(w).is_some_and(|r| r <= self.width)
             && y.checked_add(h).is_some_and(|b| b <= self.height);
         if !fits {
-            return Err(ImageError::Crop { x, y, w, h, width: self.width, height: self.height });
+            return Err(ImageError::Crop {
+                x,
+                y,
+                w,
+                h,
+                width: self.width,
+                height: self.height,
+            });
         }
         let c = self.channels;
         let mut pixels = Vec::with_capacity(w * h * c);
@@ -427,10 +488,22 @@ mod tests {
 
     #[test]
     fn constructors_validate() {
-        assert!(matches!(Image::new(2, 2, 2, vec![0; 8]), Err(ImageError::Channels(2))));
-        assert!(matches!(Image::new(0, 2, 3, vec![]), Err(ImageError::Size { .. })));
-        assert!(matches!(Image::new(2, 2, 3, vec![0; 11]), Err(ImageError::PixelCount { expected: 12, .. })));
-        assert!(matches!(Image::new(usize::MAX / 2, 3, 3, vec![]), Err(ImageError::Size { .. })));
+        assert!(matches!(
+            Image::new(2, 2, 2, vec![0; 8]),
+            Err(ImageError::Channels(2))
+        ));
+        assert!(matches!(
+            Image::new(0, 2, 3, vec![]),
+            Err(ImageError::Size { .. })
+        ));
+        assert!(matches!(
+            Image::new(2, 2, 3, vec![0; 11]),
+            Err(ImageError::PixelCount { expected: 12, .. })
+        ));
+        assert!(matches!(
+            Image::new(usize::MAX / 2, 3, 3, vec![]),
+            Err(ImageError::Size { .. })
+        ));
         let f = Image::filled(2, 1, &[1, 2, 3, 4]).unwrap();
         assert_eq!(f.pixels(), &[1, 2, 3, 4, 1, 2, 3, 4]);
         assert_eq!(f.pixel(1, 0), Some(&[1u8, 2, 3, 4][..]));
@@ -448,10 +521,16 @@ mod tests {
         let s = img.to_tensor(PixelRange::MinusOneToOne);
         assert_eq!((s.data()[0], s.data()[4]), (-1.0, 1.0));
         for range in [PixelRange::ZeroToOne, PixelRange::MinusOneToOne] {
-            assert_eq!(Image::from_tensor(&img.to_tensor(range), range).unwrap(), img);
+            assert_eq!(
+                Image::from_tensor(&img.to_tensor(range), range).unwrap(),
+                img
+            );
         }
         let chw = t.clone().squeeze(0).unwrap();
-        assert_eq!(Image::from_tensor(&chw, PixelRange::ZeroToOne).unwrap(), img);
+        assert_eq!(
+            Image::from_tensor(&chw, PixelRange::ZeroToOne).unwrap(),
+            img
+        );
     }
 
     #[test]
@@ -460,9 +539,17 @@ mod tests {
         let img = Image::from_tensor(&t, PixelRange::ZeroToOne).unwrap();
         assert_eq!(img.channels(), 3);
         assert_eq!(img.pixels(), &[0, 0, 0, 1, 1, 1, 255, 255, 255, 0, 0, 0]);
-        for shape in [vec![2, 3, 2, 2], vec![1, 2, 2, 2], vec![3, 4], vec![1, 3, 0, 2]] {
+        for shape in [
+            vec![2, 3, 2, 2],
+            vec![1, 2, 2, 2],
+            vec![3, 4],
+            vec![1, 3, 0, 2],
+        ] {
             let t = Tensor::<f32>::zeros(shape.clone()).unwrap();
-            assert!(Image::from_tensor(&t, PixelRange::ZeroToOne).is_err(), "{shape:?}");
+            assert!(
+                Image::from_tensor(&t, PixelRange::ZeroToOne).is_err(),
+                "{shape:?}"
+            );
         }
     }
 
@@ -496,8 +583,17 @@ mod tests {
         let big = img.resize_bilinear(8, 6).unwrap();
         assert_eq!((big.width(), big.height(), big.channels()), (8, 6, 3));
         let flat = Image::filled(5, 5, &[9, 99, 199]).unwrap();
-        assert_eq!(flat.resize_bilinear(3, 7).unwrap(), Image::filled(3, 7, &[9, 99, 199]).unwrap());
-        assert_eq!(img.resize_nearest(8, 6).unwrap().resize_nearest(4, 3).unwrap(), img);
+        assert_eq!(
+            flat.resize_bilinear(3, 7).unwrap(),
+            Image::filled(3, 7, &[9, 99, 199]).unwrap()
+        );
+        assert_eq!(
+            img.resize_nearest(8, 6)
+                .unwrap()
+                .resize_nearest(4, 3)
+                .unwrap(),
+            img
+        );
         assert!(img.resize_bilinear(0, 3).is_err());
     }
 }

@@ -22,7 +22,11 @@ fn nearest_index(i: usize, in_size: usize, out_size: usize) -> usize {
 
 /// Source indices and weights `(i0, i1, w0, w1)` of every output index for `bilinear`
 /// (torch `compute_source_index_and_lambda`).
-fn linear_taps(in_size: usize, out_size: usize, align_corners: bool) -> Vec<(usize, usize, f32, f32)> {
+fn linear_taps(
+    in_size: usize,
+    out_size: usize,
+    align_corners: bool,
+) -> Vec<(usize, usize, f32, f32)> {
     if in_size == out_size {
         return (0..out_size).map(|i| (i, i, 1.0, 0.0)).collect();
     }
@@ -52,15 +56,26 @@ fn linear_taps(in_size: usize, out_size: usize, align_corners: bool) -> Vec<(usi
 
 impl<T> Tensor<T> {
     /// Checks a resampling request; returns (planes, in_h, in_w) and the output shape.
-    fn resample_dims(&self, op: &'static str, out_h: usize, out_w: usize) -> Result<(usize, usize, usize, Vec<usize>)> {
+    fn resample_dims(
+        &self,
+        op: &'static str,
+        out_h: usize,
+        out_w: usize,
+    ) -> Result<(usize, usize, usize, Vec<usize>)> {
         let shape = self.shape();
-        let invalid = |detail: String| ShapeError::Invalid { op, shape: shape.to_vec(), detail };
+        let invalid = |detail: String| ShapeError::Invalid {
+            op,
+            shape: shape.to_vec(),
+            detail,
+        };
         if shape.len() < 2 {
             return Err(invalid("needs at least 2 dims".into()));
         }
         let (in_h, in_w) = (shape[shape.len() - 2], shape[shape.len() - 1]);
         if in_h == 0 || in_w == 0 || out_h == 0 || out_w == 0 {
-            return Err(invalid(format!("cannot resample {in_h}x{in_w} to {out_h}x{out_w}")));
+            return Err(invalid(format!(
+                "cannot resample {in_h}x{in_w} to {out_h}x{out_w}"
+            )));
         }
         let planes: usize = shape[..shape.len() - 2].iter().product();
         let mut out_shape = shape.to_vec();
@@ -78,7 +93,8 @@ impl<T: Copy> Tensor<T> {
     /// Nearest-neighbour resampling of the last two dims to `out_h` x `out_w`, as torch
     /// `F.interpolate(x, size=(out_h, out_w), mode="nearest")`.
     pub fn interpolate_nearest(&self, out_h: usize, out_w: usize) -> Result<Self> {
-        let (planes, in_h, in_w, out_shape) = self.resample_dims("interpolate_nearest", out_h, out_w)?;
+        let (planes, in_h, in_w, out_shape) =
+            self.resample_dims("interpolate_nearest", out_h, out_w)?;
         let rows: Vec<usize> = (0..out_h).map(|y| nearest_index(y, in_h, out_h)).collect();
         let cols: Vec<usize> = (0..out_w).map(|x| nearest_index(x, in_w, out_w)).collect();
         let src = self.data();
@@ -98,8 +114,14 @@ impl<T: Element> Tensor<T> {
     /// Bilinear resampling of the last two dims to `out_h` x `out_w`, as torch
     /// `F.interpolate(x, size=(out_h, out_w), mode="bilinear", align_corners=...,
     /// antialias=False)`. Computed in f32 and converted back to `T`.
-    pub fn interpolate_bilinear(&self, out_h: usize, out_w: usize, align_corners: bool) -> Result<Self> {
-        let (planes, in_h, in_w, out_shape) = self.resample_dims("interpolate_bilinear", out_h, out_w)?;
+    pub fn interpolate_bilinear(
+        &self,
+        out_h: usize,
+        out_w: usize,
+        align_corners: bool,
+    ) -> Result<Self> {
+        let (planes, in_h, in_w, out_shape) =
+            self.resample_dims("interpolate_bilinear", out_h, out_w)?;
         let ty = linear_taps(in_h, out_h, align_corners);
         let tx = linear_taps(in_w, out_w, align_corners);
         let src = self.data();
@@ -140,7 +162,9 @@ mod tests {
         let t = Tensor::new([1, 3], vec![0f32, 1., 2.]).unwrap();
         let up = t.interpolate_bilinear(1, 5, true).unwrap();
         assert_eq!(up.data(), &[0., 0.5, 1., 1.5, 2.]);
-        let h = Tensor::<half::f16>::from_f32(&t).interpolate_bilinear(1, 5, true).unwrap();
+        let h = Tensor::<half::f16>::from_f32(&t)
+            .interpolate_bilinear(1, 5, true)
+            .unwrap();
         assert_eq!(h.to_f32(), up);
     }
 
@@ -149,9 +173,21 @@ mod tests {
         let t = Tensor::<f32>::zeros([2, 2]).unwrap();
         assert!(t.interpolate_bilinear(0, 3, false).is_err());
         assert!(t.interpolate_nearest(3, 0).is_err());
-        assert!(Tensor::<f32>::zeros([4]).unwrap().interpolate_nearest(2, 2).is_err());
-        assert!(Tensor::<f32>::zeros([0, 2]).unwrap().interpolate_nearest(2, 2).is_err());
+        assert!(Tensor::<f32>::zeros([4])
+            .unwrap()
+            .interpolate_nearest(2, 2)
+            .is_err());
+        assert!(Tensor::<f32>::zeros([0, 2])
+            .unwrap()
+            .interpolate_nearest(2, 2)
+            .is_err());
         let empty_batch = Tensor::<f32>::zeros([0, 3, 2, 2]).unwrap();
-        assert_eq!(empty_batch.interpolate_bilinear(4, 4, false).unwrap().shape(), &[0, 3, 4, 4]);
+        assert_eq!(
+            empty_batch
+                .interpolate_bilinear(4, 4, false)
+                .unwrap()
+                .shape(),
+            &[0, 3, 4, 4]
+        );
     }
 }

@@ -7,7 +7,12 @@ use super::shape::ShapeError;
 use super::tensor::{Result, Tensor};
 
 impl Tensor<f32> {
-    fn binary(&self, op: &'static str, other: &Tensor<f32>, f: impl FnMut(f32, f32) -> f32) -> Result<Self> {
+    fn binary(
+        &self,
+        op: &'static str,
+        other: &Tensor<f32>,
+        f: impl FnMut(f32, f32) -> f32,
+    ) -> Result<Self> {
         self.zip_map(other, f).map_err(|e| match e {
             ShapeError::Mismatch { lhs, rhs, .. } => ShapeError::Mismatch { op, lhs, rhs },
             e => e,
@@ -66,7 +71,15 @@ impl Tensor<f32> {
 
     /// Elements clamped to `[min, max]` (NaN stays NaN).
     pub fn clamp(&self, min: f32, max: f32) -> Self {
-        self.map(|&v| if v < min { min } else if v > max { max } else { v })
+        self.map(|&v| {
+            if v < min {
+                min
+            } else if v > max {
+                max
+            } else {
+                v
+            }
+        })
     }
 
     /// Sum of all elements (0 for an empty tensor).
@@ -83,12 +96,23 @@ impl Tensor<f32> {
     pub fn variance(&self) -> f32 {
         let n = self.numel() as f64;
         let mean = self.data().iter().map(|&v| v as f64).sum::<f64>() / n;
-        (self.data().iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / n) as f32
+        (self
+            .data()
+            .iter()
+            .map(|&v| (v as f64 - mean).powi(2))
+            .sum::<f64>()
+            / n) as f32
     }
 
     /// Largest absolute value (0 for an empty tensor; NaN if any element is NaN).
     pub fn abs_max(&self) -> f32 {
-        self.data().iter().fold(0f32, |m, &v| if v.is_nan() || m.is_nan() { f32::NAN } else { m.max(v.abs()) })
+        self.data().iter().fold(0f32, |m, &v| {
+            if v.is_nan() || m.is_nan() {
+                f32::NAN
+            } else {
+                m.max(v.abs())
+            }
+        })
     }
 
     /// Smallest element (`None` for an empty tensor).
@@ -108,7 +132,11 @@ impl Tensor<f32> {
 
     fn same_shape(&self, op: &'static str, other: &Tensor<f32>) -> Result<()> {
         if self.shape() != other.shape() {
-            return Err(ShapeError::Mismatch { op, lhs: self.shape().to_vec(), rhs: other.shape().to_vec() });
+            return Err(ShapeError::Mismatch {
+                op,
+                lhs: self.shape().to_vec(),
+                rhs: other.shape().to_vec(),
+            });
         }
         Ok(())
     }
@@ -117,14 +145,18 @@ impl Tensor<f32> {
     /// holds NaN at some position).
     pub fn max_abs_diff(&self, other: &Tensor<f32>) -> Result<f32> {
         self.same_shape("max_abs_diff", other)?;
-        Ok(self.data().iter().zip(other.data()).fold(0f32, |m, (&a, &b)| {
-            let d = (a - b).abs();
-            if d.is_nan() || m.is_nan() {
-                f32::NAN
-            } else {
-                m.max(d)
-            }
-        }))
+        Ok(self
+            .data()
+            .iter()
+            .zip(other.data())
+            .fold(0f32, |m, (&a, &b)| {
+                let d = (a - b).abs();
+                if d.is_nan() || m.is_nan() {
+                    f32::NAN
+                } else {
+                    m.max(d)
+                }
+            }))
     }
 
     /// Relative L2 error `||self - other|| / ||other||` for tensors of the same shape
@@ -162,12 +194,28 @@ mod tests {
         let row = t(&[2], &[10., 20.]);
         assert_eq!(a.add(&row).unwrap().data(), &[11., 22., 13., 24.]);
         assert_eq!(a.sub(&a).unwrap().data(), &[0.; 4]);
-        assert_eq!(a.mul(&t(&[2, 1], &[2., 3.])).unwrap().data(), &[2., 4., 9., 12.]);
-        assert_eq!(a.div(&Tensor::scalar(2.0)).unwrap().data(), &[0.5, 1., 1.5, 2.]);
+        assert_eq!(
+            a.mul(&t(&[2, 1], &[2., 3.])).unwrap().data(),
+            &[2., 4., 9., 12.]
+        );
+        assert_eq!(
+            a.div(&Tensor::scalar(2.0)).unwrap().data(),
+            &[0.5, 1., 1.5, 2.]
+        );
         let e = a.add(&t(&[3], &[0.; 3])).unwrap_err();
-        assert_eq!(e, ShapeError::Mismatch { op: "add", lhs: vec![2, 2], rhs: vec![3] });
+        assert_eq!(
+            e,
+            ShapeError::Mismatch {
+                op: "add",
+                lhs: vec![2, 2],
+                rhs: vec![3]
+            }
+        );
         assert_eq!(a.scale(2.0).add_scalar(1.0).data(), &[3., 5., 7., 9.]);
-        assert_eq!(a.axpby(2.0, &row, 0.5).unwrap().data(), &[7., 14., 11., 18.]);
+        assert_eq!(
+            a.axpby(2.0, &row, 0.5).unwrap().data(),
+            &[7., 14., 11., 18.]
+        );
     }
 
     #[test]
@@ -181,7 +229,10 @@ mod tests {
         assert_eq!(a.clamp(0.0, 2.0).data(), &[1., 0., 2., 1.]);
         let empty = Tensor::<f32>::zeros([0]).unwrap();
         assert!(empty.mean().is_nan());
-        assert_eq!((empty.sum(), empty.abs_max(), empty.max()), (0.0, 0.0, None));
+        assert_eq!(
+            (empty.sum(), empty.abs_max(), empty.max()),
+            (0.0, 0.0, None)
+        );
         assert!(t(&[2], &[1.0, f32::NAN]).abs_max().is_nan());
     }
 

@@ -30,12 +30,20 @@ fn encode_err(e: png::EncodingError) -> ImageError {
 /// Checks a text chunk keyword: 1 to 79 printable Latin-1 characters, no leading or trailing
 /// space.
 fn check_keyword(keyword: &str) -> Result<()> {
-    let err = |reason| Err(ImageError::PngText { keyword: keyword.to_string(), reason });
+    let err = |reason| {
+        Err(ImageError::PngText {
+            keyword: keyword.to_string(),
+            reason,
+        })
+    };
     let n = keyword.chars().count();
     if n == 0 || n > 79 {
         return err("keywords have 1 to 79 characters");
     }
-    if !keyword.chars().all(|c| matches!(c as u32, 32..=126 | 161..=255)) {
+    if !keyword
+        .chars()
+        .all(|c| matches!(c as u32, 32..=126 | 161..=255))
+    {
         return err("keywords are printable Latin-1");
     }
     if keyword.starts_with(' ') || keyword.ends_with(' ') {
@@ -56,19 +64,28 @@ impl Image {
     /// order. Latin-1 texts go in `tEXt` chunks and others in `iTXt` (UTF-8), as PIL does.
     pub fn encode_png(&self, text: &[(String, String)]) -> Result<Vec<u8>> {
         let mut out = Vec::new();
-        let color = if self.has_alpha() { ColorType::Rgba } else { ColorType::Rgb };
+        let color = if self.has_alpha() {
+            ColorType::Rgba
+        } else {
+            ColorType::Rgb
+        };
         let mut enc = png::Encoder::new(&mut out, self.width() as u32, self.height() as u32);
         enc.set_color(color);
         enc.set_depth(BitDepth::Eight);
         for (keyword, value) in text {
             check_keyword(keyword)?;
             if value.contains('\0') {
-                return Err(ImageError::PngText { keyword: keyword.clone(), reason: "text cannot hold NUL" });
+                return Err(ImageError::PngText {
+                    keyword: keyword.clone(),
+                    reason: "text cannot hold NUL",
+                });
             }
             if value.chars().all(|c| (c as u32) < 256) {
-                enc.add_text_chunk(keyword.clone(), value.clone()).map_err(encode_err)?;
+                enc.add_text_chunk(keyword.clone(), value.clone())
+                    .map_err(encode_err)?;
             } else {
-                enc.add_itxt_chunk(keyword.clone(), value.clone()).map_err(encode_err)?;
+                enc.add_itxt_chunk(keyword.clone(), value.clone())
+                    .map_err(encode_err)?;
             }
         }
         let mut writer = enc.write_header().map_err(encode_err)?;
@@ -92,14 +109,20 @@ impl Image {
     /// Reads and decodes a PNG file.
     pub fn load_png(path: impl AsRef<Path>) -> Result<Image> {
         let path = path.as_ref();
-        let bytes = std::fs::read(path).map_err(|source| ImageError::Io { path: path.to_path_buf(), source })?;
+        let bytes = std::fs::read(path).map_err(|source| ImageError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
         Self::decode_png(&bytes)
     }
 
     /// Reads and decodes a PNG file with its text chunks.
     pub fn load_png_with_text(path: impl AsRef<Path>) -> Result<(Image, Vec<(String, String)>)> {
         let path = path.as_ref();
-        let bytes = std::fs::read(path).map_err(|source| ImageError::Io { path: path.to_path_buf(), source })?;
+        let bytes = std::fs::read(path).map_err(|source| ImageError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
         Self::decode_png_with_text(&bytes)
     }
 
@@ -129,14 +152,19 @@ fn decode(bytes: &[u8], with_text: bool) -> Result<(Image, Vec<(String, String)>
     decoder.set_ignore_text_chunk(!with_text);
     let mut reader = decoder.read_info().map_err(decode_err)?;
     let (width, height) = reader.info().size();
-    let buf_len = reader.output_buffer_size().ok_or_else(|| ImageError::PngTooLarge {
+    let buf_len = reader.output_buffer_size().ok_or(ImageError::PngTooLarge {
         width,
         height,
         bytes: usize::MAX,
         limit: MAX_PNG_DECODED_BYTES,
     })?;
     if buf_len > MAX_PNG_DECODED_BYTES {
-        return Err(ImageError::PngTooLarge { width, height, bytes: buf_len, limit: MAX_PNG_DECODED_BYTES });
+        return Err(ImageError::PngTooLarge {
+            width,
+            height,
+            bytes: buf_len,
+            limit: MAX_PNG_DECODED_BYTES,
+        });
     }
     let mut buf = vec![0u8; buf_len];
     let frame = reader.next_frame(&mut buf).map_err(decode_err)?;
@@ -155,15 +183,33 @@ fn decode(bytes: &[u8], with_text: bool) -> Result<(Image, Vec<(String, String)>
             buf.truncate(w * h * samples);
             buf
         }
-        BitDepth::Sixteen => buf.chunks_exact(2).take(w * h * samples).map(|s| to_8bit(s[0], s[1])).collect(),
-        d => return Err(ImageError::PngDecode(format!("unexpected bit depth {d:?} after expansion"))),
+        BitDepth::Sixteen => buf
+            .chunks_exact(2)
+            .take(w * h * samples)
+            .map(|s| to_8bit(s[0], s[1]))
+            .collect(),
+        d => {
+            return Err(ImageError::PngDecode(format!(
+                "unexpected bit depth {d:?} after expansion"
+            )))
+        }
     };
     if eight.len() != w * h * samples {
-        return Err(ImageError::PngDecode("decoded frame is smaller than its header says".into()));
+        return Err(ImageError::PngDecode(
+            "decoded frame is smaller than its header says".into(),
+        ));
     }
     let image = match samples {
         1 => Image::new(w, h, 3, eight.iter().flat_map(|&g| [g, g, g]).collect()),
-        2 => Image::new(w, h, 4, eight.chunks_exact(2).flat_map(|p| [p[0], p[0], p[0], p[1]]).collect()),
+        2 => Image::new(
+            w,
+            h,
+            4,
+            eight
+                .chunks_exact(2)
+                .flat_map(|p| [p[0], p[0], p[0], p[1]])
+                .collect(),
+        ),
         c => Image::new(w, h, c, eight),
     }?;
 
@@ -179,14 +225,20 @@ fn decode(bytes: &[u8], with_text: bool) -> Result<(Image, Vec<(String, String)>
         }
         for t in &info.compressed_latin1_text {
             let mut t = t.clone();
-            match t.decompress_text_with_limit(MAX_TEXT_BYTES).and_then(|_| t.get_text()) {
+            match t
+                .decompress_text_with_limit(MAX_TEXT_BYTES)
+                .and_then(|_| t.get_text())
+            {
                 Ok(s) => text.push((t.keyword.clone(), s)),
                 Err(e) => tracing::debug!("skipping zTXt chunk {:?}: {e}", t.keyword),
             }
         }
         for t in &info.utf8_text {
             let mut t = t.clone();
-            match t.decompress_text_with_limit(MAX_TEXT_BYTES).and_then(|_| t.get_text()) {
+            match t
+                .decompress_text_with_limit(MAX_TEXT_BYTES)
+                .and_then(|_| t.get_text())
+            {
                 Ok(s) => text.push((t.keyword.clone(), s)),
                 Err(e) => tracing::debug!("skipping iTXt chunk {:?}: {e}", t.keyword),
             }
@@ -225,8 +277,14 @@ mod tests {
     fn round_trip_with_text() {
         let img = Image::new(3, 2, 4, (0..24).map(|i| i as u8 * 10).collect()).unwrap();
         let text = vec![
-            ("parameters".to_string(), "a cat, Steps: 20, Sampler: Euler a".to_string()),
-            ("Comment".to_string(), "unicode \u{4e2d}\u{6587} prompt".to_string()),
+            (
+                "parameters".to_string(),
+                "a cat, Steps: 20, Sampler: Euler a".to_string(),
+            ),
+            (
+                "Comment".to_string(),
+                "unicode \u{4e2d}\u{6587} prompt".to_string(),
+            ),
         ];
         let bytes = img.encode_png(&text).unwrap();
         let (back, got) = Image::decode_png_with_text(&bytes).unwrap();
@@ -234,6 +292,9 @@ mod tests {
         assert_eq!(got, text);
         assert_eq!(Image::decode_png(&bytes).unwrap(), img);
         let bad = [("parameters".to_string(), "nul\0".to_string())];
-        assert!(matches!(img.encode_png(&bad), Err(ImageError::PngText { .. })));
+        assert!(matches!(
+            img.encode_png(&bad),
+            Err(ImageError::PngText { .. })
+        ));
     }
 }

@@ -121,7 +121,11 @@ pub fn contiguous_strides(shape: &[usize]) -> Vec<usize> {
 
 /// The broadcast shape of `a` and `b` (numpy rules: dims aligned from the right must be equal
 /// or 1).
-pub fn broadcast_shapes(op: &'static str, a: &[usize], b: &[usize]) -> Result<Vec<usize>, ShapeError> {
+pub fn broadcast_shapes(
+    op: &'static str,
+    a: &[usize],
+    b: &[usize],
+) -> Result<Vec<usize>, ShapeError> {
     let rank = a.len().max(b.len());
     let mut out = Vec::with_capacity(rank);
     for i in 0..rank {
@@ -132,7 +136,11 @@ pub fn broadcast_shapes(op: &'static str, a: &[usize], b: &[usize]) -> Result<Ve
             (1, y) => y,
             (x, 1) => x,
             _ => {
-                return Err(ShapeError::Mismatch { op, lhs: a.to_vec(), rhs: b.to_vec() });
+                return Err(ShapeError::Mismatch {
+                    op,
+                    lhs: a.to_vec(),
+                    rhs: b.to_vec(),
+                });
             }
         };
         out.push(d);
@@ -230,7 +238,10 @@ mod tests {
 
     #[test]
     fn broadcasting() {
-        assert_eq!(broadcast_shapes("t", &[2, 1, 4], &[3, 1]).unwrap(), vec![2, 3, 4]);
+        assert_eq!(
+            broadcast_shapes("t", &[2, 1, 4], &[3, 1]).unwrap(),
+            vec![2, 3, 4]
+        );
         assert_eq!(broadcast_shapes("t", &[], &[3]).unwrap(), vec![3]);
         assert!(broadcast_shapes("t", &[2, 3], &[4, 3]).is_err());
         assert_eq!(broadcast_strides(&[3, 1], &[2, 3, 4]), vec![0, 1, 0]);

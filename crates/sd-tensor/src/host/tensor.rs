@@ -3,7 +3,9 @@
 use std::fmt;
 
 use super::element::Element;
-use super::shape::{broadcast_shapes, broadcast_strides, checked_numel, contiguous_strides, gather, ShapeError};
+use super::shape::{
+    broadcast_shapes, broadcast_strides, checked_numel, contiguous_strides, gather, ShapeError,
+};
 
 /// Result of the host tensor operations.
 pub type Result<T, E = ShapeError> = std::result::Result<T, E>;
@@ -24,27 +26,41 @@ impl<T> Tensor<T> {
     /// A tensor of `shape` holding `data` (row-major); the lengths must agree.
     pub fn new(shape: impl Into<Vec<usize>>, data: Vec<T>) -> Result<Self> {
         let shape = shape.into();
-        let expected = checked_numel(&shape).ok_or_else(|| ShapeError::Overflow { shape: shape.clone() })?;
+        let expected = checked_numel(&shape).ok_or_else(|| ShapeError::Overflow {
+            shape: shape.clone(),
+        })?;
         if expected != data.len() {
-            return Err(ShapeError::DataLength { shape, expected, got: data.len() });
+            return Err(ShapeError::DataLength {
+                shape,
+                expected,
+                got: data.len(),
+            });
         }
         Ok(Tensor { shape, data })
     }
 
     /// A 1-D tensor holding `data`.
     pub fn from_vec(data: Vec<T>) -> Self {
-        Tensor { shape: vec![data.len()], data }
+        Tensor {
+            shape: vec![data.len()],
+            data,
+        }
     }
 
     /// A rank-0 tensor holding one value.
     pub fn scalar(value: T) -> Self {
-        Tensor { shape: Vec::new(), data: vec![value] }
+        Tensor {
+            shape: Vec::new(),
+            data: vec![value],
+        }
     }
 
     /// A tensor whose element at each index is `f(index)`.
     pub fn from_fn(shape: impl Into<Vec<usize>>, mut f: impl FnMut(&[usize]) -> T) -> Result<Self> {
         let shape = shape.into();
-        let n = checked_numel(&shape).ok_or_else(|| ShapeError::Overflow { shape: shape.clone() })?;
+        let n = checked_numel(&shape).ok_or_else(|| ShapeError::Overflow {
+            shape: shape.clone(),
+        })?;
         let mut data = Vec::with_capacity(n);
         let mut idx = vec![0usize; shape.len()];
         for _ in 0..n {
@@ -102,7 +118,10 @@ impl<T> Tensor<T> {
 
     /// Size of dimension `dim`.
     pub fn dim(&self, dim: usize) -> Result<usize> {
-        self.shape.get(dim).copied().ok_or_else(|| self.dim_err("dim", dim))
+        self.shape
+            .get(dim)
+            .copied()
+            .ok_or_else(|| self.dim_err("dim", dim))
     }
 
     /// Row-major strides in elements.
@@ -139,9 +158,15 @@ impl<T> Tensor<T> {
     pub fn reshape(self, shape: impl Into<Vec<usize>>) -> Result<Self> {
         let to = shape.into();
         if checked_numel(&to) != Some(self.data.len()) {
-            return Err(ShapeError::Reshape { from: self.shape, to });
+            return Err(ShapeError::Reshape {
+                from: self.shape,
+                to,
+            });
         }
-        Ok(Tensor { shape: to, data: self.data })
+        Ok(Tensor {
+            shape: to,
+            data: self.data,
+        })
     }
 
     /// Inserts a dimension of size 1 at `dim` (`0..=rank`).
@@ -171,7 +196,10 @@ impl<T> Tensor<T> {
 
     /// Elements mapped one by one.
     pub fn map<U>(&self, f: impl FnMut(&T) -> U) -> Tensor<U> {
-        Tensor { shape: self.shape.clone(), data: self.data.iter().map(f).collect() }
+        Tensor {
+            shape: self.shape.clone(),
+            data: self.data.iter().map(f).collect(),
+        }
     }
 
     /// Maps every element in place.
@@ -182,7 +210,11 @@ impl<T> Tensor<T> {
     }
 
     pub(crate) fn dim_err(&self, op: &'static str, dim: usize) -> ShapeError {
-        ShapeError::DimOutOfRange { op, dim, shape: self.shape.clone() }
+        ShapeError::DimOutOfRange {
+            op,
+            dim,
+            shape: self.shape.clone(),
+        }
     }
 
     /// (outer, size, inner) around `dim`: elements before, along and after it.
@@ -200,21 +232,40 @@ impl<T: Copy> Tensor<T> {
     /// A tensor of `shape` with every element `value`.
     pub fn full(shape: impl Into<Vec<usize>>, value: T) -> Result<Self> {
         let shape = shape.into();
-        let n = checked_numel(&shape).ok_or_else(|| ShapeError::Overflow { shape: shape.clone() })?;
-        Ok(Tensor { shape, data: vec![value; n] })
+        let n = checked_numel(&shape).ok_or_else(|| ShapeError::Overflow {
+            shape: shape.clone(),
+        })?;
+        Ok(Tensor {
+            shape,
+            data: vec![value; n],
+        })
     }
 
     /// Elements of two tensors combined one by one, broadcasting dims of size 1 (numpy rules).
-    pub fn zip_map<U: Copy, V>(&self, other: &Tensor<U>, mut f: impl FnMut(T, U) -> V) -> Result<Tensor<V>> {
+    pub fn zip_map<U: Copy, V>(
+        &self,
+        other: &Tensor<U>,
+        mut f: impl FnMut(T, U) -> V,
+    ) -> Result<Tensor<V>> {
         if self.shape == other.shape {
-            let data = self.data.iter().zip(&other.data).map(|(&a, &b)| f(a, b)).collect();
-            return Ok(Tensor { shape: self.shape.clone(), data });
+            let data = self
+                .data
+                .iter()
+                .zip(&other.data)
+                .map(|(&a, &b)| f(a, b))
+                .collect();
+            return Ok(Tensor {
+                shape: self.shape.clone(),
+                data,
+            });
         }
         let shape = broadcast_shapes("zip_map", &self.shape, &other.shape)?;
         let sa = broadcast_strides(&self.shape, &shape);
         let sb = broadcast_strides(&other.shape, &shape);
         let mut data = Vec::with_capacity(checked_numel(&shape).unwrap_or(0));
-        super::shape::for_each_offset2(&shape, &sa, &sb, |oa, ob| data.push(f(self.data[oa], other.data[ob])));
+        super::shape::for_each_offset2(&shape, &sa, &sb, |oa, ob| {
+            data.push(f(self.data[oa], other.data[ob]))
+        });
         Ok(Tensor { shape, data })
     }
 
@@ -222,11 +273,22 @@ impl<T: Copy> Tensor<T> {
     pub fn broadcast_to(&self, shape: impl Into<Vec<usize>>) -> Result<Self> {
         let shape = shape.into();
         let ok = shape.len() >= self.shape.len()
-            && self.shape.iter().rev().zip(shape.iter().rev()).all(|(&s, &o)| s == o || s == 1);
+            && self
+                .shape
+                .iter()
+                .rev()
+                .zip(shape.iter().rev())
+                .all(|(&s, &o)| s == o || s == 1);
         if !ok {
-            return Err(ShapeError::Mismatch { op: "broadcast_to", lhs: self.shape.clone(), rhs: shape });
+            return Err(ShapeError::Mismatch {
+                op: "broadcast_to",
+                lhs: self.shape.clone(),
+                rhs: shape,
+            });
         }
-        checked_numel(&shape).ok_or_else(|| ShapeError::Overflow { shape: shape.clone() })?;
+        checked_numel(&shape).ok_or_else(|| ShapeError::Overflow {
+            shape: shape.clone(),
+        })?;
         let strides = broadcast_strides(&self.shape, &shape);
         let data = gather(&self.data, &shape, &strides);
         Ok(Tensor { shape, data })
@@ -236,7 +298,13 @@ impl<T: Copy> Tensor<T> {
     pub fn slice(&self, dim: usize, start: usize, end: usize) -> Result<Self> {
         let (outer, size, inner) = self.split_at_dim("slice", dim)?;
         if start > end || end > size {
-            return Err(ShapeError::OutOfRange { op: "slice", dim, start, end, shape: self.shape.clone() });
+            return Err(ShapeError::OutOfRange {
+                op: "slice",
+                dim,
+                start,
+                end,
+                shape: self.shape.clone(),
+            });
         }
         let mut shape = self.shape.clone();
         shape[dim] = end - start;
@@ -313,7 +381,11 @@ impl<T: Copy> Tensor<T> {
     pub fn chunk(&self, n: usize, dim: usize) -> Result<Vec<Self>> {
         let len = self.dim(dim).map_err(|_| self.dim_err("chunk", dim))?;
         if n == 0 {
-            return Err(ShapeError::Invalid { op: "chunk", shape: self.shape.clone(), detail: "0 chunks".into() });
+            return Err(ShapeError::Invalid {
+                op: "chunk",
+                shape: self.shape.clone(),
+                detail: "0 chunks".into(),
+            });
         }
         if len == 0 {
             return Ok(vec![self.clone()]);
@@ -328,9 +400,17 @@ impl<T: Copy> Tensor<T> {
         let mut total = 0usize;
         for p in parts {
             let same = p.shape.len() == first.shape.len()
-                && p.shape.iter().zip(&first.shape).enumerate().all(|(i, (a, b))| i == dim || a == b);
+                && p.shape
+                    .iter()
+                    .zip(&first.shape)
+                    .enumerate()
+                    .all(|(i, (a, b))| i == dim || a == b);
             if !same {
-                return Err(ShapeError::Mismatch { op: "concat", lhs: first.shape.clone(), rhs: p.shape.clone() });
+                return Err(ShapeError::Mismatch {
+                    op: "concat",
+                    lhs: first.shape.clone(),
+                    rhs: p.shape.clone(),
+                });
             }
             total += p.shape[dim];
         }
@@ -353,7 +433,11 @@ impl<T: Copy> Tensor<T> {
             return Err(first.dim_err("stack", dim));
         }
         if let Some(p) = parts.iter().find(|p| p.shape != first.shape) {
-            return Err(ShapeError::Mismatch { op: "stack", lhs: first.shape.clone(), rhs: p.shape.clone() });
+            return Err(ShapeError::Mismatch {
+                op: "stack",
+                lhs: first.shape.clone(),
+                rhs: p.shape.clone(),
+            });
         }
         let outer: usize = first.shape[..dim].iter().product();
         let inner: usize = first.shape[dim..].iter().product();
@@ -373,9 +457,15 @@ impl<T: Copy> Tensor<T> {
         let rank = self.shape.len();
         let mut seen = vec![false; rank];
         let valid = perm.len() == rank
-            && perm.iter().all(|&p| p < rank && !std::mem::replace(&mut seen[p], true));
+            && perm
+                .iter()
+                .all(|&p| p < rank && !std::mem::replace(&mut seen[p], true));
         if !valid {
-            return Err(ShapeError::Permutation { op: "permute", perm: perm.to_vec(), shape: self.shape.clone() });
+            return Err(ShapeError::Permutation {
+                op: "permute",
+                perm: perm.to_vec(),
+                shape: self.shape.clone(),
+            });
         }
         let src = contiguous_strides(&self.shape);
         let shape: Vec<usize> = perm.iter().map(|&p| self.shape[p]).collect();
@@ -402,8 +492,12 @@ impl<T: Copy> Tensor<T> {
         shape[dim] = size
             .checked_add(before)
             .and_then(|s| s.checked_add(after))
-            .ok_or_else(|| ShapeError::Overflow { shape: self.shape.clone() })?;
-        let n = checked_numel(&shape).ok_or_else(|| ShapeError::Overflow { shape: shape.clone() })?;
+            .ok_or_else(|| ShapeError::Overflow {
+                shape: self.shape.clone(),
+            })?;
+        let n = checked_numel(&shape).ok_or_else(|| ShapeError::Overflow {
+            shape: shape.clone(),
+        })?;
         let mut data = Vec::with_capacity(n);
         for o in 0..outer {
             data.extend(std::iter::repeat_n(value, before * inner));
@@ -452,10 +546,19 @@ impl<T: Element> Tensor<T> {
     /// A tensor of `shape` decoded from little-endian bytes of `T`.
     pub fn from_le_bytes(shape: impl Into<Vec<usize>>, bytes: &[u8]) -> Result<Self> {
         let shape = shape.into();
-        let n = checked_numel(&shape).ok_or_else(|| ShapeError::Overflow { shape: shape.clone() })?;
-        let expected = n.checked_mul(T::SIZE).ok_or_else(|| ShapeError::Overflow { shape: shape.clone() })?;
+        let n = checked_numel(&shape).ok_or_else(|| ShapeError::Overflow {
+            shape: shape.clone(),
+        })?;
+        let expected = n.checked_mul(T::SIZE).ok_or_else(|| ShapeError::Overflow {
+            shape: shape.clone(),
+        })?;
         if bytes.len() != expected {
-            return Err(ShapeError::ByteLength { shape, dtype: T::DTYPE, expected, got: bytes.len() });
+            return Err(ShapeError::ByteLength {
+                shape,
+                dtype: T::DTYPE,
+                expected,
+                got: bytes.len(),
+            });
         }
         let data = bytes.chunks_exact(T::SIZE).map(T::read_le).collect();
         Ok(Tensor { shape, data })
@@ -490,9 +593,19 @@ mod tests {
     #[test]
     fn new_checks_length() {
         let e = Tensor::new([2, 3], vec![0f32; 5]).unwrap_err();
-        assert_eq!(e, ShapeError::DataLength { shape: vec![2, 3], expected: 6, got: 5 });
+        assert_eq!(
+            e,
+            ShapeError::DataLength {
+                shape: vec![2, 3],
+                expected: 6,
+                got: 5
+            }
+        );
         assert!(e.to_string().contains("[2, 3]"));
-        assert!(matches!(Tensor::<f32>::zeros([usize::MAX, 4]), Err(ShapeError::Overflow { .. })));
+        assert!(matches!(
+            Tensor::<f32>::zeros([usize::MAX, 4]),
+            Err(ShapeError::Overflow { .. })
+        ));
         let s = Tensor::scalar(3.0f32);
         assert_eq!((s.rank(), s.numel()), (0, 1));
         assert_eq!(Tensor::new(vec![], vec![3.0f32]).unwrap(), s);
@@ -557,7 +670,10 @@ mod tests {
         assert!(t.permute(&[0, 2]).is_err());
         let q = t.pad(1, 1, 2, -1.0).unwrap();
         assert_eq!(q.shape(), &[2, 6]);
-        assert_eq!(q.data(), &[-1., 0., 1., 2., -1., -1., -1., 3., 4., 5., -1., -1.]);
+        assert_eq!(
+            q.data(),
+            &[-1., 0., 1., 2., -1., -1., -1., 3., 4., 5., -1., -1.]
+        );
     }
 
     #[test]
@@ -577,7 +693,10 @@ mod tests {
         let b = iota(&[2, 1]);
         let c = a.zip_map(&b, |x, y| x * 10.0 + y).unwrap();
         assert_eq!(c.shape(), &[2, 2, 3]);
-        assert_eq!(c.data(), &[0., 10., 20., 1., 11., 21., 30., 40., 50., 31., 41., 51.]);
+        assert_eq!(
+            c.data(),
+            &[0., 10., 20., 1., 11., 21., 30., 40., 50., 31., 41., 51.]
+        );
         let d = b.broadcast_to([2, 2, 3]).unwrap();
         assert_eq!(d.data(), &[0., 0., 0., 1., 1., 1., 0., 0., 0., 1., 1., 1.]);
         assert!(a.broadcast_to([3]).is_err());
@@ -592,7 +711,10 @@ mod tests {
         let bytes = h.to_le_bytes();
         assert_eq!(bytes.len(), 6);
         assert_eq!(Tensor::<half::f16>::from_le_bytes([3], &bytes).unwrap(), h);
-        assert!(matches!(Tensor::<f32>::from_le_bytes([3], &bytes), Err(ShapeError::ByteLength { .. })));
+        assert!(matches!(
+            Tensor::<f32>::from_le_bytes([3], &bytes),
+            Err(ShapeError::ByteLength { .. })
+        ));
         assert_eq!(t.cast::<i32>().data(), &[0, -1, 3]);
     }
 
