@@ -70,7 +70,7 @@ impl Gguf {
     }
     /// Pads to 32 and appends data.
     pub fn data(&mut self, bytes: &[u8]) -> Vec<u8> {
-        while self.0.len() % 32 != 0 {
+        while self.0.len() & 31 != 0 {
             self.0.push(0);
         }
         self.0.extend_from_slice(bytes);
@@ -80,6 +80,12 @@ impl Gguf {
 
 /// A pickle writer (protocol 2 opcodes).
 pub struct Pickle(pub Vec<u8>);
+
+impl Default for Pickle {
+    fn default() -> Self {
+        Self::new()
+    }
+}
 
 impl Pickle {
     pub fn new() -> Self {

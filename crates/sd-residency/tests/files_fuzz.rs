@@ -31,7 +31,10 @@ const FIXTURES: &[&str] = &[
 ];
 
 fn cases() -> u32 {
-    std::env::var("SD_RS_FUZZ_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(2000)
+    std::env::var("SD_RS_FUZZ_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(2000)
 }
 
 #[derive(Clone, Debug)]
@@ -42,7 +45,12 @@ enum Mutation {
     Truncate(Index),
     Insert(Index, Vec<u8>),
     Delete(Index, Index),
-    Splice { from: Index, start: Index, len: u16, at: Index },
+    Splice {
+        from: Index,
+        start: Index,
+        len: u16,
+        at: Index,
+    },
 }
 
 fn interesting() -> impl Strategy<Value = u64> {
@@ -101,7 +109,12 @@ fn apply(mut b: Vec<u8>, muts: &[Mutation], fixtures: &[Vec<u8>]) -> Vec<u8> {
                 let n = n.index(64.min(b.len() - i) + 1);
                 b.drain(i..i + n);
             }
-            Mutation::Splice { from, start, len, at } => {
+            Mutation::Splice {
+                from,
+                start,
+                len,
+                at,
+            } => {
                 let src = &fixtures[from.index(fixtures.len())];
                 let s = start.index(src.len());
                 let e = (s + *len as usize).min(src.len());
@@ -117,13 +130,30 @@ fn apply(mut b: Vec<u8>, muts: &[Mutation], fixtures: &[Vec<u8>]) -> Vec<u8> {
 /// Parses and checks what a successful parse promises.
 fn check(bytes: &[u8], policy: GlobalPolicy) -> bool {
     let b = bytes.to_vec();
-    let opts = ReadOptions { pickle_globals: policy };
-    let Ok(p) = parse(&b, Path::new("fuzz.bin"), FileId(0), opts) else { return false };
+    let opts = ReadOptions {
+        pickle_globals: policy,
+    };
+    let Ok(p) = parse(&b, Path::new("fuzz.bin"), FileId(0), opts) else {
+        return false;
+    };
     let mut spans = Vec::new();
     for t in &p.tensors {
-        let end = t.offset.checked_add(t.size).expect("offset + size overflows");
-        assert!(end <= bytes.len() as u64, "{} ends at {end} past {}", t.name, bytes.len());
-        assert_eq!(Some(t.size as usize), t.dtype.bytes_for(t.numel() as usize), "{}", t.name);
+        let end = t
+            .offset
+            .checked_add(t.size)
+            .expect("offset + size overflows");
+        assert!(
+            end <= bytes.len() as u64,
+            "{} ends at {end} past {}",
+            t.name,
+            bytes.len()
+        );
+        assert_eq!(
+            Some(t.size as usize),
+            t.dtype.bytes_for(t.numel() as usize),
+            "{}",
+            t.name
+        );
         spans.push((t.offset, end));
     }
     // PyTorch tensors may view one storage; other formats never overlap.
@@ -138,7 +168,11 @@ fn check(bytes: &[u8], policy: GlobalPolicy) -> bool {
 }
 
 fn runner() -> TestRunner {
-    TestRunner::new(Config { cases: cases(), failure_persistence: None, ..Config::default() })
+    TestRunner::new(Config {
+        cases: cases(),
+        failure_persistence: None,
+        ..Config::default()
+    })
 }
 
 fn fuzz_mutations(name: &str) {
@@ -147,17 +181,28 @@ fn fuzz_mutations(name: &str) {
     assert!(check(&base, GlobalPolicy::Strict), "{name} must parse");
     let (runs, ok) = (AtomicUsize::new(0), AtomicUsize::new(0));
     runner()
-        .run(&(proptest::collection::vec(mutation(), 1..6), any::<bool>()), |(muts, inert)| {
-            let bytes = apply(base.clone(), &muts, &fixtures);
-            let policy = if inert { GlobalPolicy::Inert } else { GlobalPolicy::Strict };
-            runs.fetch_add(1, Ordering::Relaxed);
-            if check(&bytes, policy) {
-                ok.fetch_add(1, Ordering::Relaxed);
-            }
-            Ok(())
-        })
+        .run(
+            &(proptest::collection::vec(mutation(), 1..6), any::<bool>()),
+            |(muts, inert)| {
+                let bytes = apply(base.clone(), &muts, &fixtures);
+                let policy = if inert {
+                    GlobalPolicy::Inert
+                } else {
+                    GlobalPolicy::Strict
+                };
+                runs.fetch_add(1, Ordering::Relaxed);
+                if check(&bytes, policy) {
+                    ok.fetch_add(1, Ordering::Relaxed);
+                }
+                Ok(())
+            },
+        )
         .unwrap();
-    eprintln!("fuzz {name}: {} executions, {} parsed, 0 panics", runs.into_inner(), ok.into_inner());
+    eprintln!(
+        "fuzz {name}: {} executions, {} parsed, 0 panics",
+        runs.into_inner(),
+        ok.into_inner()
+    );
 }
 
 #[test]
@@ -192,7 +237,8 @@ fn fuzz_random_bytes_behind_magics() {
         b"GGUF\x02\x00\x00\x00".to_vec(),
         b"PK\x03\x04".to_vec(),
         b"\x80\x02".to_vec(),
-        b"\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19.\x80\x02M\xe9\x03.\x80\x02}.".to_vec(),
+        b"\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19.\x80\x02M\xe9\x03.\x80\x02}."
+            .to_vec(),
         {
             let mut v = 40u64.to_le_bytes().to_vec();
             v.push(b'{');
@@ -202,17 +248,27 @@ fn fuzz_random_bytes_behind_magics() {
     ];
     let (runs, ok) = (AtomicUsize::new(0), AtomicUsize::new(0));
     runner()
-        .run(&(any::<Index>(), proptest::collection::vec(any::<u8>(), 0..256)), |(m, tail)| {
-            let mut bytes = magics[m.index(magics.len())].clone();
-            bytes.extend_from_slice(&tail);
-            runs.fetch_add(1, Ordering::Relaxed);
-            if check(&bytes, GlobalPolicy::Inert) {
-                ok.fetch_add(1, Ordering::Relaxed);
-            }
-            Ok(())
-        })
+        .run(
+            &(
+                any::<Index>(),
+                proptest::collection::vec(any::<u8>(), 0..256),
+            ),
+            |(m, tail)| {
+                let mut bytes = magics[m.index(magics.len())].clone();
+                bytes.extend_from_slice(&tail);
+                runs.fetch_add(1, Ordering::Relaxed);
+                if check(&bytes, GlobalPolicy::Inert) {
+                    ok.fetch_add(1, Ordering::Relaxed);
+                }
+                Ok(())
+            },
+        )
         .unwrap();
-    eprintln!("fuzz random bytes: {} executions, {} parsed, 0 panics", runs.into_inner(), ok.into_inner());
+    eprintln!(
+        "fuzz random bytes: {} executions, {} parsed, 0 panics",
+        runs.into_inner(),
+        ok.into_inner()
+    );
 }
 
 /// Opcodes the VM knows (and a few it refuses), each followed by 0-9 random argument bytes.
@@ -274,32 +330,50 @@ fn structured_op(kind: usize, n: u8, g: usize) -> Vec<u8> {
 #[test]
 fn fuzz_pickle_opcode_streams() {
     let (runs, ok) = (AtomicUsize::new(0), AtomicUsize::new(0));
-    let raw = (any::<Index>(), proptest::collection::vec(any::<u8>(), 0..10)).prop_map(|(i, args)| {
-        let mut v = vec![OPCODES[i.index(OPCODES.len())]];
-        v.extend_from_slice(&args);
-        v
-    });
-    let structured = (any::<usize>(), any::<u8>(), any::<usize>()).prop_map(|(k, n, g)| structured_op(k, n, g));
+    let raw = (
+        any::<Index>(),
+        proptest::collection::vec(any::<u8>(), 0..10),
+    )
+        .prop_map(|(i, args)| {
+            let mut v = vec![OPCODES[i.index(OPCODES.len())]];
+            v.extend_from_slice(&args);
+            v
+        });
+    let structured =
+        (any::<usize>(), any::<u8>(), any::<usize>()).prop_map(|(k, n, g)| structured_op(k, n, g));
     let op = prop_oneof![1 => raw, 6 => structured];
     runner()
-        .run(&(proptest::collection::vec(op, 1..64), any::<bool>()), |(ops, as_file)| {
-            let mut p = vec![0x80, 2];
-            for o in &ops {
-                p.extend_from_slice(o);
-            }
-            p.push(b'.');
-            runs.fetch_add(1, Ordering::Relaxed);
-            let good = if as_file {
-                check(&legacy(&p, &["0", "1"], &[(4, &f32_ramp(4)), (2, &f32_ramp(2))]), GlobalPolicy::Inert)
-            } else {
-                let opts = PickleOptions { globals: GlobalPolicy::Inert, persistent: true };
-                unpickle(&p, Path::new("fuzz.pkl"), opts).is_ok()
-            };
-            if good {
-                ok.fetch_add(1, Ordering::Relaxed);
-            }
-            Ok(())
-        })
+        .run(
+            &(proptest::collection::vec(op, 1..64), any::<bool>()),
+            |(ops, as_file)| {
+                let mut p = vec![0x80, 2];
+                for o in &ops {
+                    p.extend_from_slice(o);
+                }
+                p.push(b'.');
+                runs.fetch_add(1, Ordering::Relaxed);
+                let good = if as_file {
+                    check(
+                        &legacy(&p, &["0", "1"], &[(4, &f32_ramp(4)), (2, &f32_ramp(2))]),
+                        GlobalPolicy::Inert,
+                    )
+                } else {
+                    let opts = PickleOptions {
+                        globals: GlobalPolicy::Inert,
+                        persistent: true,
+                    };
+                    unpickle(&p, Path::new("fuzz.pkl"), opts).is_ok()
+                };
+                if good {
+                    ok.fetch_add(1, Ordering::Relaxed);
+                }
+                Ok(())
+            },
+        )
         .unwrap();
-    eprintln!("fuzz pickle opcodes: {} executions, {} accepted, 0 panics", runs.into_inner(), ok.into_inner());
+    eprintln!(
+        "fuzz pickle opcodes: {} executions, {} accepted, 0 panics",
+        runs.into_inner(),
+        ok.into_inner()
+    );
 }

@@ -273,10 +273,13 @@ fn gguf_bad_headers() {
     }
 }
 
+/// Name, `ne`, ggml type, relative offset.
+type GgufInfo = (&'static str, Vec<u64>, u32, u64);
+
 #[test]
 fn gguf_bad_tensors() {
     let data = f32_ramp(16);
-    let cases: Vec<(Vec<(&str, Vec<u64>, u32, u64)>, Vec<&str>)> = vec![
+    let cases: Vec<(Vec<GgufInfo>, Vec<&str>)> = vec![
         // Overlapping tensors.
         (
             vec![("a", vec![8], 0, 0), ("b", vec![8], 0, 0)],
@@ -469,7 +472,11 @@ fn one_tensor(
         "ComplexFloatStorage" => 8,
         _ => 4,
     };
-    legacy(&main, &["0"], &[(stored, &vec![0u8; (stored * elsize) as usize])])
+    legacy(
+        &main,
+        &["0"],
+        &[(stored, &vec![0u8; (stored * elsize) as usize])],
+    )
 }
 
 #[test]
@@ -589,6 +596,29 @@ fn pickle_structures_cannot_exhaust_anything() {
     }
     let laughs = laughs.stop();
     assert!(parse_bytes(&legacy(&laughs, &[], &[])).is_ok());
+
+    // Memo amplification: one list of 100k pairs handed to OrderedDict 50k times.
+    let mut amp = Pickle::new()
+        .global("collections", "OrderedDict")
+        .op(b"q\x000](");
+    for _ in 0..100_000 {
+        amp = amp.op(b"NN\x86");
+    }
+    amp = amp.op(b"eq\x010](");
+    for _ in 0..50_000 {
+        amp = amp.op(b"h\x00h\x01\x85R");
+    }
+    let amp = amp.op(b"e").stop();
+    let e = unpickle(
+        &amp,
+        Path::new("amp.pkl"),
+        PickleOptions {
+            globals: GlobalPolicy::Strict,
+            persistent: false,
+        },
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("too many"), "{e}");
 
     // A stack of a million values and an unterminated pickle.
     let mut wide = vec![0x80, 2];

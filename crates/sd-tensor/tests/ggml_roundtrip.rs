@@ -361,12 +361,22 @@ fn devices_report_memory() {
     assert!(!sd_tensor::ggml::version().is_empty());
 }
 
+#[repr(C, align(64))]
+struct Aligned([u8; 320]);
+
+impl AsRef<[u8]> for Aligned {
+    fn as_ref(&self) -> &[u8] {
+        &self.0
+    }
+}
+
 #[test]
 fn shared_bytes_buffers_are_zero_copy_and_read_only() {
     let values: Vec<f32> = (0..64).map(|i| i as f32 - 3.5).collect();
-    let mut bytes: Vec<u8> = Vec::new();
-    bytes.extend(std::iter::repeat_n(0u8, 64));
-    bytes.extend(values.iter().flat_map(|v| v.to_le_bytes()));
+    let mut bytes = Aligned([0u8; 320]);
+    for (i, v) in values.iter().enumerate() {
+        bytes.0[64 + 4 * i..68 + 4 * i].copy_from_slice(&v.to_le_bytes());
+    }
     let shared: sd_tensor::ggml::SharedBytes = std::sync::Arc::new(bytes);
     let buf = sd_tensor::ggml::Buffer::from_shared_bytes(shared).unwrap();
     let ctx = Context::new_descriptors(4, 4, 1).unwrap();
@@ -376,4 +386,13 @@ fn shared_bytes_buffers_are_zero_copy_and_read_only() {
     assert!(t.write_f32(&values).is_err(), "mapped memory is read-only");
     drop(buf);
     assert!(!t.is_allocated());
+    // Unaligned memory is refused instead of tripping ggml's assertion.
+    struct Unaligned(Aligned);
+    impl AsRef<[u8]> for Unaligned {
+        fn as_ref(&self) -> &[u8] {
+            &self.0 .0[1..]
+        }
+    }
+    let bad: sd_tensor::ggml::SharedBytes = std::sync::Arc::new(Unaligned(Aligned([0u8; 320])));
+    assert!(sd_tensor::ggml::Buffer::from_shared_bytes(bad).is_err());
 }

@@ -23,7 +23,7 @@ use sd_tensor::{convert, DType};
 
 use super::error::{Ctx, FileError};
 use super::layout::{byte_size, check_bounds};
-use super::source::{read_exact_at, FileSource};
+use super::source::{read_exact_at, FileSource, Source};
 use super::{parse, sharded, FileFormat, FileMetadata, ReadOptions};
 use crate::{FileId, TensorStorage};
 
@@ -33,6 +33,10 @@ pub struct LoaderOptions {
     /// How files are read.
     pub read: ReadOptions,
 }
+
+/// The consumer of [`ModelLoader::load_tensors`]: called with each tensor's name and bytes,
+/// possibly from several threads at once.
+pub type TensorSink<'a, E> = dyn Fn(&str, &[u8]) -> Result<(), E> + Sync + 'a;
 
 /// One opened file.
 #[derive(Debug)]
@@ -216,7 +220,7 @@ impl ModelLoader {
             id,
             path: path.to_path_buf(),
             format: parsed.format,
-            size: src_len(&src),
+            size: src.len(),
             revision: revision(&meta),
             prefix: prefix.to_string(),
             metadata: parsed.metadata,
@@ -436,7 +440,7 @@ impl ModelLoader {
         &self,
         requests: &[(String, DType)],
         threads: usize,
-        sink: &(dyn Fn(&str, &[u8]) -> Result<(), E> + Sync),
+        sink: &TensorSink<'_, E>,
     ) -> Result<(), LoadError<E>> {
         let mut jobs = Vec::with_capacity(requests.len());
         for (name, dtype) in requests {
@@ -566,9 +570,4 @@ impl ModelLoader {
     pub fn distinct_files(&self) -> HashSet<FileId> {
         self.tensors.values().map(|t| t.file).collect()
     }
-}
-
-fn src_len(src: &FileSource) -> u64 {
-    use super::source::Source;
-    src.len()
 }

@@ -30,7 +30,7 @@ pub enum FileError {
         path: PathBuf,
     },
     /// The file ends before a structure that it declares.
-    #[error("{}: truncated: reading at byte {offset} needs bytes up to {end} but the file has {len}", path.display())]
+    #[error("{}: truncated: reading at byte {offset} needs bytes up to {end} but only {len} are available", path.display())]
     Truncated {
         /// The file.
         path: PathBuf,

@@ -89,7 +89,7 @@ pub(crate) struct Span {
 /// Errors if two non-empty spans overlap, naming a tensor of each.
 pub(crate) fn check_overlaps(ctx: &Ctx, mut spans: Vec<Span>) -> Result<(), FileError> {
     spans.retain(|s| s.end > s.start);
-    spans.sort_by(|a, b| (a.start, a.end).cmp(&(b.start, b.end)));
+    spans.sort_by_key(|s| (s.start, s.end));
     let mut widest: Option<&Span> = None;
     for s in &spans {
         if let Some(w) = widest {

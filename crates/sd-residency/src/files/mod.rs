@@ -25,7 +25,7 @@ use std::fmt;
 use std::fs::File;
 use std::path::Path;
 
-pub use catalog::{FileRecord, LoadError, LoaderOptions, MappedTensor, ModelLoader};
+pub use catalog::{FileRecord, LoadError, LoaderOptions, MappedTensor, ModelLoader, TensorSink};
 pub use error::FileError;
 pub use gguf::{GgufArray, GgufHeader, GgufValue};
 pub use layout::MAX_DIMS;

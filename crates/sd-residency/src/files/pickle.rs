@@ -302,6 +302,7 @@ pub(crate) fn run(cur: &mut Cursor, ctx: Ctx, opts: PickleOptions) -> Result<Pic
         memo: HashMap::new(),
         objects: Vec::new(),
         op: 0,
+        budget: cur.remaining().saturating_mul(4).saturating_add(1 << 20),
     };
     let root = vm.run(cur)?;
     Ok(Pickled {
@@ -317,6 +318,9 @@ struct Vm<'a> {
     marks: Vec<usize>,
     memo: HashMap<u32, Value>,
     objects: Vec<Object>,
+    /// Values that may still be copied (memo references make copies of shared containers
+    /// possible; without a budget a small pickle could copy quadratically many).
+    budget: u64,
     /// Offset of the opcode being run.
     op: u64,
 }
@@ -774,7 +778,7 @@ impl Vm<'_> {
     }
 
     fn pairs(&self, items: Vec<Value>) -> Result<Vec<(Value, Value)>, FileError> {
-        if items.len() % 2 != 0 {
+        if items.len() & 1 != 0 {
             return Err(self.err("odd number of items for a dict"));
         }
         let mut out = Vec::with_capacity(items.len() / 2);
@@ -816,7 +820,22 @@ impl Vm<'_> {
         }
     }
 
-    fn tuple_items(&self, v: &Value, what: &str) -> Result<Vec<Value>, FileError> {
+    fn spend(&mut self, n: usize) -> Result<(), FileError> {
+        match self.budget.checked_sub(n as u64) {
+            Some(left) => {
+                self.budget = left;
+                Ok(())
+            }
+            None => Err(self.err("pickle copies too many values (memo amplification)")),
+        }
+    }
+
+    fn tuple_items(&mut self, v: &Value, what: &str) -> Result<Vec<Value>, FileError> {
+        let len = match self.deref(v) {
+            Some(Object::Tuple(t)) => t.len(),
+            _ => return Err(self.err(format!("{what} are not a tuple"))),
+        };
+        self.spend(len)?;
         match v {
             Value::Obj(id) => match self.objects.get(*id as usize) {
                 Some(Object::Tuple(t)) => Ok(t.clone()),
@@ -907,9 +926,14 @@ impl Vm<'_> {
             Global::OrderedDict => match args.as_slice() {
                 [] => self.alloc(Object::Dict(Vec::new())),
                 [items] => {
+                    let n = match self.deref(items) {
+                        Some(Object::List(l)) | Some(Object::Tuple(l)) => l.len(),
+                        _ => return Err(self.err("OrderedDict argument is not a list")),
+                    };
+                    self.spend(n.saturating_mul(3))?;
                     let list = match self.deref(items) {
                         Some(Object::List(l)) | Some(Object::Tuple(l)) => l.clone(),
-                        _ => return Err(self.err("OrderedDict argument is not a list")),
+                        _ => Vec::new(),
                     };
                     let mut pairs = Vec::with_capacity(list.len());
                     for item in &list {

@@ -28,7 +28,8 @@ pub struct SafetensorsFile {
     pub metadata: BTreeMap<String, String>,
 }
 
-/// Maps a safetensors dtype name; `Err` carries names that exist but are not supported.
+/// Maps a safetensors dtype name (`F16`, ...) to a [`DType`]; `None` for names sd-rs does not
+/// read (`U8`, `BOOL`, `F8_E4M3`, ...) and unknown names.
 pub fn dtype_from_name(name: &str) -> Option<DType> {
     Some(match name {
         "F32" => DType::F32,

@@ -17,6 +17,10 @@ pub struct Gallocr {
     ptr: NonNull<sys::ggml_gallocr>,
     buft: BufferType,
     allocated: Vec<GTensor>,
+    /// Set after a failed reservation: ggml then keeps the new plan but no buffer, and its
+    /// `alloc_graph` of the same graph would place tensors in a NULL buffer (a crash), so the
+    /// next allocation reserves first.
+    needs_reserve: bool,
 }
 
 // SAFETY: used from one thread at a time through `&mut self`.
@@ -55,6 +59,7 @@ impl Gallocr {
             ptr,
             buft,
             allocated: Vec::new(),
+            needs_reserve: false,
         })
     }
 
@@ -69,6 +74,7 @@ impl Gallocr {
         self.forget_allocations();
         // SAFETY: live allocator and graph.
         let ok = unsafe { sys::ggml_gallocr_reserve(self.ptr.as_ptr(), graph.raw()) };
+        self.needs_reserve = !ok;
         if !ok {
             return Err(GgmlError::AllocationFailed {
                 what: "compute buffer reservation".into(),
@@ -81,16 +87,25 @@ impl Gallocr {
 
     /// The compute buffer bytes `graph` needs, without allocating.
     pub fn measure(&self, graph: &Graph) -> usize {
+        // Measured with a throwaway allocator: ggml's measuring reservation re-plans the
+        // allocator and, when the graph needs more than the current buffer, frees that buffer
+        // (under the tensors this allocator placed in it).
+        // SAFETY: live buffer type; NULL on failure.
+        let Some(tmp) = NonNull::new(unsafe { sys::ggml_gallocr_new(self.buft.raw()) }) else {
+            return 0;
+        };
         let mut size = 0usize;
-        // SAFETY: one buffer type, so one size; the node/leaf buffer ids may be null.
+        // SAFETY: one buffer type, so one size; the node/leaf buffer ids may be null; the
+        // throwaway allocator is freed once.
         unsafe {
             sys::ggml_gallocr_reserve_n_size(
-                self.ptr.as_ptr(),
+                tmp.as_ptr(),
                 graph.raw(),
                 std::ptr::null(),
                 std::ptr::null(),
                 &mut size,
             );
+            sys::ggml_gallocr_free(tmp.as_ptr());
         }
         size
     }
@@ -99,8 +114,12 @@ impl Gallocr {
     pub fn alloc_graph(&mut self, graph: &Graph) -> Result<()> {
         self.forget_allocations();
         let pending = graph.unallocated_tensors();
-        // SAFETY: live allocator and graph; returns false on failure.
-        let ok = unsafe { sys::ggml_gallocr_alloc_graph(self.ptr.as_ptr(), graph.raw()) };
+        // SAFETY: live allocator and graph; both return false on failure.
+        let ok = unsafe {
+            (!self.needs_reserve || sys::ggml_gallocr_reserve(self.ptr.as_ptr(), graph.raw()))
+                && sys::ggml_gallocr_alloc_graph(self.ptr.as_ptr(), graph.raw())
+        };
+        self.needs_reserve = !ok;
         if !ok {
             for t in &pending {
                 t.clear_allocation();

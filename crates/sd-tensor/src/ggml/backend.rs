@@ -340,7 +340,9 @@ impl Buffer {
         // ggml asserts on unaligned pointers (TENSOR_ALIGNMENT is 32).
         if ptr.is_null() || !(ptr as usize).is_multiple_of(32) {
             return Err(GgmlError::AllocationFailed {
-                what: format!("host pointer buffer at an address not aligned to 32 bytes ({ptr:p})"),
+                what: format!(
+                    "host pointer buffer at an address not aligned to 32 bytes ({ptr:p})"
+                ),
                 buffer_type: "CPU".into(),
                 bytes: size,
             });

@@ -19,10 +19,12 @@ mod backend;
 mod context;
 mod error;
 mod graph;
+pub mod graph_ext;
 mod host_io;
 mod mapped;
 mod ops;
 mod sched;
+mod simdev;
 mod tensor;
 
 pub use alloc::Gallocr;
@@ -33,6 +35,7 @@ pub use graph::Graph;
 pub use mapped::SharedBytes;
 pub use ops::{Interpolation, Precision};
 pub use sched::{EvalCallback, Scheduler};
+pub use simdev::{SimDevice, SimOptions, SimStats};
 pub use tensor::{GTensor, TensorId};
 
 /// Maximum number of dimensions of a ggml tensor.

@@ -23,6 +23,13 @@ pub struct Scheduler<'b> {
     backends: Vec<&'b Backend>,
     allocated: Vec<GTensor>,
     callback: Option<Box<EvalCallback>>,
+    /// Set after a failed reservation or allocation: ggml's graph allocator then keeps the
+    /// new plan but no buffers, and the scheduler's next allocation would place tensors in
+    /// NULL buffers (a crash), so the next allocation reserves first.
+    needs_reserve: bool,
+    /// Tensors pinned with `set_tensor_backend` since the last reset (ggml forgets them on
+    /// reset), re-applied after the reservation that recovers from a failure.
+    pins: Vec<(GTensor, sys::ggml_backend_t)>,
 }
 
 // SAFETY: used from one thread at a time through `&mut self`.
@@ -91,6 +98,8 @@ impl<'b> Scheduler<'b> {
             backends: backends.to_vec(),
             allocated: Vec::new(),
             callback: None,
+            needs_reserve: false,
+            pins: Vec::new(),
         })
     }
 
@@ -115,7 +124,11 @@ impl<'b> Scheduler<'b> {
     pub fn reserve(&mut self, graph: &Graph) -> Result<()> {
         self.forget_allocations();
         // SAFETY: live scheduler and graph.
-        if unsafe { sys::ggml_backend_sched_reserve(self.ptr.as_ptr(), graph.raw()) } {
+        let ok = unsafe { sys::ggml_backend_sched_reserve(self.ptr.as_ptr(), graph.raw()) };
+        self.needs_reserve = !ok;
+        if ok {
+            // ggml resets the scheduler after a reservation, which drops the pins.
+            self.pins.clear();
             Ok(())
         } else {
             Err(GgmlError::AllocationFailed {
@@ -140,6 +153,7 @@ impl<'b> Scheduler<'b> {
         unsafe {
             sys::ggml_backend_sched_set_tensor_backend(self.ptr.as_ptr(), t.raw(), backend.raw())
         };
+        self.pins.push((t.clone(), backend.raw()));
         Ok(())
     }
 
@@ -147,8 +161,21 @@ impl<'b> Scheduler<'b> {
     pub fn alloc_graph(&mut self, graph: &Graph) -> Result<()> {
         self.forget_allocations();
         let pending = graph.unallocated_tensors();
-        // SAFETY: live scheduler and graph.
-        if !unsafe { sys::ggml_backend_sched_alloc_graph(self.ptr.as_ptr(), graph.raw()) } {
+        let mut ok = true;
+        if self.needs_reserve {
+            // SAFETY: live scheduler and graph; the pinned tensors and their backends are
+            // alive (held by `pins` and borrowed for 'b).
+            unsafe {
+                ok = sys::ggml_backend_sched_reserve(self.ptr.as_ptr(), graph.raw());
+                for (t, b) in &self.pins {
+                    sys::ggml_backend_sched_set_tensor_backend(self.ptr.as_ptr(), t.raw(), *b);
+                }
+            }
+        }
+        // SAFETY: live scheduler and graph; false on failure.
+        ok = ok && unsafe { sys::ggml_backend_sched_alloc_graph(self.ptr.as_ptr(), graph.raw()) };
+        self.needs_reserve = !ok;
+        if !ok {
             for t in &pending {
                 t.clear_allocation();
             }
@@ -194,6 +221,7 @@ impl<'b> Scheduler<'b> {
     /// Resets the allocation (the next graph is allocated anew).
     pub fn reset(&mut self) {
         self.forget_allocations();
+        self.pins.clear();
         // SAFETY: live scheduler.
         unsafe { sys::ggml_backend_sched_reset(self.ptr.as_ptr()) }
     }

@@ -1,0 +1,129 @@
+//! The cut cache: cut outputs (and final outputs) kept between segments.
+//!
+//! Each entry is a tensor with exactly the layout (type, dimensions, strides) of the cut it
+//! holds, in its own context and its own buffer of the cache's buffer type. Later segments
+//! read it directly as a source, so a strided cut (a transposed view, say) keeps the layout
+//! the consuming ops expect.
+
+use std::collections::HashMap;
+
+use sd_tensor::ggml::{Backend, Buffer, BufferType, Context, GTensor};
+
+use crate::error::{ggml, Result};
+use crate::marks::CutName;
+
+struct Entry {
+    tensor: GTensor,
+    buffer: Buffer,
+}
+
+/// Cut outputs by cut name, each in its own buffer.
+pub struct CutCache {
+    buft: BufferType,
+    entries: HashMap<CutName, Entry>,
+}
+
+impl std::fmt::Debug for CutCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut names: Vec<String> = self.entries.keys().map(|k| k.to_string()).collect();
+        names.sort();
+        f.debug_struct("CutCache")
+            .field("buffer_type", &self.buft.name())
+            .field("entries", &names)
+            .field("bytes", &self.bytes())
+            .finish()
+    }
+}
+
+impl CutCache {
+    /// An empty cache allocating from `buft` (a backend's buffer type, or host memory).
+    pub fn new(buft: BufferType) -> CutCache {
+        CutCache {
+            buft,
+            entries: HashMap::new(),
+        }
+    }
+
+    /// An empty cache in host memory.
+    pub fn host() -> CutCache {
+        CutCache::new(BufferType::cpu())
+    }
+
+    /// The buffer type entries are allocated from.
+    pub fn buffer_type(&self) -> BufferType {
+        self.buft
+    }
+
+    /// Stores a copy of `src`'s data under `name`, with `src`'s layout. An entry of the same
+    /// name and layout is overwritten in place; otherwise a new buffer is allocated.
+    pub fn store(&mut self, name: &CutName, src: &GTensor) -> Result<()> {
+        let _span =
+            tracing::trace_span!("cut_cache_store", cut = %name, bytes = src.nbytes()).entered();
+        let reusable = self.entries.get(name).is_some_and(|e| {
+            e.tensor.type_code() == src.type_code()
+                && e.tensor.ne() == src.ne()
+                && e.tensor.nb() == src.nb()
+        });
+        if !reusable {
+            self.entries.remove(name);
+            let ctx = Context::new_descriptors(1, 1, 0)
+                .map_err(ggml(format!("cut cache entry '{name}'")))?;
+            let tensor = ctx
+                .new_tensor_like(src)
+                .map_err(ggml(format!("cut cache entry '{name}'")))?;
+            let buffer = self
+                .buft
+                .alloc_context_tensors(&ctx)
+                .map_err(ggml(format!("allocating cut cache entry '{name}'")))?;
+            self.entries.insert(name.clone(), Entry { tensor, buffer });
+        }
+        let e = &self.entries[name];
+        Backend::copy_tensor(src, &e.tensor)
+            .map_err(ggml(format!("copying cut '{name}' into the cut cache")))
+    }
+
+    /// The cached tensor of a cut.
+    pub fn get(&self, name: &CutName) -> Option<&GTensor> {
+        self.entries.get(name).map(|e| &e.tensor)
+    }
+
+    /// Whether a cut is cached.
+    pub fn contains(&self, name: &CutName) -> bool {
+        self.entries.contains_key(name)
+    }
+
+    /// The cached cut names (unordered).
+    pub fn names(&self) -> impl Iterator<Item = &CutName> + '_ {
+        self.entries.keys()
+    }
+
+    /// Number of entries.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// Whether the cache is empty.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// Bytes of all entry buffers.
+    pub fn bytes(&self) -> usize {
+        self.entries.values().map(|e| e.buffer.size()).sum()
+    }
+
+    /// Keeps only the entries `keep` accepts (their buffers are freed).
+    pub fn retain(&mut self, mut keep: impl FnMut(&CutName) -> bool) {
+        self.entries.retain(|k, _| keep(k));
+    }
+
+    /// Removes an entry.
+    pub fn remove(&mut self, name: &CutName) {
+        self.entries.remove(name);
+    }
+
+    /// Drops every entry.
+    pub fn clear(&mut self) {
+        self.entries.clear();
+    }
+}

@@ -1,0 +1,201 @@
+//! Cut marks: model code records which tensors end a segment.
+//!
+//! A mark is data ([`CutMarks`]), not a naming convention: the planner reads it when the
+//! graph is captured ([`CapturedGraph::capture`](crate::CapturedGraph::capture)). Marking
+//! checks what it can at once and names the `mark` call site in every error:
+//! the same tensor marked twice, the same `group|output` name on two tensors, a leaf marked
+//! (only op results can be cuts) and unusable names are errors. A cut that no later segment
+//! consumes, or a mark whose tensor is not in the graph, is reported by the planner as a
+//! [`Diagnostic`](crate::Diagnostic) carrying the mark's location.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::panic::Location;
+
+use sd_tensor::ggml::{GTensor, TensorId};
+
+use crate::error::{GraphCutError, Result};
+
+/// Group name of the final segment's outputs (the graph results that are not cuts). Model
+/// groups may not start with `<`, so it never collides with one.
+pub const FINAL_GROUP: &str = "<final>";
+
+/// The name of a cut: a group (one segment) and an output within the group.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct CutName {
+    group: String,
+    output: String,
+}
+
+impl CutName {
+    /// A model cut name. The group and output must be non-empty and free of `|`; the group
+    /// must not start with `<` (reserved for the planner's own names).
+    pub fn new(group: &str, output: &str) -> std::result::Result<CutName, String> {
+        if group.is_empty() || output.is_empty() {
+            return Err("group and output must not be empty".into());
+        }
+        if group.contains('|') || output.contains('|') {
+            return Err("'|' is not allowed in group or output names".into());
+        }
+        if group.starts_with('<') {
+            return Err("group names starting with '<' are reserved".into());
+        }
+        Ok(CutName {
+            group: group.to_string(),
+            output: output.to_string(),
+        })
+    }
+
+    /// The name under which the final segment reports graph output node `node`.
+    pub fn final_output(node: usize) -> CutName {
+        CutName {
+            group: FINAL_GROUP.to_string(),
+            output: format!("node{node}"),
+        }
+    }
+
+    /// The group (segment) name.
+    pub fn group(&self) -> &str {
+        &self.group
+    }
+
+    /// The output name within the group.
+    pub fn output(&self) -> &str {
+        &self.output
+    }
+
+    /// Whether this names a final-segment output rather than a model cut.
+    pub fn is_final(&self) -> bool {
+        self.group == FINAL_GROUP
+    }
+}
+
+impl fmt::Display for CutName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}|{}", self.group, self.output)
+    }
+}
+
+/// One cut mark: which tensor, under which name, marked where.
+#[derive(Clone, Debug)]
+pub struct CutMark {
+    /// The marked tensor.
+    pub tensor: TensorId,
+    /// The tensor's name when it was marked (for messages).
+    pub tensor_name: String,
+    /// The cut name.
+    pub name: CutName,
+    /// Where `mark` was called.
+    pub location: &'static Location<'static>,
+}
+
+/// The cut marks of one graph build. Model code calls [`CutMarks::mark`] while building the
+/// graph; the planner reads the marks when the graph is captured.
+#[derive(Clone, Debug, Default)]
+pub struct CutMarks {
+    marks: Vec<CutMark>,
+    by_tensor: HashMap<TensorId, usize>,
+    by_name: HashMap<CutName, usize>,
+}
+
+impl CutMarks {
+    /// No marks.
+    pub fn new() -> CutMarks {
+        CutMarks::default()
+    }
+
+    /// Marks `tensor` as output `output` of cut group `group`. Errors (naming this call
+    /// site and the earlier one): the tensor is already marked, the name is already used,
+    /// the tensor is a leaf, or the name is unusable (see [`CutName::new`]).
+    #[track_caller]
+    pub fn mark(&mut self, tensor: &GTensor, group: &str, output: &str) -> Result<()> {
+        let at = Location::caller();
+        let name = CutName::new(group, output).map_err(|reason| GraphCutError::InvalidCutName {
+            group: group.to_string(),
+            output: output.to_string(),
+            reason,
+            at: at.to_string(),
+        })?;
+        if tensor.is_leaf() {
+            return Err(GraphCutError::CutOnLeaf {
+                cut: name.to_string(),
+                tensor: tensor.name(),
+                at: at.to_string(),
+            });
+        }
+        let id = tensor.id();
+        if let Some(&i) = self.by_tensor.get(&id) {
+            let first = &self.marks[i];
+            return Err(GraphCutError::DuplicateMark {
+                tensor: tensor.name(),
+                first: first.name.to_string(),
+                first_at: first.location.to_string(),
+                second: name.to_string(),
+                second_at: at.to_string(),
+            });
+        }
+        if let Some(&i) = self.by_name.get(&name) {
+            let first = &self.marks[i];
+            return Err(GraphCutError::DuplicateCutName {
+                cut: name.to_string(),
+                first: first.tensor_name.clone(),
+                first_at: first.location.to_string(),
+                second: tensor.name(),
+                second_at: at.to_string(),
+            });
+        }
+        let i = self.marks.len();
+        self.by_tensor.insert(id, i);
+        self.by_name.insert(name.clone(), i);
+        self.marks.push(CutMark {
+            tensor: id,
+            tensor_name: tensor.name(),
+            name,
+            location: at,
+        });
+        tracing::trace!(cut = %self.marks[i].name, tensor = %self.marks[i].tensor_name, "cut marked");
+        Ok(())
+    }
+
+    /// Like [`CutMarks::mark`], but a missing tensor (an optional output that this model
+    /// variant does not produce) is a no-op.
+    #[track_caller]
+    pub fn mark_opt(&mut self, tensor: Option<&GTensor>, group: &str, output: &str) -> Result<()> {
+        match tensor {
+            Some(t) => self.mark(t, group, output),
+            None => Ok(()),
+        }
+    }
+
+    /// The mark on a tensor, if any.
+    pub fn get(&self, tensor: TensorId) -> Option<&CutMark> {
+        self.by_tensor.get(&tensor).map(|&i| &self.marks[i])
+    }
+
+    /// The mark with a cut name, if any.
+    pub fn by_name(&self, name: &CutName) -> Option<&CutMark> {
+        self.by_name.get(name).map(|&i| &self.marks[i])
+    }
+
+    /// All marks in marking order.
+    pub fn iter(&self) -> impl Iterator<Item = &CutMark> {
+        self.marks.iter()
+    }
+
+    /// Number of marks.
+    pub fn len(&self) -> usize {
+        self.marks.len()
+    }
+
+    /// Whether there are no marks.
+    pub fn is_empty(&self) -> bool {
+        self.marks.is_empty()
+    }
+
+    /// Removes all marks (before building the next graph).
+    pub fn clear(&mut self) {
+        self.marks.clear();
+        self.by_tensor.clear();
+        self.by_name.clear();
+    }
+}

@@ -1,0 +1,374 @@
+//! The planner: turns a [`GraphView`] with cut marks into a [`Plan`].
+//!
+//! 1. Cut nodes are grouped by cut group; groups become segments in the order their first
+//!    cut appears in the graph. The graph outputs that are not cuts (nodes nothing consumes,
+//!    and OUTPUT-flagged nodes) form a final segment after them.
+//! 2. Each segment walks backwards from its outputs through sources. A leaf becomes a
+//!    parameter or external input; a cut produced by an earlier segment becomes a
+//!    previous-cut input and stops the walk; any other node is computed by the segment.
+//!    Shared non-cut nodes are thus recomputed in every segment that needs them; the
+//!    segment that computes such a node first owns it, the others list it in
+//!    [`Segment::recomputed_nodes`].
+//! 3. A view computed by a segment also needs its storage root: if the root is neither
+//!    computed here nor received as a cut, and no previous-cut input views the same root
+//!    (the segment builder re-bases the view onto it), the root is computed here too.
+//! 4. Liveness of cut outputs, byte totals and the compute buffer of each segment (through
+//!    a [`SegmentMeasure`]) complete the plan; warnings become [`Diagnostic`]s.
+
+use std::collections::HashMap;
+
+use crate::error::{GraphCutError, Result};
+use crate::liveness;
+use crate::marks::{CutName, FINAL_GROUP};
+use crate::plan::{
+    Diagnostic, DiagnosticKind, InputKind, InputRef, Plan, Recomputation, Segment, SegmentBytes,
+    SegmentKind, SegmentOutput,
+};
+use crate::view::{GraphView, TensorRef};
+
+/// Options of the planner.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PlanOptions {
+    /// Turn every [`Diagnostic`] into an error ([`GraphCutError::Warning`]).
+    pub warnings_as_errors: bool,
+}
+
+/// Measures the compute buffer of a segment while it is planned.
+pub trait SegmentMeasure {
+    /// The compute buffer bytes of segment `index` (its inputs and outputs are final; its
+    /// liveness and recomputation lists are not filled in yet).
+    fn measure(&mut self, index: usize, segment: &Segment) -> Result<usize>;
+}
+
+impl<F: FnMut(usize, &Segment) -> Result<usize>> SegmentMeasure for F {
+    fn measure(&mut self, index: usize, segment: &Segment) -> Result<usize> {
+        self(index, segment)
+    }
+}
+
+/// A measure that reports 0 bytes (planning without a backend).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct NoMeasure;
+
+impl SegmentMeasure for NoMeasure {
+    fn measure(&mut self, _index: usize, _segment: &Segment) -> Result<usize> {
+        Ok(0)
+    }
+}
+
+struct Seed {
+    name: String,
+    kind: SegmentKind,
+    outputs: Vec<usize>,
+}
+
+/// Plans `view`. `measure` gives each segment's compute buffer.
+pub fn plan_view(
+    view: &GraphView,
+    options: &PlanOptions,
+    measure: &mut dyn SegmentMeasure,
+) -> Result<Plan> {
+    let nodes = view.nodes();
+    let n = nodes.len();
+    let _span =
+        tracing::debug_span!("plan_graph", nodes = n, leaves = view.leaves().len()).entered();
+
+    // Who consumes what (sources and view roots).
+    let mut consumed = vec![false; n];
+    for d in nodes {
+        for s in d.sources().chain(d.view_src) {
+            if let TensorRef::Node(j) = s {
+                consumed[j] = true;
+            }
+        }
+    }
+    let is_graph_output = |i: usize| !consumed[i] || nodes[i].is_output_flagged();
+
+    // Seeds: cut groups in first-appearance order, then the final segment.
+    let mut seeds: Vec<Seed> = Vec::new();
+    let mut group_of: HashMap<&str, usize> = HashMap::new();
+    let mut cut_segment: Vec<Option<usize>> = vec![None; n];
+    let mut final_roots = Vec::new();
+    for (i, d) in nodes.iter().enumerate() {
+        match &d.cut {
+            Some(c) => {
+                let g = *group_of.entry(c.name.group()).or_insert_with(|| {
+                    seeds.push(Seed {
+                        name: c.name.group().to_string(),
+                        kind: SegmentKind::Cut,
+                        outputs: Vec::new(),
+                    });
+                    seeds.len() - 1
+                });
+                seeds[g].outputs.push(i);
+                cut_segment[i] = Some(g);
+            }
+            None if is_graph_output(i) => final_roots.push(i),
+            None => {}
+        }
+    }
+    let has_cuts = !seeds.is_empty();
+    if !final_roots.is_empty() {
+        seeds.push(Seed {
+            name: FINAL_GROUP.to_string(),
+            kind: SegmentKind::Final,
+            outputs: final_roots,
+        });
+    }
+
+    let mut diagnostics: Vec<Diagnostic> = Vec::new();
+    let mut available: Vec<Option<usize>> = vec![None; n];
+    let mut owner: Vec<Option<usize>> = cut_segment.clone();
+    let mut seen_node = vec![0u32; n];
+    let mut internal_mark = vec![0u32; n];
+    let mut seen_leaf = vec![0u32; view.leaves().len()];
+    let mut segments: Vec<Segment> = Vec::with_capacity(seeds.len());
+
+    for (k, seed) in seeds.iter().enumerate() {
+        let epoch = k as u32 + 1;
+        let mut internal: Vec<usize> = Vec::new();
+        let mut inputs: Vec<InputRef> = Vec::new();
+        let mut stack: Vec<TensorRef> = seed
+            .outputs
+            .iter()
+            .rev()
+            .map(|&i| TensorRef::Node(i))
+            .collect();
+        let mut checked_views = 0usize;
+        loop {
+            while let Some(r) = stack.pop() {
+                match r {
+                    TensorRef::Leaf(l) => {
+                        if seen_leaf[l] == epoch {
+                            continue;
+                        }
+                        seen_leaf[l] = epoch;
+                        let d = &view.leaves()[l];
+                        let kind = if d.is_param {
+                            InputKind::Param
+                        } else {
+                            InputKind::External
+                        };
+                        inputs.push(InputRef {
+                            kind,
+                            tensor: r,
+                            name: d.name.clone(),
+                            bytes: d.bytes,
+                            cut: None,
+                        });
+                        if let Some(v) = d.view_src {
+                            stack.push(v);
+                        }
+                    }
+                    TensorRef::Node(m) => {
+                        if seen_node[m] == epoch {
+                            continue;
+                        }
+                        seen_node[m] = epoch;
+                        let d = &nodes[m];
+                        if let Some(p) = available[m] {
+                            let name = d
+                                .cut
+                                .as_ref()
+                                .map(|c| c.name.clone())
+                                .unwrap_or_else(|| CutName::final_output(m));
+                            inputs.push(InputRef {
+                                kind: InputKind::PreviousCut,
+                                tensor: r,
+                                name: d.name.clone(),
+                                bytes: d.bytes,
+                                cut: Some((name, p)),
+                            });
+                            continue;
+                        }
+                        internal_mark[m] = epoch;
+                        internal.push(m);
+                        if owner[m].is_none() {
+                            owner[m] = Some(k);
+                        }
+                        stack.extend(d.sources());
+                        if let Some(v @ TensorRef::Leaf(_)) = d.view_src {
+                            stack.push(v);
+                        }
+                    }
+                }
+            }
+            // Storage roots of the views computed here.
+            let mut added = false;
+            while checked_views < internal.len() {
+                let m = internal[checked_views];
+                checked_views += 1;
+                let Some(TensorRef::Node(root)) = nodes[m].view_src else {
+                    continue;
+                };
+                if internal_mark[root] == epoch
+                    || seen_node[root] == epoch && available[root].is_some()
+                {
+                    continue;
+                }
+                let carried = inputs.iter().any(|i| {
+                    i.kind == InputKind::PreviousCut
+                        && matches!(i.tensor, TensorRef::Node(c) if nodes[c].view_src == Some(TensorRef::Node(root)))
+                });
+                if !carried || available[root].is_some() {
+                    stack.push(TensorRef::Node(root));
+                    added = true;
+                }
+            }
+            if !added {
+                break;
+            }
+        }
+        internal.sort_unstable();
+        inputs.sort_by(|a, b| (a.kind, a.tensor).cmp(&(b.kind, b.tensor)));
+
+        for &m in &internal {
+            if let Some(c) = &nodes[m].cut {
+                if cut_segment[m].is_some_and(|s| s > k) {
+                    diagnostics.push(Diagnostic {
+                        kind: DiagnosticKind::CutOfLaterGroupRecomputed,
+                        message: format!(
+                            "segment '{}' needs cut '{}' ({}) of a later group; its producers are computed twice",
+                            seed.name,
+                            c.name,
+                            view.describe(TensorRef::Node(m))
+                        ),
+                        location: c.location,
+                    });
+                }
+            }
+        }
+
+        let outputs: Vec<SegmentOutput> = seed
+            .outputs
+            .iter()
+            .map(|&o| SegmentOutput {
+                node: o,
+                name: nodes[o]
+                    .cut
+                    .as_ref()
+                    .map(|c| c.name.clone())
+                    .unwrap_or_else(|| CutName::final_output(o)),
+                bytes: nodes[o].bytes,
+                is_cut: nodes[o].cut.is_some(),
+                graph_output: is_graph_output(o),
+            })
+            .collect();
+        let sum = |kind: InputKind| {
+            inputs
+                .iter()
+                .filter(|i| i.kind == kind)
+                .map(|i| i.bytes)
+                .sum()
+        };
+        let bytes = SegmentBytes {
+            compute_buffer: 0,
+            outputs: outputs.iter().map(|o| o.bytes).sum(),
+            input_external: sum(InputKind::External),
+            input_previous_cut: sum(InputKind::PreviousCut),
+            input_param: sum(InputKind::Param),
+            live_cuts: 0,
+            future_cuts: 0,
+        };
+        let mut segment = Segment {
+            name: seed.name.clone(),
+            kind: seed.kind,
+            internal_nodes: internal,
+            recomputed_nodes: Vec::new(),
+            outputs,
+            inputs,
+            consumed_cuts: Vec::new(),
+            future_cuts: Vec::new(),
+            live_cuts: Vec::new(),
+            bytes,
+        };
+        segment.bytes.compute_buffer = measure.measure(k, &segment)?;
+        for o in segment.outputs.iter().filter(|o| o.is_cut) {
+            available[o.node] = Some(k);
+        }
+        tracing::trace!(segment = k, name = %segment.name, nodes = segment.internal_nodes.len(), inputs = segment.inputs.len(), "segment planned");
+        segments.push(segment);
+    }
+
+    // Recomputations.
+    let mut also: HashMap<usize, Vec<usize>> = HashMap::new();
+    for (k, s) in segments.iter_mut().enumerate() {
+        s.recomputed_nodes = s
+            .internal_nodes
+            .iter()
+            .copied()
+            .filter(|&m| owner[m] != Some(k))
+            .collect();
+        for &m in &s.recomputed_nodes {
+            also.entry(m).or_default().push(k);
+        }
+    }
+    let mut recomputations: Vec<Recomputation> = also
+        .into_iter()
+        .map(|(node, also_in)| Recomputation {
+            node,
+            owner: owner[node].unwrap_or(0),
+            also_in,
+        })
+        .collect();
+    recomputations.sort_by_key(|r| r.node);
+
+    // Liveness.
+    let lives = liveness::compute(&segments);
+    for (s, l) in segments.iter_mut().zip(lives) {
+        s.consumed_cuts = l.consumed;
+        s.future_cuts = l.future;
+        s.live_cuts = l.live;
+        s.bytes.live_cuts = l.live_bytes;
+        s.bytes.future_cuts = l.future_bytes;
+    }
+
+    // Cuts nothing reads.
+    let mut read = vec![false; n];
+    for s in &segments {
+        for i in s.inputs_of(InputKind::PreviousCut) {
+            if let TensorRef::Node(c) = i.tensor {
+                read[c] = true;
+            }
+        }
+    }
+    for (i, d) in nodes.iter().enumerate() {
+        if let Some(c) = &d.cut {
+            if !read[i] && !is_graph_output(i) {
+                diagnostics.push(Diagnostic {
+                    kind: DiagnosticKind::UnconsumedCut,
+                    message: format!(
+                        "cut '{}' ({}) is read by no later segment",
+                        c.name,
+                        view.describe(TensorRef::Node(i))
+                    ),
+                    location: c.location,
+                });
+            }
+        }
+    }
+    for d in &diagnostics {
+        tracing::warn!("graph cut: {d}");
+    }
+    if options.warnings_as_errors {
+        if let Some(d) = diagnostics.first() {
+            return Err(GraphCutError::Warning(d.to_string()));
+        }
+    }
+
+    let plan = Plan {
+        fingerprint: view.fingerprint(),
+        n_nodes: n,
+        n_leaves: view.leaves().len(),
+        has_cuts,
+        segments,
+        recomputations,
+        diagnostics,
+    };
+    tracing::debug!(
+        segments = plan.segments.len(),
+        recomputed = plan.recomputations.len(),
+        "graph planned"
+    );
+    Ok(plan)
+}

@@ -1,0 +1,1264 @@
+//! A simulated discrete device for memory-logic tests.
+//!
+//! [`SimDevice`] is a real ggml backend implemented in Rust through ggml's backend interface
+//! (`ggml-backend-impl.h`): a registry object, a device, a buffer type, buffers and backends
+//! whose vtables point at the callbacks of this module. Everything in ggml works with it: the
+//! graph allocator, the scheduler, `ggml_backend_tensor_set/get/copy`.
+//!
+//! It behaves like a discrete GPU of `total_bytes` bytes:
+//! - its buffer type is not host memory (`is_host` is false), so ggml moves data in and out
+//!   through explicit set/get/copy calls, which the device counts per direction;
+//! - every buffer is its own heap allocation (freed when the buffer is freed), and an
+//!   allocation that would take the live bytes past `total_bytes` fails with a NULL buffer
+//!   (an error in the safe layer, never an abort);
+//! - it keeps its own accounting: live bytes, the high-water mark, allocation counts;
+//! - it reports free/total memory from its live bytes, optionally lagging behind by a number
+//!   of allocation events or wrapped past `total` (as Vulkan's budget underflow does);
+//! - its backend computes only on tensors that live in its own buffers (a graph that touches
+//!   any other memory fails with a compute error and counts a fault); the arithmetic is done
+//!   by an internal ggml CPU backend, since the memory is host memory underneath, so results
+//!   are bit-identical to the CPU backend with the same thread count.
+//!
+//! Lifetimes: the counters and options live in a shared state held by the [`SimDevice`]
+//! handle, by every buffer and by every backend made from it, so they outlive all of them.
+//! The ggml descriptors (registry object, device, buffer type: a few hundred bytes) stay
+//! allocated for the rest of the process, because the safe layer's [`Device`] and
+//! [`BufferType`] are plain `Copy` pointers that may be kept anywhere; once the state is gone
+//! they report zero memory and refuse allocations and backends. A simulated device is not
+//! added to ggml's global registry, so [`Device::all`] does not list it.
+
+#![deny(unsafe_op_in_unsafe_fn)]
+
+use std::alloc::Layout;
+use std::collections::VecDeque;
+use std::ffi::{c_char, c_void, CStr, CString};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::ptr::{self, NonNull};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
+
+use ggml_sys as sys;
+
+use super::backend::{Backend, BufferType, Device, DeviceMemory};
+use super::error::{GgmlError, Result};
+use super::tensor::GTensor;
+
+/// How a [`SimDevice`] behaves beyond its size.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SimOptions {
+    /// Report the device as an integrated GPU (`DeviceKind::IntegratedGpu`) instead of a
+    /// discrete one (`DeviceKind::Gpu`). The memory stays separate either way.
+    pub integrated: bool,
+    /// When `n > 0`, the reported free memory is the value it had `n` allocation/free events
+    /// ago (the initial value `total` until `n` events have happened), like a driver whose
+    /// reports lag behind. The allocation limit itself always uses the true live bytes.
+    pub lagging_reports: usize,
+    /// When true, the reported free memory is wrapped past `total` the way an unsigned
+    /// `budget - usage` underflow reports it on Vulkan: the device reports
+    /// `free - total - 1` computed in `size_t`, that is `usize::MAX - used`, which is always
+    /// greater than `total`. Applied after `lagging_reports`.
+    pub wrapped_reports: bool,
+    /// Alignment of tensor placements in the device's buffers (a power of two).
+    pub alignment: usize,
+    /// Largest single buffer the device allocates (`None`: only `total_bytes` limits it).
+    pub max_buffer_size: Option<usize>,
+    /// Threads of the internal CPU backend that does the arithmetic (at least 1).
+    pub threads: usize,
+    /// Byte that fresh device memory is filled with (`None`: zeroed). A value such as `0xFF`
+    /// (f32 NaN) makes reads of never-written memory visible.
+    pub fill_byte: Option<u8>,
+    /// ggml op names (`ggml_op_name`, e.g. `"MUL_MAT"`, or `ggml_op_desc` for unary ops,
+    /// e.g. `"GELU"`) that the device claims not to support, so that the scheduler has to
+    /// run them elsewhere.
+    pub unsupported_ops: Vec<String>,
+}
+
+impl Default for SimOptions {
+    fn default() -> Self {
+        SimOptions {
+            integrated: false,
+            lagging_reports: 0,
+            wrapped_reports: false,
+            alignment: 128,
+            max_buffer_size: None,
+            threads: 1,
+            fill_byte: None,
+            unsupported_ops: Vec::new(),
+        }
+    }
+}
+
+/// A snapshot of a [`SimDevice`]'s own accounting. Byte counts are exact: a buffer counts
+/// the size that was requested for it, a transfer the bytes it moved.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SimStats {
+    /// Device size in bytes.
+    pub total_bytes: u64,
+    /// Bytes held by live buffers now.
+    pub live_bytes: u64,
+    /// Highest `live_bytes` seen since creation or the last reset.
+    pub peak_bytes: u64,
+    /// Number of live buffers now.
+    pub live_buffers: u64,
+    /// Successful buffer allocations.
+    pub allocations: u64,
+    /// Refused buffer allocations (no room, too large, or failed on purpose).
+    pub failed_allocations: u64,
+    /// Buffers freed.
+    pub frees: u64,
+    /// Bytes written from host memory into device memory (`tensor_set`).
+    pub host_to_device_bytes: u64,
+    /// Number of host-to-device transfers.
+    pub host_to_device_copies: u64,
+    /// Bytes read from device memory into host memory (`tensor_get`).
+    pub device_to_host_bytes: u64,
+    /// Number of device-to-host transfers.
+    pub device_to_host_copies: u64,
+    /// Bytes copied between two tensors of this device (`tensor_copy` on the device).
+    pub device_to_device_bytes: u64,
+    /// Number of device-to-device copies.
+    pub device_to_device_copies: u64,
+    /// Graphs (or scheduler splits) computed by the device's backends.
+    pub graph_computes: u64,
+    /// Refused accesses: a transfer outside a buffer, or a graph touching memory that is not
+    /// this device's. Zero in a correct program.
+    pub faults: u64,
+}
+
+// ---------------------------------------------------------------------------------------------
+// Shared state
+// ---------------------------------------------------------------------------------------------
+
+#[derive(Default)]
+struct Counters {
+    live: u64,
+    peak: u64,
+    live_buffers: u64,
+    allocations: u64,
+    failed_allocations: u64,
+    frees: u64,
+    h2d_bytes: u64,
+    h2d_copies: u64,
+    d2h_bytes: u64,
+    d2h_copies: u64,
+    d2d_bytes: u64,
+    d2d_copies: u64,
+    graph_computes: u64,
+    faults: u64,
+    fail_next: u64,
+    /// True free values before the most recent events (oldest first), at most
+    /// `lagging_reports` of them.
+    history: VecDeque<u64>,
+}
+
+#[derive(Clone, Copy)]
+enum Dir {
+    HostToDevice,
+    DeviceToHost,
+    DeviceToDevice,
+}
+
+/// The ggml descriptors of one simulated device. Allocated once and never freed (see the
+/// module docs); immutable after construction, so shared references are sound while ggml
+/// holds raw pointers into it.
+struct Shell {
+    reg: sys::ggml_backend_reg,
+    dev: sys::ggml_backend_device,
+    buft: sys::ggml_backend_buffer_type,
+    guid: sys::ggml_guid,
+    name: CString,
+    description: CString,
+    kind: sys::ggml_backend_dev_type,
+    alignment: usize,
+    max_size: usize,
+    cpu_dev: sys::ggml_backend_dev_t,
+    state: Weak<State>,
+}
+
+struct ShellPtr(#[allow(dead_code)] NonNull<Shell>);
+// SAFETY: the pointer is only stored (to keep leaked shells reachable), never dereferenced.
+unsafe impl Send for ShellPtr {}
+
+/// Every shell ever made, so that they stay reachable for leak checkers.
+fn shells() -> &'static Mutex<Vec<ShellPtr>> {
+    static S: OnceLock<Mutex<Vec<ShellPtr>>> = OnceLock::new();
+    S.get_or_init(|| Mutex::new(Vec::new()))
+}
+
+struct State {
+    shell: NonNull<Shell>,
+    name: String,
+    total: u64,
+    opts: SimOptions,
+    counters: Mutex<Counters>,
+}
+
+// SAFETY: `shell` points to an immutable, never-freed descriptor; the counters are behind a
+// mutex; everything else is immutable.
+unsafe impl Send for State {}
+// SAFETY: see above.
+unsafe impl Sync for State {}
+
+impl State {
+    fn shell(&self) -> &Shell {
+        // SAFETY: the shell is never freed and never written after construction.
+        unsafe { self.shell.as_ref() }
+    }
+
+    fn buft_ptr(&self) -> sys::ggml_backend_buffer_type_t {
+        // SAFETY: field address inside the live shell (no reference is created).
+        unsafe { ptr::addr_of_mut!((*self.shell.as_ptr()).buft) }
+    }
+
+    fn counters(&self) -> MutexGuard<'_, Counters> {
+        self.counters.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Free and total memory as the device reports them (lag and wrap applied).
+    fn reported_memory(&self) -> (usize, usize) {
+        let c = self.counters();
+        let true_free = self.total - c.live;
+        let free = if self.opts.lagging_reports > 0 {
+            c.history.front().copied().unwrap_or(true_free)
+        } else {
+            true_free
+        };
+        let total = self.total as usize;
+        let free = if self.opts.wrapped_reports {
+            (free as usize).wrapping_sub(total).wrapping_sub(1)
+        } else {
+            free as usize
+        };
+        (free, total)
+    }
+
+    /// Records a change of the live bytes (one allocation/free event).
+    fn set_live(&self, c: &mut Counters, live: u64) {
+        let lag = self.opts.lagging_reports;
+        if lag > 0 {
+            c.history.push_back(self.total - c.live);
+            while c.history.len() > lag {
+                c.history.pop_front();
+            }
+        }
+        c.live = live;
+        c.peak = c.peak.max(live);
+    }
+
+    fn count(&self, dir: Dir, bytes: usize) {
+        let mut c = self.counters();
+        let b = bytes as u64;
+        match dir {
+            Dir::HostToDevice => {
+                c.h2d_bytes += b;
+                c.h2d_copies += 1;
+            }
+            Dir::DeviceToHost => {
+                c.d2h_bytes += b;
+                c.d2h_copies += 1;
+            }
+            Dir::DeviceToDevice => {
+                c.d2d_bytes += b;
+                c.d2d_copies += 1;
+            }
+        }
+    }
+
+    fn fault(&self, what: std::fmt::Arguments<'_>) {
+        tracing::error!(device = %self.name, "simulated device fault: {what}");
+        self.counters().faults += 1;
+    }
+
+    /// Allocates a buffer of `size` bytes, or returns NULL when the device has no room.
+    fn alloc_buffer(
+        self: &Arc<Self>,
+        buft: sys::ggml_backend_buffer_type_t,
+        size: usize,
+    ) -> sys::ggml_backend_buffer_t {
+        let mut c = self.counters();
+        if c.fail_next > 0 {
+            c.fail_next -= 1;
+            c.failed_allocations += 1;
+            tracing::debug!(device = %self.name, size, "simulated allocation failure (on request)");
+            return ptr::null_mut();
+        }
+        let room = self.total - c.live;
+        if size as u64 > room || size > self.shell().max_size {
+            c.failed_allocations += 1;
+            tracing::debug!(device = %self.name, size, room, "simulated device out of memory");
+            return ptr::null_mut();
+        }
+        let Ok(layout) = Layout::from_size_align(size.max(1), self.shell().alignment) else {
+            c.failed_allocations += 1;
+            return ptr::null_mut();
+        };
+        // SAFETY: the layout has a non-zero size.
+        let mem = unsafe {
+            match self.opts.fill_byte {
+                None => std::alloc::alloc_zeroed(layout),
+                Some(v) => {
+                    let p = std::alloc::alloc(layout);
+                    if !p.is_null() {
+                        ptr::write_bytes(p, v, layout.size());
+                    }
+                    p
+                }
+            }
+        };
+        let Some(base) = NonNull::new(mem) else {
+            c.failed_allocations += 1;
+            return ptr::null_mut();
+        };
+        let ctx = Box::into_raw(Box::new(SimBuffer {
+            state: Arc::clone(self),
+            base,
+            layout,
+            size,
+        }));
+        // SAFETY: `buft` is this device's buffer type; ggml copies the interface and keeps
+        // `ctx`, which `buffer_free` reclaims.
+        let buf = unsafe { sys::ggml_backend_buffer_init(buft, BUFFER_IFACE, ctx.cast(), size) };
+        if buf.is_null() {
+            // SAFETY: ggml did not take `ctx`; it and the memory are still ours.
+            unsafe {
+                drop(Box::from_raw(ctx));
+                std::alloc::dealloc(base.as_ptr(), layout);
+            }
+            c.failed_allocations += 1;
+            return ptr::null_mut();
+        }
+        let live = c.live + size as u64;
+        self.set_live(&mut c, live);
+        c.allocations += 1;
+        c.live_buffers += 1;
+        buf
+    }
+
+    fn on_free(&self, size: usize) {
+        let mut c = self.counters();
+        let live = c.live.saturating_sub(size as u64);
+        self.set_live(&mut c, live);
+        c.frees += 1;
+        c.live_buffers = c.live_buffers.saturating_sub(1);
+    }
+
+    /// Whether `t`'s data lies inside one of this device's buffers.
+    ///
+    /// # Safety
+    /// `t` is null or points to a live tensor whose `buffer`/`view_src` are null or live.
+    unsafe fn is_resident(&self, t: *const sys::ggml_tensor) -> bool {
+        if t.is_null() {
+            return false;
+        }
+        // SAFETY: live tensor (caller contract).
+        let tr = unsafe { &*t };
+        let buf = if tr.view_src.is_null() {
+            tr.buffer
+        } else {
+            // SAFETY: a view's source is a live tensor.
+            unsafe { (*tr.view_src).buffer }
+        };
+        // SAFETY: live buffer or null.
+        if buf.is_null() || unsafe { (*buf).buft } != self.buft_ptr() {
+            return false;
+        }
+        // SAFETY: live buffer.
+        let Some(b) = (unsafe { sim_buffer(buf) }) else {
+            return false;
+        };
+        // SAFETY: live tensor.
+        let n = unsafe { sys::ggml_nbytes(t) };
+        b.region(tr.data, 0, n).is_some()
+    }
+}
+
+/// The context of one device buffer: its own heap allocation.
+struct SimBuffer {
+    state: Arc<State>,
+    base: NonNull<u8>,
+    layout: Layout,
+    size: usize,
+}
+
+impl SimBuffer {
+    /// The device address of `data + offset .. + size` if it lies inside this buffer,
+    /// derived from the buffer's own allocation.
+    fn region(&self, data: *const c_void, offset: usize, size: usize) -> Option<*mut u8> {
+        if data.is_null() {
+            return None;
+        }
+        let base = self.base.as_ptr() as usize;
+        let start = (data as usize).checked_add(offset)?;
+        let end = start.checked_add(size)?;
+        if start < base || end > base.checked_add(self.size)? {
+            return None;
+        }
+        Some(self.base.as_ptr().wrapping_add(start - base))
+    }
+}
+
+/// The context of one backend (stream) on the device.
+struct SimBackend {
+    state: Arc<State>,
+    cpu: NonNull<sys::ggml_backend>,
+    lock: Mutex<()>,
+}
+
+// ---------------------------------------------------------------------------------------------
+// Public handle
+// ---------------------------------------------------------------------------------------------
+
+/// A simulated discrete device of a fixed size (see the module docs). Cloning is cheap and
+/// shares the device.
+#[derive(Clone)]
+pub struct SimDevice {
+    state: Arc<State>,
+}
+
+impl std::fmt::Debug for SimDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let s = self.stats();
+        write!(
+            f,
+            "SimDevice({}, {} of {} bytes live, peak {})",
+            self.state.name, s.live_bytes, s.total_bytes, s.peak_bytes
+        )
+    }
+}
+
+const SIM_GUID: sys::ggml_guid = [
+    0x73, 0x64, 0x2d, 0x72, 0x73, 0x2d, 0x73, 0x69, 0x6d, 0x64, 0x65, 0x76, 0x00, 0x00, 0x00, 0x01,
+];
+
+impl SimDevice {
+    /// A device named `name` (for example `SIM0`) with `total_bytes` of memory.
+    pub fn new(name: &str, total_bytes: u64, options: SimOptions) -> Result<SimDevice> {
+        let bad =
+            |detail: String| GgmlError::BackendInit(format!("simulated device '{name}': {detail}"));
+        let cname = CString::new(name).map_err(|_| bad("the name contains NUL".into()))?;
+        if name.is_empty() {
+            return Err(bad("empty name".into()));
+        }
+        if total_bytes > (isize::MAX as u64) / 2 {
+            return Err(bad(format!("{total_bytes} bytes is too large")));
+        }
+        if !options.alignment.is_power_of_two() {
+            return Err(bad(format!(
+                "alignment {} is not a power of two",
+                options.alignment
+            )));
+        }
+        let kind = if options.integrated {
+            sys::GGML_BACKEND_DEVICE_TYPE_IGPU
+        } else {
+            sys::GGML_BACKEND_DEVICE_TYPE_GPU
+        };
+        let description = CString::new(format!(
+            "simulated {} GPU, {total_bytes} bytes",
+            if options.integrated {
+                "integrated"
+            } else {
+                "discrete"
+            }
+        ))
+        .map_err(|_| bad("description".into()))?;
+        // SAFETY: registry query; the CPU device is static.
+        let cpu_dev = unsafe { sys::ggml_backend_dev_by_type(sys::GGML_BACKEND_DEVICE_TYPE_CPU) };
+        if cpu_dev.is_null() {
+            return Err(GgmlError::NoSuchBackend("CPU".into()));
+        }
+        let max_size = options.max_buffer_size.unwrap_or(usize::MAX);
+        let alignment = options.alignment;
+        let state = Arc::new_cyclic(|weak: &Weak<State>| {
+            let shell = NonNull::from(Box::leak(Box::new(Shell {
+                reg: sys::ggml_backend_reg::default(),
+                dev: sys::ggml_backend_device::default(),
+                buft: sys::ggml_backend_buffer_type::default(),
+                guid: SIM_GUID,
+                name: cname,
+                description,
+                kind,
+                alignment,
+                max_size,
+                cpu_dev,
+                state: weak.clone(),
+            })));
+            let p = shell.as_ptr();
+            // SAFETY: `p` is a fresh, exclusively owned allocation; the descriptors point at
+            // each other and at the shell, which is never freed.
+            unsafe {
+                (*p).reg = sys::ggml_backend_reg {
+                    api_version: sys::GGML_BACKEND_API_VERSION as i32,
+                    iface: REG_IFACE,
+                    context: p.cast(),
+                };
+                (*p).dev = sys::ggml_backend_device {
+                    iface: DEVICE_IFACE,
+                    reg: ptr::addr_of_mut!((*p).reg),
+                    context: p.cast(),
+                };
+                (*p).buft = sys::ggml_backend_buffer_type {
+                    iface: BUFT_IFACE,
+                    device: ptr::addr_of_mut!((*p).dev),
+                    context: p.cast(),
+                };
+            }
+            State {
+                shell,
+                name: name.to_string(),
+                total: total_bytes,
+                opts: options,
+                counters: Mutex::new(Counters::default()),
+            }
+        });
+        shells()
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(ShellPtr(state.shell));
+        Ok(SimDevice { state })
+    }
+
+    /// The device name.
+    pub fn name(&self) -> &str {
+        &self.state.name
+    }
+
+    /// The device size in bytes.
+    pub fn total_bytes(&self) -> u64 {
+        self.state.total
+    }
+
+    /// The options the device was made with.
+    pub fn options(&self) -> &SimOptions {
+        &self.state.opts
+    }
+
+    /// The device's buffer type (non-host memory of this device).
+    pub fn buffer_type(&self) -> BufferType {
+        BufferType::from_raw(self.state.buft_ptr()).expect("the shell's buffer type is not null")
+    }
+
+    /// The device as a ggml device (kind, memory reports, buffer type, backends).
+    pub fn device(&self) -> Device {
+        self.buffer_type()
+            .device()
+            .expect("the simulated buffer type has a device")
+    }
+
+    /// A new backend (stream) on this device, computing with its own internal CPU backend.
+    pub fn backend(&self) -> Result<Backend> {
+        self.device().init_backend()
+    }
+
+    /// Free and total memory as the device reports them to ggml (lag and wrap applied).
+    pub fn memory(&self) -> DeviceMemory {
+        self.device().memory()
+    }
+
+    /// The device's own accounting now.
+    pub fn stats(&self) -> SimStats {
+        let c = self.state.counters();
+        SimStats {
+            total_bytes: self.state.total,
+            live_bytes: c.live,
+            peak_bytes: c.peak,
+            live_buffers: c.live_buffers,
+            allocations: c.allocations,
+            failed_allocations: c.failed_allocations,
+            frees: c.frees,
+            host_to_device_bytes: c.h2d_bytes,
+            host_to_device_copies: c.h2d_copies,
+            device_to_host_bytes: c.d2h_bytes,
+            device_to_host_copies: c.d2h_copies,
+            device_to_device_bytes: c.d2d_bytes,
+            device_to_device_copies: c.d2d_copies,
+            graph_computes: c.graph_computes,
+            faults: c.faults,
+        }
+    }
+
+    /// Bytes held by live buffers now.
+    pub fn live_bytes(&self) -> u64 {
+        self.state.counters().live
+    }
+
+    /// The high-water mark of live bytes since creation or the last reset.
+    pub fn peak_bytes(&self) -> u64 {
+        self.state.counters().peak
+    }
+
+    /// Restarts the high-water mark from the current live bytes.
+    pub fn reset_peak(&self) {
+        let mut c = self.state.counters();
+        c.peak = c.live;
+    }
+
+    /// Zeroes the event counters (allocations, frees, transfers, computes, faults) and
+    /// restarts the high-water mark; live bytes and buffers are kept.
+    pub fn reset_counters(&self) {
+        let mut c = self.state.counters();
+        let keep = Counters {
+            live: c.live,
+            peak: c.live,
+            live_buffers: c.live_buffers,
+            fail_next: c.fail_next,
+            history: std::mem::take(&mut c.history),
+            ..Counters::default()
+        };
+        *c = keep;
+    }
+
+    /// Makes the next `n` buffer allocations fail whatever room is left.
+    pub fn fail_next_allocations(&self, n: u64) {
+        self.state.counters().fail_next = n;
+    }
+
+    /// Whether `buft` is this device's buffer type.
+    pub fn owns_buffer_type(&self, buft: BufferType) -> bool {
+        buft.raw() == self.state.buft_ptr()
+    }
+
+    /// Whether `t`'s data lives in this device's memory.
+    pub fn owns_tensor(&self, t: &GTensor) -> bool {
+        // SAFETY: a live descriptor whose buffer fields are reset when the memory goes.
+        unsafe { self.state.is_resident(t.raw()) }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Vtables
+// ---------------------------------------------------------------------------------------------
+
+/// Runs `f`, returning `default` instead of unwinding into C.
+fn ffi<T>(default: T, f: impl FnOnce() -> T) -> T {
+    catch_unwind(AssertUnwindSafe(f)).unwrap_or(default)
+}
+
+/// The shell behind a descriptor's `context`.
+///
+/// # Safety
+/// `ctx` is null or the context of one of this module's descriptors.
+unsafe fn shell_at(ctx: *mut c_void) -> Option<&'static Shell> {
+    // SAFETY: contexts of our descriptors point at a never-freed shell.
+    unsafe { (ctx as *const Shell).as_ref() }
+}
+
+/// # Safety
+/// `dev` is null or one of this module's devices.
+unsafe fn dev_shell(dev: sys::ggml_backend_dev_t) -> Option<&'static Shell> {
+    if dev.is_null() {
+        return None;
+    }
+    // SAFETY: live device of this module.
+    unsafe { shell_at((*dev).context) }
+}
+
+/// # Safety
+/// `buft` is null or this module's buffer type.
+unsafe fn buft_shell(buft: sys::ggml_backend_buffer_type_t) -> Option<&'static Shell> {
+    if buft.is_null() {
+        return None;
+    }
+    // SAFETY: live buffer type of this module.
+    unsafe { shell_at((*buft).context) }
+}
+
+/// The SimBuffer behind `buffer`, if it is a buffer made by `alloc_buffer`. Buffers of the
+/// simulated buffer type that ggml makes itself (zero-size dummies, multi-buffers wrapping
+/// several device buffers) have other interfaces and contexts and yield `None`.
+///
+/// # Safety
+/// `buffer` is null or a live buffer.
+unsafe fn sim_buffer<'a>(buffer: sys::ggml_backend_buffer_t) -> Option<&'a SimBuffer> {
+    if buffer.is_null() {
+        return None;
+    }
+    let ours: unsafe extern "C" fn(sys::ggml_backend_buffer_t) = buffer_free;
+    // SAFETY: live buffer.
+    let free = unsafe { (*buffer).iface.free_buffer };
+    if !free.is_some_and(|f| ptr::fn_addr_eq(f, ours)) {
+        return None;
+    }
+    // SAFETY: a buffer with this module's interface has a `SimBuffer` context (or null once
+    // freed).
+    unsafe { ((*buffer).context as *const SimBuffer).as_ref() }
+}
+
+// ---- registry ----
+
+const REG_IFACE: sys::ggml_backend_reg_i = sys::ggml_backend_reg_i {
+    get_name: Some(reg_get_name),
+    get_device_count: Some(reg_get_device_count),
+    get_device: Some(reg_get_device),
+    get_proc_address: None,
+};
+
+unsafe extern "C" fn reg_get_name(_reg: sys::ggml_backend_reg_t) -> *const c_char {
+    c"SIM".as_ptr()
+}
+
+unsafe extern "C" fn reg_get_device_count(_reg: sys::ggml_backend_reg_t) -> usize {
+    1
+}
+
+unsafe extern "C" fn reg_get_device(
+    reg: sys::ggml_backend_reg_t,
+    index: usize,
+) -> sys::ggml_backend_dev_t {
+    if reg.is_null() || index != 0 {
+        return ptr::null_mut();
+    }
+    // SAFETY: our registry object; its context is the shell, whose device we return by
+    // address.
+    unsafe {
+        let shell = (*reg).context as *mut Shell;
+        if shell.is_null() {
+            return ptr::null_mut();
+        }
+        ptr::addr_of_mut!((*shell).dev)
+    }
+}
+
+// ---- device ----
+
+const DEVICE_IFACE: sys::ggml_backend_device_i = sys::ggml_backend_device_i {
+    get_name: Some(dev_get_name),
+    get_description: Some(dev_get_description),
+    get_memory: Some(dev_get_memory),
+    get_type: Some(dev_get_type),
+    get_props: Some(dev_get_props),
+    init_backend: Some(dev_init_backend),
+    get_buffer_type: Some(dev_get_buffer_type),
+    get_host_buffer_type: None,
+    buffer_from_host_ptr: None,
+    supports_op: Some(dev_supports_op),
+    supports_buft: Some(dev_supports_buft),
+    offload_op: None,
+    event_new: None,
+    event_free: None,
+    event_synchronize: None,
+};
+
+unsafe extern "C" fn dev_get_name(dev: sys::ggml_backend_dev_t) -> *const c_char {
+    // SAFETY: ggml passes our device.
+    match unsafe { dev_shell(dev) } {
+        Some(s) => s.name.as_ptr(),
+        None => c"SIM?".as_ptr(),
+    }
+}
+
+unsafe extern "C" fn dev_get_description(dev: sys::ggml_backend_dev_t) -> *const c_char {
+    // SAFETY: ggml passes our device.
+    match unsafe { dev_shell(dev) } {
+        Some(s) => s.description.as_ptr(),
+        None => c"simulated device".as_ptr(),
+    }
+}
+
+/// (free, total) as reported; zeros once the device state is gone.
+fn reported(shell: Option<&Shell>) -> (usize, usize) {
+    shell
+        .and_then(|s| s.state.upgrade())
+        .map(|st| st.reported_memory())
+        .unwrap_or((0, 0))
+}
+
+unsafe extern "C" fn dev_get_memory(
+    dev: sys::ggml_backend_dev_t,
+    free: *mut usize,
+    total: *mut usize,
+) {
+    // SAFETY: ggml passes our device.
+    let (f, t) = ffi((0, 0), || reported(unsafe { dev_shell(dev) }));
+    // SAFETY: non-null out pointers from the caller.
+    unsafe {
+        if !free.is_null() {
+            *free = f;
+        }
+        if !total.is_null() {
+            *total = t;
+        }
+    }
+}
+
+unsafe extern "C" fn dev_get_type(dev: sys::ggml_backend_dev_t) -> sys::ggml_backend_dev_type {
+    // SAFETY: ggml passes our device.
+    unsafe { dev_shell(dev) }.map_or(sys::GGML_BACKEND_DEVICE_TYPE_GPU, |s| s.kind)
+}
+
+unsafe extern "C" fn dev_get_props(
+    dev: sys::ggml_backend_dev_t,
+    props: *mut sys::ggml_backend_dev_props,
+) {
+    if props.is_null() {
+        return;
+    }
+    // SAFETY: ggml passes our device.
+    let shell = unsafe { dev_shell(dev) };
+    let (free, total) = ffi((0, 0), || reported(shell));
+    // SAFETY: `props` is a valid out pointer; the strings live in the never-freed shell.
+    unsafe {
+        *props = sys::ggml_backend_dev_props {
+            name: dev_get_name(dev),
+            description: dev_get_description(dev),
+            memory_free: free,
+            memory_total: total,
+            type_: dev_get_type(dev),
+            device_id: ptr::null(),
+            caps: sys::ggml_backend_dev_caps {
+                async_: false,
+                host_buffer: false,
+                buffer_from_host_ptr: false,
+                events: false,
+                mmap_support: false,
+            },
+        };
+    }
+}
+
+unsafe extern "C" fn dev_init_backend(
+    dev: sys::ggml_backend_dev_t,
+    _params: *const c_char,
+) -> sys::ggml_backend_t {
+    ffi(ptr::null_mut(), || {
+        // SAFETY: ggml passes our device.
+        let Some(shell) = (unsafe { dev_shell(dev) }) else {
+            return ptr::null_mut();
+        };
+        let Some(state) = shell.state.upgrade() else {
+            return ptr::null_mut();
+        };
+        // SAFETY: plain constructor; NULL on failure.
+        let Some(cpu) = NonNull::new(unsafe { sys::ggml_backend_cpu_init() }) else {
+            return ptr::null_mut();
+        };
+        let threads = state.opts.threads.clamp(1, i32::MAX as usize) as i32;
+        // SAFETY: `cpu` is a CPU backend.
+        unsafe { sys::ggml_backend_cpu_set_n_threads(cpu.as_ptr(), threads) };
+        let ctx = Box::into_raw(Box::new(SimBackend {
+            state,
+            cpu,
+            lock: Mutex::new(()),
+        }));
+        // SAFETY: `dev` is our device, whose context is the never-freed shell; the guid
+        // lives in it. The backend struct and `ctx` are reclaimed by `backend_free`.
+        unsafe {
+            let shell_ptr = (*dev).context as *mut Shell;
+            Box::into_raw(Box::new(sys::ggml_backend {
+                guid: ptr::addr_of_mut!((*shell_ptr).guid),
+                iface: BACKEND_IFACE,
+                device: dev,
+                context: ctx.cast(),
+            }))
+        }
+    })
+}
+
+unsafe extern "C" fn dev_get_buffer_type(
+    dev: sys::ggml_backend_dev_t,
+) -> sys::ggml_backend_buffer_type_t {
+    if dev.is_null() {
+        return ptr::null_mut();
+    }
+    // SAFETY: our device; its context is the shell, whose buffer type we return by address.
+    unsafe {
+        let shell = (*dev).context as *mut Shell;
+        if shell.is_null() {
+            return ptr::null_mut();
+        }
+        ptr::addr_of_mut!((*shell).buft)
+    }
+}
+
+unsafe extern "C" fn dev_supports_op(
+    dev: sys::ggml_backend_dev_t,
+    op: *const sys::ggml_tensor,
+) -> bool {
+    ffi(false, || {
+        // SAFETY: ggml passes our device.
+        let Some(shell) = (unsafe { dev_shell(dev) }) else {
+            return false;
+        };
+        if op.is_null() {
+            return false;
+        }
+        if let Some(state) = shell.state.upgrade() {
+            if !state.opts.unsupported_ops.is_empty() {
+                // SAFETY: live tensor; ggml returns static strings.
+                let (name, desc) = unsafe {
+                    (
+                        CStr::from_ptr(sys::ggml_op_name((*op).op)),
+                        CStr::from_ptr(sys::ggml_op_desc(op)),
+                    )
+                };
+                let (name, desc) = (name.to_string_lossy(), desc.to_string_lossy());
+                if state
+                    .opts
+                    .unsupported_ops
+                    .iter()
+                    .any(|u| u.eq_ignore_ascii_case(&name) || u.eq_ignore_ascii_case(&desc))
+                {
+                    return false;
+                }
+            }
+        }
+        // SAFETY: the CPU device is static; the op is a live tensor.
+        unsafe { sys::ggml_backend_dev_supports_op(shell.cpu_dev, op) }
+    })
+}
+
+unsafe extern "C" fn dev_supports_buft(
+    dev: sys::ggml_backend_dev_t,
+    buft: sys::ggml_backend_buffer_type_t,
+) -> bool {
+    // SAFETY: `dev_get_buffer_type` only computes a field address of our shell.
+    !buft.is_null() && unsafe { dev_get_buffer_type(dev) } == buft
+}
+
+// ---- buffer type ----
+
+const BUFT_IFACE: sys::ggml_backend_buffer_type_i = sys::ggml_backend_buffer_type_i {
+    get_name: Some(buft_get_name),
+    alloc_buffer: Some(buft_alloc_buffer),
+    alloc_buffer_n: None,
+    get_alignment: Some(buft_get_alignment),
+    get_max_size: Some(buft_get_max_size),
+    get_alloc_size: None,
+    get_alloc_size_n: None,
+    is_host: Some(buft_is_host),
+};
+
+unsafe extern "C" fn buft_get_name(buft: sys::ggml_backend_buffer_type_t) -> *const c_char {
+    // SAFETY: ggml passes our buffer type.
+    match unsafe { buft_shell(buft) } {
+        Some(s) => s.name.as_ptr(),
+        None => c"SIM?".as_ptr(),
+    }
+}
+
+unsafe extern "C" fn buft_alloc_buffer(
+    buft: sys::ggml_backend_buffer_type_t,
+    size: usize,
+) -> sys::ggml_backend_buffer_t {
+    ffi(ptr::null_mut(), || {
+        // SAFETY: ggml passes our buffer type.
+        let Some(shell) = (unsafe { buft_shell(buft) }) else {
+            return ptr::null_mut();
+        };
+        match shell.state.upgrade() {
+            Some(state) => state.alloc_buffer(buft, size),
+            None => ptr::null_mut(),
+        }
+    })
+}
+
+unsafe extern "C" fn buft_get_alignment(buft: sys::ggml_backend_buffer_type_t) -> usize {
+    // SAFETY: ggml passes our buffer type.
+    unsafe { buft_shell(buft) }.map_or(128, |s| s.alignment)
+}
+
+unsafe extern "C" fn buft_get_max_size(buft: sys::ggml_backend_buffer_type_t) -> usize {
+    // SAFETY: ggml passes our buffer type.
+    unsafe { buft_shell(buft) }.map_or(0, |s| s.max_size)
+}
+
+unsafe extern "C" fn buft_is_host(_buft: sys::ggml_backend_buffer_type_t) -> bool {
+    false
+}
+
+// ---- buffer ----
+
+const BUFFER_IFACE: sys::ggml_backend_buffer_i = sys::ggml_backend_buffer_i {
+    free_buffer: Some(buffer_free),
+    get_base: Some(buffer_get_base),
+    init_tensor: None,
+    memset_tensor: Some(buffer_memset_tensor),
+    set_tensor: Some(buffer_set_tensor),
+    get_tensor: Some(buffer_get_tensor),
+    set_tensor_2d: None,
+    get_tensor_2d: None,
+    cpy_tensor: Some(buffer_cpy_tensor),
+    clear: Some(buffer_clear),
+    reset: None,
+};
+
+unsafe extern "C" fn buffer_free(buffer: sys::ggml_backend_buffer_t) {
+    if buffer.is_null() {
+        return;
+    }
+    ffi((), || {
+        // SAFETY: ggml frees each buffer once; the context is the SimBuffer made by
+        // `alloc_buffer`, reclaimed here exactly once (and cleared against reuse).
+        let ctx = unsafe {
+            let ctx = (*buffer).context as *mut SimBuffer;
+            (*buffer).context = ptr::null_mut();
+            ctx
+        };
+        if ctx.is_null() {
+            return;
+        }
+        // SAFETY: see above.
+        let b = unsafe { Box::from_raw(ctx) };
+        // SAFETY: the memory was allocated with this layout and is no longer referenced by
+        // ggml (the buffer is being freed).
+        unsafe { std::alloc::dealloc(b.base.as_ptr(), b.layout) };
+        b.state.on_free(b.size);
+    })
+}
+
+unsafe extern "C" fn buffer_get_base(buffer: sys::ggml_backend_buffer_t) -> *mut c_void {
+    // SAFETY: ggml passes our buffer.
+    unsafe { sim_buffer(buffer) }.map_or(ptr::null_mut(), |b| b.base.as_ptr().cast())
+}
+
+unsafe extern "C" fn buffer_memset_tensor(
+    buffer: sys::ggml_backend_buffer_t,
+    tensor: *mut sys::ggml_tensor,
+    value: u8,
+    offset: usize,
+    size: usize,
+) {
+    ffi((), || {
+        // SAFETY: ggml passes our buffer.
+        let Some(b) = (unsafe { sim_buffer(buffer) }) else {
+            return;
+        };
+        if tensor.is_null() {
+            return b.state.fault(format_args!("memset of a null tensor"));
+        }
+        // SAFETY: live tensor.
+        let data = unsafe { (*tensor).data };
+        match b.region(data, offset, size) {
+            // SAFETY: the region lies inside the buffer's allocation.
+            Some(dst) => unsafe { ptr::write_bytes(dst, value, size) },
+            None => b
+                .state
+                .fault(format_args!("memset of {size} bytes outside the buffer")),
+        }
+    })
+}
+
+unsafe extern "C" fn buffer_set_tensor(
+    buffer: sys::ggml_backend_buffer_t,
+    tensor: *mut sys::ggml_tensor,
+    data: *const c_void,
+    offset: usize,
+    size: usize,
+) {
+    ffi((), || {
+        // SAFETY: ggml passes our buffer.
+        let Some(b) = (unsafe { sim_buffer(buffer) }) else {
+            return;
+        };
+        if tensor.is_null() || data.is_null() {
+            return b
+                .state
+                .fault(format_args!("tensor_set with a null pointer"));
+        }
+        // SAFETY: live tensor.
+        let tdata = unsafe { (*tensor).data };
+        match b.region(tdata, offset, size) {
+            Some(dst) => {
+                // SAFETY: `data` holds `size` readable bytes (caller contract); `dst` lies
+                // inside the buffer. `copy` tolerates overlap.
+                unsafe { ptr::copy(data.cast::<u8>(), dst, size) };
+                b.state.count(Dir::HostToDevice, size);
+            }
+            None => b.state.fault(format_args!(
+                "tensor_set of {size} bytes outside the buffer"
+            )),
+        }
+    })
+}
+
+unsafe extern "C" fn buffer_get_tensor(
+    buffer: sys::ggml_backend_buffer_t,
+    tensor: *const sys::ggml_tensor,
+    data: *mut c_void,
+    offset: usize,
+    size: usize,
+) {
+    ffi((), || {
+        // SAFETY: ggml passes our buffer.
+        let Some(b) = (unsafe { sim_buffer(buffer) }) else {
+            return;
+        };
+        if tensor.is_null() || data.is_null() {
+            return b
+                .state
+                .fault(format_args!("tensor_get with a null pointer"));
+        }
+        // SAFETY: live tensor.
+        let tdata = unsafe { (*tensor).data };
+        match b.region(tdata, offset, size) {
+            Some(src) => {
+                // SAFETY: `data` holds `size` writable bytes (caller contract); `src` lies
+                // inside the buffer. `copy` tolerates overlap.
+                unsafe { ptr::copy(src, data.cast::<u8>(), size) };
+                b.state.count(Dir::DeviceToHost, size);
+            }
+            None => b.state.fault(format_args!(
+                "tensor_get of {size} bytes outside the buffer"
+            )),
+        }
+    })
+}
+
+/// Copies into `dst` (in `buffer`) from `src` when `src` is in this same device's memory;
+/// returns false otherwise, and ggml then stages the copy through host memory with
+/// `tensor_get` on the source and `tensor_set` here.
+unsafe extern "C" fn buffer_cpy_tensor(
+    buffer: sys::ggml_backend_buffer_t,
+    src: *const sys::ggml_tensor,
+    dst: *mut sys::ggml_tensor,
+) -> bool {
+    ffi(false, || {
+        // SAFETY: ggml passes our buffer.
+        let Some(b) = (unsafe { sim_buffer(buffer) }) else {
+            return false;
+        };
+        if src.is_null() || dst.is_null() {
+            return false;
+        }
+        // SAFETY: live tensors; their buffers are live or null.
+        unsafe {
+            let s = &*src;
+            let src_buf = if s.view_src.is_null() {
+                s.buffer
+            } else {
+                (*s.view_src).buffer
+            };
+            if src_buf.is_null() || (*src_buf).buft != (*buffer).buft {
+                return false;
+            }
+            let Some(sb) = sim_buffer(src_buf) else {
+                return false;
+            };
+            let n = sys::ggml_nbytes(src);
+            match (sb.region(s.data, 0, n), b.region((*dst).data, 0, n)) {
+                (Some(from), Some(to)) => {
+                    // Both regions lie inside live allocations of this device.
+                    ptr::copy(from, to, n);
+                    b.state.count(Dir::DeviceToDevice, n);
+                    true
+                }
+                _ => {
+                    b.state
+                        .fault(format_args!("device copy of {n} bytes outside a buffer"));
+                    false
+                }
+            }
+        }
+    })
+}
+
+unsafe extern "C" fn buffer_clear(buffer: sys::ggml_backend_buffer_t, value: u8) {
+    // SAFETY: ggml passes our buffer.
+    if let Some(b) = unsafe { sim_buffer(buffer) } {
+        // SAFETY: the whole allocation is writable.
+        unsafe { ptr::write_bytes(b.base.as_ptr(), value, b.size) };
+    }
+}
+
+// ---- backend ----
+
+const BACKEND_IFACE: sys::ggml_backend_i = sys::ggml_backend_i {
+    get_name: Some(backend_get_name),
+    free: Some(backend_free),
+    // Transfers are synchronous: ggml falls back to the buffer's set/get/copy.
+    set_tensor_async: None,
+    get_tensor_async: None,
+    set_tensor_2d_async: None,
+    get_tensor_2d_async: None,
+    cpy_tensor_async: None,
+    synchronize: None,
+    graph_plan_create: None,
+    graph_plan_free: None,
+    graph_plan_update: None,
+    graph_plan_compute: None,
+    graph_compute: Some(backend_graph_compute),
+    event_record: None,
+    event_wait: None,
+    graph_optimize: None,
+};
+
+unsafe extern "C" fn backend_get_name(backend: sys::ggml_backend_t) -> *const c_char {
+    if backend.is_null() {
+        return c"SIM?".as_ptr();
+    }
+    // SAFETY: our backend; its device is our device.
+    unsafe { dev_get_name((*backend).device) }
+}
+
+unsafe extern "C" fn backend_free(backend: sys::ggml_backend_t) {
+    if backend.is_null() {
+        return;
+    }
+    ffi((), || {
+        // SAFETY: ggml frees each backend once; the struct and its context were boxed by
+        // `dev_init_backend`.
+        unsafe {
+            let ctx = (*backend).context as *mut SimBackend;
+            if !ctx.is_null() {
+                let c = Box::from_raw(ctx);
+                sys::ggml_backend_free(c.cpu.as_ptr());
+            }
+            drop(Box::from_raw(backend));
+        }
+    })
+}
+
+unsafe extern "C" fn backend_graph_compute(
+    backend: sys::ggml_backend_t,
+    cgraph: *mut sys::ggml_cgraph,
+) -> sys::ggml_status {
+    ffi(sys::GGML_STATUS_FAILED, || {
+        if backend.is_null() || cgraph.is_null() {
+            return sys::GGML_STATUS_FAILED;
+        }
+        // SAFETY: our backend; its context is the SimBackend made by `dev_init_backend`.
+        let Some(ctx) = (unsafe { ((*backend).context as *const SimBackend).as_ref() }) else {
+            return sys::GGML_STATUS_FAILED;
+        };
+        let state = &ctx.state;
+        // A discrete device computes only on its own memory.
+        // SAFETY: live graph.
+        let n = unsafe { sys::ggml_graph_n_nodes(cgraph) };
+        for i in 0..n {
+            // SAFETY: index in range; nodes and sources are live tensors.
+            unsafe {
+                let node = sys::ggml_graph_node(cgraph, i);
+                if !state.is_resident(node) {
+                    state.fault(format_args!(
+                        "node '{}' is not in this device's memory",
+                        tensor_name(node)
+                    ));
+                    return sys::GGML_STATUS_FAILED;
+                }
+                for &s in (*node).src.iter() {
+                    if !s.is_null() && !state.is_resident(s) {
+                        state.fault(format_args!(
+                            "source '{}' of node '{}' is not in this device's memory",
+                            tensor_name(s),
+                            tensor_name(node)
+                        ));
+                        return sys::GGML_STATUS_FAILED;
+                    }
+                }
+            }
+        }
+        let _g = ctx.lock.lock().unwrap_or_else(|e| e.into_inner());
+        state.counters().graph_computes += 1;
+        // SAFETY: every tensor of the graph lies in host memory owned by this device, so the
+        // CPU kernels can read and write it; the CPU backend is ours and used under `lock`.
+        unsafe { sys::ggml_backend_graph_compute(ctx.cpu.as_ptr(), cgraph) }
+    })
+}
+
+/// # Safety
+/// `t` is a live tensor.
+unsafe fn tensor_name(t: *const sys::ggml_tensor) -> String {
+    // SAFETY: the name is a NUL-terminated fixed array.
+    unsafe { CStr::from_ptr((*t).name.as_ptr()) }
+        .to_string_lossy()
+        .into_owned()
+}
