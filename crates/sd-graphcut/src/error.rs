@@ -9,32 +9,20 @@ use thiserror::Error;
 #[derive(Debug, Error, Clone, PartialEq, Eq)]
 pub enum GraphCutError {
     /// The same tensor was marked as a cut twice.
-    #[error("tensor '{tensor}' is marked as cut '{first}' at {first_at} and again as '{second}' at {second_at}")]
+    #[error("tensor '{tensor}' is marked as cut '{}' at {} and again as '{}' at {}", marks.first, marks.first_at, marks.second, marks.second_at)]
     DuplicateMark {
         /// Name of the tensor.
         tensor: String,
-        /// The first cut name.
-        first: String,
-        /// Where the first mark was made.
-        first_at: String,
-        /// The second cut name.
-        second: String,
-        /// Where the second mark was made.
-        second_at: String,
+        /// The two marks (first and second are cut names).
+        marks: Box<MarkConflict>,
     },
     /// Two different tensors were marked with the same cut name.
-    #[error("cut '{cut}' is marked on tensor '{first}' at {first_at} and on tensor '{second}' at {second_at}")]
+    #[error("cut '{cut}' is marked on tensor '{}' at {} and on tensor '{}' at {}", marks.first, marks.first_at, marks.second, marks.second_at)]
     DuplicateCutName {
         /// The cut name (`group|output`).
         cut: String,
-        /// The first tensor.
-        first: String,
-        /// Where the first mark was made.
-        first_at: String,
-        /// The second tensor.
-        second: String,
-        /// Where the second mark was made.
-        second_at: String,
+        /// The two marks (first and second are tensor names).
+        marks: Box<MarkConflict>,
     },
     /// A graph leaf (input or weight) was marked as a cut; only computed tensors can be.
     #[error("cut '{cut}' at {at} marks leaf tensor '{tensor}'; only op results can be cuts")]
@@ -105,6 +93,19 @@ pub enum GraphCutError {
         #[source]
         source: GgmlError,
     },
+}
+
+/// Two conflicting marks: what each names and where each was made.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MarkConflict {
+    /// What the first mark names (a cut name or a tensor name).
+    pub first: String,
+    /// Where the first mark was made.
+    pub first_at: String,
+    /// What the second mark names.
+    pub second: String,
+    /// Where the second mark was made.
+    pub second_at: String,
 }
 
 /// Convenience alias.

@@ -15,6 +15,8 @@
 //!   segment with previous cuts bound from a [`CutCache`] ([`cut_cache`]), without modifying
 //!   the original graph.
 
+#![warn(missing_docs)]
+
 pub mod cache;
 pub mod cut_cache;
 pub mod error;
@@ -30,7 +32,7 @@ pub mod view;
 
 pub use cache::{CacheStats, PlanCache};
 pub use cut_cache::CutCache;
-pub use error::{GraphCutError, Result};
+pub use error::{GraphCutError, MarkConflict, Result};
 pub use fingerprint::Fingerprint;
 pub use graph_planner::GraphPlanner;
 pub use marks::{CutMark, CutMarks, CutName, FINAL_GROUP};

@@ -14,7 +14,7 @@ use std::panic::Location;
 
 use sd_tensor::ggml::{GTensor, TensorId};
 
-use crate::error::{GraphCutError, Result};
+use crate::error::{GraphCutError, MarkConflict, Result};
 
 /// Group name of the final segment's outputs (the graph results that are not cuts). Model
 /// groups may not start with `<`, so it never collides with one.
@@ -128,20 +128,24 @@ impl CutMarks {
             let first = &self.marks[i];
             return Err(GraphCutError::DuplicateMark {
                 tensor: tensor.name(),
-                first: first.name.to_string(),
-                first_at: first.location.to_string(),
-                second: name.to_string(),
-                second_at: at.to_string(),
+                marks: Box::new(MarkConflict {
+                    first: first.name.to_string(),
+                    first_at: first.location.to_string(),
+                    second: name.to_string(),
+                    second_at: at.to_string(),
+                }),
             });
         }
         if let Some(&i) = self.by_name.get(&name) {
             let first = &self.marks[i];
             return Err(GraphCutError::DuplicateCutName {
                 cut: name.to_string(),
-                first: first.tensor_name.clone(),
-                first_at: first.location.to_string(),
-                second: tensor.name(),
-                second_at: at.to_string(),
+                marks: Box::new(MarkConflict {
+                    first: first.tensor_name.clone(),
+                    first_at: first.location.to_string(),
+                    second: tensor.name(),
+                    second_at: at.to_string(),
+                }),
             });
         }
         let i = self.marks.len();

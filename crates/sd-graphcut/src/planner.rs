@@ -75,10 +75,11 @@ pub fn plan_view(
 
     // Who consumes what (sources and view roots).
     let mut consumed = vec![false; n];
-    for d in nodes {
+    for (i, d) in nodes.iter().enumerate() {
         for s in d.sources().chain(d.view_src) {
-            if let TensorRef::Node(j) = s {
-                consumed[j] = true;
+            match s {
+                TensorRef::Node(j) if j != i => consumed[j] = true,
+                _ => {}
             }
         }
     }
@@ -220,7 +221,7 @@ pub fn plan_view(
             }
         }
         internal.sort_unstable();
-        inputs.sort_by(|a, b| (a.kind, a.tensor).cmp(&(b.kind, b.tensor)));
+        inputs.sort_by_key(|i| (i.kind, i.tensor));
 
         for &m in &internal {
             if let Some(c) = &nodes[m].cut {

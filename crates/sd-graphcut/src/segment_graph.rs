@@ -212,6 +212,24 @@ fn build(
         detail,
     };
     let gerr = |what: String| ggml(format!("segment {index} '{}': {what}", seg.name));
+    // The segment must refer to this graph's positions (a plan for another graph is refused
+    // by fingerprint before; a bare segment is checked here).
+    let in_range = |r: TensorRef| match r {
+        TensorRef::Leaf(l) => l < view.leaves().len(),
+        TensorRef::Node(m) => m < view.nodes().len(),
+    };
+    if let Some(bad) = seg
+        .internal_nodes
+        .iter()
+        .chain(seg.outputs.iter().map(|o| &o.node))
+        .map(|&m| TensorRef::Node(m))
+        .chain(seg.inputs.iter().map(|i| i.tensor))
+        .find(|&r| !in_range(r))
+    {
+        return Err(err(format!(
+            "refers to {bad:?}, which this graph does not have"
+        )));
+    }
     let n_tensors = seg.internal_nodes.len() + seg.inputs.len() + 8;
     let ctx = Context::new_descriptors(n_tensors, n_tensors, 1).map_err(gerr("context".into()))?;
 
@@ -354,6 +372,8 @@ fn build(
         for s in &d.srcs {
             srcs.push(match s {
                 None => None,
+                // The op reads its own result; the copy reads itself.
+                Some(TensorRef::Node(j)) if *j == m => None,
                 Some(r) => Some(lookup(*r, &leaves, &nodes).ok_or_else(|| {
                     err(format!(
                         "{} reads {} which the segment neither computes nor receives",
@@ -445,12 +465,13 @@ fn build(
             .filter(|_| internal.contains(&o.node))
             .cloned()
             .ok_or_else(|| err(format!("output {} is not computed by the segment", o.name)))?;
-        t.set_output();
-        // Keep the storage root of an output view too.
+        // Flag this graph's own tensors only: the output and, for a view, its storage root
+        // when the segment computes it (so the allocator does not reuse it).
+        t.set_output_only();
         if let Some(TensorRef::Node(root)) = view.nodes()[o.node].view_src {
             if internal.contains(&root) {
                 if let Some(r) = nodes.get(&root) {
-                    r.set_output();
+                    r.set_output_only();
                 }
             }
         }

@@ -135,7 +135,7 @@ impl TensorDesc {
 }
 
 /// An abstract compute graph: leaves and op nodes in execution order, each node reading
-/// earlier nodes and leaves. Built with [`GraphView::new`] (which checks it) or captured
+/// earlier nodes and leaves (or itself, as `ggml_cast` does). Built with [`GraphView::new`] (which checks it) or captured
 /// from ggml with [`CapturedGraph::capture`].
 #[derive(Clone, Debug)]
 pub struct GraphView {
@@ -189,10 +189,10 @@ impl GraphView {
                     format!("{} source slots (at most 10)", n.srcs.len()),
                 ));
             }
-            let check = |s: TensorRef, what: &str| -> Result<()> {
+            let check = |s: TensorRef, what: &str, self_ok: bool| -> Result<()> {
                 let ok = match s {
                     TensorRef::Leaf(j) => j < leaves.len(),
-                    TensorRef::Node(j) => j < i,
+                    TensorRef::Node(j) => j < i || self_ok && j == i,
                 };
                 if ok {
                     Ok(())
@@ -205,10 +205,10 @@ impl GraphView {
                 }
             };
             for s in n.sources() {
-                check(s, "source")?;
+                check(s, "source", true)?;
             }
             if let Some(v) = n.view_src {
-                check(v, "view source")?;
+                check(v, "view source", false)?;
             }
             if let Some(c) = &n.cut {
                 if let Some(prev) = names.insert(&c.name, i) {

@@ -1,1 +1,183 @@
-//! placeholder
+//! `sd-models`: the model graphs of sd-rs.
+//!
+//! Each architecture lives in one file, in the style of candle's model files: a config
+//! struct whose defaults cite the upstream configuration, module structs whose field paths
+//! equal the checkpoint keys (canonical names, see [`sd_residency::names`]), and a forward
+//! pass in numbered stages that only *builds* a ggml graph:
+//!
+//! - [`clip`]: the CLIP text encoder (SD1 CLIP-L, SD2 OpenCLIP-H in the transformers layout).
+//! - [`vae`]: the AutoencoderKL encoder and decoder.
+//! - [`unet`]: the SD1.x / SD2.x UNet, with graph-cut marks at block boundaries.
+//!
+//! Parameters are declared through a [`ParamBuilder`] ([`weights`]): every tensor is
+//! registered by canonical name in a no-alloc parameter context, its dtype taken from the
+//! model file; where the weights live is decided elsewhere (a residency manager, or
+//! [`weights::load_all_to_cpu`] for tests and the CLI). Model code never allocates.
+//!
+//! Forward passes take a [`GraphCtx`]: the compute context, the [`CutMarks`] the graph
+//! planner reads, and the auxiliary inputs (masks) a model needs filled in before
+//! execution. [`run::run_cpu`] executes such a graph on the CPU backend (tests, tools).
+
+pub mod clip;
+pub mod nn;
+pub mod run;
+pub mod unet;
+pub mod vae;
+pub mod weights;
+
+use sd_graphcut::CutMarks;
+use sd_tensor::ggml::{Context, GTensor};
+use sd_tensor::{DType, GgmlError};
+use thiserror::Error;
+
+pub use weights::{load_all_to_cpu, ParamBuilder, Params};
+
+/// Errors of model construction and graph building.
+#[derive(Debug, Error)]
+pub enum ModelError {
+    /// A parameter the model needs is not in the model file.
+    #[error("missing tensor `{name}`")]
+    MissingTensor {
+        /// Canonical name of the tensor.
+        name: String,
+    },
+    /// A parameter's shape in the file differs from what the config implies.
+    #[error("tensor `{name}`: shape in file {file:?}, model expects {expected:?}")]
+    ShapeMismatch {
+        /// Canonical name of the tensor.
+        name: String,
+        /// Shape in the file (outermost first).
+        file: Vec<u64>,
+        /// Shape the model declares (outermost first).
+        expected: Vec<usize>,
+    },
+    /// A parameter was declared twice.
+    #[error("tensor `{name}` declared twice")]
+    Duplicate {
+        /// Canonical name of the tensor.
+        name: String,
+    },
+    /// The configuration is inconsistent.
+    #[error("invalid config: {0}")]
+    Config(String),
+    /// An input tensor has the wrong shape or type.
+    #[error("invalid input `{name}`: {detail}")]
+    Input {
+        /// Which input.
+        name: &'static str,
+        /// What is wrong.
+        detail: String,
+    },
+    /// A ggml operation rejected its operands, or allocation/compute failed.
+    #[error(transparent)]
+    Ggml(#[from] GgmlError),
+    /// A model file could not be read.
+    #[error(transparent)]
+    File(#[from] sd_residency::files::FileError),
+    /// A graph-cut mark was rejected.
+    #[error(transparent)]
+    Cut(#[from] sd_graphcut::GraphCutError),
+    /// Name conversion failed.
+    #[error(transparent)]
+    Names(#[from] sd_residency::names::NameError),
+}
+
+/// Convenience alias.
+pub type Result<T> = std::result::Result<T, ModelError>;
+
+/// Host data for a graph input.
+#[derive(Clone, Debug, PartialEq)]
+pub enum HostData {
+    /// f32 values (converted to the tensor's type when written).
+    F32(Vec<f32>),
+    /// i32 values (the tensor must be I32).
+    I32(Vec<i32>),
+}
+
+impl HostData {
+    /// Writes the data into an allocated tensor.
+    pub fn write_to(&self, t: &GTensor) -> Result<()> {
+        match self {
+            HostData::F32(v) => t.write_f32(v)?,
+            HostData::I32(v) => t.write_i32(v)?,
+        }
+        Ok(())
+    }
+}
+
+/// An input tensor a model created while building its graph (an attention mask), with the
+/// data to write into it once the graph is allocated.
+#[derive(Clone, Debug)]
+pub struct AuxInput {
+    /// The input tensor (flagged as a graph input).
+    pub tensor: GTensor,
+    /// Its data.
+    pub data: HostData,
+}
+
+/// Numerical choices of a forward pass.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ComputeOptions {
+    /// Exact f32 numerics: f32 im2col in convolutions and exact activation formulas
+    /// (ggml's CPU `gelu` and `gelu_quick` read f16 lookup tables). Off: ggml's fast paths,
+    /// as stable-diffusion.cpp uses them.
+    pub exact: bool,
+    /// Use `flash_attn_ext` (K and V rounded to f16) for unmasked attention instead of
+    /// `mul_mat` + `soft_max_ext` in f32.
+    pub flash_attn: bool,
+}
+
+impl Default for ComputeOptions {
+    /// Exact numerics, no flash attention.
+    fn default() -> Self {
+        ComputeOptions {
+            exact: true,
+            flash_attn: false,
+        }
+    }
+}
+
+/// What a forward pass builds into: the compute context, the cut marks and the auxiliary
+/// inputs the caller must fill after allocating the graph.
+#[derive(Debug)]
+pub struct GraphCtx {
+    /// The no-alloc compute context the graph's tensors are created in.
+    pub ctx: Context,
+    /// Graph-cut marks set by the model at block boundaries.
+    pub marks: CutMarks,
+    /// Inputs the model created, with their data.
+    pub aux: Vec<AuxInput>,
+    /// Numerical options.
+    pub opts: ComputeOptions,
+}
+
+impl GraphCtx {
+    /// A graph context with a fresh no-alloc compute context of `max_tensors` descriptors
+    /// and room for one graph of `graph_size` nodes.
+    pub fn new(max_tensors: usize, graph_size: usize, opts: ComputeOptions) -> Result<GraphCtx> {
+        Ok(GraphCtx {
+            ctx: Context::new_descriptors(max_tensors, graph_size, 1)?,
+            marks: CutMarks::new(),
+            aux: Vec::new(),
+            opts,
+        })
+    }
+
+    /// Creates an input tensor (flagged as input) named `name` whose data is `data`.
+    pub fn aux_input(
+        &mut self,
+        name: &str,
+        dtype: DType,
+        ne: &[usize],
+        data: HostData,
+    ) -> Result<GTensor> {
+        let t = self.ctx.new_tensor(dtype, ne)?;
+        t.set_name(name);
+        t.set_input();
+        self.aux.push(AuxInput {
+            tensor: t.clone(),
+            data,
+        });
+        Ok(t)
+    }
+}

@@ -11,3 +11,14 @@ pub mod names;
 pub mod storage;
 
 pub use storage::{FileId, TensorStorage};
+pub mod manager;
+pub mod residency;
+
+pub use manager::{
+    Component, LoraSpec, ModelManager, ParamInfo, ParamSpec, ResidencyMode,
+    MAX_RESIDENCY_BLOCK_BYTES,
+};
+pub use residency::{
+    BackendId, BackendMemoryRequest, BlockId, DeviceResidencyManager, OwnerId, ParamId,
+    ResidencyError, SourceId, WeightPrefetchResult, WeightResidencyBlock,
+};

@@ -396,3 +396,21 @@ fn shared_bytes_buffers_are_zero_copy_and_read_only() {
     let bad: sd_tensor::ggml::SharedBytes = std::sync::Arc::new(Unaligned(Aligned([0u8; 320])));
     assert!(sd_tensor::ggml::Buffer::from_shared_bytes(bad).is_err());
 }
+
+#[test]
+fn scheduler_allocates_twice_and_refuses_oversized_graphs() {
+    let case = build_case();
+    let backend = Backend::cpu(1).unwrap();
+    let mut sched = Scheduler::new(&[&backend], 256, false).unwrap();
+    sched.alloc_graph(&case.graph).unwrap();
+    sched.compute(&case.graph).unwrap();
+    // A second allocation without reset would trip a ggml assertion; it resets instead.
+    sched.alloc_graph(&case.graph).unwrap();
+    sched.compute(&case.graph).unwrap();
+    check(&case);
+    let mut small = Scheduler::new(&[&backend], 16, false).unwrap();
+    assert!(matches!(
+        small.alloc_graph(&case.graph),
+        Err(sd_tensor::GgmlError::GraphFull { .. })
+    ));
+}

@@ -714,30 +714,24 @@ fn allocation_succeeds_on_retry_once_memory_is_freed() {
     assert_eq!(dev.stats().faults, 0);
     drop(sched);
 
-    // Host inputs, the op pinned to the device: the retry keeps the pin.
-    {
-        let (g, out, _inputs) = build(BufferType::cpu());
-        let mut sched = Scheduler::new(&[&simb, &cpu], 16, false).unwrap();
-        sched.set_tensor_backend(&out, &simb).unwrap();
-        dev.reset_counters();
-        if std::env::var("RESERVE_FIRST").is_ok() {
-            sched.reserve(&g).unwrap();
-            sched.set_tensor_backend(&out, &simb).unwrap();
-        }
-        sched.alloc_graph(&g).unwrap();
-        eprintln!(
-            "NOFAIL owns {} splits {}",
-            dev.owns_tensor(&out),
-            sched.n_splits()
-        );
-        sched.compute(&g).unwrap();
-        eprintln!(
-            "NOFAIL eq {} stats {:?}",
-            bits(&out.read_f32().unwrap()) == want,
-            dev.stats()
-        );
-    }
+    // Host inputs, the op pinned to the device. The scheduler copies the inputs in, even
+    // when the same graph was split before (a reservation, a failed allocation).
     let (g, out, _inputs) = build(BufferType::cpu());
+    let srcs = out.srcs();
+    let in_bytes: usize = srcs.iter().map(|t| t.nbytes()).sum();
+    assert_eq!(in_bytes, 4096);
+    let mut sched = Scheduler::new(&[&simb, &cpu], 16, false).unwrap();
+    sched.set_tensor_backend(&out, &simb).unwrap();
+    sched.reserve(&g).unwrap();
+    sched.set_tensor_backend(&out, &simb).unwrap();
+    sched.alloc_graph(&g).unwrap();
+    assert!(dev.owns_tensor(&out));
+    dev.reset_counters();
+    sched.compute(&g).unwrap();
+    assert_eq!(dev.stats().host_to_device_bytes, in_bytes as u64);
+    assert_eq!(bits(&out.read_f32().unwrap()), want);
+    drop(sched);
+
     let hog = dev.buffer_type().alloc(1 << 20).unwrap();
     let mut sched = Scheduler::new(&[&simb, &cpu], 16, false).unwrap();
     sched.set_tensor_backend(&out, &simb).unwrap();
@@ -746,17 +740,20 @@ fn allocation_succeeds_on_retry_once_memory_is_freed() {
     sched.alloc_graph(&g).unwrap();
     assert!(
         dev.owns_tensor(&out),
-        "the pin survived the failed allocation"
+        "the pin survives the failed allocation"
     );
     dev.reset_counters();
     sched.compute(&g).unwrap();
-    eprintln!(
-        "RETRY eq {} stats {:?} splits {}",
-        bits(&out.read_f32().unwrap()) == want,
-        dev.stats(),
-        sched.n_splits()
-    );
-    assert!(bits(&out.read_f32().unwrap()) == want);
+    assert_eq!(dev.stats().host_to_device_bytes, in_bytes as u64);
+    assert_eq!(bits(&out.read_f32().unwrap()), want);
+    drop(sched);
+
+    // Once the scheduler is gone the graph reads its own sources again.
+    assert_eq!(out.srcs(), srcs);
+    let mut galloc = Gallocr::new(cpu.buffer_type()).unwrap();
+    galloc.alloc_graph(&g).unwrap();
+    cpu.compute(&g).unwrap();
+    assert_eq!(bits(&out.read_f32().unwrap()), want);
 }
 
 #[test]

@@ -505,6 +505,12 @@ impl Backend {
         self.ptr.as_ptr()
     }
 
+    /// Wraps a raw backend from an init function (NULL is an error naming `what`).
+    #[allow(dead_code)]
+    pub(crate) fn from_raw_backend(p: sys::ggml_backend_t, what: &str) -> Result<Backend> {
+        Self::from_raw(p, what)
+    }
+
     /// The CPU backend with `threads` worker threads.
     pub fn cpu(threads: usize) -> Result<Backend> {
         // SAFETY: NULL on failure.

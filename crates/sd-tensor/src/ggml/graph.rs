@@ -127,6 +127,11 @@ impl Graph {
         unsafe { sys::ggml_graph_n_nodes(self.raw()) as usize }
     }
 
+    /// Number of leafs (tensors without an op, parameters excluded).
+    pub fn n_leafs(&self) -> usize {
+        self.n_leafs
+    }
+
     /// Node capacity.
     pub fn capacity(&self) -> usize {
         self.capacity

@@ -65,6 +65,16 @@ impl GTensor {
         Ok(out)
     }
 
+    /// Sets ggml's output flag on this tensor only. (`set_output` follows `ggml_set_output`,
+    /// which also flags every view source up the chain; a segment graph must not flag the
+    /// tensors of other graphs it reads.)
+    pub fn set_output_only(&self) -> &Self {
+        let _g = self.context().lock();
+        // SAFETY: live descriptor, context locked; only the flags word changes.
+        unsafe { (*self.raw()).flags |= sys::GGML_TENSOR_FLAG_OUTPUT as i32 };
+        self
+    }
+
     /// The view source, if any; a view source that belongs to no live context is an error.
     pub fn view_source(&self) -> Result<Option<GTensor>> {
         let p = raw_ref(self).view_src;
@@ -119,7 +129,9 @@ impl Context {
     /// The copy computes exactly what `node` computes provided each replacement holds the
     /// data of what it replaces, so every replacement source must have the same type,
     /// dimensions and strides as the original source in that slot, empty slots must stay
-    /// empty, and the view must fit inside its new view source. Anything else is an error.
+    /// empty, and the view must fit inside its new view source. A slot in which the original
+    /// reads itself (as `ggml_cast` does) must be `None` and makes the copy read itself.
+    /// Anything else is an error.
     pub fn copy_node(
         &self,
         node: &GTensor,
@@ -145,6 +157,15 @@ impl Context {
         }
         for i in 0..MAX_SRC {
             let o = orig.src[i];
+            if o == node.raw() {
+                // The op reads its own result (ggml_cast's destination): the copy reads itself.
+                if srcs.get(i).is_some_and(|s| s.is_some()) {
+                    return Err(bad(format!(
+                        "source slot {i} refers to the node itself; pass None"
+                    )));
+                }
+                continue;
+            }
             match (srcs.get(i).and_then(|s| s.as_ref()), o.is_null()) {
                 (None, true) => {}
                 (Some(_), true) => {
@@ -200,6 +221,11 @@ impl Context {
             for (i, s) in srcs.iter().enumerate() {
                 c.src[i] = s.as_ref().map_or(std::ptr::null_mut(), |s| s.raw());
             }
+            for i in 0..MAX_SRC {
+                if orig.src[i] == node.raw() {
+                    c.src[i] = t;
+                }
+            }
             if let Some((v, offs)) = view {
                 c.view_src = v.raw();
                 c.view_offs = offs;
@@ -216,7 +242,8 @@ impl Context {
 /// when the tensors in `external` count as already allocated (their memory lives elsewhere,
 /// e.g. weights or cached cut outputs). Nothing is allocated.
 ///
-/// Each tensor in `external` must have no memory yet and must not be a view; during the
+/// Each tensor in `external` must have no memory yet and must not be a view, and every view
+/// source of a node must be part of the graph (ggml sizes its tables by the graph); during the
 /// measurement it points at a zero-size placeholder buffer (its data stays null, so a
 /// concurrent read is a [`GgmlError::NotAllocated`]), and it is reset afterwards.
 pub fn measure_with_external(
@@ -236,6 +263,19 @@ pub fn measure_with_external(
                 "measure_with_external: '{}' is a view",
                 t.name()
             )));
+        }
+    }
+    // ggml's allocator hashes view sources too, in a table sized for the graph's nodes and
+    // leaves: a view source outside the graph could overflow it (an abort).
+    for node in graph.nodes() {
+        if let Some(v) = node.view_source()? {
+            if !graph.contains(&v) {
+                return Err(GgmlError::Mismatch(format!(
+                    "measure_with_external: view source '{}' of '{}' is not part of the graph",
+                    v.name(),
+                    node.name()
+                )));
+            }
         }
     }
     // SAFETY: a zero-size allocation returns ggml's dummy buffer (or NULL on failure).

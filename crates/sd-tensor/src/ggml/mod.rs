@@ -23,6 +23,8 @@ pub mod graph_ext;
 mod host_io;
 mod mapped;
 mod ops;
+#[cfg(feature = "rpc")]
+mod rpc;
 mod sched;
 mod simdev;
 mod tensor;
@@ -34,6 +36,8 @@ pub use error::GgmlError;
 pub use graph::Graph;
 pub use mapped::SharedBytes;
 pub use ops::{Interpolation, Precision};
+#[cfg(feature = "rpc")]
+pub use rpc::rpc_device_memory;
 pub use sched::{EvalCallback, Scheduler};
 pub use simdev::{SimDevice, SimOptions, SimStats};
 pub use tensor::{GTensor, TensorId};

@@ -30,6 +30,16 @@ pub struct Scheduler<'b> {
     /// Tensors pinned with `set_tensor_backend` since the last reset (ggml forgets them on
     /// reset), re-applied after the reservation that recovers from a failure.
     pins: Vec<(GTensor, sys::ggml_backend_t)>,
+    /// The original sources of the nodes of the graph being split: ggml's scheduler rewrites
+    /// them in place to point at its own input copies, which would make a second split of
+    /// the same graph read stale copies (and leave the graph pointing into the scheduler's
+    /// memory once it is gone); they are put back whenever the allocation is let go.
+    sources: Vec<(GTensor, [*mut sys::ggml_tensor; sys::GGML_MAX_SRC as usize])>,
+    /// Whether ggml holds an allocated graph (a second allocation must reset first, or
+    /// ggml asserts).
+    is_alloc: bool,
+    /// Node and leaf capacity the scheduler was created for.
+    graph_size: usize,
 }
 
 // SAFETY: used from one thread at a time through `&mut self`.
@@ -100,12 +110,50 @@ impl<'b> Scheduler<'b> {
             callback: None,
             needs_reserve: false,
             pins: Vec::new(),
+            sources: Vec::new(),
+            is_alloc: false,
+            graph_size: graph_size.max(16),
         })
+    }
+
+    /// Refuses graphs larger than the scheduler's hash set (ggml asserts on them).
+    fn check_size(&self, graph: &Graph) -> Result<()> {
+        let need = graph.n_nodes() + graph.n_leafs();
+        if need > self.graph_size {
+            return Err(GgmlError::GraphFull {
+                needed: need,
+                capacity: self.graph_size,
+            });
+        }
+        Ok(())
     }
 
     fn forget_allocations(&mut self) {
         for t in self.allocated.drain(..) {
             t.clear_allocation();
+        }
+        self.restore_sources();
+    }
+
+    fn save_sources(&mut self, graph: &Graph) {
+        self.restore_sources();
+        self.sources = graph
+            .nodes()
+            .into_iter()
+            .map(|t| {
+                // SAFETY: live descriptor.
+                let src = unsafe { (*t.raw()).src };
+                (t, src)
+            })
+            .collect();
+    }
+
+    fn restore_sources(&mut self) {
+        for (t, src) in self.sources.drain(..) {
+            let _g = t.context().lock();
+            // SAFETY: live descriptor (the handle keeps its context alive); only the source
+            // pointers the scheduler replaced are written back, under the context lock.
+            unsafe { (*t.raw()).src = src };
         }
     }
 
@@ -122,9 +170,13 @@ impl<'b> Scheduler<'b> {
 
     /// Reserves buffers for the worst case of `graph`.
     pub fn reserve(&mut self, graph: &Graph) -> Result<()> {
+        self.check_size(graph)?;
         self.forget_allocations();
+        self.is_alloc = false;
+        self.save_sources(graph);
         // SAFETY: live scheduler and graph.
         let ok = unsafe { sys::ggml_backend_sched_reserve(self.ptr.as_ptr(), graph.raw()) };
+        self.restore_sources();
         self.needs_reserve = !ok;
         if ok {
             // ggml resets the scheduler after a reservation, which drops the pins.
@@ -159,10 +211,22 @@ impl<'b> Scheduler<'b> {
 
     /// Allocates `graph`'s tensors across the backends.
     pub fn alloc_graph(&mut self, graph: &Graph) -> Result<()> {
+        self.check_size(graph)?;
         self.forget_allocations();
+        if self.is_alloc {
+            // SAFETY: live scheduler; the pinned tensors and their backends are alive.
+            unsafe {
+                sys::ggml_backend_sched_reset(self.ptr.as_ptr());
+                for (t, b) in &self.pins {
+                    sys::ggml_backend_sched_set_tensor_backend(self.ptr.as_ptr(), t.raw(), *b);
+                }
+            }
+            self.is_alloc = false;
+        }
         let pending = graph.unallocated_tensors();
         let mut ok = true;
         if self.needs_reserve {
+            self.save_sources(graph);
             // SAFETY: live scheduler and graph; the pinned tensors and their backends are
             // alive (held by `pins` and borrowed for 'b).
             unsafe {
@@ -171,11 +235,16 @@ impl<'b> Scheduler<'b> {
                     sys::ggml_backend_sched_set_tensor_backend(self.ptr.as_ptr(), t.raw(), *b);
                 }
             }
+            self.restore_sources();
         }
-        // SAFETY: live scheduler and graph; false on failure.
-        ok = ok && unsafe { sys::ggml_backend_sched_alloc_graph(self.ptr.as_ptr(), graph.raw()) };
+        if ok {
+            self.save_sources(graph);
+            // SAFETY: live scheduler and graph; false on failure.
+            ok = unsafe { sys::ggml_backend_sched_alloc_graph(self.ptr.as_ptr(), graph.raw()) };
+        }
         self.needs_reserve = !ok;
         if !ok {
+            self.restore_sources();
             for t in &pending {
                 t.clear_allocation();
             }
@@ -186,6 +255,7 @@ impl<'b> Scheduler<'b> {
             });
         }
         self.allocated = pending;
+        self.is_alloc = true;
         Ok(())
     }
 
@@ -222,6 +292,7 @@ impl<'b> Scheduler<'b> {
     pub fn reset(&mut self) {
         self.forget_allocations();
         self.pins.clear();
+        self.is_alloc = false;
         // SAFETY: live scheduler.
         unsafe { sys::ggml_backend_sched_reset(self.ptr.as_ptr()) }
     }

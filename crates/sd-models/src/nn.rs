@@ -1,0 +1,250 @@
+//! Building blocks shared by the models: layers holding their parameter tensors and the
+//! ggml code of their forward passes.
+
+use sd_tensor::ggml::{Context, GTensor};
+use sd_tensor::DType;
+
+use crate::weights::ParamBuilder;
+use crate::{ComputeOptions, GraphCtx, Result};
+
+/// `nn.Linear`: `weight` `[out, in]` (ggml `[in, out]`), optional `bias` `[out]`.
+#[derive(Clone, Debug)]
+pub struct Linear {
+    /// Weight.
+    pub weight: GTensor,
+    /// Bias.
+    pub bias: Option<GTensor>,
+}
+
+impl Linear {
+    /// Declares `weight` (and `bias` if `bias`) under `pb`.
+    pub fn new(pb: &ParamBuilder<'_>, in_dim: usize, out_dim: usize, bias: bool) -> Result<Self> {
+        Ok(Linear {
+            weight: pb.tensor("weight", &[out_dim, in_dim])?,
+            bias: if bias {
+                Some(pb.tensor("bias", &[out_dim])?)
+            } else {
+                None
+            },
+        })
+    }
+
+    /// `x @ W^T + b` over `ne[0]` of `x`.
+    pub fn forward(&self, ctx: &Context, x: &GTensor) -> Result<GTensor> {
+        let y = ctx.mul_mat(&self.weight, x)?;
+        Ok(match &self.bias {
+            Some(b) => ctx.add(&y, b)?,
+            None => y,
+        })
+    }
+}
+
+/// `nn.Conv2d`: `weight` `[oc, ic, kh, kw]` (ggml `[kw, kh, ic, oc]`), `bias` `[oc]`.
+#[derive(Clone, Debug)]
+pub struct Conv2d {
+    /// Kernel.
+    pub weight: GTensor,
+    /// Bias.
+    pub bias: Option<GTensor>,
+    /// Stride.
+    pub stride: usize,
+    /// Zero padding on every side.
+    pub padding: usize,
+}
+
+impl Conv2d {
+    /// Declares a `k` x `k` convolution with bias under `pb`.
+    pub fn new(
+        pb: &ParamBuilder<'_>,
+        in_ch: usize,
+        out_ch: usize,
+        k: usize,
+        stride: usize,
+        padding: usize,
+    ) -> Result<Self> {
+        Ok(Conv2d {
+            weight: pb.tensor("weight", &[out_ch, in_ch, k, k])?,
+            bias: Some(pb.tensor("bias", &[out_ch])?),
+            stride,
+            padding,
+        })
+    }
+
+    /// Convolves `x` `[W, H, C, N]`.
+    pub fn forward(&self, g: &GraphCtx, x: &GTensor) -> Result<GTensor> {
+        let ctx = &g.ctx;
+        let kn = self.weight.ne();
+        let y = if kn[0] == 1 && kn[1] == 1 && self.stride == 1 && self.padding == 0 {
+            // 1x1: a matmul over channels.
+            let xn = x.ne();
+            let w = ctx.reshape(&self.weight, &[kn[2], kn[3]])?;
+            let xt = ctx.cont(&ctx.permute(x, [1, 2, 0, 3])?)?; // [C, W, H, N]
+            let y = ctx.mul_mat(&w, &ctx.reshape(&xt, &[xn[2], xn[0] * xn[1] * xn[3]])?)?;
+            let y = ctx.reshape(&y, &[kn[3], xn[0], xn[1], xn[3]])?;
+            ctx.cont(&ctx.permute(&y, [2, 0, 1, 3])?)?
+        } else {
+            ctx.conv_2d(
+                &self.weight,
+                x,
+                (self.stride, self.stride),
+                (self.padding, self.padding),
+                (1, 1),
+                g.opts.exact,
+            )?
+        };
+        Ok(match &self.bias {
+            Some(b) => {
+                let oc = b.ne()[0];
+                ctx.add(&y, &ctx.reshape(b, &[1, 1, oc, 1])?)?
+            }
+            None => y,
+        })
+    }
+}
+
+/// `nn.LayerNorm` over `ne[0]` with affine parameters.
+#[derive(Clone, Debug)]
+pub struct LayerNorm {
+    /// Scale.
+    pub weight: GTensor,
+    /// Shift.
+    pub bias: GTensor,
+    /// Epsilon.
+    pub eps: f32,
+}
+
+impl LayerNorm {
+    /// Declares `weight` and `bias` of size `dim` under `pb`.
+    pub fn new(pb: &ParamBuilder<'_>, dim: usize, eps: f32) -> Result<Self> {
+        Ok(LayerNorm {
+            weight: pb.tensor("weight", &[dim])?,
+            bias: pb.tensor("bias", &[dim])?,
+            eps,
+        })
+    }
+
+    /// Normalises `x` over `ne[0]`.
+    pub fn forward(&self, ctx: &Context, x: &GTensor) -> Result<GTensor> {
+        let y = ctx.norm(x, self.eps)?;
+        let y = ctx.mul(&y, &self.weight)?;
+        Ok(ctx.add(&y, &self.bias)?)
+    }
+}
+
+/// `nn.GroupNorm` of a `[W, H, C, N]` tensor with affine parameters.
+#[derive(Clone, Debug)]
+pub struct GroupNorm {
+    /// Scale.
+    pub weight: GTensor,
+    /// Shift.
+    pub bias: GTensor,
+    /// Number of groups.
+    pub groups: usize,
+    /// Epsilon.
+    pub eps: f32,
+}
+
+impl GroupNorm {
+    /// Declares `weight` and `bias` of size `channels` under `pb`.
+    pub fn new(pb: &ParamBuilder<'_>, channels: usize, groups: usize, eps: f32) -> Result<Self> {
+        if groups == 0 || !channels.is_multiple_of(groups) {
+            return Err(crate::ModelError::Config(format!(
+                "{} ({channels} channels) do not split into {groups} groups",
+                pb.prefix()
+            )));
+        }
+        Ok(GroupNorm {
+            weight: pb.tensor("weight", &[channels])?,
+            bias: pb.tensor("bias", &[channels])?,
+            groups,
+            eps,
+        })
+    }
+
+    /// Normalises `x` `[W, H, C, N]`.
+    pub fn forward(&self, ctx: &Context, x: &GTensor) -> Result<GTensor> {
+        let c = self.weight.ne()[0];
+        let y = ctx.group_norm(x, self.groups, self.eps)?;
+        let y = ctx.mul(&y, &ctx.reshape(&self.weight, &[1, 1, c, 1])?)?;
+        Ok(ctx.add(&y, &ctx.reshape(&self.bias, &[1, 1, c, 1])?)?)
+    }
+}
+
+/// Activation functions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Activation {
+    /// `x * sigmoid(1.702 x)` (CLIP's `quick_gelu`).
+    QuickGelu,
+    /// GELU, exact erf form (PyTorch's default `gelu`).
+    Gelu,
+    /// `x * sigmoid(x)`.
+    Silu,
+}
+
+impl Activation {
+    /// Applies the activation. With `opts.exact` the formulas are computed in f32; without,
+    /// ggml's table-based kernels are used.
+    pub fn forward(self, ctx: &Context, x: &GTensor, opts: ComputeOptions) -> Result<GTensor> {
+        Ok(match (self, opts.exact) {
+            (Activation::QuickGelu, true) => {
+                let s = ctx.sigmoid(&ctx.scale(x, 1.702)?)?;
+                ctx.mul(x, &s)?
+            }
+            (Activation::QuickGelu, false) => ctx.gelu_quick(x)?,
+            (Activation::Gelu, true) => ctx.gelu_erf(x)?,
+            (Activation::Gelu, false) => ctx.gelu(x)?,
+            (Activation::Silu, _) => ctx.silu(x)?,
+        })
+    }
+}
+
+/// Scaled dot-product attention over `heads` heads.
+///
+/// `q` is `[heads * d, n_q, B]`, `k` `[heads * d, n_kv, B]`, `v` `[heads * d_v, n_kv, B]`;
+/// `mask` (f32 `[n_kv, n_q]`, added to the scores) is optional. Returns
+/// `[heads * d_v, n_q, B]`. Uses `mul_mat` + `soft_max_ext` in f32, or `flash_attn_ext` with
+/// f16 K/V when `opts.flash_attn` is set and there is no mask.
+pub fn attention(
+    g: &GraphCtx,
+    q: &GTensor,
+    k: &GTensor,
+    v: &GTensor,
+    heads: usize,
+    mask: Option<&GTensor>,
+) -> Result<GTensor> {
+    let ctx = &g.ctx;
+    let (qn, kn, vn) = (q.ne(), k.ne(), v.ne());
+    if heads == 0
+        || !qn[0].is_multiple_of(heads)
+        || qn[0] != kn[0]
+        || !vn[0].is_multiple_of(heads)
+        || kn[1] != vn[1]
+    {
+        return Err(crate::ModelError::Config(format!(
+            "attention: q {qn:?}, k {kn:?}, v {vn:?} with {heads} heads"
+        )));
+    }
+    let (d, dv, nq, nkv, b) = (qn[0] / heads, vn[0] / heads, qn[1], kn[1], qn[2]);
+    let scale = 1.0 / (d as f32).sqrt();
+    // [d, h, n, B] -> [d, n, h, B]
+    let split = |t: &GTensor, dd: usize, n: usize| -> Result<GTensor> {
+        let t = ctx.reshape(&ctx.cont(t)?, &[dd, heads, n, b])?;
+        Ok(ctx.cont(&ctx.permute(&t, [0, 2, 1, 3])?)?)
+    };
+    let qh = split(q, d, nq)?;
+    if g.opts.flash_attn && mask.is_none() {
+        let kh = ctx.cast(&split(k, d, nkv)?, DType::F16)?;
+        let vh = ctx.cast(&split(v, dv, nkv)?, DType::F16)?;
+        let o = ctx.flash_attn_ext(&qh, &kh, &vh, None, scale)?; // [dv, h, n_q, B]
+        return Ok(ctx.reshape(&o, &[dv * heads, nq, b])?);
+    }
+    let kh = split(k, d, nkv)?;
+    let scores = ctx.mul_mat(&kh, &qh)?; // [n_kv, n_q, h, B]
+    let probs = ctx.soft_max_ext(&scores, mask, scale)?;
+    // v: [dv, h, n_kv, B] -> [n_kv, dv, h, B]
+    let vt = ctx.reshape(&ctx.cont(v)?, &[dv, heads, nkv, b])?;
+    let vt = ctx.cont(&ctx.permute(&vt, [1, 2, 0, 3])?)?;
+    let o = ctx.mul_mat(&vt, &probs)?; // [dv, n_q, h, B]
+    let o = ctx.cont(&ctx.permute(&o, [0, 2, 1, 3])?)?; // [dv, h, n_q, B]
+    Ok(ctx.reshape(&o, &[dv * heads, nq, b])?)
+}

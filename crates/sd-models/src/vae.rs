@@ -1,0 +1,1 @@
+//! AutoencoderKL (todo).

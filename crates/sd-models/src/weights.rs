@@ -1,0 +1,258 @@
+//! Parameter declaration ([`ParamBuilder`]) and a simple CPU loader ([`load_all_to_cpu`]).
+//!
+//! Shapes: a declared shape is PyTorch's, outermost first; the ggml tensor gets the reversed
+//! dims (`ne`, innermost first). A `Linear` weight `[out, in]` becomes `ne = [in, out]` and is
+//! applied as `mul_mat(w, x)`; a `Conv2d` weight `[oc, ic, kh, kw]` becomes
+//! `ne = [kw, kh, ic, oc]`.
+
+use std::cell::RefCell;
+use std::collections::BTreeMap;
+use std::rc::Rc;
+
+use sd_residency::files::ModelLoader;
+use sd_residency::names::{convert_to_canonical_report, SdVersion};
+use sd_residency::TensorStorage;
+use sd_tensor::ggml::{Buffer, BufferType, Context, GTensor};
+use sd_tensor::DType;
+
+use crate::{ModelError, Result};
+
+/// Default number of descriptors of a parameter context (an SD UNet has about 700
+/// parameters, SDXL's about 1700; a descriptor costs a few hundred bytes).
+pub const DEFAULT_PARAM_CAPACITY: usize = 4096;
+
+struct Inner<'a> {
+    ctx: Context,
+    catalog: Option<&'a ModelLoader>,
+    params: BTreeMap<String, GTensor>,
+}
+
+/// Declares a model's parameter tensors by canonical name in a no-alloc parameter context.
+///
+/// With a catalog, each tensor takes its dtype from the file (1-D tensors and those declared
+/// with [`ParamBuilder::tensor_f32`] are kept in f32, as ggml's broadcasting ops need, and
+/// non-float storage types become f32) and its shape is checked against the file's. Without
+/// one (synthetic configs) every tensor is f32. Builders are cheap handles: [`pp`] returns
+/// one for a sub-path sharing the same registry.
+///
+/// [`pp`]: ParamBuilder::pp
+#[derive(Clone)]
+pub struct ParamBuilder<'a> {
+    inner: Rc<RefCell<Inner<'a>>>,
+    prefix: String,
+}
+
+impl std::fmt::Debug for ParamBuilder<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ParamBuilder")
+            .field("prefix", &self.prefix)
+            .field("declared", &self.inner.borrow().params.len())
+            .finish()
+    }
+}
+
+/// Whether two shapes describe the same bytes: equal after dropping trailing 1-sized
+/// dimensions (a `[C, C]` linear weight stored as a `[C, C, 1, 1]` 1x1 convolution).
+fn shapes_compatible(file: &[u64], expected: &[usize]) -> bool {
+    let trim_f = file.iter().rposition(|&d| d != 1).map_or(0, |i| i + 1);
+    let trim_e = expected.iter().rposition(|&d| d != 1).map_or(0, |i| i + 1);
+    trim_f == trim_e
+        && file[..trim_f]
+            .iter()
+            .zip(&expected[..trim_e])
+            .all(|(&a, &b)| a == b as u64)
+}
+
+/// The dtype a parameter gets from its storage.
+fn param_dtype(storage: &TensorStorage, expected: &[usize], force_f32: bool) -> DType {
+    let d = storage.dtype;
+    let inner = expected.last().copied().unwrap_or(1);
+    if force_f32
+        || expected.len() <= 1
+        || !(d.is_float() || d.is_quantized())
+        || d == DType::F64
+        || !inner.is_multiple_of(d.block_size())
+    {
+        DType::F32
+    } else {
+        d
+    }
+}
+
+impl<'a> ParamBuilder<'a> {
+    /// A builder over `catalog` (`None`: synthetic f32 parameters) with room for
+    /// `capacity` parameter descriptors.
+    pub fn new(catalog: Option<&'a ModelLoader>, capacity: usize) -> Result<Self> {
+        Ok(ParamBuilder {
+            inner: Rc::new(RefCell::new(Inner {
+                ctx: Context::new_descriptors(capacity, 1, 0)?,
+                catalog,
+                params: BTreeMap::new(),
+            })),
+            prefix: String::new(),
+        })
+    }
+
+    /// A builder whose names are prefixed with `self`'s path and `name` (dot-separated).
+    pub fn pp(&self, name: impl AsRef<str>) -> ParamBuilder<'a> {
+        let name = name.as_ref();
+        let prefix = if self.prefix.is_empty() {
+            name.to_string()
+        } else if name.is_empty() {
+            self.prefix.clone()
+        } else {
+            format!("{}.{}", self.prefix, name)
+        };
+        ParamBuilder {
+            inner: self.inner.clone(),
+            prefix,
+        }
+    }
+
+    /// The current path prefix.
+    pub fn prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    fn full(&self, name: &str) -> String {
+        if self.prefix.is_empty() {
+            name.to_string()
+        } else {
+            format!("{}.{}", self.prefix, name)
+        }
+    }
+
+    /// Whether the catalog holds `name` (always true without a catalog).
+    pub fn contains(&self, name: &str) -> bool {
+        let full = self.full(name);
+        self.inner
+            .borrow()
+            .catalog
+            .is_none_or(|c| c.get(&full).is_some())
+    }
+
+    /// Declares parameter `name` (under this builder's prefix) of PyTorch shape `shape`.
+    pub fn tensor(&self, name: &str, shape: &[usize]) -> Result<GTensor> {
+        self.declare(name, shape, false)
+    }
+
+    /// Like [`ParamBuilder::tensor`], but always f32 (embeddings added to activations).
+    pub fn tensor_f32(&self, name: &str, shape: &[usize]) -> Result<GTensor> {
+        self.declare(name, shape, true)
+    }
+
+    fn declare(&self, name: &str, shape: &[usize], force_f32: bool) -> Result<GTensor> {
+        let full = self.full(name);
+        let mut inner = self.inner.borrow_mut();
+        if inner.params.contains_key(&full) {
+            return Err(ModelError::Duplicate { name: full });
+        }
+        if shape.is_empty() || shape.len() > 4 || shape.contains(&0) {
+            return Err(ModelError::Config(format!(
+                "tensor `{full}` declared with shape {shape:?}"
+            )));
+        }
+        let dtype = match inner.catalog {
+            None => DType::F32,
+            Some(cat) => {
+                let st = cat
+                    .get(&full)
+                    .ok_or_else(|| ModelError::MissingTensor { name: full.clone() })?;
+                if !shapes_compatible(&st.shape, shape) {
+                    return Err(ModelError::ShapeMismatch {
+                        name: full,
+                        file: st.shape.clone(),
+                        expected: shape.to_vec(),
+                    });
+                }
+                param_dtype(st, shape, force_f32)
+            }
+        };
+        let ne: Vec<usize> = shape.iter().rev().copied().collect();
+        let t = inner.ctx.new_tensor(dtype, &ne)?;
+        t.set_name(&full);
+        t.set_param();
+        inner.params.insert(full, t.clone());
+        Ok(t)
+    }
+
+    /// Ends declaration: the registry of declared parameters.
+    pub fn finish(&self) -> Params {
+        let inner = self.inner.borrow();
+        Params {
+            ctx: inner.ctx.clone(),
+            tensors: inner.params.clone(),
+        }
+    }
+}
+
+/// The declared parameters of a model: their no-alloc context and `name -> tensor`.
+#[derive(Clone, Debug)]
+pub struct Params {
+    /// The parameter context (descriptors only until some buffer holds them).
+    pub ctx: Context,
+    /// Every declared parameter by canonical name.
+    pub tensors: BTreeMap<String, GTensor>,
+}
+
+impl Params {
+    /// Total bytes of the parameters' data.
+    pub fn nbytes(&self) -> usize {
+        self.tensors.values().map(|t| t.nbytes()).sum()
+    }
+}
+
+/// Allocates one CPU buffer for every parameter of `params` and fills it from `catalog`
+/// (converting each tensor to its declared dtype). The returned buffer must outlive every
+/// use of the parameters.
+pub fn load_all_to_cpu(params: &Params, catalog: &ModelLoader) -> Result<Buffer> {
+    let buffer = BufferType::cpu().alloc_context_tensors(&params.ctx)?;
+    for (name, t) in &params.tensors {
+        let dtype = t
+            .dtype()
+            .ok_or_else(|| ModelError::Config(format!("tensor `{name}` has an unknown type")))?;
+        let bytes = catalog.read_converted(name, dtype)?;
+        if bytes.len() != t.nbytes() {
+            return Err(ModelError::Config(format!(
+                "tensor `{name}`: {} bytes read, {} expected",
+                bytes.len(),
+                t.nbytes()
+            )));
+        }
+        t.write_bytes(0, &bytes)?;
+    }
+    Ok(buffer)
+}
+
+/// Fills every parameter of `params` (already in a host buffer) with values from `f`,
+/// called with the parameter's name and element count (synthetic weights for tests).
+pub fn fill_with(params: &Params, mut f: impl FnMut(&str, usize) -> Vec<f32>) -> Result<Buffer> {
+    let buffer = BufferType::cpu().alloc_context_tensors(&params.ctx)?;
+    for (name, t) in &params.tensors {
+        t.write_f32(&f(name, t.nelements()))?;
+    }
+    Ok(buffer)
+}
+
+/// Renames every tensor of `catalog` to its canonical name with
+/// [`sd_residency::names::convert_to_canonical_report`] (diffusers and OpenCLIP layouts;
+/// fused q/k/v split).
+pub fn canonicalize(catalog: &mut ModelLoader, version: Option<SdVersion>) -> Result<()> {
+    let inputs: Vec<TensorStorage> = catalog.tensors().cloned().collect();
+    let report = convert_to_canonical_report(inputs.clone(), version)?;
+    let split: std::collections::HashSet<&str> = report.split.iter().map(String::as_str).collect();
+    // Outputs are in input order, a split input's parts in its place.
+    let mut map: std::collections::HashMap<String, Vec<TensorStorage>> =
+        std::collections::HashMap::with_capacity(inputs.len());
+    let mut it = report.tensors.into_iter();
+    for input in &inputs {
+        let n = if split.contains(input.name.as_str()) {
+            3
+        } else {
+            1
+        };
+        map.insert(input.name.clone(), it.by_ref().take(n).collect());
+    }
+    catalog.rename(|t| map.get(&t.name).cloned().unwrap_or_else(|| vec![t.clone()]))?;
+    Ok(())
+}

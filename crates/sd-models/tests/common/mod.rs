@@ -1,0 +1,88 @@
+//! Shared helpers of the parity tests: fixture paths, catalogs in canonical names, the
+//! reference tensors and the relative L2 error.
+#![allow(dead_code)]
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+use sd_models::weights::canonicalize;
+use sd_residency::files::ModelLoader;
+
+/// The folder of the model fixtures.
+pub fn fixtures() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/models")
+}
+
+/// The catalog of fixture `name` (diffusers names), converted to canonical names.
+pub fn catalog(name: &str) -> ModelLoader {
+    let mut loader = ModelLoader::new();
+    loader
+        .add_file(fixtures().join(format!("{name}.safetensors")), None)
+        .expect("open fixture weights");
+    canonicalize(&mut loader, None).expect("canonical names");
+    loader
+}
+
+/// A reference tensor: shape (PyTorch order) and f32 values.
+pub struct Ref {
+    pub shape: Vec<usize>,
+    pub data: Vec<f32>,
+}
+
+/// Every tensor of `<name>_io.safetensors`.
+pub fn io(name: &str) -> HashMap<String, Ref> {
+    let bytes = std::fs::read(fixtures().join(format!("{name}_io.safetensors"))).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    st.tensors()
+        .into_iter()
+        .map(|(k, v)| {
+            assert_eq!(v.dtype(), safetensors::Dtype::F32, "{k}");
+            let data = v
+                .data()
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect();
+            (
+                k,
+                Ref {
+                    shape: v.shape().to_vec(),
+                    data,
+                },
+            )
+        })
+        .collect()
+}
+
+/// The config of fixture `name` from `models.json`.
+pub fn config(name: &str) -> serde_json::Value {
+    let text = std::fs::read_to_string(fixtures().join("models.json")).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    v[name].clone()
+}
+
+/// `|a - b|_2 / |b|_2`.
+pub fn rel_l2(got: &[f32], want: &[f32]) -> f64 {
+    assert_eq!(got.len(), want.len(), "element counts");
+    let (mut num, mut den) = (0f64, 0f64);
+    for (&a, &b) in got.iter().zip(want) {
+        num += (a as f64 - b as f64).powi(2);
+        den += (b as f64).powi(2);
+    }
+    (num / den.max(1e-30)).sqrt()
+}
+
+/// Asserts parity within `tol` and prints the error.
+pub fn check(what: &str, got: &[f32], want: &[f32], tol: f64) {
+    assert!(
+        got.iter().all(|v| v.is_finite()),
+        "{what}: non-finite output"
+    );
+    let e = rel_l2(got, want);
+    println!("{what}: relative L2 error {e:.3e}");
+    assert!(e <= tol, "{what}: relative L2 error {e:.3e} > {tol:e}");
+}
+
+/// PyTorch dims to ggml `ne` (reversed).
+pub fn ne(shape: &[usize]) -> Vec<usize> {
+    shape.iter().rev().copied().collect()
+}

@@ -1,0 +1,367 @@
+//! LoRA application with epochs.
+//!
+//! A LoRA file holds, per target weight `W` (`[out, in...]`), a down matrix `[rank, in...]`,
+//! an up matrix `[out, rank, 1...]` and optionally a scalar `alpha`; the patch is
+//! `W += up @ down * (alpha / rank) * multiplier` (without alpha the scale is the
+//! multiplier). Key forms understood, for a weight named `B.weight`:
+//! - kohya: `lora_unet_<B relative to model.diffusion_model., dots as underscores>`,
+//!   `lora_te_` / `lora_te1_` (first text encoder) and `lora_te2_` (second), followed by
+//!   `.lora_down.weight`, `.lora_up.weight`, `.alpha`;
+//! - diffusers / PEFT: `B.lora_A.weight` (down), `B.lora_B.weight` (up), or
+//!   `B.lora.down.weight` / `B.lora.up.weight`, with `B.alpha`. Diffusers layouts are first
+//!   brought to canonical names (see [`crate::names`]).
+//!
+//! Deltas are computed on the host in f32 and written into the memory the registered tensor
+//! uses now (its staging copy, or its params copy when bound); a state remembers the epoch of
+//! the patch its memory carries and loses it with that memory. Changing the LoRA set bumps
+//! the epoch and frees every patched copy, so weights are reloaded and patched again.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::path::PathBuf;
+
+use sd_tensor::{convert, DType};
+
+use super::state::ParamState;
+use super::ModelManager;
+use crate::files::ModelLoader;
+use crate::residency::{ParamId, ResidencyError, Result, SourceId};
+
+/// One LoRA to apply.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LoraSpec {
+    /// The LoRA file.
+    pub path: PathBuf,
+    /// Strength.
+    pub multiplier: f32,
+}
+
+#[derive(Clone, Debug)]
+pub(crate) struct Patch {
+    lora: usize,
+    up: String,
+    down: String,
+    rank: usize,
+    scale: f32,
+}
+
+#[derive(Debug, Default)]
+pub(crate) struct LoraState {
+    pub epoch: u64,
+    specs: Vec<LoraSpec>,
+    loaders: Vec<ModelLoader>,
+    patches: HashMap<ParamId, Vec<Patch>>,
+    targeted: HashSet<String>,
+}
+
+impl LoraState {
+    /// Whether the current LoRAs patch this state.
+    pub fn targets(&self, s: &ParamState) -> bool {
+        s.source == SourceId::MAIN && self.targeted.contains(&s.name)
+    }
+
+    pub fn forget(&mut self, params: &[ParamId]) {
+        for p in params {
+            self.patches.remove(p);
+        }
+    }
+}
+
+const KOHYA: [(&str, &str); 4] = [
+    ("model.diffusion_model.", "lora_unet_"),
+    ("cond_stage_model.transformer.", "lora_te_"),
+    ("cond_stage_model.transformer.", "lora_te1_"),
+    ("cond_stage_model.1.transformer.", "lora_te2_"),
+];
+
+/// Which part of a LoRA pair a tensor name is, and its stem.
+fn split_key(name: &str) -> Option<(&str, Part)> {
+    const FORMS: [(&str, Part); 7] = [
+        (".lora_down.weight", Part::Down),
+        (".lora_up.weight", Part::Up),
+        (".lora_A.weight", Part::Down),
+        (".lora_B.weight", Part::Up),
+        (".lora.down.weight", Part::Down),
+        (".lora.up.weight", Part::Up),
+        (".alpha", Part::Alpha),
+    ];
+    FORMS
+        .iter()
+        .find_map(|(suffix, part)| name.strip_suffix(suffix).map(|stem| (stem, *part)))
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Part {
+    Down,
+    Up,
+    Alpha,
+}
+
+#[derive(Default)]
+struct Pair {
+    down: Option<String>,
+    up: Option<String>,
+    alpha: Option<String>,
+}
+
+fn to_f32(loader: &ModelLoader, name: &str) -> Result<Vec<f32>> {
+    let bytes = loader.read_converted(name, DType::F32)?;
+    convert::to_f32(DType::F32, &bytes).map_err(|e| ResidencyError::LoraTensor {
+        path: PathBuf::new(),
+        name: name.to_string(),
+        detail: e.to_string(),
+    })
+}
+
+/// Brings diffusers-layout LoRA names to canonical names (best effort).
+fn canonicalize(loader: &mut ModelLoader) {
+    let before: Vec<_> = loader.tensors().cloned().collect();
+    let Ok(after) = crate::names::convert_to_canonical(before.clone(), None) else {
+        return;
+    };
+    if after.len() != before.len() {
+        return;
+    }
+    let map: HashMap<String, String> = before
+        .into_iter()
+        .zip(after)
+        .map(|(b, a)| (b.name, a.name))
+        .collect();
+    if let Err(e) = loader.rename(|t| {
+        let mut t = t.clone();
+        if let Some(n) = map.get(&t.name) {
+            t.name = n.clone();
+        }
+        vec![t]
+    }) {
+        tracing::warn!(error = %e, "cannot canonicalize LoRA names; using them as they are");
+    }
+}
+
+impl ModelManager {
+    /// The current LoRA epoch (bumped by every change of the LoRA set).
+    pub fn lora_epoch(&self) -> u64 {
+        self.lora.epoch
+    }
+
+    /// Replaces the set of LoRAs. Refused while an owner is running or weights are pinned.
+    /// Every LoRA tensor must target a registered weight of the main source, with matching
+    /// shapes; on error the previous set stays.
+    pub fn set_loras(&mut self, specs: Vec<LoraSpec>) -> Result<()> {
+        if specs == self.lora.specs {
+            return Ok(());
+        }
+        if self.running() {
+            return Err(ResidencyError::Busy("changing LoRAs"));
+        }
+        let _span = tracing::info_span!("set_loras", loras = specs.len()).entered();
+        // Stems of every patchable weight.
+        let mut stems: HashMap<String, ParamId> = HashMap::new();
+        for (id, s) in &self.states {
+            if s.source != SourceId::MAIN || !s.component.accepts_lora() {
+                continue;
+            }
+            let Some(base) = s.name.strip_suffix(".weight") else {
+                continue;
+            };
+            stems.entry(base.to_string()).or_insert(*id);
+            for (prefix, kohya) in KOHYA {
+                if let Some(rel) = base.strip_prefix(prefix) {
+                    stems
+                        .entry(format!("{kohya}{}", rel.replace('.', "_")))
+                        .or_insert(*id);
+                }
+            }
+        }
+        let mut loaders = Vec::with_capacity(specs.len());
+        let mut patches: HashMap<ParamId, Vec<Patch>> = HashMap::new();
+        for (li, spec) in specs.iter().enumerate() {
+            let mut loader = ModelLoader::new();
+            loader.add_file(&spec.path, None)?;
+            canonicalize(&mut loader);
+            let bad = |name: &str, detail: String| ResidencyError::LoraTensor {
+                path: spec.path.clone(),
+                name: name.to_string(),
+                detail,
+            };
+            let mut pairs: BTreeMap<String, Pair> = BTreeMap::new();
+            for t in loader.tensors() {
+                let (stem, part) = split_key(&t.name)
+                    .ok_or_else(|| bad(&t.name, "not a LoRA down/up/alpha tensor".into()))?;
+                let pair = pairs.entry(stem.to_string()).or_default();
+                let slot = match part {
+                    Part::Down => &mut pair.down,
+                    Part::Up => &mut pair.up,
+                    Part::Alpha => &mut pair.alpha,
+                };
+                *slot = Some(t.name.clone());
+            }
+            let unknown: Vec<String> = pairs
+                .iter()
+                .filter(|(stem, _)| !stems.contains_key(*stem))
+                .flat_map(|(_, p)| [&p.down, &p.up, &p.alpha].into_iter().flatten().cloned())
+                .collect();
+            if !unknown.is_empty() {
+                return Err(ResidencyError::LoraUnknownWeights {
+                    path: spec.path.clone(),
+                    names: unknown,
+                });
+            }
+            for (stem, pair) in &pairs {
+                let param = stems[stem];
+                let (Some(down), Some(up)) = (&pair.down, &pair.up) else {
+                    let which = pair
+                        .down
+                        .as_ref()
+                        .or(pair.up.as_ref())
+                        .or(pair.alpha.as_ref());
+                    return Err(bad(
+                        which.map_or(stem.as_str(), |s| s.as_str()),
+                        "has no matching down/up partner".into(),
+                    ));
+                };
+                let ds = loader
+                    .get(down)
+                    .map(|t| t.shape.clone())
+                    .unwrap_or_default();
+                let us = loader.get(up).map(|t| t.shape.clone()).unwrap_or_default();
+                let w = &self.states[&param];
+                let rank = ds.first().copied().unwrap_or(0);
+                let w_out = w.shape.first().copied().unwrap_or(0);
+                let w_numel: u64 = w.shape.iter().product();
+                let d_in: u64 = ds.iter().skip(1).product();
+                let u_rest: u64 = us.iter().skip(2).product();
+                let ok = rank > 0
+                    && us.len() >= 2
+                    && us[0] == w_out
+                    && us[1] == rank
+                    && u_rest == 1
+                    && w_out.checked_mul(d_in) == Some(w_numel);
+                if !ok {
+                    return Err(bad(
+                        down,
+                        format!(
+                            "down {ds:?} and up {us:?} do not make a delta for `{}` of shape {:?}",
+                            w.name, w.shape
+                        ),
+                    ));
+                }
+                let multiplier = spec.multiplier;
+                let scale = match &pair.alpha {
+                    Some(a) => {
+                        let v = to_f32(&loader, a)?;
+                        let alpha = *v
+                            .first()
+                            .ok_or_else(|| bad(a, "alpha has no value".into()))?;
+                        alpha / rank as f32 * multiplier
+                    }
+                    None => multiplier,
+                };
+                patches.entry(param).or_default().push(Patch {
+                    lora: li,
+                    up: up.clone(),
+                    down: down.clone(),
+                    rank: rank as usize,
+                    scale,
+                });
+            }
+            loaders.push(loader);
+        }
+        // Free every patched copy, and mappings that new targets would need to write.
+        let targeted: HashSet<String> = patches
+            .keys()
+            .map(|p| self.states[p].name.clone())
+            .collect();
+        let patched: Vec<ParamId> = self
+            .states
+            .iter()
+            .filter(|(_, s)| {
+                s.lora_epoch.is_some() || (targeted.contains(&s.name) && self.is_mmapped(s))
+            })
+            .map(|(id, _)| *id)
+            .collect();
+        let staging: Vec<_> = self
+            .staging
+            .iter()
+            .filter(|(_, b)| b.members.iter().any(|m| patched.contains(m)))
+            .map(|(id, _)| *id)
+            .collect();
+        for id in staging {
+            self.drop_staging_block(id);
+        }
+        let storage: Vec<_> = self
+            .storage
+            .iter()
+            .filter(|(_, b)| {
+                b.members.iter().any(|m| {
+                    patched.contains(m)
+                        && self
+                            .states
+                            .get(m)
+                            .is_some_and(|s| s.bound || b.mapped.is_some())
+                })
+            })
+            .map(|(id, _)| *id)
+            .collect();
+        for id in storage {
+            self.drop_storage_block(id);
+        }
+        self.lora = LoraState {
+            epoch: self.lora.epoch + 1,
+            specs,
+            loaders,
+            patches,
+            targeted,
+        };
+        Ok(())
+    }
+
+    /// Patches the resident compute memory of `params` with the current LoRAs.
+    pub(crate) fn apply_loras(&mut self, params: &[ParamId]) -> Result<()> {
+        let epoch = self.lora.epoch;
+        for p in params {
+            let Some(patches) = self.lora.patches.get(p) else {
+                continue;
+            };
+            let s = &self.states[p];
+            if s.lora_epoch == Some(epoch) || !s.is_resident_on_compute() {
+                continue;
+            }
+            let _span = tracing::debug_span!("apply_lora", tensor = %s.name).entered();
+            let ggml = |what: &str| ResidencyError::ggml(format!("{what} `{}`", s.name));
+            let mut w = s.tensor.read_f32().map_err(ggml("reading"))?;
+            for patch in patches {
+                let loader = &self.lora.loaders[patch.lora];
+                let up = to_f32(loader, &patch.up)?;
+                let down = to_f32(loader, &patch.down)?;
+                let rank = patch.rank;
+                let out = up.len() / rank.max(1);
+                let inner = down.len() / rank.max(1);
+                if out * inner != w.len() {
+                    return Err(ResidencyError::LoraTensor {
+                        path: self.lora.specs[patch.lora].path.clone(),
+                        name: patch.down.clone(),
+                        detail: format!("delta of {out}x{inner} for {} values", w.len()),
+                    });
+                }
+                for i in 0..out {
+                    let row = &mut w[i * inner..(i + 1) * inner];
+                    for r in 0..rank {
+                        let u = up[i * rank + r] * patch.scale;
+                        if u == 0.0 {
+                            continue;
+                        }
+                        let d = &down[r * inner..(r + 1) * inner];
+                        for (x, y) in row.iter_mut().zip(d) {
+                            *x += u * y;
+                        }
+                    }
+                }
+            }
+            s.tensor.write_f32(&w).map_err(ggml("writing"))?;
+            if let Some(s) = self.states.get_mut(p) {
+                s.lora_epoch = Some(epoch);
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,255 @@
+//! Staging params copies to compute devices, prepare, and prefetch.
+
+use std::collections::BTreeMap;
+
+use sd_tensor::ggml::{Backend, BufferUsage, DeviceKind};
+
+use super::blocks::{plan_chunks, StagingBlock};
+use super::ModelManager;
+use crate::residency::{
+    BackendId, BlockId, OwnerId, ParamId, ResidencyError, Result, SourceId, WeightPrefetchResult,
+};
+
+impl ModelManager {
+    /// Allocates staging chunks on the compute devices of `params` (those not direct, not
+    /// staged, not prefetched, with a loaded params copy), places the registered tensors in
+    /// them and copies the params copies in. With `owner`, the chunks are a prefetch of that
+    /// owner. Returns the blocks created; on error they are freed again.
+    pub(crate) fn stage(
+        &mut self,
+        params: &[ParamId],
+        owner: Option<OwnerId>,
+    ) -> Result<Vec<BlockId>> {
+        let mut groups: BTreeMap<(BackendId, SourceId), Vec<ParamId>> = BTreeMap::new();
+        for p in params {
+            let Some(s) = self.states.get(p) else {
+                continue;
+            };
+            if s.staged.is_some()
+                || s.prefetched.is_some()
+                || s.bound
+                || s.storage.is_none()
+                || self.is_direct(s)
+            {
+                continue;
+            }
+            let list = groups.entry((s.compute_backend, s.source)).or_default();
+            if !list.contains(p) {
+                list.push(*p);
+            }
+        }
+        if groups.is_empty() {
+            return Ok(Vec::new());
+        }
+        let _span = tracing::debug_span!("stage_params", groups = groups.len()).entered();
+        let mut created = Vec::new();
+        let result = self.stage_groups(groups, owner, &mut created);
+        if let Err(e) = result {
+            for id in &created {
+                self.drop_staging_block(*id);
+            }
+            return Err(e);
+        }
+        Ok(created)
+    }
+
+    fn stage_groups(
+        &mut self,
+        groups: BTreeMap<(BackendId, SourceId), Vec<ParamId>>,
+        owner: Option<OwnerId>,
+        created: &mut Vec<BlockId>,
+    ) -> Result<()> {
+        for ((backend, _), members) in groups {
+            let buft = self.backend_res(backend)?.0.buffer_type();
+            let cap = if buft.is_host() {
+                buft.max_size() as u64
+            } else {
+                self.max_block_bytes.min(buft.max_size() as u64)
+            };
+            let sizes: Vec<(ParamId, u64)> = members
+                .iter()
+                .map(|p| (*p, buft.alloc_size(&self.states[p].tensor) as u64))
+                .collect();
+            for (placements, size) in plan_chunks(&sizes, buft.alignment() as u64, cap) {
+                let buffer = buft
+                    .alloc(size as usize)
+                    .map_err(ResidencyError::ggml("allocating a staging block"))?;
+                buffer.set_usage(BufferUsage::Weights);
+                let id = self.new_block_id();
+                self.staging.insert(
+                    id,
+                    StagingBlock {
+                        buffer,
+                        members: Vec::with_capacity(placements.len()),
+                        prefetch_owner: owner,
+                    },
+                );
+                created.push(id);
+                for (p, off) in placements {
+                    let s = &self.states[&p];
+                    let block = self.staging.get_mut(&id).expect("inserted above");
+                    block
+                        .buffer
+                        .place(&s.tensor, off as usize)
+                        .map_err(ResidencyError::ggml(format!("staging `{}`", s.name)))?;
+                    block.members.push(p);
+                    let src = s.storage.as_ref().map(|l| l.desc.clone());
+                    let name = s.name.clone();
+                    let tensor = s.tensor.clone();
+                    if let Some(s) = self.states.get_mut(&p) {
+                        match owner {
+                            Some(o) => s.prefetched = Some((o, id)),
+                            None => s.staged = Some(id),
+                        }
+                    }
+                    let src = src.ok_or(ResidencyError::UnknownParam(p))?;
+                    Backend::copy_tensor(&src, &tensor)
+                        .map_err(ResidencyError::ggml(format!("uploading `{name}`")))?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Turns a prefetch block into a regular staging block: its members become staged.
+    pub(crate) fn promote_prefetch_block(&mut self, id: BlockId) {
+        let Some(block) = self.staging.get_mut(&id) else {
+            return;
+        };
+        block.prefetch_owner = None;
+        for m in block.members.clone() {
+            if let Some(s) = self.states.get_mut(&m) {
+                s.prefetched = None;
+                s.staged = Some(id);
+            }
+        }
+    }
+
+    pub(crate) fn prepare_inner(&mut self, params: &[ParamId]) -> Result<()> {
+        self.check_known(params)?;
+        let _span = tracing::info_span!("prepare_params", params = params.len()).entered();
+        // Prefetched copies of these parameters become current.
+        let prefetched: Vec<BlockId> = params
+            .iter()
+            .filter_map(|p| self.states[p].prefetched.map(|(_, b)| b))
+            .collect();
+        for b in prefetched {
+            self.promote_prefetch_block(b);
+        }
+        let created_storage = self.load_to_params(params)?;
+        let undo = |m: &mut ModelManager, staging: &[BlockId]| {
+            for id in staging {
+                m.drop_staging_block(*id);
+            }
+            for id in &created_storage {
+                m.drop_storage_block(*id);
+            }
+        };
+        if let Err(e) = self.bind_direct(params) {
+            undo(self, &[]);
+            return Err(e);
+        }
+        let created_staging = match self.stage(params, None) {
+            Ok(c) => c,
+            Err(e) => {
+                undo(self, &[]);
+                return Err(e);
+            }
+        };
+        // Pins are taken before LoRA application, as upstream does.
+        for p in params {
+            if let Some(s) = self.states.get_mut(p) {
+                s.pin_count = s.pin_count.saturating_add(1);
+            }
+        }
+        self.stamp_params(params);
+        if let Err(e) = self.apply_loras(params) {
+            for p in params {
+                if let Some(s) = self.states.get_mut(p) {
+                    s.pin_count = s.pin_count.saturating_sub(1);
+                }
+            }
+            undo(self, &created_staging);
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    pub(crate) fn stamp_params(&mut self, params: &[ParamId]) {
+        self.epoch += 1;
+        let e = self.epoch;
+        for p in params {
+            if let Some(s) = self.states.get_mut(p) {
+                s.last_use_epoch = e;
+            }
+        }
+    }
+
+    pub(crate) fn prefetch_inner(
+        &mut self,
+        owner: OwnerId,
+        params: &[ParamId],
+    ) -> WeightPrefetchResult {
+        if !self.prefetch || self.check_known(params).is_err() {
+            return if self.prefetch {
+                WeightPrefetchResult::Failed
+            } else {
+                WeightPrefetchResult::Unsupported
+            };
+        }
+        let mut backend = None;
+        let mut wanted = Vec::new();
+        let mut needs_sync_load = false;
+        for p in params {
+            let s = &self.states[p];
+            if self.is_direct(s) {
+                needs_sync_load |= s.storage.is_none();
+                continue;
+            }
+            if s.staged.is_some() || s.prefetched.is_some() || s.pin_count > 0 {
+                continue;
+            }
+            if s.split {
+                return WeightPrefetchResult::Unsupported;
+            }
+            match backend {
+                None => backend = Some(s.compute_backend),
+                Some(b) if b != s.compute_backend => return WeightPrefetchResult::Failed,
+                Some(_) => {}
+            }
+            wanted.push(*p);
+        }
+        let Some(backend) = backend else {
+            return if needs_sync_load {
+                WeightPrefetchResult::Unsupported
+            } else {
+                WeightPrefetchResult::AlreadyResident
+            };
+        };
+        if self
+            .device_of(backend)
+            .is_none_or(|d| d.kind() == DeviceKind::Cpu)
+        {
+            return WeightPrefetchResult::Unsupported;
+        }
+        let _span =
+            tracing::debug_span!("prefetch", owner = owner.0, params = wanted.len()).entered();
+        let created_storage = match self.load_to_params(&wanted) {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!(error = %e, "prefetch failed to load weights");
+                return WeightPrefetchResult::Failed;
+            }
+        };
+        match self.stage(&wanted, Some(owner)) {
+            Ok(_) => WeightPrefetchResult::Scheduled,
+            Err(e) => {
+                tracing::warn!(error = %e, "prefetch failed to stage weights");
+                for id in created_storage {
+                    self.drop_storage_block(id);
+                }
+                WeightPrefetchResult::Failed
+            }
+        }
+    }
+}
