@@ -18,6 +18,8 @@
 //! planner reads, and the auxiliary inputs (masks) a model needs filled in before
 //! execution. [`run::run_cpu`] executes such a graph on the CPU backend (tests, tools).
 
+#![warn(missing_docs)]
+
 pub mod clip;
 pub mod nn;
 pub mod run;

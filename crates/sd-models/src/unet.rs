@@ -1,1 +1,605 @@
-//! UNet (todo).
+//! The SD1.x / SD2.x UNet (LDM `openaimodel.UNetModel`).
+//!
+//! Parameters live under `model.diffusion_model.` in the original layout: `time_embed.{0,2}`,
+//! `input_blocks.N.M` (`N` = 0 is `conv_in`; a `ResBlock` at `M` = 0, its
+//! `SpatialTransformer` at `M` = 1, or a `Downsample` as `input_blocks.N.0.op`),
+//! `middle_block.{0,1,2}`, `output_blocks.N.M` (`ResBlock`, optional `SpatialTransformer`,
+//! optional `Upsample` as `.conv`), `out.{0,2}`. Inside a `SpatialTransformer`: `norm`,
+//! `proj_in`, `transformer_blocks.K.{norm1,attn1,norm2,attn2,norm3,ff}`, `proj_out`.
+//!
+//! The forward pass marks a graph cut ([`sd_graphcut::CutMarks`]) at the output of every
+//! input block (`input_blocks.N|h`), of the middle block (`middle_block|h`) and of every
+//! output block (`output_blocks.N|h`); skip connections cross cuts.
+
+use sd_residency::names::UNET_PREFIX;
+use sd_tensor::ggml::{Context, GTensor};
+use sd_tensor::DType;
+
+use crate::nn::{attention, Activation, Conv2d, GroupNorm, LayerNorm, Linear};
+use crate::weights::ParamBuilder;
+use crate::{GraphCtx, ModelError, Result};
+
+/// How attention heads are sized.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HeadSpec {
+    /// A fixed number of heads at every width (LDM `num_heads`; SD1: 8).
+    Heads(usize),
+    /// A fixed head width (LDM `num_head_channels`; SD2: 64).
+    HeadDim(usize),
+}
+
+impl HeadSpec {
+    /// `(heads, head_dim)` at `channels`.
+    pub fn split(self, channels: usize) -> Result<(usize, usize)> {
+        let (h, d) = match self {
+            HeadSpec::Heads(h) if h > 0 => (h, channels / h),
+            HeadSpec::HeadDim(d) if d > 0 => (channels / d, d),
+            _ => (0, 0),
+        };
+        if h == 0 || d == 0 || h * d != channels {
+            return Err(ModelError::Config(format!(
+                "{self:?} does not divide {channels} channels"
+            )));
+        }
+        Ok((h, d))
+    }
+}
+
+/// Configuration of the UNet (the `unet_config` params of LDM's inference YAMLs).
+#[derive(Clone, Debug, PartialEq)]
+pub struct UnetConfig {
+    /// Latent channels in (`in_channels`).
+    pub in_channels: usize,
+    /// Latent channels out (`out_channels`).
+    pub out_channels: usize,
+    /// Base width (`model_channels`).
+    pub model_channels: usize,
+    /// Width multipliers per level (`channel_mult`).
+    pub channel_mult: Vec<usize>,
+    /// Residual blocks per level (`num_res_blocks`).
+    pub num_res_blocks: usize,
+    /// Downsampling factors with attention (`attention_resolutions`; level `l` has factor
+    /// `2^l`).
+    pub attention_resolutions: Vec<usize>,
+    /// Attention head sizing (`num_heads` / `num_head_channels`).
+    pub heads: HeadSpec,
+    /// Transformer blocks per `SpatialTransformer` (`transformer_depth`).
+    pub transformer_depth: usize,
+    /// Width of the cross-attention context (`context_dim`).
+    pub context_dim: usize,
+    /// Linear instead of 1x1-conv `proj_in`/`proj_out` (`use_linear_in_transformer`).
+    pub use_linear_in_transformer: bool,
+    /// Group count of every GroupNorm (32 in LDM).
+    pub norm_groups: usize,
+    /// Name prefix of the parameters.
+    pub prefix: String,
+}
+
+impl UnetConfig {
+    /// SD1.x (`configs/stable-diffusion/v1-inference.yaml`: `model_channels: 320,
+    /// attention_resolutions: [4, 2, 1], num_res_blocks: 2, channel_mult: [1, 2, 4, 4],
+    /// num_heads: 8, transformer_depth: 1, context_dim: 768`).
+    pub fn sd1() -> Self {
+        UnetConfig {
+            in_channels: 4,
+            out_channels: 4,
+            model_channels: 320,
+            channel_mult: vec![1, 2, 4, 4],
+            num_res_blocks: 2,
+            attention_resolutions: vec![4, 2, 1],
+            heads: HeadSpec::Heads(8),
+            transformer_depth: 1,
+            context_dim: 768,
+            use_linear_in_transformer: false,
+            norm_groups: 32,
+            prefix: UNET_PREFIX.trim_end_matches('.').to_string(),
+        }
+    }
+
+    /// SD2.x (`configs/stable-diffusion/v2-inference.yaml`: as SD1 but
+    /// `num_head_channels: 64, context_dim: 1024, use_linear_in_transformer: True`).
+    pub fn sd2() -> Self {
+        UnetConfig {
+            heads: HeadSpec::HeadDim(64),
+            context_dim: 1024,
+            use_linear_in_transformer: true,
+            ..Self::sd1()
+        }
+    }
+
+    /// Width of the time embedding (`4 * model_channels`).
+    pub fn time_embed_dim(&self) -> usize {
+        4 * self.model_channels
+    }
+
+    fn validate(&self) -> Result<()> {
+        if self.channel_mult.is_empty()
+            || self.model_channels == 0
+            || self.num_res_blocks == 0
+            || self.transformer_depth == 0
+            || self.norm_groups == 0
+        {
+            return Err(ModelError::Config(format!("UNet config {self:?}")));
+        }
+        Ok(())
+    }
+}
+
+/// GroupNorm epsilon of ResBlocks and the output (`GroupNorm32` default).
+const RES_EPS: f32 = 1e-5;
+/// GroupNorm epsilon of `SpatialTransformer.norm` (`Normalize`).
+const ST_EPS: f32 = 1e-6;
+/// LayerNorm epsilon inside transformer blocks.
+const LN_EPS: f32 = 1e-5;
+
+/// `ResBlock` with a time-embedding projection.
+#[derive(Clone, Debug)]
+pub struct ResBlock {
+    /// `in_layers.0`.
+    pub in_norm: GroupNorm,
+    /// `in_layers.2`.
+    pub in_conv: Conv2d,
+    /// `emb_layers.1`.
+    pub emb_proj: Linear,
+    /// `out_layers.0`.
+    pub out_norm: GroupNorm,
+    /// `out_layers.3`.
+    pub out_conv: Conv2d,
+    /// `skip_connection` (1x1, when the width changes).
+    pub skip_connection: Option<Conv2d>,
+}
+
+impl ResBlock {
+    fn new(pb: &ParamBuilder<'_>, cin: usize, cout: usize, cfg: &UnetConfig) -> Result<Self> {
+        Ok(ResBlock {
+            in_norm: GroupNorm::new(&pb.pp("in_layers.0"), cin, cfg.norm_groups, RES_EPS)?,
+            in_conv: Conv2d::new(&pb.pp("in_layers.2"), cin, cout, 3, 1, 1)?,
+            emb_proj: Linear::new(&pb.pp("emb_layers.1"), cfg.time_embed_dim(), cout, true)?,
+            out_norm: GroupNorm::new(&pb.pp("out_layers.0"), cout, cfg.norm_groups, RES_EPS)?,
+            out_conv: Conv2d::new(&pb.pp("out_layers.3"), cout, cout, 3, 1, 1)?,
+            skip_connection: if cin != cout {
+                Some(Conv2d::new(&pb.pp("skip_connection"), cin, cout, 1, 1, 0)?)
+            } else {
+                None
+            },
+        })
+    }
+
+    /// `x` `[W, H, Cin, B]`, `emb` `[time_embed_dim, B]`.
+    fn forward(&self, g: &GraphCtx, x: &GTensor, emb: &GTensor) -> Result<GTensor> {
+        let ctx = &g.ctx;
+        let h = ctx.silu(&self.in_norm.forward(ctx, x)?)?;
+        let h = self.in_conv.forward(g, &h)?;
+        let e = self.emb_proj.forward(ctx, &ctx.silu(emb)?)?; // [Cout, B]
+        let [cout, b, _, _] = e.ne();
+        let h = ctx.add(&h, &ctx.reshape(&e, &[1, 1, cout, b])?)?;
+        let h = ctx.silu(&self.out_norm.forward(ctx, &h)?)?;
+        let h = self.out_conv.forward(g, &h)?;
+        let skip = match &self.skip_connection {
+            Some(c) => c.forward(g, x)?,
+            None => x.clone(),
+        };
+        Ok(ctx.add(&skip, &h)?)
+    }
+}
+
+/// `CrossAttention` (`attn1`: self, `attn2`: over the context).
+#[derive(Clone, Debug)]
+pub struct CrossAttention {
+    /// `to_q` (no bias).
+    pub to_q: Linear,
+    /// `to_k` (no bias).
+    pub to_k: Linear,
+    /// `to_v` (no bias).
+    pub to_v: Linear,
+    /// `to_out.0`.
+    pub to_out: Linear,
+    heads: usize,
+}
+
+impl CrossAttention {
+    fn new(
+        pb: &ParamBuilder<'_>,
+        dim: usize,
+        kv_dim: usize,
+        heads: usize,
+        inner: usize,
+    ) -> Result<Self> {
+        Ok(CrossAttention {
+            to_q: Linear::new(&pb.pp("to_q"), dim, inner, false)?,
+            to_k: Linear::new(&pb.pp("to_k"), kv_dim, inner, false)?,
+            to_v: Linear::new(&pb.pp("to_v"), kv_dim, inner, false)?,
+            to_out: Linear::new(&pb.pp("to_out.0"), inner, dim, true)?,
+            heads,
+        })
+    }
+
+    fn forward(&self, g: &GraphCtx, x: &GTensor, kv: &GTensor) -> Result<GTensor> {
+        let ctx = &g.ctx;
+        let q = self.to_q.forward(ctx, x)?;
+        let k = self.to_k.forward(ctx, kv)?;
+        let v = self.to_v.forward(ctx, kv)?;
+        let o = attention(g, &q, &k, &v, self.heads, None)?;
+        self.to_out.forward(ctx, &o)
+    }
+}
+
+/// `BasicTransformerBlock`: self-attention, cross-attention, GEGLU feed-forward.
+#[derive(Clone, Debug)]
+pub struct BasicTransformerBlock {
+    /// `norm1`.
+    pub norm1: LayerNorm,
+    /// `attn1`.
+    pub attn1: CrossAttention,
+    /// `norm2`.
+    pub norm2: LayerNorm,
+    /// `attn2`.
+    pub attn2: CrossAttention,
+    /// `norm3`.
+    pub norm3: LayerNorm,
+    /// `ff.net.0.proj` (to twice the inner width: value and gate).
+    pub ff_proj: Linear,
+    /// `ff.net.2`.
+    pub ff_out: Linear,
+}
+
+impl BasicTransformerBlock {
+    fn new(pb: &ParamBuilder<'_>, dim: usize, heads: usize, cfg: &UnetConfig) -> Result<Self> {
+        let ff_inner = 4 * dim;
+        Ok(BasicTransformerBlock {
+            norm1: LayerNorm::new(&pb.pp("norm1"), dim, LN_EPS)?,
+            attn1: CrossAttention::new(&pb.pp("attn1"), dim, dim, heads, dim)?,
+            norm2: LayerNorm::new(&pb.pp("norm2"), dim, LN_EPS)?,
+            attn2: CrossAttention::new(&pb.pp("attn2"), dim, cfg.context_dim, heads, dim)?,
+            norm3: LayerNorm::new(&pb.pp("norm3"), dim, LN_EPS)?,
+            ff_proj: Linear::new(&pb.pp("ff.net.0.proj"), dim, 2 * ff_inner, true)?,
+            ff_out: Linear::new(&pb.pp("ff.net.2"), ff_inner, dim, true)?,
+        })
+    }
+
+    /// `x` `[dim, n, B]`, `context` `[context_dim, n_ctx, B]`.
+    fn forward(&self, g: &GraphCtx, x: &GTensor, context: &GTensor) -> Result<GTensor> {
+        let ctx = &g.ctx;
+        let n = self.norm1.forward(ctx, x)?;
+        let x = ctx.add(x, &self.attn1.forward(g, &n, &n)?)?;
+        let n = self.norm2.forward(ctx, &x)?;
+        let x = ctx.add(&x, &self.attn2.forward(g, &n, context)?)?;
+        let n = self.norm3.forward(ctx, &x)?;
+        // GEGLU: value * gelu(gate), value the first half of the projection.
+        let p = self.ff_proj.forward(ctx, &n)?;
+        let [two_inner, tokens, b, _] = p.ne();
+        let inner = two_inner / 2;
+        let esz = DType::F32.type_size();
+        let nb = p.nb();
+        let value = ctx.cont(&ctx.view(&p, [inner, tokens, b, 1], [nb[1], nb[2], nb[3]], 0)?)?;
+        let gate = ctx.cont(&ctx.view(
+            &p,
+            [inner, tokens, b, 1],
+            [nb[1], nb[2], nb[3]],
+            inner * esz,
+        )?)?;
+        let gate = Activation::Gelu.forward(ctx, &gate, g.opts)?;
+        let f = self.ff_out.forward(ctx, &ctx.mul(&value, &gate)?)?;
+        Ok(ctx.add(&x, &f)?)
+    }
+}
+
+/// `proj_in` / `proj_out`: a 1x1 convolution (SD1) or a linear layer (SD2).
+#[derive(Clone, Debug)]
+pub enum Projection {
+    /// 1x1 convolution on `[W, H, C, B]`.
+    Conv(Conv2d),
+    /// Linear on tokens `[C, W*H, B]`.
+    Linear(Linear),
+}
+
+/// `SpatialTransformer`.
+#[derive(Clone, Debug)]
+pub struct SpatialTransformer {
+    /// `norm`.
+    pub norm: GroupNorm,
+    /// `proj_in`.
+    pub proj_in: Projection,
+    /// `transformer_blocks.K`.
+    pub transformer_blocks: Vec<BasicTransformerBlock>,
+    /// `proj_out`.
+    pub proj_out: Projection,
+}
+
+impl SpatialTransformer {
+    fn new(pb: &ParamBuilder<'_>, ch: usize, cfg: &UnetConfig) -> Result<Self> {
+        let (heads, _) = cfg.heads.split(ch)?;
+        let proj = |name: &str, i: usize, o: usize| -> Result<Projection> {
+            Ok(if cfg.use_linear_in_transformer {
+                Projection::Linear(Linear::new(&pb.pp(name), i, o, true)?)
+            } else {
+                Projection::Conv(Conv2d::new(&pb.pp(name), i, o, 1, 1, 0)?)
+            })
+        };
+        let mut transformer_blocks = Vec::with_capacity(cfg.transformer_depth);
+        for k in 0..cfg.transformer_depth {
+            transformer_blocks.push(BasicTransformerBlock::new(
+                &pb.pp(format!("transformer_blocks.{k}")),
+                ch,
+                heads,
+                cfg,
+            )?);
+        }
+        Ok(SpatialTransformer {
+            norm: GroupNorm::new(&pb.pp("norm"), ch, cfg.norm_groups, ST_EPS)?,
+            proj_in: proj("proj_in", ch, ch)?,
+            transformer_blocks,
+            proj_out: proj("proj_out", ch, ch)?,
+        })
+    }
+
+    fn forward(&self, g: &GraphCtx, x: &GTensor, context: &GTensor) -> Result<GTensor> {
+        let ctx = &g.ctx;
+        let [w, h, c, b] = x.ne();
+        let to_tokens = |t: &GTensor| -> Result<GTensor> {
+            let t = ctx.reshape(t, &[w * h, c, b])?;
+            Ok(ctx.cont(&ctx.transpose(&t)?)?)
+        };
+        let from_tokens = |t: &GTensor| -> Result<GTensor> {
+            let t = ctx.cont(&ctx.transpose(t)?)?;
+            Ok(ctx.reshape(&t, &[w, h, c, b])?)
+        };
+        let mut t = self.norm.forward(ctx, x)?;
+        t = match &self.proj_in {
+            Projection::Conv(conv) => to_tokens(&conv.forward(g, &t)?)?,
+            Projection::Linear(lin) => lin.forward(ctx, &to_tokens(&t)?)?,
+        };
+        for block in &self.transformer_blocks {
+            t = block.forward(g, &t, context)?;
+        }
+        let t = match &self.proj_out {
+            Projection::Conv(conv) => conv.forward(g, &from_tokens(&t)?)?,
+            Projection::Linear(lin) => from_tokens(&lin.forward(ctx, &t)?)?,
+        };
+        Ok(ctx.add(&t, x)?)
+    }
+}
+
+/// One layer of a UNet block.
+#[derive(Clone, Debug)]
+pub enum Layer {
+    /// `input_blocks.0.0`: the input convolution.
+    ConvIn(Conv2d),
+    /// A `ResBlock`.
+    Res(ResBlock),
+    /// A `SpatialTransformer`.
+    Attn(SpatialTransformer),
+    /// `Downsample`: 3x3 convolution with stride 2 (`op`).
+    Down(Conv2d),
+    /// `Upsample`: 2x nearest, then a 3x3 convolution (`conv`).
+    Up(Conv2d),
+}
+
+impl Layer {
+    fn forward(
+        &self,
+        g: &GraphCtx,
+        x: &GTensor,
+        emb: &GTensor,
+        context: &GTensor,
+    ) -> Result<GTensor> {
+        match self {
+            Layer::ConvIn(c) | Layer::Down(c) => c.forward(g, x),
+            Layer::Res(r) => r.forward(g, x, emb),
+            Layer::Attn(a) => a.forward(g, x, context),
+            Layer::Up(c) => c.forward(g, &g.ctx.upscale(x, 2)?),
+        }
+    }
+}
+
+/// The UNet.
+#[derive(Clone, Debug)]
+pub struct UnetModel {
+    /// Configuration.
+    pub config: UnetConfig,
+    /// `time_embed.0`.
+    pub time_embed_0: Linear,
+    /// `time_embed.2`.
+    pub time_embed_2: Linear,
+    /// `input_blocks.N`.
+    pub input_blocks: Vec<Vec<Layer>>,
+    /// `middle_block`.
+    pub middle_block: Vec<Layer>,
+    /// `output_blocks.N`.
+    pub output_blocks: Vec<Vec<Layer>>,
+    /// `out.0`.
+    pub out_norm: GroupNorm,
+    /// `out.2`.
+    pub out_conv: Conv2d,
+}
+
+fn silu_norm(ctx: &Context, n: &GroupNorm, x: &GTensor) -> Result<GTensor> {
+    Ok(ctx.silu(&n.forward(ctx, x)?)?)
+}
+
+impl UnetModel {
+    /// Declares the parameters under `config.prefix` of `pb`.
+    pub fn new(pb: &ParamBuilder<'_>, config: UnetConfig) -> Result<Self> {
+        config.validate()?;
+        let cfg = &config;
+        let pb = pb.pp(&cfg.prefix);
+        let mc = cfg.model_channels;
+        let ted = cfg.time_embed_dim();
+        let levels = cfg.channel_mult.len();
+
+        // Input blocks, recording each block's width for the skip connections.
+        let mut input_blocks = vec![vec![Layer::ConvIn(Conv2d::new(
+            &pb.pp("input_blocks.0.0"),
+            cfg.in_channels,
+            mc,
+            3,
+            1,
+            1,
+        )?)]];
+        let mut skip_chans = vec![mc];
+        let (mut ch, mut ds) = (mc, 1usize);
+        for (level, &mult) in cfg.channel_mult.iter().enumerate() {
+            for _ in 0..cfg.num_res_blocks {
+                let b = pb.pp(format!("input_blocks.{}", input_blocks.len()));
+                let mut layers = vec![Layer::Res(ResBlock::new(&b.pp("0"), ch, mult * mc, cfg)?)];
+                ch = mult * mc;
+                if cfg.attention_resolutions.contains(&ds) {
+                    layers.push(Layer::Attn(SpatialTransformer::new(&b.pp("1"), ch, cfg)?));
+                }
+                input_blocks.push(layers);
+                skip_chans.push(ch);
+            }
+            if level + 1 != levels {
+                let b = pb.pp(format!("input_blocks.{}", input_blocks.len()));
+                input_blocks.push(vec![Layer::Down(Conv2d::new(
+                    &b.pp("0.op"),
+                    ch,
+                    ch,
+                    3,
+                    2,
+                    1,
+                )?)]);
+                skip_chans.push(ch);
+                ds *= 2;
+            }
+        }
+
+        let m = pb.pp("middle_block");
+        let middle_block = vec![
+            Layer::Res(ResBlock::new(&m.pp("0"), ch, ch, cfg)?),
+            Layer::Attn(SpatialTransformer::new(&m.pp("1"), ch, cfg)?),
+            Layer::Res(ResBlock::new(&m.pp("2"), ch, ch, cfg)?),
+        ];
+
+        let mut output_blocks = Vec::new();
+        for (level, &mult) in cfg.channel_mult.iter().enumerate().rev() {
+            for i in 0..=cfg.num_res_blocks {
+                let b = pb.pp(format!("output_blocks.{}", output_blocks.len()));
+                let skip = skip_chans
+                    .pop()
+                    .ok_or_else(|| ModelError::Config("skip connections exhausted".into()))?;
+                let mut layers = vec![Layer::Res(ResBlock::new(
+                    &b.pp("0"),
+                    ch + skip,
+                    mc * mult,
+                    cfg,
+                )?)];
+                ch = mc * mult;
+                if cfg.attention_resolutions.contains(&ds) {
+                    layers.push(Layer::Attn(SpatialTransformer::new(&b.pp("1"), ch, cfg)?));
+                }
+                if level != 0 && i == cfg.num_res_blocks {
+                    let idx = layers.len();
+                    layers.push(Layer::Up(Conv2d::new(
+                        &b.pp(format!("{idx}.conv")),
+                        ch,
+                        ch,
+                        3,
+                        1,
+                        1,
+                    )?));
+                    ds /= 2;
+                }
+                output_blocks.push(layers);
+            }
+        }
+
+        Ok(UnetModel {
+            time_embed_0: Linear::new(&pb.pp("time_embed.0"), mc, ted, true)?,
+            time_embed_2: Linear::new(&pb.pp("time_embed.2"), ted, ted, true)?,
+            input_blocks,
+            middle_block,
+            output_blocks,
+            out_norm: GroupNorm::new(&pb.pp("out.0"), ch, cfg.norm_groups, RES_EPS)?,
+            out_conv: Conv2d::new(&pb.pp("out.2"), ch, cfg.out_channels, 3, 1, 1)?,
+            config,
+        })
+    }
+
+    /// Builds the forward pass: `x` latents `[W, H, in_channels, B]` (W and H multiples of
+    /// `2^(levels - 1)`), `timesteps` f32 `[B]`, `context` `[context_dim, n_ctx, B]`.
+    /// Returns the model output `[W, H, out_channels, B]` (noise or v prediction).
+    pub fn forward(
+        &self,
+        g: &mut GraphCtx,
+        x: &GTensor,
+        timesteps: &GTensor,
+        context: &GTensor,
+    ) -> Result<GTensor> {
+        let cfg = &self.config;
+        let ctx = g.ctx.clone();
+        let [w, h, c, b] = x.ne();
+        let align = 1usize << (cfg.channel_mult.len() - 1);
+        if c != cfg.in_channels
+            || b == 0
+            || w == 0
+            || h == 0
+            || !w.is_multiple_of(align)
+            || !h.is_multiple_of(align)
+        {
+            return Err(ModelError::Input {
+                name: "x",
+                detail: format!(
+                    "{:?}, expected [W, H, {}, B], W and H multiples of {align}",
+                    x.ne(),
+                    cfg.in_channels
+                ),
+            });
+        }
+        if timesteps.ne() != [b, 1, 1, 1] || timesteps.dtype() != Some(DType::F32) {
+            return Err(ModelError::Input {
+                name: "timesteps",
+                detail: format!(
+                    "{:?} {:?}, expected f32 [{b}]",
+                    timesteps.dtype(),
+                    timesteps.ne()
+                ),
+            });
+        }
+        let cn = context.ne();
+        if cn[0] != cfg.context_dim || cn[2] != b || cn[3] != 1 {
+            return Err(ModelError::Input {
+                name: "context",
+                detail: format!("{cn:?}, expected [{}, n, {b}]", cfg.context_dim),
+            });
+        }
+
+        // 1. Time embedding: sinusoidal (cos first), Linear, SiLU, Linear.
+        let t = ctx.timestep_embedding(timesteps, cfg.model_channels, 10000)?;
+        let t = self.time_embed_0.forward(&ctx, &t)?;
+        let emb = self.time_embed_2.forward(&ctx, &ctx.silu(&t)?)?;
+
+        // 2. Input blocks, keeping every output for the skip connections.
+        let mut skips = Vec::with_capacity(self.input_blocks.len());
+        let mut hs = x.clone();
+        for (n, block) in self.input_blocks.iter().enumerate() {
+            for layer in block {
+                hs = layer.forward(g, &hs, &emb, context)?;
+            }
+            g.marks.mark(&hs, &format!("input_blocks.{n}"), "h")?;
+            skips.push(hs.clone());
+        }
+
+        // 3. Middle block.
+        for layer in &self.middle_block {
+            hs = layer.forward(g, &hs, &emb, context)?;
+        }
+        g.marks.mark(&hs, "middle_block", "h")?;
+
+        // 4. Output blocks, each on the concatenation with the matching skip.
+        for (n, block) in self.output_blocks.iter().enumerate() {
+            let skip = skips
+                .pop()
+                .ok_or_else(|| ModelError::Config("skip connections exhausted".into()))?;
+            hs = ctx.concat(&hs, &skip, 2)?;
+            for layer in block {
+                hs = layer.forward(g, &hs, &emb, context)?;
+            }
+            g.marks.mark(&hs, &format!("output_blocks.{n}"), "h")?;
+        }
+
+        // 5. Output: GroupNorm, SiLU, conv.
+        self.out_conv
+            .forward(g, &silu_norm(&ctx, &self.out_norm, &hs)?)
+    }
+}

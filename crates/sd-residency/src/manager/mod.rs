@@ -804,3 +804,12 @@ impl DeviceResidencyManager for ModelManager {
         self.by_tensor.get(&tensor).copied()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn manager_is_send_and_sync() {
+        fn check<T: Send + Sync>() {}
+        check::<super::ModelManager>();
+    }
+}

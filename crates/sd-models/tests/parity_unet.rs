@@ -1,0 +1,142 @@
+//! UNet parity against diffusers' `UNet2DConditionModel` (tiny random weights, fixtures by
+//! `scripts/fixtures/make_model_fixtures.py`), plus the graph-cut marks.
+
+mod common;
+
+use common::{catalog, check, config, io, ne};
+use sd_models::run::run_cpu;
+use sd_models::unet::{HeadSpec, UnetConfig, UnetModel};
+use sd_models::{load_all_to_cpu, ComputeOptions, GraphCtx, HostData, ParamBuilder};
+use sd_tensor::DType;
+
+fn tiny_config(name: &str) -> UnetConfig {
+    let c = config(name);
+    let chans: Vec<usize> = c["block_out_channels"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap() as usize)
+        .collect();
+    let attention_resolutions = c["down_block_types"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .enumerate()
+        .filter(|(_, t)| t.as_str().unwrap().starts_with("CrossAttn"))
+        .map(|(level, _)| 1usize << level)
+        .collect();
+    // diffusers' `attention_head_dim` is a head count: one for all levels (SD1), or one per
+    // level (SD2, where it is width / 64: a fixed head width).
+    let heads = match &c["attention_head_dim"] {
+        serde_json::Value::Number(n) => HeadSpec::Heads(n.as_u64().unwrap() as usize),
+        serde_json::Value::Array(a) => {
+            HeadSpec::HeadDim(chans[0] / a[0].as_u64().unwrap() as usize)
+        }
+        other => panic!("attention_head_dim {other}"),
+    };
+    UnetConfig {
+        in_channels: c["in_channels"].as_u64().unwrap() as usize,
+        out_channels: c["out_channels"].as_u64().unwrap() as usize,
+        model_channels: chans[0],
+        channel_mult: chans.iter().map(|&x| x / chans[0]).collect(),
+        num_res_blocks: c["layers_per_block"].as_u64().unwrap() as usize,
+        attention_resolutions,
+        heads,
+        transformer_depth: 1,
+        context_dim: c["cross_attention_dim"].as_u64().unwrap() as usize,
+        use_linear_in_transformer: c["use_linear_projection"].as_bool().unwrap(),
+        norm_groups: c["norm_num_groups"].as_u64().unwrap() as usize,
+        ..UnetConfig::sd1()
+    }
+}
+
+fn run(name: &str, opts: ComputeOptions) -> (Vec<f32>, Vec<f32>, GraphCtx) {
+    let cat = catalog(name);
+    let pb = ParamBuilder::new(Some(&cat), 1024).unwrap();
+    let unet = UnetModel::new(&pb, tiny_config(name)).unwrap();
+    let params = pb.finish();
+    // Every tensor of the file is used.
+    assert_eq!(params.tensors.len(), cat.len());
+    let _buf = load_all_to_cpu(&params, &cat).unwrap();
+    let refs = io(name);
+    let (xr, tr, cr) = (&refs["x"], &refs["timesteps"], &refs["context"]);
+    let mut g = GraphCtx::new(8192, 8192, opts).unwrap();
+    let x = g.ctx.new_tensor(DType::F32, &ne(&xr.shape)).unwrap();
+    let t = g.ctx.new_tensor(DType::F32, &ne(&tr.shape)).unwrap();
+    let c = g.ctx.new_tensor(DType::F32, &ne(&cr.shape)).unwrap();
+    let out = unet.forward(&mut g, &x, &t, &c).unwrap();
+    let want = &refs["out"];
+    assert_eq!(out.ne().to_vec(), ne(&want.shape));
+    let inputs = [
+        (&x, HostData::F32(xr.data.clone())),
+        (&t, HostData::F32(tr.data.clone())),
+        (&c, HostData::F32(cr.data.clone())),
+    ];
+    let got = run_cpu(&g, &[&out], &inputs, 8192, 2).unwrap();
+    (got.into_iter().next().unwrap(), want.data.clone(), g)
+}
+
+#[test]
+fn unet_sd1_matches_diffusers() {
+    let (got, want, g) = run("unet_sd1", ComputeOptions::default());
+    check("unet_sd1", &got, &want, 1e-4);
+    // One cut per input block (conv_in, 2 x 2 res, 1 down = 6), the middle block and one per
+    // output block (2 levels x 3).
+    let names: Vec<String> = g.marks.iter().map(|m| m.name.to_string()).collect();
+    assert_eq!(names.len(), 6 + 1 + 6, "{names:?}");
+    assert!(names.iter().any(|n| n.starts_with("middle_block")));
+}
+
+#[test]
+fn unet_sd2_linear_projection_matches_diffusers() {
+    let (got, want, _) = run("unet_sd2", ComputeOptions::default());
+    check("unet_sd2", &got, &want, 1e-4);
+}
+
+#[test]
+fn unet_fast_numerics_stay_close() {
+    let opts = ComputeOptions {
+        exact: false,
+        flash_attn: true,
+    };
+    let (got, want, _) = run("unet_sd1", opts);
+    check("unet_sd1 fast", &got, &want, 1e-2);
+}
+
+#[test]
+fn unet_synthetic_sd1_and_sd2_configs_declare() {
+    // The real configs declare without a file (f32 descriptors only, nothing allocated).
+    for (cfg, n) in [(UnetConfig::sd1(), 686), (UnetConfig::sd2(), 686)] {
+        let pb = ParamBuilder::new(None, 4096).unwrap();
+        UnetModel::new(&pb, cfg).unwrap();
+        assert_eq!(pb.finish().tensors.len(), n);
+    }
+}
+
+#[test]
+fn unet_cut_marks_plan_into_block_segments() {
+    use sd_graphcut::{plan_view, CapturedGraph, NoMeasure, PlanOptions};
+    use sd_tensor::ggml::Graph;
+
+    let pb = ParamBuilder::new(None, 1024).unwrap();
+    let unet = UnetModel::new(&pb, tiny_config("unet_sd1")).unwrap();
+    let params = pb.finish();
+    let param_ids: std::collections::HashSet<_> = params.tensors.values().map(|t| t.id()).collect();
+    let mut g = GraphCtx::new(8192, 8192, ComputeOptions::default()).unwrap();
+    let x = g.ctx.new_tensor(DType::F32, &[8, 8, 4, 1]).unwrap();
+    let t = g.ctx.new_tensor(DType::F32, &[1]).unwrap();
+    let c = g.ctx.new_tensor(DType::F32, &[24, 7, 1]).unwrap();
+    let out = unet.forward(&mut g, &x, &t, &c).unwrap();
+    out.set_output();
+    let mut graph = Graph::new(&g.ctx, 8192).unwrap();
+    graph.build_forward_expand(&out).unwrap();
+    let captured = CapturedGraph::capture(&graph, &g.marks, &param_ids).unwrap();
+    assert!(
+        captured.diagnostics().is_empty(),
+        "{:?}",
+        captured.diagnostics()
+    );
+    let plan = plan_view(captured.view(), &PlanOptions::default(), &mut NoMeasure).unwrap();
+    // One segment per marked block plus the final one.
+    assert_eq!(plan.segments.len(), g.marks.len() + 1, "{}", plan.summary());
+}
