@@ -8,7 +8,7 @@
 //! - [`plan_view`] ([`planner`]) makes a [`Plan`] ([`plan`]): segments in execution order
 //!   with internal and output nodes, typed inputs, recomputed shared nodes, live and future
 //!   cut sets and byte totals including the measured compute buffer.
-//! - [`validate`] ([`validate`](mod@validate)) checks a plan against a graph;
+//! - [`validate()`] ([`validate`](mod@validate)) checks a plan against a graph;
 //!   [`PlanCache`] ([`cache`]) keeps plans by structural [`Fingerprint`] in a small LRU;
 //!   [`GraphPlanner`] combines planning, measuring and caching for ggml graphs.
 //! - [`SegmentGraph`] and [`SegmentRunner`] ([`segment_graph`]) build, measure and run one

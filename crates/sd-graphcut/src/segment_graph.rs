@@ -20,7 +20,7 @@
 //!
 //! For measuring, weights and previous cuts are private placeholder copies that the
 //! allocator treats as already allocated
-//! ([`measure_with_external`](sd_tensor::ggml::graph_ext::measure_with_external)), so the
+//! ([`measure_with_external`]), so the
 //! measured compute buffer holds the segment's activations and external inputs, whether or
 //! not weights are loaded yet.
 

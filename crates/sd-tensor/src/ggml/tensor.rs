@@ -196,7 +196,9 @@ impl GTensor {
         Context::resolve(p)
     }
 
-    /// All sources, in order.
+    /// All sources that resolve to a live context, in order (empty slots and sources
+    /// from contexts no longer alive are skipped; `source_slots` in `graph_ext` keeps slot
+    /// positions and reports unresolvable sources).
     pub fn srcs(&self) -> Vec<GTensor> {
         (0..sys::GGML_MAX_SRC as usize)
             .filter_map(|i| self.src(i))
@@ -222,6 +224,9 @@ impl GTensor {
     }
 
     /// Marks the tensor as a graph output (its memory is not reused by the allocator).
+    ///
+    /// ggml also flags every view source up the chain of a view, which may belong to other
+    /// graphs (inputs, weights); use `set_output_only` (in `graph_ext`) to flag just this one.
     pub fn set_output(&self) -> &Self {
         let _g = self.ctx.lock();
         // SAFETY: live descriptor.
