@@ -1,9 +1,31 @@
 //! `sd-exec`: running model graphs inside a memory budget.
 //!
-//! It will own the `ExecutionEngine` (one per residency manager, owning every session and
-//! the cross-session eviction policy), `ExecutionSession`s (one per model runner: backends,
-//! compute workspace, runner cache, graph-cut tensor cache, budgets), the per-graph
-//! execution that decides between running a graph whole and in segments at graph cuts, the
-//! segment weight pipeline (stage, prefetch the next segment while the current one
-//! computes) and layer split across devices. Model code only builds graphs and calls
-//! `execute`; the engine never knows a model. See the issue "Execution engine (`sd-exec`)".
+//! It owns the [`ExecutionEngine`] (one per residency manager, owning every session and
+//! the cross-session eviction policy), [`ExecutionSession`]s (one per model runner: backend,
+//! compute workspace, graph-cut tensor cache, budget), the per-graph execution that decides
+//! between running a graph whole and in segments at graph cuts, and the segment weight
+//! pipeline (pin, make room, stage each segment's weights; prefetch the next segment's
+//! weights while the current one computes, best effort). Model code only builds graphs and
+//! calls [`ExecutionEngine::execute`]; the engine never knows a model. See the issue
+//! "Execution engine (`sd-exec`)".
+//!
+//! Layout: [`engine`] (sessions, `execute`, `end`), [`session`] (per-runner state),
+//! [`task`] (what to compute and what came out), [`workspace`] (the compute buffer),
+//! [`execution`] (the per-graph algorithm), [`eviction`] (`ensure_capacity`), [`error`].
+
+#![warn(missing_docs)]
+
+pub mod engine;
+pub mod error;
+pub mod eviction;
+pub mod execution;
+pub mod session;
+pub mod task;
+pub mod workspace;
+
+pub use engine::{EngineOptions, ExecutionEngine, DEFAULT_PLANNING_HEADROOM};
+pub use error::{ExecError, Result};
+pub use eviction::ReclaimEvent;
+pub use session::{ExecutionSession, SegmentationPolicy, SessionConfig, SessionId};
+pub use task::{ComputeResult, ComputeTask, SegmentReport};
+pub use workspace::ComputeWorkspace;

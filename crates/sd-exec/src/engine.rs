@@ -1,0 +1,232 @@
+//! [`ExecutionEngine`]: one per residency manager; owns every session and the
+//! cross-session eviction policy.
+
+use std::collections::BTreeMap;
+
+use sd_residency::DeviceResidencyManager;
+
+use crate::error::{ExecError, Result};
+use crate::eviction::ReclaimEvent;
+use crate::execution::Exec;
+use crate::session::{ExecutionSession, SessionConfig, SessionId};
+use crate::task::{ComputeResult, ComputeTask};
+
+/// The seed's planning headroom: a graph runs whole only if its weights, measured
+/// workspace and this much more fit the budget.
+pub const DEFAULT_PLANNING_HEADROOM: u64 = 128 << 20;
+
+/// Engine-wide settings.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EngineOptions {
+    /// Extra bytes a whole-graph run must leave free (see
+    /// [`DEFAULT_PLANNING_HEADROOM`]).
+    pub planning_headroom: u64,
+}
+
+impl Default for EngineOptions {
+    fn default() -> Self {
+        EngineOptions {
+            planning_headroom: DEFAULT_PLANNING_HEADROOM,
+        }
+    }
+}
+
+/// Runs graphs for every session of one residency manager.
+///
+/// Model code creates a session per runner ([`create_session`](Self::create_session)),
+/// starts it, and calls [`execute`](Self::execute) with a [`ComputeTask`]; the engine
+/// decides whole vs segmented, stages weights, and makes room (releasing other sessions'
+/// idle workspaces, then evicting weights) within each session's budget.
+pub struct ExecutionEngine<M: DeviceResidencyManager> {
+    manager: M,
+    options: EngineOptions,
+    sessions: BTreeMap<SessionId, ExecutionSession>,
+    next_id: u64,
+    log: Vec<ReclaimEvent>,
+}
+
+impl<M: DeviceResidencyManager> std::fmt::Debug for ExecutionEngine<M> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ExecutionEngine")
+            .field("options", &self.options)
+            .field("sessions", &self.sessions)
+            .finish()
+    }
+}
+
+impl<M: DeviceResidencyManager> ExecutionEngine<M> {
+    /// An engine over `manager`.
+    pub fn new(manager: M, options: EngineOptions) -> Self {
+        ExecutionEngine {
+            manager,
+            options,
+            sessions: BTreeMap::new(),
+            next_id: 1,
+            log: Vec::new(),
+        }
+    }
+
+    /// The residency manager.
+    pub fn manager(&self) -> &M {
+        &self.manager
+    }
+
+    /// The residency manager, mutably (registering weights, budgets...).
+    pub fn manager_mut(&mut self) -> &mut M {
+        &mut self.manager
+    }
+
+    /// The options.
+    pub fn options(&self) -> &EngineOptions {
+        &self.options
+    }
+
+    /// Creates a session (not started yet).
+    pub fn create_session(&mut self, config: SessionConfig) -> SessionId {
+        let id = SessionId(self.next_id);
+        self.next_id += 1;
+        tracing::debug!(session = %id, name = %config.name, "session created");
+        self.sessions.insert(id, ExecutionSession::new(id, config));
+        id
+    }
+
+    /// A session.
+    pub fn session(&self, id: SessionId) -> Option<&ExecutionSession> {
+        self.sessions.get(&id)
+    }
+
+    /// A session, mutably (to change its budget).
+    pub fn session_mut(&mut self, id: SessionId) -> Option<&mut ExecutionSession> {
+        self.sessions.get_mut(&id)
+    }
+
+    fn get_mut(&mut self, id: SessionId) -> Result<&mut ExecutionSession> {
+        self.sessions
+            .get_mut(&id)
+            .ok_or(ExecError::UnknownSession(id))
+    }
+
+    /// Starts a session: registers it as a runtime owner with the manager.
+    pub fn start(&mut self, id: SessionId) -> Result<()> {
+        let s = self
+            .sessions
+            .get_mut(&id)
+            .ok_or(ExecError::UnknownSession(id))?;
+        if !s.started {
+            self.manager.register_runtime_owner(id.owner());
+            s.started = true;
+        }
+        Ok(())
+    }
+
+    /// Ends a session: releases its workspace and cut cache, its prefetched weights and the
+    /// compute-device copies of every parameter it used (permanent assignments stay), and
+    /// removes it as a runtime owner. It can be started again.
+    pub fn end(&mut self, id: SessionId) -> Result<()> {
+        let _span = tracing::debug_span!("end_session", session = %id).entered();
+        let s = self
+            .sessions
+            .get_mut(&id)
+            .ok_or(ExecError::UnknownSession(id))?;
+        s.workspace.release();
+        s.cut_cache.clear();
+        s.planner = sd_graphcut::GraphPlanner::new(
+            s.config.backend.buffer_type(),
+            sd_graphcut::PlanOptions::default(),
+            8,
+        );
+        let used: Vec<_> = s.params_used.iter().copied().collect();
+        s.params_used.clear();
+        s.started = false;
+        self.manager.clear_prefetched_params(id.owner());
+        let released = self.manager.release_compute_backend_params(&used);
+        self.manager
+            .update_runtime_residency(id.owner(), s.config.backend_id, 0);
+        self.manager.remove_runtime_owner(id.owner());
+        released?;
+        Ok(())
+    }
+
+    /// Ends (if started) and removes a session.
+    pub fn remove_session(&mut self, id: SessionId) -> Result<()> {
+        if self.get_mut(id)?.started {
+            self.end(id)?;
+        }
+        self.sessions.remove(&id);
+        Ok(())
+    }
+
+    /// Drops what the session holds for the current graph (after a failure): cut cache and
+    /// workspace; its prefetched weights are cleared.
+    pub fn discard_graph(&mut self, id: SessionId) -> Result<()> {
+        let s = self
+            .sessions
+            .get_mut(&id)
+            .ok_or(ExecError::UnknownSession(id))?;
+        s.workspace.release();
+        s.cut_cache.clear();
+        s.sync(&mut self.manager);
+        self.manager.clear_prefetched_params(id.owner());
+        Ok(())
+    }
+
+    /// Clears the session's caches (cut cache and plan cache) and releases its workspace.
+    pub fn clear_cache(&mut self, id: SessionId) -> Result<()> {
+        self.discard_graph(id)?;
+        let s = self.get_mut(id)?;
+        s.planner = sd_graphcut::GraphPlanner::new(
+            s.config.backend.buffer_type(),
+            sd_graphcut::PlanOptions::default(),
+            8,
+        );
+        Ok(())
+    }
+
+    /// Computes `task` in session `id` (see [`crate::execution`]). On failure the session's
+    /// graph state is discarded and the session stays usable; capacity and allocation
+    /// failures are reported as such ([`ExecError::is_out_of_memory`]).
+    pub fn execute(&mut self, id: SessionId, task: &ComputeTask) -> Result<ComputeResult> {
+        let mut session = self
+            .sessions
+            .remove(&id)
+            .ok_or(ExecError::UnknownSession(id))?;
+        if !session.started {
+            self.sessions.insert(id, session);
+            return Err(ExecError::NotStarted(id));
+        }
+        let result = Exec {
+            manager: &mut self.manager,
+            others: &mut self.sessions,
+            options: &self.options,
+            log: &mut self.log,
+            session: &mut session,
+        }
+        .run(task);
+        // The cut cache only lives for one graph; the workspace stays (idle, reclaimable).
+        session.cut_cache.clear();
+        match &result {
+            Ok(r) => {
+                session.last_reports = r.segments.clone();
+                session.executions += 1;
+            }
+            Err(e) => {
+                tracing::warn!(session = %id, error = %e, "execution failed");
+                session.workspace.release();
+                self.manager.clear_prefetched_params(id.owner());
+            }
+        }
+        session.sync(&mut self.manager);
+        self.sessions.insert(id, session);
+        result
+    }
+
+    /// Every reclamation step taken so far, in order.
+    pub fn reclaim_log(&self) -> &[ReclaimEvent] {
+        &self.log
+    }
+
+    /// Takes the reclamation log, leaving it empty.
+    pub fn take_reclaim_log(&mut self) -> Vec<ReclaimEvent> {
+        std::mem::take(&mut self.log)
+    }
+}

@@ -1,0 +1,99 @@
+//! Errors of the execution layer.
+
+use sd_graphcut::GraphCutError;
+use sd_residency::ResidencyError;
+use sd_tensor::GgmlError;
+use thiserror::Error;
+
+use crate::session::SessionId;
+
+/// What went wrong while running a graph. Every message names the session, segment or
+/// tensor and, for memory, the bytes needed and available.
+#[derive(Debug, Error)]
+#[non_exhaustive]
+pub enum ExecError {
+    /// A session id this engine does not know (never created, or removed).
+    #[error("unknown execution session {0}")]
+    UnknownSession(SessionId),
+    /// `execute` on a session that was not started (or was ended).
+    #[error("execution session {0} is not started")]
+    NotStarted(SessionId),
+    /// The task is malformed (no such output, bad host input size...).
+    #[error("invalid compute task '{task}': {detail}")]
+    InvalidTask {
+        /// The task's description.
+        task: String,
+        /// What is wrong.
+        detail: String,
+    },
+    /// Not enough memory on the device or in the budget, even after releasing other
+    /// sessions' idle workspaces and evicting every evictable weight block.
+    #[error(
+        "{what} does not fit on {backend}: needs {needed_device} B of device memory \
+         ({available_device} B available) and {needed_budget} B of budget \
+         ({available_budget} B available of a budget of {budget})",
+        budget = .budget.map_or_else(|| "unlimited".to_string(), |b| format!("{b} B"))
+    )]
+    Capacity {
+        /// What was being made room for (for example `segment 3 'mid'` or `whole graph`).
+        what: String,
+        /// The compute backend.
+        backend: String,
+        /// Bytes needed on the device.
+        needed_device: u64,
+        /// Bytes available on the device.
+        available_device: u64,
+        /// Bytes needed within the budget (the session's resident bytes included).
+        needed_budget: u64,
+        /// Bytes available within the budget.
+        available_budget: u64,
+        /// The session budget (`None`: only the device and the manager's budget apply).
+        budget: Option<u64>,
+    },
+    /// A device allocation failed although capacity was checked (reported as such).
+    #[error("allocation failed while {context}: {source}")]
+    Allocation {
+        /// What was being allocated.
+        context: String,
+        /// The ggml error.
+        #[source]
+        source: GgmlError,
+    },
+    /// Another ggml failure (compute, copy, read).
+    #[error("{context}: {source}")]
+    Ggml {
+        /// What the engine was doing.
+        context: String,
+        /// The ggml error.
+        #[source]
+        source: GgmlError,
+    },
+    /// Planning, building or binding a segment failed.
+    #[error(transparent)]
+    GraphCut(#[from] GraphCutError),
+    /// The residency manager refused or failed (loading, staging weights).
+    #[error(transparent)]
+    Residency(#[from] ResidencyError),
+}
+
+impl ExecError {
+    /// Maps a ggml error: allocation failures become [`ExecError::Allocation`].
+    pub(crate) fn ggml(context: impl Into<String>) -> impl FnOnce(GgmlError) -> ExecError {
+        let context = context.into();
+        move |source| match source {
+            GgmlError::AllocationFailed { .. } => ExecError::Allocation { context, source },
+            source => ExecError::Ggml { context, source },
+        }
+    }
+
+    /// Whether this is an allocation or capacity failure.
+    pub fn is_out_of_memory(&self) -> bool {
+        matches!(
+            self,
+            ExecError::Capacity { .. } | ExecError::Allocation { .. }
+        )
+    }
+}
+
+/// Result of the execution layer.
+pub type Result<T, E = ExecError> = std::result::Result<T, E>;

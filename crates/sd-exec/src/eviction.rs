@@ -1,0 +1,204 @@
+//! `ensure_capacity`: the engine's policy for making room on a compute device.
+//!
+//! 1. Inspect the request; an invalid device report fails, a fitting request is done.
+//! 2. Release the idle workspaces (and caches) of *other* sessions one by one, re-checking
+//!    after each.
+//! 3. Candidates: evictable weight blocks on the backend, except blocks holding required,
+//!    protected, pinned or prefetching parameters. Sorted (stable) by: blocks not needing
+//!    demotion first; then by position in the preferred eviction order (a block's position
+//!    is the maximum of its members'; a block with a member outside the order goes after
+//!    ordered ones); then least recently used first. Demotion-requiring blocks come last.
+//! 4. Evict one block at a time, re-checking after each.
+//! 5. Fail with the needed and available device and budget bytes.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+
+use sd_residency::{
+    BackendMemoryRequest, BlockId, DeviceResidencyManager, ParamId, WeightResidencyBlock,
+};
+
+use crate::error::{ExecError, Result};
+use crate::session::{ExecutionSession, SessionId};
+
+/// One step the engine took to make room, in order (see [`crate::ExecutionEngine::reclaim_log`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ReclaimEvent {
+    /// Another session's idle workspace and cut cache were released.
+    ReleasedWorkspace {
+        /// The session.
+        session: SessionId,
+        /// Bytes it held on the device.
+        bytes: u64,
+    },
+    /// A weight block was evicted from the device.
+    EvictedBlock {
+        /// The block.
+        block: BlockId,
+        /// Its parameters.
+        params: Vec<ParamId>,
+        /// Bytes freed.
+        bytes: u64,
+        /// Whether its weights were demoted to disk mode.
+        demoted: bool,
+    },
+}
+
+/// What to make room for.
+pub(crate) struct CapacityAsk<'a> {
+    /// What it is for (in errors and logs).
+    pub what: String,
+    /// The backend's name (in errors).
+    pub backend_name: String,
+    /// The request.
+    pub request: BackendMemoryRequest,
+    /// Parameters that must be resident afterwards.
+    pub required: &'a [ParamId],
+    /// Parameter groups to evict first, in order.
+    pub preferred: &'a [Vec<ParamId>],
+    /// Parameters never to evict.
+    pub protected: &'a [ParamId],
+}
+
+/// Makes room for `ask` (see the module documentation). `others` are the engine's other
+/// sessions (the asking one is not among them).
+pub(crate) fn ensure_capacity<M: DeviceResidencyManager>(
+    manager: &mut M,
+    others: &mut BTreeMap<SessionId, ExecutionSession>,
+    ask: &CapacityAsk<'_>,
+    log: &mut Vec<ReclaimEvent>,
+) -> Result<()> {
+    let _span = tracing::debug_span!("ensure_capacity", what = %ask.what, pending = ask.request.pending_bytes).entered();
+    let check =
+        |m: &M, after: bool| -> Result<(bool, sd_residency::capacity::DeviceMemoryCapacity)> {
+            let cap = m.inspect_compute_backend_capacity(&ask.request, ask.required)?;
+            Ok((cap.fits(after), cap))
+        };
+    let (fits, cap) = check(manager, false)?;
+    if fits {
+        return Ok(());
+    }
+    if cap.valid {
+        // 2. Other sessions' idle workspaces.
+        for (id, s) in others.iter_mut() {
+            if s.backend_id() != ask.request.backend {
+                continue;
+            }
+            let bytes = s.release_idle(manager);
+            if bytes == 0 {
+                continue;
+            }
+            tracing::debug!(session = %id, bytes, "released idle workspace");
+            log.push(ReclaimEvent::ReleasedWorkspace {
+                session: *id,
+                bytes,
+            });
+            if check(manager, true)?.0 {
+                return Ok(());
+            }
+        }
+        // 3. Weight blocks.
+        let mut keep: Vec<ParamId> = ask.required.to_vec();
+        keep.extend_from_slice(ask.protected);
+        let keep_set: HashSet<ParamId> = keep.iter().copied().collect();
+        let mut candidates: Vec<WeightResidencyBlock> = manager
+            .evictable_compute_backend_blocks(ask.request.backend, &keep)
+            .into_iter()
+            .filter(|b| !b.params.iter().any(|p| keep_set.contains(p)))
+            .collect();
+        sort_candidates(&mut candidates, ask.preferred);
+        // 4. One at a time.
+        for b in candidates {
+            if !manager.evict_compute_backend_block(&b) {
+                continue;
+            }
+            tracing::debug!(
+                block = b.id.0,
+                bytes = b.bytes,
+                demoted = b.requires_demotion,
+                "evicted weight block"
+            );
+            log.push(ReclaimEvent::EvictedBlock {
+                block: b.id,
+                params: b.params.clone(),
+                bytes: b.bytes,
+                demoted: b.requires_demotion,
+            });
+            if check(manager, true)?.0 {
+                return Ok(());
+            }
+        }
+    }
+    // 5. Fail.
+    let cap = manager.inspect_compute_backend_capacity(&ask.request, ask.required)?;
+    tracing::warn!(
+        what = %ask.what,
+        needed_device = cap.required_device_bytes,
+        available_device = cap.available_device_bytes,
+        needed_budget = cap.required_budget_bytes,
+        available_budget = cap.available_budget_bytes,
+        "not enough memory"
+    );
+    Err(ExecError::Capacity {
+        what: ask.what.clone(),
+        backend: ask.backend_name.clone(),
+        needed_device: cap.required_device_bytes,
+        available_device: cap.available_device_bytes,
+        needed_budget: cap.required_budget_bytes,
+        available_budget: cap.available_budget_bytes,
+        budget: ask.request.max_backend_bytes,
+    })
+}
+
+/// Sorts eviction candidates (stable): no demotion first; preferred-order position
+/// (unordered after ordered); oldest last use first.
+pub(crate) fn sort_candidates(blocks: &mut [WeightResidencyBlock], preferred: &[Vec<ParamId>]) {
+    let mut pos: HashMap<ParamId, usize> = HashMap::new();
+    for (i, group) in preferred.iter().enumerate() {
+        for p in group {
+            pos.entry(*p).or_insert(i);
+        }
+    }
+    let key = |b: &WeightResidencyBlock| {
+        let position = b
+            .params
+            .iter()
+            .map(|p| pos.get(p).copied())
+            .try_fold(0usize, |acc, p| p.map(|p| acc.max(p)))
+            .unwrap_or(usize::MAX);
+        (b.requires_demotion, position, b.last_use_epoch)
+    };
+    blocks.sort_by_key(key);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sd_residency::BackendId;
+
+    fn block(id: u64, params: &[u64], epoch: u64, demote: bool) -> WeightResidencyBlock {
+        WeightResidencyBlock {
+            id: BlockId(id),
+            backend: BackendId(1),
+            params: params.iter().map(|p| ParamId(*p)).collect(),
+            bytes: 100,
+            last_use_epoch: epoch,
+            requires_demotion: demote,
+        }
+    }
+
+    #[test]
+    fn candidates_sort_by_demotion_order_and_age() {
+        let mut v = vec![
+            block(1, &[9], 1, false),    // unordered, old
+            block(2, &[1], 5, false),    // order position 1
+            block(3, &[0], 9, false),    // order position 0
+            block(4, &[0, 9], 0, false), // member outside order: unordered
+            block(5, &[2], 0, true),     // demotion last
+            block(6, &[8], 0, false),    // unordered, oldest
+        ];
+        let order = vec![vec![ParamId(0)], vec![ParamId(1)]];
+        sort_candidates(&mut v, &order);
+        let ids: Vec<u64> = v.iter().map(|b| b.id.0).collect();
+        assert_eq!(ids, [3, 2, 4, 6, 1, 5]);
+    }
+}

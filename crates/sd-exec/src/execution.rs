@@ -1,0 +1,436 @@
+//! The per-graph execution: decide whole vs segmented, then run the plan segment by
+//! segment with the segment weight pipeline.
+//!
+//! Whole runs are one-segment plans (the graph captured without cut marks), so both paths
+//! share one loop. Per segment `k`:
+//! 1. prune the cut cache to the segment's live cuts (and graph outputs so far);
+//! 2. release the workspace if the segment needs a larger one (never two buffers at once);
+//! 3. activate the prefetched weights if they target `k`;
+//! 4. `ensure_capacity` for the workspace growth + the cut outputs it will store, with the
+//!    segment's weights required and protected, segments in reverse order as the preferred
+//!    eviction order;
+//! 5. `prepare_params` (load, stage, pin) the segment's weights;
+//! 6. build the segment graph (cached cuts bound as inputs), allocate it, upload host inputs;
+//! 7. best effort: prefetch the next segment's missing weights if they fit now;
+//! 8. compute; store outputs later segments or the caller need; unpin; prune the cache to
+//!    the future cuts; push the runtime residency to the manager.
+
+use std::collections::{BTreeMap, BTreeSet, HashSet};
+use std::sync::Arc;
+
+use sd_graphcut::{CapturedGraph, CutMarks, CutName, HostInputs, Plan, SegmentGraph};
+use sd_residency::{BackendMemoryRequest, DeviceResidencyManager, ParamId, WeightPrefetchResult};
+use sd_tensor::ggml::{BufferType, GTensor, TensorId};
+
+use crate::engine::EngineOptions;
+use crate::error::{ExecError, Result};
+use crate::eviction::{ensure_capacity, CapacityAsk, ReclaimEvent};
+use crate::session::{ExecutionSession, SegmentationPolicy, SessionId};
+use crate::task::{ComputeResult, ComputeTask, SegmentReport};
+
+/// Everything one execution borrows from the engine.
+pub(crate) struct Exec<'a, M> {
+    pub manager: &'a mut M,
+    pub others: &'a mut BTreeMap<SessionId, ExecutionSession>,
+    pub options: &'a EngineOptions,
+    pub log: &'a mut Vec<ReclaimEvent>,
+    pub session: &'a mut ExecutionSession,
+}
+
+fn align_up(n: u64, a: u64) -> u64 {
+    if a <= 1 {
+        n
+    } else {
+        n.div_ceil(a) * a
+    }
+}
+
+/// Device bytes of `t` in a buffer of `buft` (aligned allocation size).
+fn device_bytes(buft: BufferType, t: &GTensor) -> u64 {
+    align_up(buft.alloc_size(t) as u64, buft.alignment() as u64)
+}
+
+/// A plan with its captured graph, and the parameters of each segment.
+struct Prepared {
+    graph: CapturedGraph,
+    plan: Arc<Plan>,
+    segment_params: Vec<Vec<ParamId>>,
+    segment_weight_bytes: Vec<u64>,
+}
+
+impl<M: DeviceResidencyManager> Exec<'_, M> {
+    fn invalid(&self, task: &ComputeTask, detail: impl Into<String>) -> ExecError {
+        ExecError::InvalidTask {
+            task: task.description.clone(),
+            detail: detail.into(),
+        }
+    }
+
+    fn prepare_plan(&mut self, task: &ComputeTask, marks: &CutMarks) -> Result<Prepared> {
+        let weights: HashSet<TensorId> = task.weights.iter().map(|t| t.id()).collect();
+        let manager = &*self.manager;
+        let is_param = |id: TensorId| weights.contains(&id) || manager.resolve_param(id).is_some();
+        let graph = CapturedGraph::capture(&task.graph, marks, &is_param)?;
+        let plan = self.session.planner.plan(&graph)?;
+        let buft = self.session.config.backend.buffer_type();
+        let mut segment_params = Vec::with_capacity(plan.segments.len());
+        let mut segment_weight_bytes = Vec::with_capacity(plan.segments.len());
+        for seg in &plan.segments {
+            let mut seen = BTreeSet::new();
+            let mut bytes = 0u64;
+            let mut ids = Vec::new();
+            for l in seg.params() {
+                let t = &graph.leaf_tensors()[l];
+                if let Some(p) = self.manager.resolve_param(t.id()) {
+                    if seen.insert(p) {
+                        ids.push(p);
+                        bytes += device_bytes(buft, t);
+                    }
+                }
+            }
+            segment_params.push(ids);
+            segment_weight_bytes.push(bytes);
+        }
+        Ok(Prepared {
+            graph,
+            plan,
+            segment_params,
+            segment_weight_bytes,
+        })
+    }
+
+    /// Runs `task` (see the module documentation).
+    pub(crate) fn run(&mut self, task: &ComputeTask) -> Result<ComputeResult> {
+        let _span =
+            tracing::info_span!("execute", task = %task.description, session = %self.session.id)
+                .entered();
+        let whole = self.prepare_plan(task, &CutMarks::new())?;
+        let segmented = self.should_segment(task, &whole)?;
+        let prepared = if segmented {
+            let p = self.prepare_plan(task, &task.marks)?;
+            if p.plan.segments.len() > 1 {
+                p
+            } else {
+                whole
+            }
+        } else {
+            whole
+        };
+        let segmented = prepared.plan.segments.len() > 1;
+        tracing::debug!(
+            segments = prepared.plan.segments.len(),
+            segmented,
+            "plan chosen"
+        );
+        self.run_plan(task, &prepared, segmented)
+    }
+
+    /// The seed's rule: segment when the graph has cuts, the manager allows it, and its
+    /// weights + measured workspace + planning headroom exceed the budget.
+    fn should_segment(&self, task: &ComputeTask, whole: &Prepared) -> Result<bool> {
+        let cfg = &self.session.config;
+        let can = !task.marks.is_empty()
+            && self.manager.segmented_compute_enabled()
+            && !cfg.backend.is_cpu();
+        match cfg.segmentation {
+            SegmentationPolicy::Never => return Ok(false),
+            SegmentationPolicy::Always => return Ok(can),
+            SegmentationPolicy::Auto if !can => return Ok(false),
+            SegmentationPolicy::Auto => {}
+        }
+        let device_total = cfg
+            .backend
+            .device()
+            .map(|d| d.memory().total)
+            .filter(|t| *t > 0);
+        let limit = match (cfg.budget, device_total) {
+            (Some(a), Some(b)) => a.min(b),
+            (a, b) => match a.or(b) {
+                Some(l) => l,
+                None => return Ok(false),
+            },
+        };
+        let weights: u64 = whole.segment_weight_bytes.iter().sum();
+        let ws = whole.plan.max_compute_buffer() as u64;
+        let out = whole
+            .plan
+            .graph_outputs()
+            .map(|o| align_up(o.bytes as u64, 256))
+            .sum::<u64>();
+        let need = weights
+            .saturating_add(ws)
+            .saturating_add(out)
+            .saturating_add(self.options.planning_headroom);
+        tracing::debug!(weights, workspace = ws, limit, need, "segmentation check");
+        if need > limit {
+            return Ok(true);
+        }
+        Ok(false)
+    }
+
+    fn request(&self, pending: u64) -> BackendMemoryRequest {
+        let s = &self.session;
+        BackendMemoryRequest {
+            backend: s.config.backend_id,
+            owner: s.id.owner(),
+            pending_bytes: pending,
+            runtime_resident_bytes: s.resident_bytes(),
+            max_backend_bytes: s.config.budget,
+        }
+    }
+
+    fn run_plan(
+        &mut self,
+        task: &ComputeTask,
+        p: &Prepared,
+        segmented: bool,
+    ) -> Result<ComputeResult> {
+        let plan = &p.plan;
+        let output_index = plan
+            .graph_outputs()
+            .find(|o| p.graph.node_tensors()[o.node].id() == task.output.id())
+            .map(|o| o.name.clone())
+            .ok_or_else(|| {
+                self.invalid(
+                    task,
+                    format!(
+                        "output '{}' is not a graph output (flag it as output or make it the last node)",
+                        task.output.name()
+                    ),
+                )
+            })?;
+        let mut inputs = HostInputs::new();
+        for (t, b) in &task.inputs {
+            inputs.insert(t, b)?;
+        }
+        let buft = self.session.config.backend.buffer_type();
+        let backend_name = self.session.config.backend.name().to_string();
+        let owner = self.session.id.owner();
+        let prefetch_on =
+            segmented && self.session.config.prefetch && self.manager.prefetch_enabled();
+        // Preferred eviction order: segments in reverse order.
+        let preferred: Vec<Vec<ParamId>> = p.segment_params.iter().rev().cloned().collect();
+        for ids in &p.segment_params {
+            self.session.params_used.extend(ids.iter().copied());
+        }
+        self.session.cut_cache.clear();
+        let mut reports = Vec::with_capacity(plan.segments.len());
+        // (target segment, params) of the queued prefetch.
+        let mut queued: Option<(usize, Vec<ParamId>)> = None;
+        let mut outputs_so_far: Vec<CutName> = Vec::new();
+
+        for (k, seg) in plan.segments.iter().enumerate() {
+            let _span = tracing::debug_span!("segment", index = k, name = %seg.name).entered();
+            let what = if segmented {
+                format!("segment {k} '{}' of '{}'", seg.name, task.description)
+            } else {
+                format!("whole graph '{}'", task.description)
+            };
+            outputs_so_far.extend(
+                seg.outputs
+                    .iter()
+                    .filter(|o| o.graph_output)
+                    .map(|o| o.name.clone()),
+            );
+            self.session
+                .cut_cache
+                .retain(|n| seg.live_cuts.contains(n) || outputs_so_far.contains(n));
+            let params = &p.segment_params[k];
+            let compute = seg.bytes.compute_buffer as u64;
+            let store: Vec<_> = seg
+                .outputs
+                .iter()
+                .filter(|o| o.graph_output || seg.future_cuts.contains(&o.name))
+                .collect();
+            let store_bytes: u64 = store
+                .iter()
+                .map(|o| device_bytes(buft, &p.graph.node_tensors()[o.node]))
+                .sum();
+            let held = self.session.workspace.prepare(compute);
+            self.session.sync(self.manager);
+
+            // Prefetched weights for this segment become current.
+            let mut prefetched = false;
+            if let Some((target, ids)) = queued.take() {
+                if target == k {
+                    prefetched = self.manager.activate_prefetched_params(owner, &ids)?;
+                } else {
+                    self.manager.clear_prefetched_params(owner);
+                }
+            }
+
+            let pending = compute.saturating_sub(held) + store_bytes;
+            let request = self.request(pending);
+            ensure_capacity(
+                self.manager,
+                self.others,
+                &CapacityAsk {
+                    what: what.clone(),
+                    backend_name: backend_name.clone(),
+                    request,
+                    required: params,
+                    preferred: &preferred,
+                    protected: params,
+                },
+                self.log,
+            )?;
+            self.manager.prepare_params(params)?;
+            // From here on the segment's weights are pinned: unpin whatever happens.
+            let r = self.compute_segment(
+                task,
+                p,
+                k,
+                &inputs,
+                prefetch_on,
+                &mut queued,
+                store_bytes,
+                &backend_name,
+                &preferred,
+            );
+            let unpinned = self.manager.unpin_params(params);
+            let cache_bytes = r?;
+            unpinned?;
+            self.session.workspace.end_graph();
+            self.session
+                .cut_cache
+                .retain(|n| seg.future_cuts.contains(n) || outputs_so_far.contains(n));
+            self.session.sync(self.manager);
+            reports.push(SegmentReport {
+                index: k,
+                name: seg.name.clone(),
+                params: params.len(),
+                weight_bytes: p.segment_weight_bytes[k],
+                compute_bytes: compute,
+                cache_bytes,
+                prefetched,
+            });
+        }
+        if queued.is_some() {
+            self.manager.clear_prefetched_params(owner);
+        }
+        let out = self.session.cut_cache.get(&output_index).ok_or_else(|| {
+            self.invalid(task, format!("output '{output_index}' was not produced"))
+        })?;
+        let bytes = out.read_bytes().map_err(ExecError::ggml(format!(
+            "reading output '{}'",
+            task.output.name()
+        )))?;
+        let ne = out.ne();
+        if let Some(peak) = reports.iter().map(|r| r.compute_bytes).max() {
+            tracing::debug!(segments = reports.len(), peak_compute = peak, "executed");
+        }
+        Ok(ComputeResult {
+            output: bytes,
+            ne,
+            segmented,
+            segments: reports,
+        })
+    }
+
+    /// Steps 6-8 of segment `k`; returns the cut cache bytes after storing its outputs.
+    #[allow(clippy::too_many_arguments)]
+    fn compute_segment(
+        &mut self,
+        task: &ComputeTask,
+        p: &Prepared,
+        k: usize,
+        inputs: &HostInputs<'_>,
+        prefetch_on: bool,
+        queued: &mut Option<(usize, Vec<ParamId>)>,
+        store_bytes: u64,
+        backend_name: &str,
+        preferred: &[Vec<ParamId>],
+    ) -> Result<u64> {
+        let plan = &p.plan;
+        let seg = &plan.segments[k];
+        let sg = SegmentGraph::for_execution(&p.graph, plan, k, &self.session.cut_cache, inputs)?;
+        self.session.workspace.allocate(sg)?;
+        self.session.sync(self.manager);
+        if prefetch_on {
+            *queued = self.enqueue_prefetch(task, p, k, store_bytes, backend_name, preferred);
+        }
+        let Some(sg) = self.session.workspace.current() else {
+            return Err(ExecError::Ggml {
+                context: format!("segment {k} '{}'", seg.name),
+                source: sd_tensor::GgmlError::Mismatch("workspace lost its graph".into()),
+            });
+        };
+        sg.upload(inputs)?;
+        self.session
+            .config
+            .backend
+            .compute(sg.graph())
+            .map_err(ExecError::ggml(format!(
+                "computing segment {k} '{}'",
+                seg.name
+            )))?;
+        let outs: Vec<_> = sg
+            .outputs()
+            .iter()
+            .filter(|(o, _)| o.graph_output || seg.future_cuts.contains(&o.name))
+            .map(|(o, t)| (o.name.clone(), t.clone()))
+            .collect();
+        for (name, t) in outs {
+            self.session.cut_cache.store(&name, &t)?;
+        }
+        Ok(self.session.cut_cache_bytes())
+    }
+
+    /// Best effort: stages the next segment's missing weights now if they fit (evicting
+    /// only what the policy allows, never the current segment's weights).
+    fn enqueue_prefetch(
+        &mut self,
+        task: &ComputeTask,
+        p: &Prepared,
+        k: usize,
+        store_bytes: u64,
+        backend_name: &str,
+        preferred: &[Vec<ParamId>],
+    ) -> Option<(usize, Vec<ParamId>)> {
+        let current: HashSet<ParamId> = p.segment_params[k].iter().copied().collect();
+        let (target, next) = p
+            .segment_params
+            .iter()
+            .enumerate()
+            .skip(k + 1)
+            .find(|(_, ids)| !ids.is_empty())?;
+        let missing: Vec<ParamId> = next
+            .iter()
+            .copied()
+            .filter(|x| !current.contains(x))
+            .collect();
+        if missing.is_empty() {
+            return None;
+        }
+        let mut protected: Vec<ParamId> = p.segment_params[k].clone();
+        protected.extend_from_slice(&missing);
+        let request = self.request(store_bytes);
+        let ok = ensure_capacity(
+            self.manager,
+            self.others,
+            &CapacityAsk {
+                what: format!("prefetch for segment {target} of '{}'", task.description),
+                backend_name: backend_name.to_string(),
+                request,
+                required: &missing,
+                preferred,
+                protected: &protected,
+            },
+            self.log,
+        );
+        if ok.is_err() {
+            tracing::debug!(target, "prefetch skipped: no room");
+            return None;
+        }
+        match self
+            .manager
+            .prefetch_params(self.session.id.owner(), &missing)
+        {
+            WeightPrefetchResult::Scheduled => Some((target, missing)),
+            other => {
+                tracing::debug!(target, result = ?other, "prefetch not scheduled");
+                None
+            }
+        }
+    }
+}

@@ -1,0 +1,122 @@
+//! [`ComputeTask`] (what model code hands the engine) and [`ComputeResult`] (what comes back).
+
+use sd_graphcut::CutMarks;
+use sd_tensor::ggml::{GTensor, Graph};
+
+/// One graph to compute: the graph, its cut marks, the output to read back, host data for
+/// its inputs and the weights it uses.
+///
+/// Weights are the manager's registered descriptors used directly as graph leaves; the
+/// engine also treats as a weight every leaf the manager resolves as a parameter.
+#[derive(Debug)]
+pub struct ComputeTask {
+    /// A description for logs and errors.
+    pub description: String,
+    /// The graph (built in a no_alloc context; nothing in it needs memory yet except
+    /// weights, which the engine stages).
+    pub graph: Graph,
+    /// Cut marks: where the graph may be split into segments. Empty: never segmented.
+    pub marks: CutMarks,
+    /// The tensor whose data is returned (it must be a graph output: flagged as output or
+    /// the last node).
+    pub output: GTensor,
+    /// Host data for input leaves: `(tensor, bytes)` with exactly `tensor.nbytes()` bytes.
+    pub inputs: Vec<(GTensor, Vec<u8>)>,
+    /// Weight leaves (registered parameters) the graph uses.
+    pub weights: Vec<GTensor>,
+}
+
+impl ComputeTask {
+    /// A task computing `graph` and returning `output`, with no cuts, inputs or weights yet.
+    pub fn new(description: impl Into<String>, graph: Graph, output: GTensor) -> ComputeTask {
+        ComputeTask {
+            description: description.into(),
+            graph,
+            marks: CutMarks::new(),
+            output,
+            inputs: Vec::new(),
+            weights: Vec::new(),
+        }
+    }
+
+    /// Sets the cut marks.
+    pub fn with_marks(mut self, marks: CutMarks) -> ComputeTask {
+        self.marks = marks;
+        self
+    }
+
+    /// Adds host data for an input leaf.
+    pub fn with_input(mut self, tensor: &GTensor, bytes: Vec<u8>) -> ComputeTask {
+        self.inputs.push((tensor.clone(), bytes));
+        self
+    }
+
+    /// Adds weight leaves.
+    pub fn with_weights<'a>(mut self, weights: impl IntoIterator<Item = &'a GTensor>) -> Self {
+        self.weights.extend(weights.into_iter().cloned());
+        self
+    }
+}
+
+/// What one segment (or the whole graph, as a single segment) used.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SegmentReport {
+    /// Position in the plan.
+    pub index: usize,
+    /// The segment's name (its cut group, or `<final>`).
+    pub name: String,
+    /// Parameters the segment used.
+    pub params: usize,
+    /// Bytes of its weights on the compute device (aligned allocation sizes).
+    pub weight_bytes: u64,
+    /// The compute buffer (workspace) bytes it needed.
+    pub compute_bytes: u64,
+    /// Bytes in the cut cache right after it computed (before pruning).
+    pub cache_bytes: u64,
+    /// Whether its weights had been prefetched while the previous segment computed.
+    pub prefetched: bool,
+}
+
+impl SegmentReport {
+    /// Weights + workspace + cut cache: what the segment held on the device at its peak.
+    pub fn footprint(&self) -> u64 {
+        self.weight_bytes + self.compute_bytes + self.cache_bytes
+    }
+}
+
+/// The outcome of a successful [`ExecutionEngine::execute`](crate::ExecutionEngine::execute).
+#[derive(Clone, Debug, PartialEq)]
+pub struct ComputeResult {
+    /// The output tensor's bytes, in its layout.
+    pub output: Vec<u8>,
+    /// The output's dimensions (ggml order, innermost first).
+    pub ne: [usize; 4],
+    /// Whether the graph ran in segments (false: whole, as one segment).
+    pub segmented: bool,
+    /// One report per segment run, in order.
+    pub segments: Vec<SegmentReport>,
+}
+
+impl ComputeResult {
+    /// The output as f32 values (little-endian); `None` if its size is not a multiple of 4.
+    pub fn output_f32(&self) -> Option<Vec<f32>> {
+        let chunks = self.output.chunks_exact(4);
+        if !chunks.remainder().is_empty() {
+            return None;
+        }
+        Some(
+            chunks
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect(),
+        )
+    }
+
+    /// The largest compute buffer of any segment.
+    pub fn peak_compute_bytes(&self) -> u64 {
+        self.segments
+            .iter()
+            .map(|s| s.compute_bytes)
+            .max()
+            .unwrap_or(0)
+    }
+}

@@ -1,0 +1,109 @@
+//! [`ComputeWorkspace`]: the compute buffer of a session (one ggml graph allocator on the
+//! session's compute buffer type) and the segment graph it currently holds.
+
+use sd_graphcut::SegmentGraph;
+use sd_tensor::ggml::{BufferType, Gallocr};
+
+use crate::error::{ExecError, Result};
+
+/// One graph allocator whose buffer counts against the session's budget.
+///
+/// The buffer only grows inside ggml; [`prepare`](Self::prepare) releases it first when a
+/// graph needs more, so that the old and the new buffer never exist at the same time.
+pub struct ComputeWorkspace {
+    buft: BufferType,
+    // Field order: the allocator (which forgets its tensors' memory) before their graph.
+    galloc: Option<Gallocr>,
+    current: Option<SegmentGraph>,
+    reservations: usize,
+}
+
+impl std::fmt::Debug for ComputeWorkspace {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ComputeWorkspace")
+            .field("buffer_type", &self.buft.name())
+            .field("bytes", &self.bytes())
+            .field("reservations", &self.reservations)
+            .finish()
+    }
+}
+
+impl ComputeWorkspace {
+    /// An empty workspace allocating from `buft`.
+    pub fn new(buft: BufferType) -> ComputeWorkspace {
+        ComputeWorkspace {
+            buft,
+            galloc: None,
+            current: None,
+            reservations: 0,
+        }
+    }
+
+    /// The buffer type it allocates from.
+    pub fn buffer_type(&self) -> BufferType {
+        self.buft
+    }
+
+    /// Bytes of its buffer now (0 when released).
+    pub fn bytes(&self) -> u64 {
+        self.galloc.as_ref().map_or(0, |g| g.buffer_size() as u64)
+    }
+
+    /// Number of allocators created so far (a growing graph re-creates it).
+    pub fn reservations(&self) -> usize {
+        self.reservations
+    }
+
+    /// Whether no buffer is held.
+    pub fn is_released(&self) -> bool {
+        self.galloc.is_none()
+    }
+
+    /// Prepares for a graph needing `needed` bytes: releases the buffer if it is smaller
+    /// (ggml would otherwise grow it in place). Returns the bytes still held.
+    pub fn prepare(&mut self, needed: u64) -> u64 {
+        if self.galloc.is_some() && self.bytes() < needed {
+            self.release();
+        }
+        self.bytes()
+    }
+
+    /// Allocates `graph`'s tensors in the buffer (creating or growing it) and keeps the
+    /// graph until the next allocation or release.
+    pub fn allocate(&mut self, graph: SegmentGraph) -> Result<&SegmentGraph> {
+        if self.galloc.is_none() {
+            let g = Gallocr::new(self.buft).map_err(ExecError::ggml("creating the allocator"))?;
+            self.galloc = Some(g);
+            self.reservations += 1;
+        }
+        let Some(galloc) = self.galloc.as_mut() else {
+            return Err(ExecError::Ggml {
+                context: "compute workspace".into(),
+                source: sd_tensor::GgmlError::Mismatch("allocator missing".into()),
+            });
+        };
+        if let Err(e) = galloc.alloc_graph(graph.graph()) {
+            // ggml may have dropped the buffer: start over next time.
+            self.release();
+            return Err(ExecError::ggml("allocating the compute buffer")(e));
+        }
+        Ok(&*self.current.insert(graph))
+    }
+
+    /// The graph allocated last (until [`end_graph`](Self::end_graph) or release).
+    pub fn current(&self) -> Option<&SegmentGraph> {
+        self.current.as_ref()
+    }
+
+    /// Frees the buffer and the graph it held (their tensors lose their memory).
+    pub fn release(&mut self) {
+        self.galloc = None;
+        self.current = None;
+    }
+
+    /// Drops the graph it holds but keeps the buffer for the next graph.
+    pub fn end_graph(&mut self) {
+        // The allocator keeps its own handles on the tensors it placed.
+        self.current = None;
+    }
+}

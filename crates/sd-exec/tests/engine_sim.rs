@@ -1,0 +1,501 @@
+//! The engine on a simulated device (CPU backend as host): a small UNet-like model and a
+//! transformer stack give bit-identical output whole and segmented under a tight budget
+//! (with and without prefetch); the SimDevice's own high-water mark never exceeds the
+//! budget; a second session reclaims the first's idle workspace before its weights; an
+//! impossible budget fails naming the segment and the bytes, and the session stays usable.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use sd_exec::{
+    ComputeResult, ComputeTask, EngineOptions, ExecError, ExecutionEngine, ReclaimEvent,
+    SegmentationPolicy, SessionConfig, SessionId,
+};
+use sd_graphcut::CutMarks;
+use sd_residency::files::ModelLoader;
+use sd_residency::{
+    BackendId, Component, DeviceResidencyManager, ModelManager, ParamSpec, ResidencyMode, SourceId,
+};
+use sd_tensor::ggml::{Backend, Context, GTensor, Graph, SimDevice, SimOptions};
+use sd_tensor::DType;
+
+const C: usize = 16;
+const D: usize = 32;
+const T: usize = 16;
+const LAYERS: usize = 6;
+
+fn rnd(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    (0..n)
+        .map(|_| {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0) * 0.3
+        })
+        .collect()
+}
+
+fn bytes_of(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+/// (name, ne) of every weight of both models.
+fn weight_specs() -> Vec<(String, Vec<usize>)> {
+    let mut v: Vec<(String, Vec<usize>)> = vec![
+        ("unet.k_in".into(), vec![3, 3, 4, C]),
+        ("unet.b_in".into(), vec![1, 1, C, 1]),
+        ("unet.k_down".into(), vec![3, 3, C, C]),
+        ("unet.wq".into(), vec![C, C]),
+        ("unet.wk".into(), vec![C, C]),
+        ("unet.wv".into(), vec![C, C]),
+        ("unet.wo".into(), vec![C, C]),
+        ("unet.wt".into(), vec![C, C]),
+        ("unet.k_up1".into(), vec![3, 3, 2 * C, C]),
+        ("unet.k_up0".into(), vec![3, 3, 2 * C, C]),
+        ("unet.k_out".into(), vec![3, 3, C, 4]),
+    ];
+    for i in 0..4 {
+        v.push((format!("unet.k_res{i}"), vec![3, 3, C, C]));
+    }
+    for l in 0..LAYERS {
+        for w in ["wq", "wk", "wv", "wo"] {
+            v.push((format!("tf.{l}.{w}"), vec![D, D]));
+        }
+        v.push((format!("tf.{l}.w1"), vec![D, 2 * D]));
+        v.push((format!("tf.{l}.w2"), vec![2 * D, D]));
+    }
+    v.into_iter()
+        .map(|(n, ne)| (format!("model.diffusion_model.{n}.weight"), ne))
+        .collect()
+}
+
+fn write_model() -> PathBuf {
+    static N: AtomicUsize = AtomicUsize::new(0);
+    let dir = std::env::temp_dir().join(format!("sd-exec-tests-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join(format!(
+        "m{}.safetensors",
+        N.fetch_add(1, Ordering::Relaxed)
+    ));
+    let mut header = String::from("{");
+    let mut data = Vec::new();
+    for (i, (name, ne)) in weight_specs().iter().enumerate() {
+        if i > 0 {
+            header.push(',');
+        }
+        let n: usize = ne.iter().product();
+        let start = data.len();
+        data.extend_from_slice(&bytes_of(&rnd(n, 1000 + i as u64)));
+        let shape: Vec<usize> = ne.iter().rev().copied().collect();
+        header.push_str(&format!(
+            "\"{name}\":{{\"dtype\":\"F32\",\"shape\":{shape:?},\"data_offsets\":[{start},{}]}}",
+            data.len()
+        ));
+    }
+    header.push('}');
+    while (8 + header.len()) % 64 != 0 {
+        header.push(' ');
+    }
+    let mut out = (header.len() as u64).to_le_bytes().to_vec();
+    out.extend_from_slice(header.as_bytes());
+    out.extend_from_slice(&data);
+    std::fs::write(&path, &out).unwrap();
+    path
+}
+
+struct Rig {
+    sim: SimDevice,
+    engine: ExecutionEngine<ModelManager>,
+    gpu: BackendId,
+    backend: Arc<Backend>,
+    w: HashMap<String, GTensor>,
+    _wctx: Context,
+}
+
+fn rig(name: &str, prefetch: bool) -> Rig {
+    let sim = SimDevice::new(name, 64 << 20, SimOptions::default()).unwrap();
+    let mut loader = ModelLoader::new();
+    loader.add_file(write_model(), None).unwrap();
+    let mut mm = ModelManager::new(loader);
+    mm.set_device_reserve(0);
+    // One block per weight: a block shared by two segments cannot be evicted while
+    // either needs it, which would make per-segment footprints underestimates.
+    mm.set_max_block_bytes(1);
+    mm.set_load_threads(1);
+    mm.set_segmented_compute(true);
+    mm.set_prefetch(prefetch);
+    let cpu = mm.add_backend(Arc::new(Backend::cpu(1).unwrap())).unwrap();
+    let backend = Arc::new(sim.backend().unwrap());
+    let gpu = mm.add_backend(backend.clone()).unwrap();
+    let wctx = Context::new_descriptors(256, 1, 0).unwrap();
+    let mut descs = Vec::new();
+    let mut w = HashMap::new();
+    for (name, ne) in weight_specs() {
+        let t = wctx.new_tensor(DType::F32, &ne).unwrap();
+        let short = name
+            .trim_start_matches("model.diffusion_model.")
+            .trim_end_matches(".weight")
+            .to_string();
+        t.set_name(&short);
+        w.insert(short, t.clone());
+        descs.push((name, t));
+    }
+    mm.register_params(
+        ParamSpec {
+            component: Component::Diffusion,
+            mode: ResidencyMode::ParamBackend,
+            params_backend: cpu,
+            compute_backend: gpu,
+            source: SourceId::MAIN,
+        },
+        &descs,
+    )
+    .unwrap();
+    let engine = ExecutionEngine::new(
+        mm,
+        EngineOptions {
+            planning_headroom: 0,
+        },
+    );
+    Rig {
+        sim,
+        engine,
+        gpu,
+        backend,
+        w,
+        _wctx: wctx,
+    }
+}
+
+impl Rig {
+    fn session(
+        &mut self,
+        budget: Option<u64>,
+        policy: SegmentationPolicy,
+        prefetch: bool,
+    ) -> SessionId {
+        let id = self.engine.create_session(
+            SessionConfig::new("test", self.backend.clone(), self.gpu)
+                .with_budget(budget)
+                .with_segmentation(policy)
+                .with_prefetch(prefetch),
+        );
+        self.engine.start(id).unwrap();
+        id
+    }
+}
+
+/// The UNet-like graph: conv in, res blocks (group norm, silu, conv, timestep embedding),
+/// a strided down conv, attention in the middle, up path with skip concatenations.
+fn unet(w: &HashMap<String, GTensor>) -> ComputeTask {
+    let ctx = Context::new_descriptors(512, 512, 1).unwrap();
+    let g = |n: &str| w[&format!("unet.{n}")].clone();
+    let x = ctx.new_tensor(DType::F32, &[8, 8, 4, 1]).unwrap();
+    x.set_name("x");
+    let t_in = ctx.new_tensor(DType::F32, &[C, 1]).unwrap();
+    t_in.set_name("t_in");
+    let mut marks = CutMarks::new();
+    let temb = ctx.silu(&ctx.mul_mat(&g("wt"), &t_in).unwrap()).unwrap();
+    let temb4 = ctx.reshape(&temb, &[1, 1, C, 1]).unwrap();
+    let conv = |k: &GTensor, h: &GTensor, s: usize| {
+        ctx.conv_2d(k, h, (s, s), (1, 1), (1, 1), true).unwrap()
+    };
+    let res = |h: &GTensor, k: &GTensor| {
+        let s = ctx.silu(&ctx.group_norm(h, 4, 1e-5).unwrap()).unwrap();
+        let c = ctx.add(&conv(k, &s, 1), &temb4).unwrap();
+        ctx.add(h, &c).unwrap()
+    };
+    let attn = |h: &GTensor| {
+        let (ww, hh) = (h.ne()[0], h.ne()[1]);
+        let t = ww * hh;
+        let tokens = ctx.reshape(h, &[t, C, 1]).unwrap();
+        let xt = ctx.cont(&ctx.transpose(&tokens).unwrap()).unwrap();
+        let q = ctx.mul_mat(&g("wq"), &xt).unwrap();
+        let k = ctx.mul_mat(&g("wk"), &xt).unwrap();
+        let v = ctx.mul_mat(&g("wv"), &xt).unwrap();
+        let probs = ctx
+            .soft_max_ext(&ctx.mul_mat(&k, &q).unwrap(), None, 0.25)
+            .unwrap();
+        let vt = ctx.cont(&ctx.transpose(&v).unwrap()).unwrap();
+        let out = ctx
+            .mul_mat(&g("wo"), &ctx.mul_mat(&vt, &probs).unwrap())
+            .unwrap();
+        let back = ctx.cont(&ctx.transpose(&out).unwrap()).unwrap();
+        ctx.add(h, &ctx.reshape(&back, &[ww, hh, C, 1]).unwrap())
+            .unwrap()
+    };
+    let h0 = ctx.add(&conv(&g("k_in"), &x, 1), &g("b_in")).unwrap();
+    marks.mark(&h0, "in", "h").unwrap();
+    let s0 = res(&h0, &g("k_res0"));
+    marks.mark(&s0, "down0", "h").unwrap();
+    let s1 = res(&conv(&g("k_down"), &s0, 2), &g("k_res1"));
+    marks.mark(&s1, "down1", "h").unwrap();
+    let m = attn(&s1);
+    marks.mark(&m, "mid", "h").unwrap();
+    let u1 = res(
+        &conv(&g("k_up1"), &ctx.concat(&m, &s1, 2).unwrap(), 1),
+        &g("k_res2"),
+    );
+    marks.mark(&u1, "up1", "h").unwrap();
+    let up = ctx.upscale(&u1, 2).unwrap();
+    let u0 = res(
+        &conv(&g("k_up0"), &ctx.concat(&up, &s0, 2).unwrap(), 1),
+        &g("k_res3"),
+    );
+    marks.mark(&u0, "up0", "h").unwrap();
+    let out = conv(
+        &g("k_out"),
+        &ctx.silu(&ctx.group_norm(&u0, 4, 1e-5).unwrap()).unwrap(),
+        1,
+    );
+    out.set_name("out");
+    out.set_output();
+    let mut graph = Graph::new(&ctx, 512).unwrap();
+    graph.build_forward_expand(&out).unwrap();
+    let weights: Vec<GTensor> = w
+        .iter()
+        .filter(|(k, _)| k.starts_with("unet."))
+        .map(|(_, t)| t.clone())
+        .collect();
+    ComputeTask::new("unet", graph, out)
+        .with_marks(marks)
+        .with_input(&x, bytes_of(&rnd(8 * 8 * 4, 7)))
+        .with_input(&t_in, bytes_of(&rnd(C, 8)))
+        .with_weights(&weights)
+}
+
+/// A pre-norm transformer stack; each layer's output is a cut.
+fn transformer(w: &HashMap<String, GTensor>) -> ComputeTask {
+    let ctx = Context::new_descriptors(1024, 1024, 1).unwrap();
+    let x = ctx.new_tensor(DType::F32, &[D, T]).unwrap();
+    x.set_name("tokens");
+    let mut marks = CutMarks::new();
+    let mut h = x.clone();
+    for l in 0..LAYERS {
+        let g = |n: &str| w[&format!("tf.{l}.{n}")].clone();
+        let n = ctx.norm(&h, 1e-5).unwrap();
+        let q = ctx.mul_mat(&g("wq"), &n).unwrap();
+        let k = ctx.mul_mat(&g("wk"), &n).unwrap();
+        let v = ctx.mul_mat(&g("wv"), &n).unwrap();
+        let probs = ctx
+            .soft_max_ext(&ctx.mul_mat(&k, &q).unwrap(), None, 0.2)
+            .unwrap();
+        let vt = ctx.cont(&ctx.transpose(&v).unwrap()).unwrap();
+        let a = ctx
+            .mul_mat(&g("wo"), &ctx.mul_mat(&vt, &probs).unwrap())
+            .unwrap();
+        h = ctx.add(&h, &a).unwrap();
+        let f = ctx
+            .mul_mat(
+                &g("w2"),
+                &ctx.gelu(&ctx.mul_mat(&g("w1"), &ctx.norm(&h, 1e-5).unwrap()).unwrap())
+                    .unwrap(),
+            )
+            .unwrap();
+        h = ctx.add(&h, &f).unwrap();
+        marks.mark(&h, &format!("layer{l}"), "h").unwrap();
+    }
+    let out = ctx.scale(&h, 1.0).unwrap();
+    out.set_output();
+    let mut graph = Graph::new(&ctx, 1024).unwrap();
+    graph.build_forward_expand(&out).unwrap();
+    let weights: Vec<GTensor> = w
+        .iter()
+        .filter(|(k, _)| k.starts_with("tf."))
+        .map(|(_, t)| t.clone())
+        .collect();
+    ComputeTask::new("transformer", graph, out)
+        .with_marks(marks)
+        .with_input(&x, bytes_of(&rnd(D * T, 9)))
+        .with_weights(&weights)
+}
+
+type Builder = fn(&HashMap<String, GTensor>) -> ComputeTask;
+
+fn run(
+    name: &str,
+    build: Builder,
+    budget: Option<u64>,
+    policy: SegmentationPolicy,
+    prefetch: bool,
+) -> (ComputeResult, u64) {
+    let mut r = rig(name, prefetch);
+    let id = r.session(budget, policy, prefetch);
+    let res = r.engine.execute(id, &build(&r.w)).unwrap();
+    let peak = r.sim.peak_bytes();
+    // A second run of the same graph gives the same bytes (cached plan, reused workspace).
+    let again = r.engine.execute(id, &build(&r.w)).unwrap();
+    assert_eq!(again.output, res.output, "{name}: second run differs");
+    assert!(
+        r.sim.peak_bytes() <= budget.unwrap_or(u64::MAX),
+        "{name}: peak after second run"
+    );
+    r.engine.end(id).unwrap();
+    (res, peak)
+}
+
+fn check_model(tag: &str, build: Builder) {
+    let (whole, whole_peak) = run(
+        &format!("{tag}_WHOLE"),
+        build,
+        None,
+        SegmentationPolicy::Never,
+        false,
+    );
+    assert!(!whole.segmented);
+    assert_eq!(whole.segments.len(), 1);
+    let (seg, _) = run(
+        &format!("{tag}_ALWAYS"),
+        build,
+        None,
+        SegmentationPolicy::Always,
+        false,
+    );
+    assert!(seg.segmented);
+    assert_eq!(
+        seg.output, whole.output,
+        "{tag}: segmented differs from whole"
+    );
+    let footprint = seg.segments.iter().map(|s| s.footprint()).max().unwrap();
+    // A budget that holds the largest segment but not the whole graph.
+    let budget = footprint + 4096;
+    assert!(
+        budget < whole_peak,
+        "{tag}: budget {budget} not tight (whole peak {whole_peak})"
+    );
+    for prefetch in [false, true] {
+        let (tight, peak) = run(
+            &format!("{tag}_TIGHT{prefetch}"),
+            build,
+            Some(budget),
+            SegmentationPolicy::Auto,
+            prefetch,
+        );
+        assert!(tight.segmented, "{tag}: not segmented under {budget}");
+        assert_eq!(
+            tight.output, whole.output,
+            "{tag}: tight (prefetch {prefetch}) differs"
+        );
+        assert!(
+            peak <= budget,
+            "{tag}: device peak {peak} > budget {budget} (prefetch {prefetch})"
+        );
+        if prefetch {
+            println!(
+                "{tag}: prefetched segments {}",
+                tight.segments.iter().filter(|s| s.prefetched).count()
+            );
+        }
+    }
+    println!(
+        "{tag}: whole peak {whole_peak} B, segment budget {budget} B, {} segments",
+        seg.segments.len()
+    );
+}
+
+#[test]
+fn unet_whole_and_segmented_are_bit_identical_within_budget() {
+    check_model("UNET", unet);
+}
+
+#[test]
+fn transformer_whole_and_segmented_are_bit_identical_within_budget() {
+    check_model("TF", transformer);
+}
+
+#[test]
+fn impossible_budget_fails_naming_segment_and_session_stays_usable() {
+    let (reference, _) = run("IMP_REF", unet, None, SegmentationPolicy::Never, false);
+    let (seg, _) = run("IMP_SEG", unet, None, SegmentationPolicy::Always, false);
+    let largest = seg
+        .segments
+        .iter()
+        .map(|s| s.weight_bytes + s.compute_bytes)
+        .max()
+        .unwrap();
+    let mut r = rig("IMP", false);
+    let id = r.session(Some(largest / 2), SegmentationPolicy::Auto, false);
+    let err = r.engine.execute(id, &unet(&r.w)).unwrap_err();
+    assert!(err.is_out_of_memory(), "{err}");
+    let msg = err.to_string();
+    assert!(matches!(err, ExecError::Capacity { .. }), "{msg}");
+    assert!(msg.contains("segment") && msg.contains(" B"), "{msg}");
+    assert!(
+        r.sim.peak_bytes() <= largest / 2,
+        "peak {} > {}",
+        r.sim.peak_bytes(),
+        largest / 2
+    );
+    println!("{msg}");
+    // Usable afterwards.
+    r.engine.session_mut(id).unwrap().set_budget(None);
+    let ok = r.engine.execute(id, &unet(&r.w)).unwrap();
+    assert_eq!(ok.output, reference.output);
+}
+
+#[test]
+fn second_session_reclaims_first_sessions_idle_workspace_then_weights() {
+    let mut r = rig("EVICT", false);
+    let a = r.session(None, SegmentationPolicy::Never, false);
+    let b = r.session(None, SegmentationPolicy::Auto, false);
+    let ua = r.engine.execute(a, &unet(&r.w)).unwrap();
+    let a_bytes = r.engine.session(a).unwrap().resident_bytes();
+    assert!(a_bytes > 0, "session A keeps an idle workspace");
+    let after_a = r.sim.live_bytes();
+    // A device budget that cannot hold A's leftovers and B's transformer at once.
+    let (tf, _) = run(
+        "EVICT_TF",
+        transformer,
+        None,
+        SegmentationPolicy::Never,
+        false,
+    );
+    let budget = tf.segments[0].footprint() + 4096;
+    assert!(after_a + tf.segments[0].footprint() > budget);
+    let dev = r.sim.device();
+    r.engine.manager_mut().set_device_budget(&dev, Some(budget));
+    r.sim.reset_peak();
+    r.engine.take_reclaim_log();
+    let out = r.engine.execute(b, &transformer(&r.w)).unwrap();
+    assert_eq!(out.output, tf.output);
+    assert!(
+        r.sim.peak_bytes() <= budget.max(after_a),
+        "peak {}",
+        r.sim.peak_bytes()
+    );
+    let log = r.engine.take_reclaim_log();
+    assert!(!log.is_empty());
+    assert_eq!(
+        log[0],
+        ReclaimEvent::ReleasedWorkspace {
+            session: a,
+            bytes: a_bytes
+        },
+        "{log:?}"
+    );
+    assert!(r.engine.session(a).unwrap().workspace().is_released());
+    // Only A's (unet) weights were evicted.
+    let unet_params: Vec<_> =
+        r.w.iter()
+            .filter(|(k, _)| k.starts_with("unet."))
+            .map(|(_, t)| r.engine.manager().resolve_param(t.id()).unwrap())
+            .collect();
+    let evicted: Vec<_> = log
+        .iter()
+        .filter_map(|e| match e {
+            ReclaimEvent::EvictedBlock { params, .. } => Some(params.clone()),
+            _ => None,
+        })
+        .flatten()
+        .collect();
+    assert!(!evicted.is_empty(), "{log:?}");
+    assert!(evicted.iter().all(|p| unet_params.contains(p)), "{log:?}");
+    // A still works afterwards (reclaiming B's idle state in turn).
+    r.engine.manager_mut().set_device_budget(&dev, None);
+    assert_eq!(r.engine.execute(a, &unet(&r.w)).unwrap().output, ua.output);
+}
