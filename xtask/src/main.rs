@@ -4,7 +4,7 @@
 //!   mode and runs it with the built-in default model).
 //! - `cargo xtask test`: the whole test run as CI does it (rustfmt, clippy, tests).
 //! - `cargo xtask setup`: only installs what the ggml build needs (CMake, libclang).
-//! - `cargo xtask bench <name>`: benchmarks (`matmul`).
+//! - `cargo xtask bench <name>`: benchmarks (`matmul`, `exec`).
 //!
 //! xtask itself has no dependencies, so it builds before CMake or libclang exist and can
 //! install them: with apt-get when running as root, otherwise from PyPI with pip.
@@ -204,6 +204,9 @@ fn bench(rest: &[String]) -> Res<()> {
         "matmul" => run(cargo(&benv)
             .args(["bench", "-p", "sd-tensor", "--bench", "matmul", "--"])
             .args(&rest[1..])),
-        other => Err(format!("unknown benchmark '{other}' (known: matmul)")),
+        "exec" => run(cargo(&benv)
+            .args(["bench", "-p", "sd-exec", "--bench", "exec", "--"])
+            .args(&rest[1..])),
+        other => Err(format!("unknown benchmark '{other}' (known: matmul, exec)")),
     }
 }

@@ -15,7 +15,7 @@
 //! 8. compute; store outputs later segments or the caller need; unpin; prune the cache to
 //!    the future cuts; push the runtime residency to the manager.
 
-use std::collections::{BTreeMap, BTreeSet, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
 
 use sd_graphcut::{CapturedGraph, CutMarks, CutName, HostInputs, Plan, SegmentGraph};
@@ -55,7 +55,37 @@ struct Prepared {
     graph: CapturedGraph,
     plan: Arc<Plan>,
     segment_params: Vec<Vec<ParamId>>,
+    /// Per segment, its parameters grouped by the set of segments that use them: each
+    /// group is prepared (and prefetched) in a call of its own, so the manager's staging
+    /// blocks never mix weights needed by different sets of segments (a block holding a
+    /// weight a later segment requires would otherwise keep its other members resident).
+    segment_groups: Vec<Vec<Vec<ParamId>>>,
     segment_weight_bytes: Vec<u64>,
+}
+
+/// Splits each segment's parameters by the set of segments using them (groups in order
+/// of first member, members in segment order).
+fn group_by_usage(segment_params: &[Vec<ParamId>]) -> Vec<Vec<Vec<ParamId>>> {
+    let mut users: HashMap<ParamId, Vec<usize>> = HashMap::new();
+    for (k, ids) in segment_params.iter().enumerate() {
+        for p in ids {
+            users.entry(*p).or_default().push(k);
+        }
+    }
+    segment_params
+        .iter()
+        .map(|ids| {
+            let mut groups: Vec<(&[usize], Vec<ParamId>)> = Vec::new();
+            for p in ids {
+                let key = users[p].as_slice();
+                match groups.iter_mut().find(|(k, _)| *k == key) {
+                    Some((_, g)) => g.push(*p),
+                    None => groups.push((key, vec![*p])),
+                }
+            }
+            groups.into_iter().map(|(_, g)| g).collect()
+        })
+        .collect()
 }
 
 impl<M: DeviceResidencyManager> Exec<'_, M> {
@@ -91,10 +121,12 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
             segment_params.push(ids);
             segment_weight_bytes.push(bytes);
         }
+        let segment_groups = group_by_usage(&segment_params);
         Ok(Prepared {
             graph,
             plan,
             segment_params,
+            segment_groups,
             segment_weight_bytes,
         })
     }
@@ -274,7 +306,17 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
                 },
                 self.log,
             )?;
-            self.manager.prepare_params(params)?;
+            // One call per usage group (see `Prepared::segment_groups`).
+            let mut pinned: Vec<ParamId> = Vec::with_capacity(params.len());
+            for group in &p.segment_groups[k] {
+                if let Err(e) = self.manager.prepare_params(group) {
+                    if let Err(u) = self.manager.unpin_params(&pinned) {
+                        tracing::warn!(error = %u, "unpinning after a failed prepare");
+                    }
+                    return Err(e.into());
+                }
+                pinned.extend_from_slice(group);
+            }
             // From here on the segment's weights are pinned: unpin whatever happens.
             let r = self.compute_segment(
                 task,
@@ -422,15 +464,46 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
             tracing::debug!(target, "prefetch skipped: no room");
             return None;
         }
-        match self
-            .manager
-            .prefetch_params(self.session.id.owner(), &missing)
-        {
-            WeightPrefetchResult::Scheduled => Some((target, missing)),
-            other => {
-                tracing::debug!(target, result = ?other, "prefetch not scheduled");
-                None
+        // One call per usage group, as for prepare.
+        let owner = self.session.id.owner();
+        let mut scheduled: Vec<ParamId> = Vec::new();
+        for group in &p.segment_groups[target] {
+            let group: Vec<ParamId> = group
+                .iter()
+                .copied()
+                .filter(|x| !current.contains(x))
+                .collect();
+            if group.is_empty() {
+                continue;
+            }
+            match self.manager.prefetch_params(owner, &group) {
+                WeightPrefetchResult::Scheduled => scheduled.extend_from_slice(&group),
+                other => {
+                    tracing::debug!(target, result = ?other, "prefetch not scheduled");
+                }
             }
         }
+        if scheduled.is_empty() {
+            None
+        } else {
+            Some((target, scheduled))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn usage_groups_split_weights_shared_with_other_segments() {
+        let p = |v: &[u64]| v.iter().map(|x| ParamId(*x)).collect::<Vec<_>>();
+        // 9 is used by segments 0 and 2, 5 by 1 and 2; the rest by one segment each.
+        let segs = vec![p(&[1, 9, 2]), p(&[3, 5]), p(&[9, 4, 5, 6]), p(&[])];
+        let g = group_by_usage(&segs);
+        assert_eq!(g[0], vec![p(&[1, 2]), p(&[9])]);
+        assert_eq!(g[1], vec![p(&[3]), p(&[5])]);
+        assert_eq!(g[2], vec![p(&[9]), p(&[4, 6]), p(&[5])]);
+        assert!(g[3].is_empty());
     }
 }

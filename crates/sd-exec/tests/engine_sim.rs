@@ -123,9 +123,6 @@ fn rig(name: &str, prefetch: bool) -> Rig {
     loader.add_file(write_model(), None).unwrap();
     let mut mm = ModelManager::new(loader);
     mm.set_device_reserve(0);
-    // One block per weight: a block shared by two segments cannot be evicted while
-    // either needs it, which would make per-segment footprints underestimates.
-    mm.set_max_block_bytes(1);
     mm.set_load_threads(1);
     mm.set_segmented_compute(true);
     mm.set_prefetch(prefetch);

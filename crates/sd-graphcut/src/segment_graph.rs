@@ -468,12 +468,23 @@ fn build(
         // Flag this graph's own tensors only: the output and, for a view, its storage root
         // when the segment computes it (so the allocator does not reuse it).
         t.set_output_only();
-        if let Some(TensorRef::Node(root)) = view.nodes()[o.node].view_src {
-            if internal.contains(&root) {
+        match view.nodes()[o.node].view_src {
+            Some(TensorRef::Node(root)) if internal.contains(&root) => {
                 if let Some(r) = nodes.get(&root) {
                     r.set_output_only();
                 }
             }
+            // A view of a leaf this segment holds a private copy of (an uploaded host
+            // input): without the flag the allocator may reuse the copy's memory (in place)
+            // before the output is read.
+            Some(TensorRef::Leaf(l)) => {
+                if let Some(r) = leaves.get(&l) {
+                    if r.context().serial() == ctx.serial() {
+                        r.set_output_only();
+                    }
+                }
+            }
+            _ => {}
         }
         outputs.push((o.clone(), t));
     }

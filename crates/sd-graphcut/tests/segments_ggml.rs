@@ -623,3 +623,178 @@ fn view_cuts_are_rebased_and_strided_cuts_keep_their_layout() {
     assert!(!t.is_contiguous());
     check_equivalence(&backend, &net);
 }
+
+/// A case proptest found: a cut on a view of a view, in the same group as a later cut.
+#[test]
+fn regression_cut_on_view_of_view() {
+    let op = |kind: u8, a: usize, b: usize, cuts: [bool; 4], new_group: bool| OpSpec {
+        kind,
+        a,
+        b,
+        cuts,
+        new_group,
+    };
+    let ops = vec![
+        op(
+            9,
+            7421531714554437751,
+            0,
+            [false, true, false, false],
+            false,
+        ),
+        op(
+            5,
+            2038837518584190343,
+            6271764665574019416,
+            [false; 4],
+            true,
+        ),
+        op(
+            0,
+            9577613363951258354,
+            12913079985870269524,
+            [false; 4],
+            true,
+        ),
+        op(
+            3,
+            2947107216606346534,
+            8437672338121502578,
+            [false, false, true, false],
+            true,
+        ),
+        op(
+            6,
+            2593227991073468672,
+            344016827522122220,
+            [false; 4],
+            false,
+        ),
+        op(
+            0,
+            11602644141812929350,
+            1823381431812723921,
+            [true, true, false, false],
+            false,
+        ),
+        op(
+            3,
+            4491957392447562668,
+            7481956255380048215,
+            [false, true, false, false],
+            true,
+        ),
+    ];
+    let backend = Backend::cpu(2).unwrap();
+    let net = random_net(&ops, 13109559672222907436 % 1000);
+    check_equivalence(&backend, &net);
+}
+
+/// A second case proptest found: a cut view whose storage root is recomputed in its segment.
+#[test]
+fn regression_cut_view_of_recomputed_root() {
+    let op = |kind: u8, a: usize, b: usize, cuts: [bool; 4], new_group: bool| OpSpec {
+        kind,
+        a,
+        b,
+        cuts,
+        new_group,
+    };
+    let ops = vec![
+        op(0, 0, 51, [false, false, false, true], false),
+        op(
+            1,
+            13440672101606563783,
+            5538007707459617999,
+            [false, true, true, false],
+            false,
+        ),
+        op(
+            4,
+            16549136251523554312,
+            5322220055897358083,
+            [false; 4],
+            true,
+        ),
+        op(
+            5,
+            6236288506988029275,
+            8448462275640739346,
+            [false, false, true, true],
+            true,
+        ),
+        op(
+            3,
+            1641057087149460021,
+            619477026597766387,
+            [false; 4],
+            false,
+        ),
+        op(
+            8,
+            2697562301846917066,
+            17365262795339578423,
+            [false, false, true, true],
+            false,
+        ),
+        op(
+            6,
+            13112416969440068005,
+            18340912630142075489,
+            [false; 4],
+            true,
+        ),
+        op(
+            1,
+            14465422743013057921,
+            12025468192281830547,
+            [true, false, true, true],
+            false,
+        ),
+        op(
+            10,
+            12520820203346479107,
+            13414308821604367512,
+            [false; 4],
+            true,
+        ),
+        op(
+            2,
+            3572263994496418649,
+            18290353089055359803,
+            [false, true, false, false],
+            false,
+        ),
+        op(
+            10,
+            491879169141744151,
+            11504866449814057642,
+            [true, false, false, false],
+            true,
+        ),
+        op(
+            3,
+            13980868143575315040,
+            7671074377333796675,
+            [false, true, true, false],
+            false,
+        ),
+        op(
+            3,
+            1923553326381023151,
+            250385777474383613,
+            [true, false, true, false],
+            false,
+        ),
+        op(
+            9,
+            7656095153865469285,
+            6935002666421857467,
+            [false, true, false, false],
+            true,
+        ),
+    ];
+    let backend = Backend::cpu(2).unwrap();
+    let net = random_net(&ops, 12372930055741813165 % 1000);
+    check_equivalence(&backend, &net);
+}

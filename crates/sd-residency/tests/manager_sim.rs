@@ -351,3 +351,38 @@ fn prefetch_then_activate() {
     assert_eq!(r.sim.stats().host_to_device_copies, copies);
     r.assert_on_device_identical(&b);
 }
+
+#[test]
+fn each_prepare_call_stages_its_own_blocks() {
+    let mut r = rig(
+        "SIM_PER_CALL",
+        1 << 20,
+        None,
+        ResidencyMode::ParamBackend,
+        false,
+    );
+    // Large chunks: everything one call stages fits one block.
+    r.mm.set_max_block_bytes(sd_residency::MAX_RESIDENCY_BLOCK_BYTES);
+    let first = r.ids[..3].to_vec();
+    // Overlaps the first call in `ids[2]` (already staged: not staged again).
+    let second = r.ids[2..6].to_vec();
+    r.run(&first, &[]);
+    r.run(&second, &[]);
+    let mut blocks = r.mm.evictable_compute_backend_blocks(r.gpu, &[]);
+    blocks.sort_by_key(|b| b.id);
+    assert_eq!(blocks.len(), 2, "{blocks:?}");
+    let mut a = blocks[0].params.clone();
+    let mut b = blocks[1].params.clone();
+    a.sort();
+    b.sort();
+    assert_eq!(a, first, "first call's block");
+    assert_eq!(b, r.ids[3..6].to_vec(), "second call's block");
+    assert!(a.iter().all(|p| !b.contains(p)), "blocks share a weight");
+    // Each call's block is evictable on its own; the other call's weights stay.
+    assert!(r.mm.evict_compute_backend_block(&blocks[0]));
+    assert!(first.iter().all(|p| !r.mm.param_info(*p).unwrap().staged));
+    assert!(r.ids[3..6]
+        .iter()
+        .all(|p| r.mm.param_info(*p).unwrap().staged));
+    r.assert_on_device_identical(&r.ids[3..6]);
+}

@@ -414,3 +414,45 @@ fn scheduler_allocates_twice_and_refuses_oversized_graphs() {
         Err(sd_tensor::GgmlError::GraphFull { .. })
     ));
 }
+
+/// ggml's allocator reuses its previous plan for any graph with the same node count and
+/// sizes; two such graphs with different lifetimes must not share it.
+#[test]
+fn gallocr_replans_for_a_different_graph_of_the_same_shape() {
+    let ctx = Context::new_descriptors(32, 32, 2).unwrap();
+    let x = ctx.new_tensor(DType::F32, &[8]).unwrap();
+    let y = ctx.new_tensor(DType::F32, &[8]).unwrap();
+    let _buf = BufferType::cpu().alloc_context_tensors(&ctx).unwrap();
+    let xv: Vec<f32> = (0..8).map(|i| i as f32 * 0.25 - 1.0).collect();
+    let yv: Vec<f32> = (0..8).map(|i| 0.5 - i as f32 * 0.125).collect();
+    x.write_f32(&xv).unwrap();
+    y.write_f32(&yv).unwrap();
+    // Graph A: a = x + y; b = tanh(a); out = scale(b) (a chain, memory reusable in place).
+    let a = ctx.add(&x, &y).unwrap();
+    let b = ctx.tanh(&a).unwrap();
+    let out_a = ctx.scale(&b, 2.0).unwrap();
+    out_a.set_output();
+    let mut ga = Graph::new(&ctx, 8).unwrap();
+    ga.build_forward_expand(&out_a).unwrap();
+    // Graph B: p = x * y; q = tanh(x); r = scale(p), both q and r outputs (p must survive q).
+    let p = ctx.mul(&x, &y).unwrap();
+    let q = ctx.tanh(&x).unwrap();
+    let r = ctx.scale(&p, 3.0).unwrap();
+    q.set_output();
+    r.set_output();
+    let mut gb = Graph::new(&ctx, 8).unwrap();
+    gb.build_forward_expand(&p).unwrap();
+    gb.build_forward_expand(&q).unwrap();
+    gb.build_forward_expand(&r).unwrap();
+    assert_eq!(ga.n_nodes(), gb.n_nodes());
+    let backend = Backend::cpu(1).unwrap();
+    let mut galloc = Gallocr::new(backend.buffer_type()).unwrap();
+    galloc.alloc_graph(&ga).unwrap();
+    backend.compute(&ga).unwrap();
+    galloc.alloc_graph(&gb).unwrap();
+    backend.compute(&gb).unwrap();
+    let want_q: Vec<f32> = xv.iter().map(|v| v.tanh()).collect();
+    let want_r: Vec<f32> = xv.iter().zip(&yv).map(|(a, b)| 3.0 * a * b).collect();
+    assert!(max_abs(&q.read_f32().unwrap(), &want_q) < 1e-6);
+    assert!(max_abs(&r.read_f32().unwrap(), &want_r) < 1e-6);
+}

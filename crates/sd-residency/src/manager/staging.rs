@@ -15,6 +15,11 @@ impl ModelManager {
     /// staged, not prefetched, with a loaded params copy), places the registered tensors in
     /// them and copies the params copies in. With `owner`, the chunks are a prefetch of that
     /// owner. Returns the blocks created; on error they are freed again.
+    ///
+    /// Blocks are per call: the chunks hold only parameters of this call (at most
+    /// [`MAX_RESIDENCY_BLOCK_BYTES`](super::MAX_RESIDENCY_BLOCK_BYTES) each), never
+    /// parameters staged by another call, so a caller that prepares one segment's
+    /// weights per call gets blocks that can be evicted segment by segment.
     pub(crate) fn stage(
         &mut self,
         params: &[ParamId],

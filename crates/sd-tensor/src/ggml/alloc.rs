@@ -21,6 +21,11 @@ pub struct Gallocr {
     /// `alloc_graph` of the same graph would place tensors in a NULL buffer (a crash), so the
     /// next allocation reserves first.
     needs_reserve: bool,
+    /// The graph the current plan was made for (context serial, graph slot, node count).
+    /// ggml reuses the previous plan (offsets by node index) whenever node counts and sizes
+    /// match, even for a different topology, which silently aliases memory; a different
+    /// graph is therefore always re-planned first.
+    planned_for: Option<(u64, usize, usize)>,
 }
 
 // SAFETY: used from one thread at a time through `&mut self`.
@@ -60,7 +65,16 @@ impl Gallocr {
             buft,
             allocated: Vec::new(),
             needs_reserve: false,
+            planned_for: None,
         })
+    }
+
+    fn key(graph: &Graph) -> (u64, usize, usize) {
+        (
+            graph.context().serial(),
+            graph.raw() as usize,
+            graph.n_nodes(),
+        )
     }
 
     fn forget_allocations(&mut self) {
@@ -75,6 +89,7 @@ impl Gallocr {
         // SAFETY: live allocator and graph.
         let ok = unsafe { sys::ggml_gallocr_reserve(self.ptr.as_ptr(), graph.raw()) };
         self.needs_reserve = !ok;
+        self.planned_for = ok.then(|| Self::key(graph));
         if !ok {
             return Err(GgmlError::AllocationFailed {
                 what: "compute buffer reservation".into(),
@@ -115,11 +130,13 @@ impl Gallocr {
         self.forget_allocations();
         let pending = graph.unallocated_tensors();
         // SAFETY: live allocator and graph; both return false on failure.
+        let replan = self.needs_reserve || self.planned_for != Some(Self::key(graph));
         let ok = unsafe {
-            (!self.needs_reserve || sys::ggml_gallocr_reserve(self.ptr.as_ptr(), graph.raw()))
+            (!replan || sys::ggml_gallocr_reserve(self.ptr.as_ptr(), graph.raw()))
                 && sys::ggml_gallocr_alloc_graph(self.ptr.as_ptr(), graph.raw())
         };
         self.needs_reserve = !ok;
+        self.planned_for = ok.then(|| Self::key(graph));
         if !ok {
             for t in &pending {
                 t.clear_allocation();
