@@ -3,7 +3,7 @@
 //! # Storage, staging and identity
 //!
 //! Every registered parameter is a [`GTensor`] descriptor built by a model (no memory of its
-//! own) and a [`ParamState`](state). The manager gives it memory in two ways:
+//! own) and a `ParamState`. The manager gives it memory in two ways:
 //! - **params copy**: a *storage descriptor* of the same dtype and shape, placed in a
 //!   storage block on the params backend (a buffer of at most [`MAX_RESIDENCY_BLOCK_BYTES`]
 //!   on devices, or a zero-copy mapping of the whole model file); bytes are streamed from the
