@@ -1,7 +1,8 @@
 //! `cargo xtask`: the project's entry points.
 //!
 //! - `cargo xtask demo`: the main job (bootstraps native build tools, builds `sd` in release
-//!   mode and runs it with the built-in default model).
+//!   mode, lists the devices and generates `out/demo.png` with the built-in model; extra
+//!   arguments are passed to `sd` instead).
 //! - `cargo xtask test`: the whole test run as CI does it (rustfmt, clippy, tests).
 //! - `cargo xtask setup`: only installs what the ggml build needs (CMake, libclang).
 //! - `cargo xtask bench <name>`: benchmarks (`matmul`, `exec`).
@@ -172,13 +173,21 @@ fn demo(rest: &[String]) -> Res<()> {
     let benv = setup()?;
     run(cargo(&benv).args(["build", "--release", "-p", "sd-cli"]))?;
     let sd = root().join("target/release/sd");
-    let mut cmd = Command::new(&sd);
-    if rest.is_empty() {
-        cmd.arg("--list-devices");
-    } else {
-        cmd.args(rest);
+    if !rest.is_empty() {
+        return run(Command::new(&sd).args(rest));
     }
-    run(&mut cmd)
+    // The default demo: list the devices, then generate with the built-in model.
+    run(Command::new(&sd).arg("--list-devices"))?;
+    let out = root().join("out");
+    std::fs::create_dir_all(&out).map_err(|e| format!("cannot create {}: {e}", out.display()))?;
+    run(Command::new(&sd).current_dir(root()).args([
+        "-m",
+        "models/builtin/sd-rs-shapes.safetensors",
+        "-p",
+        "a red circle on a white background",
+        "-o",
+        "out/demo.png",
+    ]))
 }
 
 fn test(rest: &[String]) -> Res<()> {

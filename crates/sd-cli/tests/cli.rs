@@ -1,4 +1,5 @@
-//! The `sd` binary end to end: device listing, the ggml self-check, and flag errors.
+//! The `sd` binary end to end: device listing, the ggml self-check, generation with the
+//! built-in model, and flag and file errors.
 
 use std::process::Command;
 
@@ -30,4 +31,138 @@ fn bad_flags_are_clear_errors() {
     let out = sd().args(["-t", "zero"]).output().unwrap();
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("-t/--threads"));
+}
+
+fn builtin_model() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../models/builtin/sd-rs-shapes.safetensors")
+}
+
+fn scratch(name: &str) -> std::path::PathBuf {
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("sd-cli-tests");
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join(name);
+    let _ = std::fs::remove_file(&path);
+    path
+}
+
+#[test]
+fn generates_a_red_circle_with_the_builtin_model() {
+    let out_path = scratch("red_circle.png");
+    let start = std::time::Instant::now();
+    let out = sd()
+        .arg("-m")
+        .arg(builtin_model())
+        .args(["-p", "a red circle on a white background", "--steps", "12"])
+        .args(["-W", "64", "-H", "64", "-s", "0", "-t", "2", "-o"])
+        .arg(&out_path)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    println!("generation took {:.2} s", start.elapsed().as_secs_f64());
+    let (img, text) = sd_tensor::Image::load_png_with_text(&out_path).unwrap();
+    assert_eq!((img.width(), img.height()), (64, 64));
+    let params = &text.iter().find(|(k, _)| k == "parameters").unwrap().1;
+    assert!(
+        params.starts_with("a red circle on a white background\nSteps: 12, Sampler: euler, CFG scale: 5, Seed: 0, Size: 64x64, Model: sd-rs-shapes"),
+        "{params}"
+    );
+    let px = |x: usize, y: usize| {
+        let p = img.pixel(x, y).unwrap();
+        (p[0], p[1], p[2])
+    };
+    // Centre 16x16: mostly red (the model places shapes anywhere; seed 0 centres this one).
+    let mut red = 0;
+    for y in 24..40 {
+        for x in 24..40 {
+            let (r, g, b) = px(x, y);
+            red += usize::from(r > 150 && g < 100 && b < 100);
+        }
+    }
+    assert!(red * 10 >= 256 * 8, "{red}/256 red centre pixels");
+    // 2-pixel border: mostly white.
+    let (mut white, mut border) = (0, 0);
+    for y in 0..64 {
+        for x in 0..64 {
+            if x < 2 || y < 2 || x >= 62 || y >= 62 {
+                let (r, g, b) = px(x, y);
+                border += 1;
+                white += usize::from(r > 200 && g > 200 && b > 200);
+            }
+        }
+    }
+    assert!(
+        white * 10 >= border * 8,
+        "{white}/{border} white border pixels"
+    );
+}
+
+#[test]
+fn a_missing_model_file_is_exit_1_naming_it() {
+    let out_path = scratch("missing.png");
+    let out = sd()
+        .args([
+            "-m",
+            "no/such/model.safetensors",
+            "-p",
+            "a red circle on a white background",
+            "-o",
+        ])
+        .arg(&out_path)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("no/such/model.safetensors"), "{err}");
+    assert!(!out_path.exists());
+}
+
+#[test]
+fn a_corrupt_model_file_is_exit_1_naming_it() {
+    let bad = scratch("corrupt.safetensors");
+    std::fs::write(&bad, b"\x10\0\0\0\0\0\0\0{not json at all").unwrap();
+    let out_path = scratch("corrupt.png");
+    let out = sd()
+        .arg("-m")
+        .arg(&bad)
+        .args(["-p", "a red circle on a white background", "-o"])
+        .arg(&out_path)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("corrupt.safetensors"), "{err}");
+    assert!(!out_path.exists());
+}
+
+#[test]
+fn bad_generation_values_are_exit_2() {
+    let out_path = scratch("bad.png");
+    for (args, flag) in [
+        (&["--steps", "zero"][..], "--steps"),
+        (&["--steps", "0"][..], "--steps"),
+        (&["-W", "70"][..], "-W/--width"),
+        (&["--sampling-method", "nope"][..], "--sampling-method"),
+        (&["--cfg-scale", "x"][..], "--cfg-scale"),
+    ] {
+        let out = sd()
+            .arg("-m")
+            .arg(builtin_model())
+            .args(["-p", "a red circle on a white background", "-o"])
+            .arg(&out_path)
+            .args(args)
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(flag), "{args:?}: {err}");
+        assert!(!out_path.exists());
+    }
+    let out = sd().args(["-p", "a red circle"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("-m/--model"));
 }

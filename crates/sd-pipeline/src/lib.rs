@@ -1,6 +1,8 @@
 //! `sd-pipeline`: samplers, schedulers, text conditioning, generation and upscaling of sd-rs.
 
 pub mod conditioning;
+pub mod generate;
+pub mod model_config;
 pub mod prompt;
 pub mod rng;
 pub mod sampling;
