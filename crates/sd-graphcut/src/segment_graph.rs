@@ -132,15 +132,7 @@ impl SegmentGraph {
         cache: &CutCache,
         inputs: &HostInputs<'_>,
     ) -> Result<SegmentGraph> {
-        check_plan(graph, plan)?;
-        let segment = plan
-            .segments
-            .get(index)
-            .ok_or_else(|| GraphCutError::Segment {
-                segment: index,
-                name: "?".into(),
-                detail: format!("the plan has {} segments", plan.segments.len()),
-            })?;
+        let segment = checked_segment(graph, plan, index)?;
         build(graph, segment, index, Mode::Execute { cache, inputs })
     }
 
@@ -186,6 +178,18 @@ impl SegmentGraph {
             detail,
         }
     }
+}
+
+/// Checks that `plan` belongs to `graph` and returns its segment `index`.
+fn checked_segment<'p>(graph: &CapturedGraph, plan: &'p Plan, index: usize) -> Result<&'p Segment> {
+    check_plan(graph, plan)?;
+    plan.segments
+        .get(index)
+        .ok_or_else(|| GraphCutError::Segment {
+            segment: index,
+            name: "?".into(),
+            detail: format!("the plan has {} segments", plan.segments.len()),
+        })
 }
 
 fn check_plan(graph: &CapturedGraph, plan: &Plan) -> Result<()> {
@@ -601,15 +605,7 @@ impl<'b> SegmentRunner<'b> {
         inputs: &HostInputs<'_>,
         cache: &mut CutCache,
     ) -> Result<SegmentRun> {
-        check_plan(graph, plan)?;
-        let seg = plan
-            .segments
-            .get(index)
-            .ok_or_else(|| GraphCutError::Segment {
-                segment: index,
-                name: "?".into(),
-                detail: format!("the plan has {} segments", plan.segments.len()),
-            })?;
+        let seg = checked_segment(graph, plan, index)?;
         let _span =
             tracing::debug_span!("run_segment", segment = index, name = %seg.name).entered();
         let outputs_so_far: Vec<&CutName> = plan.segments[..=index]
