@@ -128,8 +128,7 @@ impl<M: DeviceResidencyManager> ExecutionEngine<M> {
             .sessions
             .get_mut(&id)
             .ok_or(ExecError::UnknownSession(id))?;
-        s.workspace.release();
-        s.cut_cache.clear();
+        s.release_all();
         s.planner = sd_graphcut::GraphPlanner::new(
             s.config.backend.buffer_type(),
             sd_graphcut::PlanOptions::default(),
@@ -140,8 +139,7 @@ impl<M: DeviceResidencyManager> ExecutionEngine<M> {
         s.started = false;
         self.manager.clear_prefetched_params(id.owner());
         let released = self.manager.release_compute_backend_params(&used);
-        self.manager
-            .update_runtime_residency(id.owner(), s.config.backend_id, 0);
+        s.sync(&mut self.manager);
         self.manager.remove_runtime_owner(id.owner());
         released?;
         Ok(())
@@ -163,8 +161,7 @@ impl<M: DeviceResidencyManager> ExecutionEngine<M> {
             .sessions
             .get_mut(&id)
             .ok_or(ExecError::UnknownSession(id))?;
-        s.workspace.release();
-        s.cut_cache.clear();
+        s.release_all();
         s.sync(&mut self.manager);
         self.manager.clear_prefetched_params(id.owner());
         Ok(())
@@ -182,9 +179,10 @@ impl<M: DeviceResidencyManager> ExecutionEngine<M> {
         Ok(())
     }
 
-    /// Computes `task` in session `id` (see [`crate::execution`]). On failure the session's
-    /// graph state is discarded and the session stays usable; capacity and allocation
-    /// failures are reported as such ([`ExecError::is_out_of_memory`]).
+    /// Computes `task` in session `id` (see [`crate::execution`]). On failure (a panic
+    /// inside the execution included) the session's graph state is discarded and the
+    /// session stays usable; capacity and allocation failures are reported as such
+    /// ([`ExecError::is_out_of_memory`]).
     pub fn execute(&mut self, id: SessionId, task: &ComputeTask) -> Result<ComputeResult> {
         let mut session = self
             .sessions
@@ -194,16 +192,29 @@ impl<M: DeviceResidencyManager> ExecutionEngine<M> {
             self.sessions.insert(id, session);
             return Err(ExecError::NotStarted(id));
         }
-        let result = Exec {
-            manager: &mut self.manager,
-            others: &mut self.sessions,
-            options: &self.options,
-            log: &mut self.log,
-            session: &mut session,
-        }
-        .run(task);
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            Exec {
+                manager: &mut self.manager,
+                others: &mut self.sessions,
+                options: &self.options,
+                log: &mut self.log,
+                session: &mut session,
+            }
+            .run(task)
+        }))
+        .unwrap_or_else(|panic| {
+            let detail = panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "unknown panic".into());
+            Err(ExecError::Panicked {
+                task: task.description.clone(),
+                detail,
+            })
+        });
         // The cut cache only lives for one graph; the workspace stays (idle, reclaimable).
-        session.cut_cache.clear();
+        session.clear_cut_caches();
         match &result {
             Ok(r) => {
                 session.last_reports = r.segments.clone();
@@ -211,8 +222,13 @@ impl<M: DeviceResidencyManager> ExecutionEngine<M> {
             }
             Err(e) => {
                 tracing::warn!(session = %id, error = %e, "execution failed");
-                session.workspace.release();
+                session.release_all();
                 self.manager.clear_prefetched_params(id.owner());
+                // A panic between pin and unpin leaves the segment's weights pinned.
+                let pinned = std::mem::take(&mut session.pinned_now);
+                if let Err(u) = self.manager.unpin_params(&pinned) {
+                    tracing::warn!(error = %u, "unpinning after a failed execution");
+                }
             }
         }
         session.sync(&mut self.manager);

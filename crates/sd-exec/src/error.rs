@@ -68,6 +68,14 @@ pub enum ExecError {
         #[source]
         source: GgmlError,
     },
+    /// The execution panicked (a bug); the session's graph state was discarded.
+    #[error("executing '{task}' panicked: {detail}")]
+    Panicked {
+        /// The task's description.
+        task: String,
+        /// The panic message.
+        detail: String,
+    },
     /// Planning, building or binding a segment failed.
     #[error(transparent)]
     GraphCut(#[from] GraphCutError),

@@ -80,10 +80,10 @@ pub(crate) fn ensure_capacity<M: DeviceResidencyManager>(
     if cap.valid {
         // 2. Other sessions' idle workspaces.
         for (id, s) in others.iter_mut() {
-            if s.backend_id() != ask.request.backend {
+            if !s.uses_backend(ask.request.backend) {
                 continue;
             }
-            let bytes = s.release_idle(manager);
+            let bytes = s.release_idle(manager, ask.request.backend);
             if bytes == 0 {
                 continue;
             }

@@ -14,6 +14,12 @@
 //! 7. best effort: prefetch the next segment's missing weights if they fit now;
 //! 8. compute; store outputs later segments or the caller need; unpin; prune the cache to
 //!    the future cuts; push the runtime residency to the manager.
+//!
+//! Layer split (a session with extra devices): the plan's segments are assigned to
+//! devices in contiguous ranges ([`Exec::assign_layer_split`]); each segment computes on
+//! its device with its own workspace and cut cache there, its weights staged on that
+//! device, and the cuts it reads from another device (block outputs, UNet skips) copied
+//! into its device's cut cache first, counted in its capacity request.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
@@ -61,6 +67,10 @@ struct Prepared {
     /// weight a later segment requires would otherwise keep its other members resident).
     segment_groups: Vec<Vec<Vec<ParamId>>>,
     segment_weight_bytes: Vec<u64>,
+    /// The device (session slot) each segment runs on: all 0 without layer split.
+    segment_device: Vec<usize>,
+    /// Device bytes of each parameter (primary device's buffer type).
+    param_bytes: HashMap<ParamId, u64>,
 }
 
 /// Splits each segment's parameters by the set of segments using them (groups in order
@@ -105,6 +115,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         let buft = self.session.config.backend.buffer_type();
         let mut segment_params = Vec::with_capacity(plan.segments.len());
         let mut segment_weight_bytes = Vec::with_capacity(plan.segments.len());
+        let mut param_bytes = HashMap::new();
         for seg in &plan.segments {
             let mut seen = BTreeSet::new();
             let mut bytes = 0u64;
@@ -114,7 +125,9 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
                 if let Some(p) = self.manager.resolve_param(t.id()) {
                     if seen.insert(p) {
                         ids.push(p);
-                        bytes += device_bytes(buft, t);
+                        let b = device_bytes(buft, t);
+                        param_bytes.insert(p, b);
+                        bytes += b;
                     }
                 }
             }
@@ -122,12 +135,15 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
             segment_weight_bytes.push(bytes);
         }
         let segment_groups = group_by_usage(&segment_params);
+        let segment_device = vec![0; plan.segments.len()];
         Ok(Prepared {
             graph,
             plan,
             segment_params,
             segment_groups,
             segment_weight_bytes,
+            segment_device,
+            param_bytes,
         })
     }
 
@@ -137,6 +153,21 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
             tracing::info_span!("execute", task = %task.description, session = %self.session.id)
                 .entered();
         let whole = self.prepare_plan(task, &CutMarks::new())?;
+        if self.session.is_layer_split() && !task.marks.is_empty() {
+            let mut p = self.prepare_plan(task, &task.marks)?;
+            if p.plan.segments.len() > 1 {
+                self.assign_layer_split(task, &mut p)?;
+                let one_device = p.segment_device.iter().all(|d| *d == 0);
+                if !one_device || self.should_segment(task, &whole)? {
+                    tracing::debug!(
+                        segments = p.plan.segments.len(),
+                        devices = ?p.segment_device,
+                        "layer split plan"
+                    );
+                    return self.run_plan(task, &p, true);
+                }
+            }
+        }
         let segmented = self.should_segment(task, &whole)?;
         let prepared = if segmented {
             let p = self.prepare_plan(task, &task.marks)?;
@@ -200,15 +231,99 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         Ok(false)
     }
 
-    fn request(&self, pending: u64) -> BackendMemoryRequest {
-        let s = &self.session;
+    fn request(&self, device: usize, pending: u64) -> BackendMemoryRequest {
+        let slot = &self.session.slots[device];
         BackendMemoryRequest {
-            backend: s.config.backend_id,
-            owner: s.id.owner(),
+            backend: slot.backend_id,
+            owner: self.session.id.owner(),
             pending_bytes: pending,
-            runtime_resident_bytes: s.resident_bytes(),
-            max_backend_bytes: s.config.budget,
+            runtime_resident_bytes: slot.resident_bytes(),
+            max_backend_bytes: slot.budget,
         }
+    }
+
+    /// Layer split: assigns each segment to a device, in contiguous ranges in slot order.
+    /// Walking the segments with a current device, a segment moves to the next device
+    /// while its new weights plus the device's workspace would overflow the current one's
+    /// capacity (budget, or device memory); the last device takes what is left and streams
+    /// its weights if they exceed it. Assignments are sticky per parameter: the first graph
+    /// decides, and the manager is told each parameter's compute backend.
+    fn assign_layer_split(&mut self, task: &ComputeTask, p: &mut Prepared) -> Result<()> {
+        let n = self.session.slots.len();
+        let caps: Vec<u64> = self
+            .session
+            .slots
+            .iter()
+            .map(|s| {
+                let total = s
+                    .backend
+                    .device()
+                    .map(|d| d.memory().total)
+                    .filter(|t| *t > 0);
+                match (s.budget, total) {
+                    (Some(a), Some(b)) => a.min(b),
+                    (a, b) => a.or(b).unwrap_or(u64::MAX),
+                }
+            })
+            .collect();
+        let mut used = vec![0u64; n];
+        let mut workspace = vec![0u64; n];
+        let mut d = 0usize;
+        let mut fresh: Vec<Vec<ParamId>> = vec![Vec::new(); n];
+        for (k, seg) in p.plan.segments.iter().enumerate() {
+            let params = &p.segment_params[k];
+            if let Some(f) = params
+                .iter()
+                .filter_map(|x| self.session.split_assignment.get(x))
+                .max()
+            {
+                d = d.max(*f);
+            }
+            let new_bytes: u64 = params
+                .iter()
+                .filter(|x| !self.session.split_assignment.contains_key(x))
+                .map(|x| p.param_bytes[x])
+                .sum();
+            let seg_ws = (seg.bytes.compute_buffer + seg.bytes.live_cuts) as u64;
+            while d + 1 < n && used[d] + new_bytes + workspace[d].max(seg_ws) > caps[d] {
+                d += 1;
+            }
+            used[d] += new_bytes;
+            workspace[d] = workspace[d].max(seg_ws);
+            p.segment_device[k] = d;
+            for x in params {
+                match self.session.split_assignment.get(x) {
+                    None => {
+                        self.session.split_assignment.insert(*x, d);
+                        fresh[d].push(*x);
+                    }
+                    Some(e) if *e != d => {
+                        return Err(self.invalid(
+                            task,
+                            format!(
+                                "layer split: parameter {x:?} is used by segments on devices {e} and {d}; \
+                                 a parameter must live on one device \
+                                 (mark the computation sharing it as a graph cut)"
+                            ),
+                        ));
+                    }
+                    Some(_) => {}
+                }
+            }
+        }
+        for (dev, ids) in fresh.iter().enumerate() {
+            if !ids.is_empty() {
+                let backend = self.session.slots[dev].backend_id;
+                self.manager.assign_compute_backend(ids, backend)?;
+                tracing::debug!(
+                    device = dev,
+                    params = ids.len(),
+                    bytes = used[dev],
+                    "layer split assignment"
+                );
+            }
+        }
+        Ok(())
     }
 
     fn run_plan(
@@ -235,8 +350,6 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         for (t, b) in &task.inputs {
             inputs.insert(t, b)?;
         }
-        let buft = self.session.config.backend.buffer_type();
-        let backend_name = self.session.config.backend.name().to_string();
         let owner = self.session.id.owner();
         let prefetch_on =
             segmented && self.session.config.prefetch && self.manager.prefetch_enabled();
@@ -245,7 +358,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         for ids in &p.segment_params {
             self.session.params_used.extend(ids.iter().copied());
         }
-        self.session.cut_cache.clear();
+        self.session.clear_cut_caches();
         let mut reports = Vec::with_capacity(plan.segments.len());
         // (target segment, params) of the queued prefetch.
         let mut queued: Option<(usize, Vec<ParamId>)> = None;
@@ -253,6 +366,9 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
 
         for (k, seg) in plan.segments.iter().enumerate() {
             let _span = tracing::debug_span!("segment", index = k, name = %seg.name).entered();
+            let d = p.segment_device[k];
+            let buft = self.session.slots[d].backend.buffer_type();
+            let backend_name = self.session.slots[d].backend.name().to_string();
             let what = if segmented {
                 format!("segment {k} '{}' of '{}'", seg.name, task.description)
             } else {
@@ -264,21 +380,33 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
                     .filter(|o| o.graph_output)
                     .map(|o| o.name.clone()),
             );
-            self.session
-                .cut_cache
-                .retain(|n| seg.live_cuts.contains(n) || outputs_so_far.contains(n));
+            for slot in &mut self.session.slots {
+                slot.cut_cache
+                    .retain(|n| seg.live_cuts.contains(n) || outputs_so_far.contains(n));
+            }
+            // Cuts this segment reads that another device holds (layer split boundaries).
+            let imports: Vec<(CutName, GTensor)> = seg
+                .consumed_cuts
+                .iter()
+                .filter(|n| !self.session.slots[d].cut_cache.contains(n))
+                .filter_map(|n| {
+                    self.session
+                        .slots
+                        .iter()
+                        .find_map(|s| s.cut_cache.get(n))
+                        .map(|t| (n.clone(), t.clone()))
+                })
+                .collect();
+            let import_bytes: u64 = imports.iter().map(|(_, t)| device_bytes(buft, t)).sum();
             let params = &p.segment_params[k];
             let compute = seg.bytes.compute_buffer as u64;
-            let store: Vec<_> = seg
+            let store_bytes: u64 = seg
                 .outputs
                 .iter()
                 .filter(|o| o.graph_output || seg.future_cuts.contains(&o.name))
-                .collect();
-            let store_bytes: u64 = store
-                .iter()
                 .map(|o| device_bytes(buft, &p.graph.node_tensors()[o.node]))
                 .sum();
-            let held = self.session.workspace.prepare(compute);
+            let held = self.session.slots[d].workspace.prepare(compute);
             self.session.sync(self.manager);
 
             // Prefetched weights for this segment become current.
@@ -291,8 +419,8 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
                 }
             }
 
-            let pending = compute.saturating_sub(held) + store_bytes;
-            let request = self.request(pending);
+            let pending = compute.saturating_sub(held) + store_bytes + import_bytes;
+            let request = self.request(d, pending);
             ensure_capacity(
                 self.manager,
                 self.others,
@@ -306,16 +434,20 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
                 },
                 self.log,
             )?;
+            for (name, t) in &imports {
+                self.session.slots[d].cut_cache.store(name, t)?;
+            }
             // One call per usage group (see `Prepared::segment_groups`).
-            let mut pinned: Vec<ParamId> = Vec::with_capacity(params.len());
+            self.session.pinned_now.clear();
             for group in &p.segment_groups[k] {
                 if let Err(e) = self.manager.prepare_params(group) {
+                    let pinned = std::mem::take(&mut self.session.pinned_now);
                     if let Err(u) = self.manager.unpin_params(&pinned) {
                         tracing::warn!(error = %u, "unpinning after a failed prepare");
                     }
                     return Err(e.into());
                 }
-                pinned.extend_from_slice(group);
+                self.session.pinned_now.extend_from_slice(group);
             }
             // From here on the segment's weights are pinned: unpin whatever happens.
             let r = self.compute_segment(
@@ -326,33 +458,41 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
                 prefetch_on,
                 &mut queued,
                 store_bytes,
-                &backend_name,
                 &preferred,
             );
-            let unpinned = self.manager.unpin_params(params);
+            let pinned = std::mem::take(&mut self.session.pinned_now);
+            let unpinned = self.manager.unpin_params(&pinned);
             let cache_bytes = r?;
             unpinned?;
-            self.session.workspace.end_graph();
-            self.session
-                .cut_cache
-                .retain(|n| seg.future_cuts.contains(n) || outputs_so_far.contains(n));
+            self.session.slots[d].workspace.end_graph();
+            for slot in &mut self.session.slots {
+                slot.cut_cache
+                    .retain(|n| seg.future_cuts.contains(n) || outputs_so_far.contains(n));
+            }
             self.session.sync(self.manager);
             reports.push(SegmentReport {
                 index: k,
                 name: seg.name.clone(),
+                device: d,
                 params: params.len(),
                 weight_bytes: p.segment_weight_bytes[k],
                 compute_bytes: compute,
                 cache_bytes,
+                copied_bytes: import_bytes,
                 prefetched,
             });
         }
         if queued.is_some() {
             self.manager.clear_prefetched_params(owner);
         }
-        let out = self.session.cut_cache.get(&output_index).ok_or_else(|| {
-            self.invalid(task, format!("output '{output_index}' was not produced"))
-        })?;
+        let out = self
+            .session
+            .slots
+            .iter()
+            .find_map(|s| s.cut_cache.get(&output_index))
+            .ok_or_else(|| {
+                self.invalid(task, format!("output '{output_index}' was not produced"))
+            })?;
         let bytes = out.read_bytes().map_err(ExecError::ggml(format!(
             "reading output '{}'",
             task.output.name()
@@ -369,7 +509,8 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         })
     }
 
-    /// Steps 6-8 of segment `k`; returns the cut cache bytes after storing its outputs.
+    /// Steps 6-8 of segment `k` on its device; returns the device's cut cache bytes after
+    /// storing its outputs.
     #[allow(clippy::too_many_arguments)]
     fn compute_segment(
         &mut self,
@@ -380,27 +521,32 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         prefetch_on: bool,
         queued: &mut Option<(usize, Vec<ParamId>)>,
         store_bytes: u64,
-        backend_name: &str,
         preferred: &[Vec<ParamId>],
     ) -> Result<u64> {
         let plan = &p.plan;
         let seg = &plan.segments[k];
-        let sg = SegmentGraph::for_execution(&p.graph, plan, k, &self.session.cut_cache, inputs)?;
-        self.session.workspace.allocate(sg)?;
+        let d = p.segment_device[k];
+        let sg = SegmentGraph::for_execution(
+            &p.graph,
+            plan,
+            k,
+            &self.session.slots[d].cut_cache,
+            inputs,
+        )?;
+        self.session.slots[d].workspace.allocate(sg)?;
         self.session.sync(self.manager);
         if prefetch_on {
-            *queued = self.enqueue_prefetch(task, p, k, store_bytes, backend_name, preferred);
+            *queued = self.enqueue_prefetch(task, p, k, store_bytes, preferred);
         }
-        let Some(sg) = self.session.workspace.current() else {
+        let slot = &mut self.session.slots[d];
+        let Some(sg) = slot.workspace.current() else {
             return Err(ExecError::Ggml {
                 context: format!("segment {k} '{}'", seg.name),
                 source: sd_tensor::GgmlError::Mismatch("workspace lost its graph".into()),
             });
         };
         sg.upload(inputs)?;
-        self.session
-            .config
-            .backend
+        slot.backend
             .compute(sg.graph())
             .map_err(ExecError::ggml(format!(
                 "computing segment {k} '{}'",
@@ -413,20 +559,20 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
             .map(|(o, t)| (o.name.clone(), t.clone()))
             .collect();
         for (name, t) in outs {
-            self.session.cut_cache.store(&name, &t)?;
+            slot.cut_cache.store(&name, &t)?;
         }
-        Ok(self.session.cut_cache_bytes())
+        Ok(slot.cut_cache.bytes() as u64)
     }
 
-    /// Best effort: stages the next segment's missing weights now if they fit (evicting
-    /// only what the policy allows, never the current segment's weights).
+    /// Best effort: schedules the next segment's missing weights on its device now if they
+    /// fit (evicting only what the policy allows, never the current segment's weights).
+    /// The manager copies them on a transfer thread while this segment computes.
     fn enqueue_prefetch(
         &mut self,
         task: &ComputeTask,
         p: &Prepared,
         k: usize,
         store_bytes: u64,
-        backend_name: &str,
         preferred: &[Vec<ParamId>],
     ) -> Option<(usize, Vec<ParamId>)> {
         let current: HashSet<ParamId> = p.segment_params[k].iter().copied().collect();
@@ -444,15 +590,23 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         if missing.is_empty() {
             return None;
         }
+        let td = p.segment_device[target];
         let mut protected: Vec<ParamId> = p.segment_params[k].clone();
         protected.extend_from_slice(&missing);
-        let request = self.request(store_bytes);
+        // On the current device the segment's outputs are still to be stored.
+        let pending = if td == p.segment_device[k] {
+            store_bytes
+        } else {
+            0
+        };
+        let request = self.request(td, pending);
+        let backend_name = self.session.slots[td].backend.name().to_string();
         let ok = ensure_capacity(
             self.manager,
             self.others,
             &CapacityAsk {
                 what: format!("prefetch for segment {target} of '{}'", task.description),
-                backend_name: backend_name.to_string(),
+                backend_name,
                 request,
                 required: &missing,
                 preferred,

@@ -5,7 +5,9 @@
 //! compute workspace, graph-cut tensor cache, budget), the per-graph execution that decides
 //! between running a graph whole and in segments at graph cuts, and the segment weight
 //! pipeline (pin, make room, stage each segment's weights; prefetch the next segment's
-//! weights while the current one computes, best effort). Model code only builds graphs and
+//! weights on the manager's transfer thread while the current one computes, best effort),
+//! and layer split across several devices ([`SessionConfig::with_split_device`]). Model
+//! code only builds graphs and
 //! calls [`ExecutionEngine::execute`]; the engine never knows a model. See the issue
 //! "Execution engine (`sd-exec`)".
 //!
@@ -26,6 +28,6 @@ pub mod workspace;
 pub use engine::{EngineOptions, ExecutionEngine, DEFAULT_PLANNING_HEADROOM};
 pub use error::{ExecError, Result};
 pub use eviction::ReclaimEvent;
-pub use session::{ExecutionSession, SegmentationPolicy, SessionConfig, SessionId};
+pub use session::{ExecutionSession, SegmentationPolicy, SessionConfig, SessionId, SplitDevice};
 pub use task::{ComputeResult, ComputeTask, SegmentReport};
 pub use workspace::ComputeWorkspace;

@@ -1,6 +1,6 @@
 //! [`ExecutionSession`]: the state one model runner keeps in the engine.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
 use std::fmt;
 use std::sync::Arc;
 
@@ -57,6 +57,21 @@ pub struct SessionConfig {
     pub segmentation: SegmentationPolicy,
     /// Whether to prefetch the next segment's weights (also needs the manager's switch).
     pub prefetch: bool,
+    /// Extra devices for layer split (`diffusion=cuda0&cuda1`): with any, a graph with cuts
+    /// runs segment by segment, each segment on the device its weights are assigned to
+    /// (contiguous ranges of segments per device, in list order, the primary first).
+    pub split: Vec<SplitDevice>,
+}
+
+/// One extra device of a layer-split session.
+#[derive(Clone, Debug)]
+pub struct SplitDevice {
+    /// Its compute backend.
+    pub backend: Arc<Backend>,
+    /// The backend's id in the residency manager.
+    pub backend_id: BackendId,
+    /// The most bytes the session may hold on it (`None`: the device's memory).
+    pub budget: Option<u64>,
 }
 
 impl SessionConfig {
@@ -70,7 +85,23 @@ impl SessionConfig {
             budget: None,
             segmentation: SegmentationPolicy::Auto,
             prefetch: true,
+            split: Vec::new(),
         }
+    }
+
+    /// Adds an extra device for layer split.
+    pub fn with_split_device(
+        mut self,
+        backend: Arc<Backend>,
+        backend_id: BackendId,
+        budget: Option<u64>,
+    ) -> Self {
+        self.split.push(SplitDevice {
+            backend,
+            backend_id,
+            budget,
+        });
+        self
     }
 
     /// Sets the budget.
@@ -98,9 +129,14 @@ impl SessionConfig {
 pub struct ExecutionSession {
     pub(crate) id: SessionId,
     pub(crate) config: SessionConfig,
-    pub(crate) workspace: ComputeWorkspace,
-    pub(crate) cut_cache: CutCache,
+    /// Per device (the primary first, then the split devices): workspace and cut cache.
+    pub(crate) slots: Vec<DeviceSlot>,
+    /// Layer split: the device index each parameter was assigned to (sticky: the first
+    /// graph that uses a parameter decides).
+    pub(crate) split_assignment: HashMap<ParamId, usize>,
     pub(crate) planner: GraphPlanner,
+    /// The parameters pinned by the segment now running (unpinned after a panic).
+    pub(crate) pinned_now: Vec<ParamId>,
     pub(crate) params_used: BTreeSet<ParamId>,
     pub(crate) started: bool,
     pub(crate) last_reports: Vec<SegmentReport>,
@@ -114,8 +150,7 @@ impl fmt::Debug for ExecutionSession {
             .field("name", &self.config.name)
             .field("backend", &self.config.backend.name())
             .field("budget", &self.config.budget)
-            .field("workspace", &self.workspace)
-            .field("cut_cache", &self.cut_cache)
+            .field("slots", &self.slots)
             .field("started", &self.started)
             .finish()
     }
@@ -124,10 +159,19 @@ impl fmt::Debug for ExecutionSession {
 impl ExecutionSession {
     pub(crate) fn new(id: SessionId, config: SessionConfig) -> ExecutionSession {
         let buft = config.backend.buffer_type();
+        let mut slots = vec![DeviceSlot::new(
+            config.backend.clone(),
+            config.backend_id,
+            config.budget,
+        )];
+        for d in &config.split {
+            slots.push(DeviceSlot::new(d.backend.clone(), d.backend_id, d.budget));
+        }
         ExecutionSession {
             id,
-            workspace: ComputeWorkspace::new(buft),
-            cut_cache: CutCache::new(buft),
+            slots,
+            split_assignment: HashMap::new(),
+            pinned_now: Vec::new(),
             planner: GraphPlanner::new(buft, PlanOptions::default(), 8),
             params_used: BTreeSet::new(),
             started: false,
@@ -165,6 +209,17 @@ impl ExecutionSession {
     /// Changes its budget (takes effect at the next execution).
     pub fn set_budget(&mut self, bytes: Option<u64>) {
         self.config.budget = bytes;
+        self.slots[0].budget = bytes;
+    }
+
+    /// Whether it splits graphs across several devices.
+    pub fn is_layer_split(&self) -> bool {
+        self.slots.len() > 1
+    }
+
+    /// The device index (0: primary) layer split assigned `param` to.
+    pub fn split_device_of(&self, param: ParamId) -> Option<usize> {
+        self.split_assignment.get(&param).copied()
     }
 
     /// Whether it is started.
@@ -172,19 +227,19 @@ impl ExecutionSession {
         self.started
     }
 
-    /// The compute workspace.
+    /// The compute workspace on the primary device.
     pub fn workspace(&self) -> &ComputeWorkspace {
-        &self.workspace
+        &self.slots[0].workspace
     }
 
-    /// Bytes of the cut cache.
+    /// Bytes of the cut caches (all devices).
     pub fn cut_cache_bytes(&self) -> u64 {
-        self.cut_cache.bytes() as u64
+        self.slots.iter().map(|s| s.cut_cache.bytes() as u64).sum()
     }
 
-    /// Device bytes it holds besides weights: workspace + cut cache.
+    /// Device bytes it holds besides weights, on all devices: workspaces + cut caches.
     pub fn resident_bytes(&self) -> u64 {
-        self.workspace.bytes() + self.cut_cache_bytes()
+        self.slots.iter().map(DeviceSlot::resident_bytes).sum()
     }
 
     /// Every parameter it has used.
@@ -202,22 +257,88 @@ impl ExecutionSession {
         self.executions
     }
 
-    /// Pushes its runtime residency to the manager.
+    /// Pushes its runtime residency (per device) to the manager.
     pub(crate) fn sync<M: DeviceResidencyManager>(&self, manager: &mut M) {
-        manager.update_runtime_residency(
-            self.id.owner(),
-            self.config.backend_id,
-            self.resident_bytes(),
-        );
+        for s in &self.slots {
+            manager.update_runtime_residency(self.id.owner(), s.backend_id, s.resident_bytes());
+        }
     }
 
-    /// Releases its workspace and cut cache (it is idle: not executing); returns the bytes
-    /// freed.
-    pub(crate) fn release_idle<M: DeviceResidencyManager>(&mut self, manager: &mut M) -> u64 {
-        let bytes = self.resident_bytes();
-        self.workspace.release();
-        self.cut_cache.clear();
+    /// Releases its workspaces and cut caches on `backend` (it is idle: not executing);
+    /// returns the bytes freed.
+    pub(crate) fn release_idle<M: DeviceResidencyManager>(
+        &mut self,
+        manager: &mut M,
+        backend: BackendId,
+    ) -> u64 {
+        let mut bytes = 0;
+        for s in self.slots.iter_mut().filter(|s| s.backend_id == backend) {
+            bytes += s.resident_bytes();
+            s.release();
+        }
         self.sync(manager);
         bytes
+    }
+
+    /// Releases every workspace and cut cache.
+    pub(crate) fn release_all(&mut self) {
+        for s in &mut self.slots {
+            s.release();
+        }
+    }
+
+    /// Clears the cut caches (they live for one graph).
+    pub(crate) fn clear_cut_caches(&mut self) {
+        for s in &mut self.slots {
+            s.cut_cache.clear();
+        }
+    }
+
+    /// Whether any device of the session is `backend`.
+    pub(crate) fn uses_backend(&self, backend: BackendId) -> bool {
+        self.slots.iter().any(|s| s.backend_id == backend)
+    }
+}
+
+/// What a session keeps on one of its devices.
+pub(crate) struct DeviceSlot {
+    pub backend: Arc<Backend>,
+    pub backend_id: BackendId,
+    pub budget: Option<u64>,
+    pub workspace: ComputeWorkspace,
+    pub cut_cache: CutCache,
+}
+
+impl fmt::Debug for DeviceSlot {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DeviceSlot")
+            .field("backend", &self.backend.name())
+            .field("budget", &self.budget)
+            .field("workspace", &self.workspace)
+            .field("cut_cache", &self.cut_cache)
+            .finish()
+    }
+}
+
+impl DeviceSlot {
+    fn new(backend: Arc<Backend>, backend_id: BackendId, budget: Option<u64>) -> DeviceSlot {
+        let buft = backend.buffer_type();
+        DeviceSlot {
+            backend,
+            backend_id,
+            budget,
+            workspace: ComputeWorkspace::new(buft),
+            cut_cache: CutCache::new(buft),
+        }
+    }
+
+    /// Workspace + cut cache bytes.
+    pub fn resident_bytes(&self) -> u64 {
+        self.workspace.bytes() + self.cut_cache.bytes() as u64
+    }
+
+    fn release(&mut self) {
+        self.workspace.release();
+        self.cut_cache.clear();
     }
 }

@@ -65,6 +65,8 @@ pub struct SegmentReport {
     pub index: usize,
     /// The segment's name (its cut group, or `<final>`).
     pub name: String,
+    /// The device (session slot: 0 is the primary, then the layer-split devices) it ran on.
+    pub device: usize,
     /// Parameters the segment used.
     pub params: usize,
     /// Bytes of its weights on the compute device (aligned allocation sizes).
@@ -73,6 +75,8 @@ pub struct SegmentReport {
     pub compute_bytes: u64,
     /// Bytes in the cut cache right after it computed (before pruning).
     pub cache_bytes: u64,
+    /// Bytes of cut outputs copied to its device from another device (layer split).
+    pub copied_bytes: u64,
     /// Whether its weights had been prefetched while the previous segment computed.
     pub prefetched: bool,
 }

@@ -198,6 +198,7 @@ fn unet(w: &HashMap<String, GTensor>) -> ComputeTask {
     t_in.set_name("t_in");
     let mut marks = CutMarks::new();
     let temb = ctx.silu(&ctx.mul_mat(&g("wt"), &t_in).unwrap()).unwrap();
+    marks.mark(&temb, "time_embed", "emb").unwrap();
     let temb4 = ctx.reshape(&temb, &[1, 1, C, 1]).unwrap();
     let conv = |k: &GTensor, h: &GTensor, s: usize| {
         ctx.conv_2d(k, h, (s, s), (1, 1), (1, 1), true).unwrap()
@@ -495,4 +496,169 @@ fn second_session_reclaims_first_sessions_idle_workspace_then_weights() {
     // A still works afterwards (reclaiming B's idle state in turn).
     r.engine.manager_mut().set_device_budget(&dev, None);
     assert_eq!(r.engine.execute(a, &unet(&r.w)).unwrap().output, ua.output);
+}
+
+/// Two simulated devices for layer split: the weights are registered on the first, the
+/// session splits them across both.
+struct SplitRig {
+    sims: [SimDevice; 2],
+    engine: ExecutionEngine<ModelManager>,
+    w: HashMap<String, GTensor>,
+    id: SessionId,
+    _wctx: Context,
+}
+
+fn split_rig(name: &str, budgets: [Option<u64>; 2], prefetch: bool) -> SplitRig {
+    let Rig {
+        sim,
+        mut engine,
+        gpu,
+        backend,
+        w,
+        _wctx,
+    } = rig(&format!("{name}_0"), prefetch);
+    let sim1 = SimDevice::new(&format!("{name}_1"), 64 << 20, SimOptions::default()).unwrap();
+    let backend1 = Arc::new(sim1.backend().unwrap());
+    let gpu1 = engine.manager_mut().add_backend(backend1.clone()).unwrap();
+    let id = engine.create_session(
+        SessionConfig::new("split", backend, gpu)
+            .with_budget(budgets[0])
+            .with_prefetch(prefetch)
+            .with_split_device(backend1, gpu1, budgets[1]),
+    );
+    engine.start(id).unwrap();
+    SplitRig {
+        sims: [sim, sim1],
+        engine,
+        w,
+        id,
+        _wctx,
+    }
+}
+
+/// Runs `build` split across two simulated devices with `budgets` (twice: the second run
+/// reuses the sticky assignment); checks the output against `reference` and each device's
+/// own peak against its budget; returns the first run's result.
+fn check_split(
+    tag: &str,
+    build: Builder,
+    reference: &ComputeResult,
+    budgets: [u64; 2],
+    prefetch: bool,
+    resident_weights: Option<u64>,
+) -> ComputeResult {
+    let mut r = split_rig(tag, budgets.map(Some), prefetch);
+    let first = r.engine.execute(r.id, &build(&r.w)).unwrap();
+    let h2d = |r: &SplitRig| -> u64 { r.sims.iter().map(|s| s.stats().host_to_device_bytes).sum() };
+    let before = h2d(&r);
+    let second = r.engine.execute(r.id, &build(&r.w)).unwrap();
+    if let Some(weights) = resident_weights {
+        // Resident split: the second run uploads inputs only, no weights.
+        let moved = h2d(&r) - before;
+        assert!(
+            moved < weights / 4,
+            "{tag}: second run moved {moved} B host->device (weights {weights} B)"
+        );
+    }
+    for (run, res) in [("first", &first), ("second", &second)] {
+        assert_eq!(
+            res.output, reference.output,
+            "{tag}: {run} split run differs from whole"
+        );
+    }
+    for (d, sim) in r.sims.iter().enumerate() {
+        assert!(
+            sim.peak_bytes() <= budgets[d],
+            "{tag}: device {d} peak {} > budget {}",
+            sim.peak_bytes(),
+            budgets[d]
+        );
+        assert!(sim.peak_bytes() > 0, "{tag}: device {d} unused");
+    }
+    let devices: Vec<usize> = first.segments.iter().map(|s| s.device).collect();
+    assert!(
+        devices.windows(2).all(|w| w[0] <= w[1]),
+        "{tag}: device ranges not contiguous: {devices:?}"
+    );
+    assert!(devices.contains(&0) && devices.contains(&1), "{devices:?}");
+    let copied: u64 = first.segments.iter().map(|s| s.copied_bytes).sum();
+    assert!(copied > 0, "{tag}: no activation crossed devices");
+    // Every weight was assigned to the device of the segments using it.
+    let session = r.engine.session(r.id).unwrap();
+    assert!(session.is_layer_split());
+    let m = r.engine.manager();
+    for (name, t) in &r.w {
+        if let Some(p) = m.resolve_param(t.id()) {
+            if let Some(d) = session.split_device_of(p) {
+                assert!(devices.contains(&d), "{tag}: {name} on unused device {d}");
+            }
+        }
+    }
+    r.engine.end(r.id).unwrap();
+    println!(
+        "{tag}: devices {devices:?}, copied {copied} B, peaks {} / {} B of {budgets:?}",
+        r.sims[0].peak_bytes(),
+        r.sims[1].peak_bytes()
+    );
+    first
+}
+
+fn check_layer_split(tag: &str, build: Builder) {
+    let (whole, _) = run(
+        &format!("{tag}_LS_WHOLE"),
+        build,
+        None,
+        SegmentationPolicy::Never,
+        false,
+    );
+    let (seg, _) = run(
+        &format!("{tag}_LS_SEG"),
+        build,
+        None,
+        SegmentationPolicy::Always,
+        false,
+    );
+    let weights: u64 = seg.segments.iter().map(|s| s.weight_bytes).sum();
+    let footprint = seg.segments.iter().map(|s| s.footprint()).max().unwrap();
+    let workspace = seg
+        .segments
+        .iter()
+        .map(|s| s.compute_bytes + s.cache_bytes)
+        .max()
+        .unwrap();
+    // Resident split: each device holds about 60% of the weights, so neither holds all.
+    let resident = weights * 6 / 10 + workspace + 16384;
+    assert!(resident < weights + workspace, "{tag}: budget not tight");
+    for prefetch in [false, true] {
+        check_split(
+            &format!("{tag}_LS_RES{prefetch}"),
+            build,
+            &whole,
+            [resident, resident],
+            prefetch,
+            Some(weights),
+        );
+    }
+    // Streaming split: both devices far smaller than the weights.
+    let tight = footprint * 2 + 8192;
+    if tight < weights {
+        check_split(
+            &format!("{tag}_LS_STREAM"),
+            build,
+            &whole,
+            [tight, tight],
+            true,
+            None,
+        );
+    }
+}
+
+#[test]
+fn unet_layer_split_across_two_devices_equals_whole_within_budgets() {
+    check_layer_split("UNET", unet);
+}
+
+#[test]
+fn transformer_layer_split_across_two_devices_equals_whole_within_budgets() {
+    check_layer_split("TF", transformer);
 }

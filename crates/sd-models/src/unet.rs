@@ -568,6 +568,9 @@ impl UnetModel {
         let t = ctx.timestep_embedding(timesteps, cfg.model_channels, 10000)?;
         let t = self.time_embed_0.forward(&ctx, &t)?;
         let emb = self.time_embed_2.forward(&ctx, &ctx.silu(&t)?)?;
+        // A cut of its own: computed once, read by every later segment (and copied, not
+        // recomputed, on every device of a layer split, so its weights live on one).
+        g.marks.mark(&emb, "time_embed", "emb")?;
 
         // 2. Input blocks, keeping every output for the skip connections.
         let mut skips = Vec::with_capacity(self.input_blocks.len());

@@ -150,6 +150,7 @@ impl ModelManager {
         if specs == self.lora.specs {
             return Ok(());
         }
+        self.finish_transfers();
         if self.running() {
             return Err(ResidencyError::Busy("changing LoRAs"));
         }

@@ -34,6 +34,7 @@ mod lora;
 mod sources;
 mod staging;
 mod state;
+mod transfer;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
@@ -103,6 +104,8 @@ pub struct ParamInfo {
 /// The model manager: owns parameter states, their buffers on params and compute backends,
 /// model sources and LoRAs, and answers capacity questions (see the module docs).
 pub struct ModelManager {
+    /// Prefetch copies in flight. First field: dropped (joined) before any buffer.
+    pub(crate) transfers: Vec<transfer::TransferJob>,
     backends: Vec<(Arc<Backend>, Device)>,
     pub(crate) sources: BTreeMap<SourceId, ModelLoader>,
     next_source: u32,
@@ -142,6 +145,7 @@ impl ModelManager {
         let mut sources = BTreeMap::new();
         sources.insert(SourceId::MAIN, loader);
         ModelManager {
+            transfers: Vec::new(),
             backends: Vec::new(),
             sources,
             next_source: 1,
@@ -477,6 +481,7 @@ impl ModelManager {
     /// Drops a storage block; its members lose their params copy (and bound tensors their
     /// memory).
     pub(crate) fn drop_storage_block(&mut self, id: BlockId) {
+        self.finish_transfers();
         let Some(block) = self.storage.remove(&id) else {
             return;
         };
@@ -496,6 +501,7 @@ impl ModelManager {
 
     /// Drops a staging (or prefetch) block; its members lose their compute copy.
     pub(crate) fn drop_staging_block(&mut self, id: BlockId) {
+        self.finish_transfers();
         let Some(block) = self.staging.remove(&id) else {
             return;
         };
@@ -511,6 +517,27 @@ impl ModelManager {
             }
         }
         drop(block);
+    }
+
+    /// Waits for every prefetch copy in flight; the blocks of a failed one are dropped
+    /// (their parameters lose the prefetched copy and load synchronously when prepared).
+    pub(crate) fn finish_transfers(&mut self) {
+        if self.transfers.is_empty() {
+            return;
+        }
+        let jobs = std::mem::take(&mut self.transfers);
+        for job in jobs {
+            let blocks = job.blocks.clone();
+            match job.wait() {
+                Ok(bytes) => tracing::trace!(bytes, "prefetch transfer done"),
+                Err(e) => {
+                    tracing::warn!(error = %e, "prefetch transfer failed; dropping its blocks");
+                    for b in blocks {
+                        self.drop_staging_block(b);
+                    }
+                }
+            }
+        }
     }
 
     // ---- accounting ----
@@ -661,6 +688,7 @@ impl DeviceResidencyManager for ModelManager {
 
     fn activate_prefetched_params(&mut self, owner: OwnerId, params: &[ParamId]) -> Result<bool> {
         self.check_known(params)?;
+        self.finish_transfers();
         let ids: Vec<BlockId> = self
             .staging
             .iter()
@@ -680,6 +708,7 @@ impl DeviceResidencyManager for ModelManager {
     }
 
     fn clear_prefetched_params(&mut self, owner: OwnerId) {
+        self.finish_transfers();
         let ids: Vec<BlockId> = self
             .staging
             .iter()

@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 use sd_tensor::ggml::{Backend, BufferUsage, DeviceKind};
 
 use super::blocks::{plan_chunks, StagingBlock};
+use super::transfer::{TransferJob, WeightCopy};
 use super::ModelManager;
 use crate::residency::{
     BackendId, BlockId, OwnerId, ParamId, ResidencyError, Result, SourceId, WeightPrefetchResult,
@@ -24,6 +25,17 @@ impl ModelManager {
         &mut self,
         params: &[ParamId],
         owner: Option<OwnerId>,
+    ) -> Result<Vec<BlockId>> {
+        self.stage_with(params, owner, None)
+    }
+
+    /// [`stage`](Self::stage), collecting the copies into `deferred` instead of doing them
+    /// when it is given (a prefetch hands them to a transfer thread).
+    fn stage_with(
+        &mut self,
+        params: &[ParamId],
+        owner: Option<OwnerId>,
+        deferred: Option<&mut Vec<WeightCopy>>,
     ) -> Result<Vec<BlockId>> {
         let mut groups: BTreeMap<(BackendId, SourceId), Vec<ParamId>> = BTreeMap::new();
         for p in params {
@@ -48,7 +60,7 @@ impl ModelManager {
         }
         let _span = tracing::debug_span!("stage_params", groups = groups.len()).entered();
         let mut created = Vec::new();
-        let result = self.stage_groups(groups, owner, &mut created);
+        let result = self.stage_groups(groups, owner, &mut created, deferred);
         if let Err(e) = result {
             for id in &created {
                 self.drop_staging_block(*id);
@@ -63,6 +75,7 @@ impl ModelManager {
         groups: BTreeMap<(BackendId, SourceId), Vec<ParamId>>,
         owner: Option<OwnerId>,
         created: &mut Vec<BlockId>,
+        mut deferred: Option<&mut Vec<WeightCopy>>,
     ) -> Result<()> {
         for ((backend, _), members) in groups {
             let buft = self.backend_res(backend)?.0.buffer_type();
@@ -108,8 +121,15 @@ impl ModelManager {
                         }
                     }
                     let src = src.ok_or(ResidencyError::UnknownParam(p))?;
-                    Backend::copy_tensor(&src, &tensor)
-                        .map_err(ResidencyError::ggml(format!("uploading `{name}`")))?;
+                    match deferred.as_deref_mut() {
+                        Some(list) => list.push(WeightCopy {
+                            src,
+                            dst: tensor,
+                            name,
+                        }),
+                        None => Backend::copy_tensor(&src, &tensor)
+                            .map_err(ResidencyError::ggml(format!("uploading `{name}`")))?,
+                    }
                 }
             }
         }
@@ -132,6 +152,7 @@ impl ModelManager {
 
     pub(crate) fn prepare_inner(&mut self, params: &[ParamId]) -> Result<()> {
         self.check_known(params)?;
+        self.finish_transfers();
         let _span = tracing::info_span!("prepare_params", params = params.len()).entered();
         // Prefetched copies of these parameters become current.
         let prefetched: Vec<BlockId> = params
@@ -246,8 +267,13 @@ impl ModelManager {
                 return WeightPrefetchResult::Failed;
             }
         };
-        match self.stage(&wanted, Some(owner)) {
-            Ok(_) => WeightPrefetchResult::Scheduled,
+        let mut copies = Vec::new();
+        match self.stage_with(&wanted, Some(owner), Some(&mut copies)) {
+            Ok(blocks) => {
+                // The copies run on a transfer thread while the caller computes.
+                self.transfers.push(TransferJob::spawn(copies, blocks));
+                WeightPrefetchResult::Scheduled
+            }
             Err(e) => {
                 tracing::warn!(error = %e, "prefetch failed to stage weights");
                 for id in created_storage {
