@@ -1,23 +1,22 @@
 //! Text-to-image generation with an SD1.x / SD2.x checkpoint.
 //!
-//! This first version executes every model on the CPU through
-//! [`sd_models::run::run_cpu`] (the whole graph at once, weights loaded to host memory once);
-//! the `sd-exec` engine (device placement, residency, graph cuts) replaces it later.
+//! Every model runs through the memory-budgeted execution engine of a [`Runtime`]
+//! (see [`crate::runtime`]): a [`Pipeline`] holds the runtime and the checkpoint's models.
 //!
 //! Steps: open the file and detect its configs ([`ModelConfig::detect`]), canonicalize the
-//! tensor names, declare CLIP, UNet and the VAE decoder on one [`ParamBuilder`] and load them
-//! to the CPU, encode prompt and negative prompt ([`encode_cfg`]), draw the initial noise with
+//! tensor names, add CLIP, UNet and the VAE to the runtime (their weights are read when first
+//! needed), encode prompt and negative prompt ([`encode_cfg`]), draw the initial noise with
 //! [`CpuRng`] and scale it to the first sigma, sample with classifier-free guidance (the UNet
 //! runs on the batch `[uncond, cond]`), and decode `latents / scaling_factor` with the VAE.
 
 use std::path::{Path, PathBuf};
 
 use sd_models::clip::ClipTextModel;
-use sd_models::run::run_cpu;
 use sd_models::unet::UnetModel;
 use sd_models::vae::AutoencoderKl;
-use sd_models::{load_all_to_cpu, ComputeOptions, GraphCtx, HostData, ModelError, ParamBuilder};
+use sd_models::{HostData, ModelError};
 use sd_residency::files::{FileError, ModelLoader};
+use sd_residency::{Component, SourceId};
 use sd_tensor::host::{ImageError, PixelRange};
 use sd_tensor::{DType, Image, Tensor};
 use thiserror::Error;
@@ -25,6 +24,7 @@ use thiserror::Error;
 use crate::conditioning::{encode_cfg, CfgConditioning, ConditioningError};
 use crate::model_config::{ModelConfig, ModelConfigError};
 use crate::rng::{CpuRng, Rng};
+use crate::runtime::{BuiltGraph, ModelHandle, Runtime, RuntimeError, RuntimeOptions};
 use crate::sampling::{sample, Denoise, KDenoiser, SampleMethod, SamplingError};
 use crate::schedule::{NoiseSchedule, Scheduler};
 use crate::tokenizer::{ClipTokenizer, CHUNK_LEN};
@@ -127,6 +127,9 @@ pub enum GenerateError {
     /// The decoded image is invalid.
     #[error(transparent)]
     Image(#[from] ImageError),
+    /// The runtime failed (backend, residency, execution).
+    #[error(transparent)]
+    Runtime(Box<RuntimeError>),
 }
 
 impl From<ModelError> for GenerateError {
@@ -135,45 +138,131 @@ impl From<ModelError> for GenerateError {
     }
 }
 
-/// The loaded models of one checkpoint, ready to run on the CPU.
-struct Loaded {
+/// A loaded checkpoint: its configuration and its models, added to a [`Runtime`].
+///
+/// Loading only declares and registers the parameters; the residency manager reads them
+/// from the files when a graph first needs them.
+pub struct Pipeline {
     config: ModelConfig,
-    clip: ClipTextModel,
-    unet: UnetModel,
-    vae: AutoencoderKl,
-    // Keeps the parameter tensors' host memory alive.
-    _params: sd_models::Params,
-    _buffer: sd_tensor::ggml::Buffer,
+    path: PathBuf,
+    runtime: Runtime,
+    clip: (ModelHandle, ClipTextModel),
+    unet: (ModelHandle, UnetModel),
+    vae: (ModelHandle, AutoencoderKl),
 }
 
-fn load(path: &Path) -> Result<Loaded, GenerateError> {
-    let mut loader = ModelLoader::new();
-    loader.add_file(path, None)?;
-    let config = ModelConfig::detect(&loader).map_err(|source| GenerateError::Config {
-        path: path.to_path_buf(),
-        source,
-    })?;
-    let weights = |source| GenerateError::Weights {
-        path: path.to_path_buf(),
-        source: Box::new(source),
-    };
-    sd_models::weights::canonicalize(&mut loader, Some(config.version)).map_err(weights)?;
-    let pb = ParamBuilder::new(Some(&loader), 4096).map_err(weights)?;
-    let clip = ClipTextModel::new(&pb, config.clip.clone()).map_err(weights)?;
-    let unet = UnetModel::new(&pb, config.unet.clone()).map_err(weights)?;
-    let mut vae_config = config.vae.clone();
-    vae_config.with_encoder = false;
-    let vae = AutoencoderKl::new(&pb, vae_config).map_err(weights)?;
-    let params = pb.finish();
-    let buffer = load_all_to_cpu(&params, &loader).map_err(weights)?;
-    Ok(Loaded {
-        config,
-        clip,
-        unet,
-        vae,
-        _params: params,
-        _buffer: buffer,
-    })
+impl std::fmt::Debug for Pipeline {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Pipeline")
+            .field("path", &self.path)
+            .field("version", &self.config.version)
+            .field("runtime", &self.runtime)
+            .finish()
+    }
+}
+
+impl Pipeline {
+    /// Opens the checkpoint at `path`, detects its configuration, canonicalizes its tensor
+    /// names and adds its text encoder, UNet and VAE (the encoder too when the file has
+    /// one) to a runtime built with `options`.
+    pub fn load(
+        path: impl AsRef<Path>,
+        options: RuntimeOptions,
+    ) -> Result<Pipeline, GenerateError> {
+        let path = path.as_ref();
+        let _span = tracing::info_span!("load_pipeline", path = %path.display()).entered();
+        let mut loader = ModelLoader::new();
+        loader.add_file(path, None)?;
+        let config = ModelConfig::detect(&loader).map_err(|source| GenerateError::Config {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        let weights = |source| GenerateError::Weights {
+            path: path.to_path_buf(),
+            source: Box::new(source),
+        };
+        sd_models::weights::canonicalize(&mut loader, Some(config.version)).map_err(weights)?;
+        let mut runtime = Runtime::new(options, loader).map_err(|e| runtime_err(path, e))?;
+        let main = SourceId::MAIN;
+        let clip_cfg = config.clip.clone();
+        let clip = runtime
+            .add_model("text_encoder", Component::TextEncoder, main, |pb| {
+                ClipTextModel::new(pb, clip_cfg)
+            })
+            .map_err(|e| runtime_err(path, e))?;
+        let unet_cfg = config.unet.clone();
+        let unet = runtime
+            .add_model("unet", Component::Diffusion, main, |pb| {
+                UnetModel::new(pb, unet_cfg)
+            })
+            .map_err(|e| runtime_err(path, e))?;
+        let mut vae_cfg = config.vae.clone();
+        vae_cfg.with_encoder = {
+            let encoder = format!("{}.encoder.conv_in.weight", vae_cfg.prefix);
+            runtime
+                .catalog(main)
+                .is_some_and(|c| c.get(&encoder).is_some())
+        };
+        let vae = runtime
+            .add_model("vae", Component::Vae, main, |pb| {
+                AutoencoderKl::new(pb, vae_cfg)
+            })
+            .map_err(|e| runtime_err(path, e))?;
+        Ok(Pipeline {
+            config,
+            path: path.to_path_buf(),
+            runtime,
+            clip,
+            unet,
+            vae,
+        })
+    }
+
+    /// The detected configuration.
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    /// The runtime handles of the text encoder, the UNet and the VAE.
+    pub fn handles(&self) -> PipelineModels {
+        PipelineModels {
+            text_encoder: self.clip.0,
+            unet: self.unet.0,
+            vae: self.vae.0,
+        }
+    }
+
+    /// The runtime the models run in.
+    pub fn runtime(&self) -> &Runtime {
+        &self.runtime
+    }
+
+    /// The runtime, mutably.
+    pub fn runtime_mut(&mut self) -> &mut Runtime {
+        &mut self.runtime
+    }
+}
+
+/// The runtime handles of a [`Pipeline`]'s models.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PipelineModels {
+    /// The text encoder.
+    pub text_encoder: ModelHandle,
+    /// The UNet.
+    pub unet: ModelHandle,
+    /// The VAE (encoder, when the file has one, and decoder).
+    pub vae: ModelHandle,
+}
+
+/// Maps a runtime error of loading to the file-naming variants.
+fn runtime_err(path: &Path, e: RuntimeError) -> GenerateError {
+    match e {
+        RuntimeError::Model(source) => GenerateError::Weights {
+            path: path.to_path_buf(),
+            source: Box::new(source),
+        },
+        other => GenerateError::Runtime(Box::new(other)),
+    }
 }
 
 fn check_settings(cfg: &ModelConfig, p: &Txt2Img) -> Result<(), GenerateError> {
@@ -222,121 +311,151 @@ pub fn model_config(path: impl AsRef<Path>) -> Result<ModelConfig, GenerateError
     })
 }
 
-/// Generates `params.batch` images from `params.prompt` with the checkpoint at `model_path`.
+/// Generates `params.batch` images from `params.prompt` with the checkpoint at `model_path`,
+/// computing on the CPU with `params.threads` threads (see [`Pipeline`] for other devices
+/// and budgets).
 ///
 /// `progress(step, total)` is called before each model evaluation with the 1-based sampling
-/// step (`total` = `params.steps`; per image of a batch). Runs on the CPU (see the module
-/// documentation).
+/// step (`total` = `params.steps`; per image of a batch).
 pub fn txt2img(
     model_path: impl AsRef<Path>,
     params: &Txt2Img,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<Vec<Image>, GenerateError> {
-    let path = model_path.as_ref();
-    let m = load(path)?;
-    check_settings(&m.config, params)?;
-    let threads = params.threads.max(1);
-    let opts = ComputeOptions::default();
-
-    // Text conditioning.
-    let tokenizer = ClipTokenizer::sd1();
-    let clip = &m.clip;
-    let encoder = |ids: &[i32]| -> Result<Tensor<f32>, ModelError> {
-        let mut g = GraphCtx::new(CLIP_GRAPH, CLIP_GRAPH, opts)?;
-        let input = g.ctx.new_tensor(DType::I32, &[ids.len(), 1])?;
-        let out = clip.forward(&mut g, &input)?;
-        let hidden = out.ne()[0];
-        let data = run_cpu(
-            &g,
-            &[&out],
-            &[(&input, HostData::I32(ids.to_vec()))],
-            CLIP_GRAPH,
-            threads,
-        )?;
-        let data = data.into_iter().next().unwrap_or_default();
-        Tensor::new([CHUNK_LEN, hidden], data).map_err(|e| ModelError::Config(e.to_string()))
+    let options = RuntimeOptions {
+        threads: params.threads.max(1),
+        ..RuntimeOptions::default()
     };
-    let cond = encode_cfg(&tokenizer, &params.prompt, &params.negative, encoder)?;
-
-    let schedule = NoiseSchedule::scaled_linear();
-    let sigmas = params.scheduler.sigmas(params.steps, &schedule)?;
-    let f = m.config.vae.downsample_factor();
-    let (lw, lh) = (params.width / f, params.height / f);
-    let channels = m.config.unet.in_channels;
-
-    let mut images = Vec::with_capacity(params.batch);
-    for i in 0..params.batch {
-        let mut rng = CpuRng::new(params.seed.wrapping_add(i as u64));
-        let noise = rng.randn_tensor(&[1, channels, lh, lw])?;
-        let x = noise.scale(sigmas[0]);
-        let model = CfgUnet {
-            unet: &m.unet,
-            cond: &cond,
-            cfg_scale: params.cfg_scale,
-            threads,
-            opts,
-            sigmas: &sigmas,
-            progress: &mut *progress,
-        };
-        let mut denoiser = KDenoiser::new(model, m.config.prediction, &schedule);
-        let latents = sample(
-            params.sampler,
-            &mut denoiser,
-            x,
-            &sigmas,
-            &mut rng,
-            None,
-            &schedule,
-        )?;
-        images.push(decode(&m, &latents, threads, opts)?);
-    }
-    Ok(images)
+    Pipeline::load(model_path, options)?.txt2img(params, progress)
 }
 
-/// VAE-decodes latents `[1, C, h, w]` (divided by the scaling factor first) to an image.
-fn decode(
-    m: &Loaded,
-    latents: &Tensor<f32>,
-    threads: usize,
-    opts: ComputeOptions,
-) -> Result<Image, GenerateError> {
-    let shape = latents.shape().to_vec();
-    let z_host = latents.scale(1.0 / m.config.scaling_factor);
-    let mut g = GraphCtx::new(VAE_GRAPH, VAE_GRAPH, opts)?;
-    let ne: Vec<usize> = shape.iter().rev().copied().collect();
-    let z = g
-        .ctx
-        .new_tensor(DType::F32, &ne)
-        .map_err(ModelError::from)?;
-    let out = m.vae.decode(&mut g, &z)?;
-    let one = out.ne();
-    let (w, h, c) = (one[0], one[1], one[2]);
-    let data = run_cpu(
-        &g,
-        &[&out],
-        &[(&z, HostData::F32(z_host.into_data()))],
-        VAE_GRAPH,
-        threads,
-    )?;
-    let data = data.into_iter().next().unwrap_or_default();
-    let t = Tensor::new([1, c, h, w], data).map_err(|e| ModelError::Config(e.to_string()))?;
-    Ok(Image::from_tensor(&t, PixelRange::MinusOneToOne)?)
+impl Pipeline {
+    fn model_err(&self, e: RuntimeError) -> GenerateError {
+        runtime_err(&self.path, e)
+    }
+
+    /// Encodes prompt and negative prompt with the text encoder.
+    fn condition(&mut self, params: &Txt2Img) -> Result<CfgConditioning, GenerateError> {
+        let tokenizer = ClipTokenizer::sd1();
+        let (h, clip) = (self.clip.0, &self.clip.1);
+        let runtime = &mut self.runtime;
+        let encoder = |ids: &[i32]| -> Result<Tensor<f32>, ModelError> {
+            let out = runtime
+                .run(h, "text encoder", CLIP_GRAPH, |g| {
+                    let input = g.ctx.new_tensor(DType::I32, &[ids.len(), 1])?;
+                    let output = clip.forward(g, &input)?;
+                    Ok(BuiltGraph {
+                        output,
+                        inputs: vec![(input, HostData::I32(ids.to_vec()))],
+                    })
+                })
+                .map_err(runtime_to_model)?;
+            let hidden = out.ne[0];
+            Tensor::new([CHUNK_LEN, hidden], out.data)
+                .map_err(|e| ModelError::Config(e.to_string()))
+        };
+        let cond = encode_cfg(&tokenizer, &params.prompt, &params.negative, encoder)?;
+        self.runtime
+            .release(self.clip.0)
+            .map_err(|e| self.model_err(e))?;
+        Ok(cond)
+    }
+
+    /// Generates `params.batch` images from `params.prompt` (see [`txt2img`]).
+    pub fn txt2img(
+        &mut self,
+        params: &Txt2Img,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<Vec<Image>, GenerateError> {
+        let _span = tracing::info_span!("txt2img", steps = params.steps).entered();
+        check_settings(&self.config, params)?;
+        let cond = self.condition(params)?;
+
+        let schedule = NoiseSchedule::scaled_linear();
+        let sigmas = params.scheduler.sigmas(params.steps, &schedule)?;
+        let f = self.config.vae.downsample_factor();
+        let (lw, lh) = (params.width / f, params.height / f);
+        let channels = self.config.unet.in_channels;
+
+        let mut images = Vec::with_capacity(params.batch);
+        for i in 0..params.batch {
+            let mut rng = CpuRng::new(params.seed.wrapping_add(i as u64));
+            let noise = rng.randn_tensor(&[1, channels, lh, lw])?;
+            let x = noise.scale(sigmas[0]);
+            let model = CfgUnet {
+                runtime: &mut self.runtime,
+                handle: self.unet.0,
+                unet: &self.unet.1,
+                cond: &cond,
+                cfg_scale: params.cfg_scale,
+                sigmas: &sigmas,
+                progress: &mut *progress,
+            };
+            let mut denoiser = KDenoiser::new(model, self.config.prediction, &schedule);
+            let latents = sample(
+                params.sampler,
+                &mut denoiser,
+                x,
+                &sigmas,
+                &mut rng,
+                None,
+                &schedule,
+            )?;
+            images.push(self.decode(&latents)?);
+        }
+        self.runtime
+            .release(self.unet.0)
+            .and_then(|_| self.runtime.release(self.vae.0))
+            .map_err(|e| self.model_err(e))?;
+        Ok(images)
+    }
+
+    /// VAE-decodes latents `[1, C, h, w]` (divided by the scaling factor first) to an image.
+    pub fn decode(&mut self, latents: &Tensor<f32>) -> Result<Image, GenerateError> {
+        let shape = latents.shape().to_vec();
+        let z_host = latents.scale(1.0 / self.config.scaling_factor);
+        let ne: Vec<usize> = shape.iter().rev().copied().collect();
+        let (h, vae) = (self.vae.0, &self.vae.1);
+        let out = self
+            .runtime
+            .run(h, "vae decode", VAE_GRAPH, |g| {
+                let z = g.ctx.new_tensor(DType::F32, &ne)?;
+                let output = vae.decode(g, &z)?;
+                Ok(BuiltGraph {
+                    output,
+                    inputs: vec![(z, HostData::F32(z_host.into_data()))],
+                })
+            })
+            .map_err(|e| runtime_err(&self.path, e))?;
+        let [_, c, h, w] = out.shape();
+        let t =
+            Tensor::new([1, c, h, w], out.data).map_err(|e| ModelError::Config(e.to_string()))?;
+        Ok(Image::from_tensor(&t, PixelRange::MinusOneToOne)?)
+    }
+}
+
+/// A runtime error inside a model callback (conditioning, sampling) as a [`ModelError`].
+fn runtime_to_model(e: RuntimeError) -> ModelError {
+    match e {
+        RuntimeError::Model(m) => m,
+        other => ModelError::Config(other.to_string()),
+    }
 }
 
 /// The UNet with classifier-free guidance: runs on `[uncond, cond]` and returns
 /// `uncond + cfg_scale * (cond - uncond)` (the prompt only when `cfg_scale` is 1).
 struct CfgUnet<'a, 'p> {
+    runtime: &'a mut Runtime,
+    handle: ModelHandle,
     unet: &'a UnetModel,
     cond: &'a CfgConditioning,
     cfg_scale: f32,
-    threads: usize,
-    opts: ComputeOptions,
     sigmas: &'a [f32],
     progress: &'a mut (dyn FnMut(usize, usize) + 'p),
 }
 
 impl CfgUnet<'_, '_> {
-    fn run(&self, x_in: &Tensor<f32>, timestep: f32) -> Result<Vec<f32>, ModelError> {
+    fn run(&mut self, x_in: &Tensor<f32>, timestep: f32) -> Result<Vec<f32>, RuntimeError> {
         let guided = self.cfg_scale != 1.0;
         let batch = if guided { 2 } else { 1 };
         let shape = x_in.shape();
@@ -352,25 +471,28 @@ impl CfgUnet<'_, '_> {
             let s = context.shape();
             (s[s.len() - 2], s[s.len() - 1])
         };
-        let mut g = GraphCtx::new(UNET_GRAPH, UNET_GRAPH, self.opts)?;
-        let x = g.ctx.new_tensor(DType::F32, &[w, h, c, batch])?;
-        let t = g.ctx.new_tensor(DType::F32, &[batch])?;
-        let ctx = g.ctx.new_tensor(DType::F32, &[hidden, tokens, batch])?;
-        let out = self.unet.forward(&mut g, &x, &t, &ctx)?;
         let mut xs = x_in.data().to_vec();
         if guided {
             xs.extend_from_slice(x_in.data());
         }
-        let inputs = [
-            (&x, HostData::F32(xs)),
-            (&t, HostData::F32(vec![timestep; batch])),
-            (&ctx, HostData::F32(context.into_data())),
-        ];
-        let out = run_cpu(&g, &[&out], &inputs, UNET_GRAPH, self.threads)?;
-        Ok(out.into_iter().next().unwrap_or_default())
+        let unet = self.unet;
+        let out = self.runtime.run(self.handle, "unet", UNET_GRAPH, |g| {
+            let x = g.ctx.new_tensor(DType::F32, &[w, h, c, batch])?;
+            let t = g.ctx.new_tensor(DType::F32, &[batch])?;
+            let ctx = g.ctx.new_tensor(DType::F32, &[hidden, tokens, batch])?;
+            let output = unet.forward(g, &x, &t, &ctx)?;
+            Ok(BuiltGraph {
+                output,
+                inputs: vec![
+                    (x, HostData::F32(xs)),
+                    (t, HostData::F32(vec![timestep; batch])),
+                    (ctx, HostData::F32(context.into_data())),
+                ],
+            })
+        })?;
+        Ok(out.data)
     }
 }
-
 impl Denoise for CfgUnet<'_, '_> {
     fn predict(
         &mut self,

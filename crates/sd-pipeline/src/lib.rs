@@ -5,6 +5,7 @@ pub mod generate;
 pub mod model_config;
 pub mod prompt;
 pub mod rng;
+pub mod runtime;
 pub mod sampling;
 pub mod schedule;
 pub mod tokenizer;
