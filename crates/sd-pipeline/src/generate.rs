@@ -11,20 +11,20 @@
 
 use std::path::{Path, PathBuf};
 
-use sd_models::clip::ClipTextModel;
 use sd_models::unet::UnetModel;
-use sd_models::vae::AutoencoderKl;
 use sd_models::{HostData, ModelError};
 use sd_residency::files::{FileError, ModelLoader};
-use sd_residency::{Component, SourceId};
 use sd_tensor::host::{ImageError, PixelRange};
 use sd_tensor::{DType, Image, Tensor};
 use thiserror::Error;
 
 use crate::conditioning::{encode_cfg, CfgConditioning, ConditioningError};
 use crate::model_config::{ModelConfig, ModelConfigError};
-use crate::rng::{CpuRng, Rng};
+pub use crate::pipeline::{LoadOptions, ModelFiles, Pipeline, PipelineModels};
+use crate::pipeline::runtime_err;
+use crate::rng::RngKind;
 use crate::runtime::{BuiltGraph, ModelHandle, Runtime, RuntimeError, RuntimeOptions};
+use crate::vae_tiling::{decode_tiled, VaeTiling};
 use crate::sampling::{sample, Denoise, KDenoiser, SampleMethod, SamplingError};
 use crate::schedule::{NoiseSchedule, Scheduler};
 use crate::tokenizer::{ClipTokenizer, CHUNK_LEN};
@@ -61,6 +61,11 @@ pub struct Txt2Img {
     pub threads: usize,
     /// Number of images.
     pub batch: usize,
+    /// The noise generator (`--rng`; stable-diffusion.cpp defaults to `cuda`, sd-rs to `cpu`,
+    /// torch's CPU generator).
+    pub rng: RngKind,
+    /// Decode the latents in tiles (`--vae-tiling`; `None`: whole).
+    pub vae_tiling: Option<VaeTiling>,
 }
 
 impl Default for Txt2Img {
@@ -79,6 +84,8 @@ impl Default for Txt2Img {
                 .map(|n| n.get())
                 .unwrap_or(1),
             batch: 1,
+            rng: RngKind::Cpu,
+            vae_tiling: None,
         }
     }
 }
@@ -130,138 +137,14 @@ pub enum GenerateError {
     /// The runtime failed (backend, residency, execution).
     #[error(transparent)]
     Runtime(Box<RuntimeError>),
+    /// A host tensor had an unexpected shape.
+    #[error(transparent)]
+    Shape(#[from] sd_tensor::host::ShapeError),
 }
 
 impl From<ModelError> for GenerateError {
     fn from(e: ModelError) -> Self {
         GenerateError::Model(Box::new(e))
-    }
-}
-
-/// A loaded checkpoint: its configuration and its models, added to a [`Runtime`].
-///
-/// Loading only declares and registers the parameters; the residency manager reads them
-/// from the files when a graph first needs them.
-pub struct Pipeline {
-    config: ModelConfig,
-    path: PathBuf,
-    runtime: Runtime,
-    clip: (ModelHandle, ClipTextModel),
-    unet: (ModelHandle, UnetModel),
-    vae: (ModelHandle, AutoencoderKl),
-}
-
-impl std::fmt::Debug for Pipeline {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Pipeline")
-            .field("path", &self.path)
-            .field("version", &self.config.version)
-            .field("runtime", &self.runtime)
-            .finish()
-    }
-}
-
-impl Pipeline {
-    /// Opens the checkpoint at `path`, detects its configuration, canonicalizes its tensor
-    /// names and adds its text encoder, UNet and VAE (the encoder too when the file has
-    /// one) to a runtime built with `options`.
-    pub fn load(
-        path: impl AsRef<Path>,
-        options: RuntimeOptions,
-    ) -> Result<Pipeline, GenerateError> {
-        let path = path.as_ref();
-        let _span = tracing::info_span!("load_pipeline", path = %path.display()).entered();
-        let mut loader = ModelLoader::new();
-        loader.add_file(path, None)?;
-        let config = ModelConfig::detect(&loader).map_err(|source| GenerateError::Config {
-            path: path.to_path_buf(),
-            source,
-        })?;
-        let weights = |source| GenerateError::Weights {
-            path: path.to_path_buf(),
-            source: Box::new(source),
-        };
-        sd_models::weights::canonicalize(&mut loader, Some(config.version)).map_err(weights)?;
-        let mut runtime = Runtime::new(options, loader).map_err(|e| runtime_err(path, e))?;
-        let main = SourceId::MAIN;
-        let clip_cfg = config.clip.clone();
-        let clip = runtime
-            .add_model("text_encoder", Component::TextEncoder, main, |pb| {
-                ClipTextModel::new(pb, clip_cfg)
-            })
-            .map_err(|e| runtime_err(path, e))?;
-        let unet_cfg = config.unet.clone();
-        let unet = runtime
-            .add_model("unet", Component::Diffusion, main, |pb| {
-                UnetModel::new(pb, unet_cfg)
-            })
-            .map_err(|e| runtime_err(path, e))?;
-        let mut vae_cfg = config.vae.clone();
-        vae_cfg.with_encoder = {
-            let encoder = format!("{}.encoder.conv_in.weight", vae_cfg.prefix);
-            runtime
-                .catalog(main)
-                .is_some_and(|c| c.get(&encoder).is_some())
-        };
-        let vae = runtime
-            .add_model("vae", Component::Vae, main, |pb| {
-                AutoencoderKl::new(pb, vae_cfg)
-            })
-            .map_err(|e| runtime_err(path, e))?;
-        Ok(Pipeline {
-            config,
-            path: path.to_path_buf(),
-            runtime,
-            clip,
-            unet,
-            vae,
-        })
-    }
-
-    /// The detected configuration.
-    pub fn config(&self) -> &ModelConfig {
-        &self.config
-    }
-
-    /// The runtime handles of the text encoder, the UNet and the VAE.
-    pub fn handles(&self) -> PipelineModels {
-        PipelineModels {
-            text_encoder: self.clip.0,
-            unet: self.unet.0,
-            vae: self.vae.0,
-        }
-    }
-
-    /// The runtime the models run in.
-    pub fn runtime(&self) -> &Runtime {
-        &self.runtime
-    }
-
-    /// The runtime, mutably.
-    pub fn runtime_mut(&mut self) -> &mut Runtime {
-        &mut self.runtime
-    }
-}
-
-/// The runtime handles of a [`Pipeline`]'s models.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct PipelineModels {
-    /// The text encoder.
-    pub text_encoder: ModelHandle,
-    /// The UNet.
-    pub unet: ModelHandle,
-    /// The VAE (encoder, when the file has one, and decoder).
-    pub vae: ModelHandle,
-}
-
-/// Maps a runtime error of loading to the file-naming variants.
-fn runtime_err(path: &Path, e: RuntimeError) -> GenerateError {
-    match e {
-        RuntimeError::Model(source) => GenerateError::Weights {
-            path: path.to_path_buf(),
-            source: Box::new(source),
-        },
-        other => GenerateError::Runtime(Box::new(other)),
     }
 }
 
@@ -329,6 +212,14 @@ pub fn txt2img(
     Pipeline::load(model_path, options)?.txt2img(params, progress)
 }
 
+/// The sigmas an img2img run samples: the last `floor(steps * strength)` steps of the
+/// schedule (stable-diffusion.cpp's `t_enc`), that is the final `t_enc + 1` sigmas.
+pub fn img2img_sigmas(sigmas: &[f32], strength: f32) -> &[f32] {
+    let steps = sigmas.len().saturating_sub(1);
+    let t_enc = ((steps as f32 * strength.clamp(0.0, 1.0)) as usize).min(steps);
+    &sigmas[steps - t_enc..]
+}
+
 impl Pipeline {
     fn model_err(&self, e: RuntimeError) -> GenerateError {
         runtime_err(&self.path, e)
@@ -367,41 +258,101 @@ impl Pipeline {
         params: &Txt2Img,
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<Vec<Image>, GenerateError> {
-        let _span = tracing::info_span!("txt2img", steps = params.steps).entered();
+        self.generate(params, None, progress)
+    }
+
+    /// Generates `params.batch` images from `init` and `params.prompt`: the init image is
+    /// VAE-encoded (the latent distribution's mean), noised to the sigma where the last
+    /// `floor(steps * strength)` steps start ([`img2img_sigmas`]) and denoised over those
+    /// steps. Strength 0 returns the init image through a VAE round trip; 1 ignores it but
+    /// for the noise level. `init` must be `params.width` x `params.height`.
+    pub fn img2img(
+        &mut self,
+        params: &Txt2Img,
+        init: &Image,
+        strength: f32,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<Vec<Image>, GenerateError> {
+        if !(0.0..=1.0).contains(&strength) {
+            return Err(GenerateError::InvalidSetting {
+                flag: "strength",
+                message: format!("{strength} is not between 0 and 1"),
+            });
+        }
+        if (init.width(), init.height()) != (params.width, params.height) {
+            return Err(GenerateError::InvalidSetting {
+                flag: "init-img",
+                message: format!(
+                    "the init image is {}x{} but the output is {}x{}",
+                    init.width(),
+                    init.height(),
+                    params.width,
+                    params.height
+                ),
+            });
+        }
+        self.generate(params, Some((init, strength)), progress)
+    }
+
+    fn generate(
+        &mut self,
+        params: &Txt2Img,
+        init: Option<(&Image, f32)>,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<Vec<Image>, GenerateError> {
+        let _span = tracing::info_span!("generate", steps = params.steps, img2img = init.is_some())
+            .entered();
         check_settings(&self.config, params)?;
+        let init_latents = match init {
+            Some((image, _)) => Some(self.encode(image)?),
+            None => None,
+        };
         let cond = self.condition(params)?;
 
         let schedule = NoiseSchedule::scaled_linear();
-        let sigmas = params.scheduler.sigmas(params.steps, &schedule)?;
+        let all_sigmas = params.scheduler.sigmas(params.steps, &schedule)?;
+        let sigmas = match init {
+            Some((_, strength)) => img2img_sigmas(&all_sigmas, strength).to_vec(),
+            None => all_sigmas,
+        };
         let f = self.config.vae.downsample_factor();
         let (lw, lh) = (params.width / f, params.height / f);
         let channels = self.config.unet.in_channels;
 
         let mut images = Vec::with_capacity(params.batch);
         for i in 0..params.batch {
-            let mut rng = CpuRng::new(params.seed.wrapping_add(i as u64));
+            let mut rng = params.rng.create(params.seed.wrapping_add(i as u64));
             let noise = rng.randn_tensor(&[1, channels, lh, lw])?;
-            let x = noise.scale(sigmas[0]);
-            let model = CfgUnet {
-                runtime: &mut self.runtime,
-                handle: self.unet.0,
-                unet: &self.unet.1,
-                cond: &cond,
-                cfg_scale: params.cfg_scale,
-                sigmas: &sigmas,
-                progress: &mut *progress,
+            let mut x = noise.scale(sigmas[0]);
+            if let Some(init) = &init_latents {
+                for (v, z) in x.data_mut().iter_mut().zip(init.data()) {
+                    *v += z;
+                }
+            }
+            let latents = if sigmas.len() < 2 {
+                x
+            } else {
+                let model = CfgUnet {
+                    runtime: &mut self.runtime,
+                    handle: self.unet.0,
+                    unet: &self.unet.1,
+                    cond: &cond,
+                    cfg_scale: params.cfg_scale,
+                    sigmas: &sigmas,
+                    progress: &mut *progress,
+                };
+                let mut denoiser = KDenoiser::new(model, self.config.prediction, &schedule);
+                sample(
+                    params.sampler,
+                    &mut denoiser,
+                    x,
+                    &sigmas,
+                    rng.as_mut(),
+                    None,
+                    &schedule,
+                )?
             };
-            let mut denoiser = KDenoiser::new(model, self.config.prediction, &schedule);
-            let latents = sample(
-                params.sampler,
-                &mut denoiser,
-                x,
-                &sigmas,
-                &mut rng,
-                None,
-                &schedule,
-            )?;
-            images.push(self.decode(&latents)?);
+            images.push(self.decode(&latents, params.vae_tiling)?);
         }
         self.runtime
             .release(self.unet.0)
@@ -410,11 +361,57 @@ impl Pipeline {
         Ok(images)
     }
 
-    /// VAE-decodes latents `[1, C, h, w]` (divided by the scaling factor first) to an image.
-    pub fn decode(&mut self, latents: &Tensor<f32>) -> Result<Image, GenerateError> {
-        let shape = latents.shape().to_vec();
-        let z_host = latents.scale(1.0 / self.config.scaling_factor);
-        let ne: Vec<usize> = shape.iter().rev().copied().collect();
+    /// VAE-encodes an image to latents `[1, C, h, w]`: the mean of the latent distribution
+    /// times the scaling factor.
+    pub fn encode(&mut self, image: &Image) -> Result<Tensor<f32>, GenerateError> {
+        if self.vae.1.encoder.is_none() {
+            return Err(GenerateError::Config {
+                path: self.path.clone(),
+                source: crate::model_config::ModelConfigError::Unsupported(
+                    "the autoencoder has no encoder (img2img needs one; give a full VAE with --vae)"
+                        .into(),
+                ),
+            });
+        }
+        let x = image.to_rgb().to_tensor(PixelRange::MinusOneToOne);
+        let ne: Vec<usize> = x.shape().iter().rev().copied().collect();
+        let (h, vae) = (self.vae.0, &self.vae.1);
+        let out = self
+            .runtime
+            .run(h, "vae encode", VAE_GRAPH, |g| {
+                let t = g.ctx.new_tensor(DType::F32, &ne)?;
+                let output = vae.encode(g, &t)?;
+                Ok(BuiltGraph {
+                    output,
+                    inputs: vec![(t, HostData::F32(x.into_data()))],
+                })
+            })
+            .map_err(|e| runtime_err(&self.path, e))?;
+        let [_, c2, lh, lw] = out.shape();
+        let z = c2 / 2;
+        let moments = Tensor::new([1, c2, lh, lw], out.data)?;
+        Ok(moments.slice(1, 0, z)?.scale(self.config.scaling_factor))
+    }
+
+    /// VAE-decodes latents `[1, C, h, w]` (divided by the scaling factor first) to an image,
+    /// whole or in tiles.
+    pub fn decode(
+        &mut self,
+        latents: &Tensor<f32>,
+        tiling: Option<VaeTiling>,
+    ) -> Result<Image, GenerateError> {
+        let z = latents.scale(1.0 / self.config.scaling_factor);
+        let t = match tiling {
+            Some(tiling) => decode_tiled(&z, tiling, |tile| self.decode_raw(tile))?,
+            None => self.decode_raw(&z)?,
+        };
+        Ok(Image::from_tensor(&t, PixelRange::MinusOneToOne)?)
+    }
+
+    /// Runs the VAE decoder on `z` `[1, C, h, w]`; returns `[1, c, H, W]` in about [-1, 1].
+    fn decode_raw(&mut self, z: &Tensor<f32>) -> Result<Tensor<f32>, GenerateError> {
+        let ne: Vec<usize> = z.shape().iter().rev().copied().collect();
+        let data = z.data().to_vec();
         let (h, vae) = (self.vae.0, &self.vae.1);
         let out = self
             .runtime
@@ -423,14 +420,12 @@ impl Pipeline {
                 let output = vae.decode(g, &z)?;
                 Ok(BuiltGraph {
                     output,
-                    inputs: vec![(z, HostData::F32(z_host.into_data()))],
+                    inputs: vec![(z, HostData::F32(data))],
                 })
             })
             .map_err(|e| runtime_err(&self.path, e))?;
         let [_, c, h, w] = out.shape();
-        let t =
-            Tensor::new([1, c, h, w], out.data).map_err(|e| ModelError::Config(e.to_string()))?;
-        Ok(Image::from_tensor(&t, PixelRange::MinusOneToOne)?)
+        Ok(Tensor::new([1, c, h, w], out.data)?)
     }
 }
 

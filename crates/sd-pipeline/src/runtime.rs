@@ -25,7 +25,7 @@ use sd_models::{ComputeOptions, GraphCtx, HostData, ModelError, ParamBuilder, Pa
 use sd_residency::capacity::{MaxVram, MaxVramError};
 use sd_residency::files::ModelLoader;
 use sd_residency::{
-    BackendId, Component, ModelManager, ParamId, ParamSpec, ResidencyError, ResidencyMode, SourceId,
+    BackendId, Component, DeviceResidencyManager, ModelManager, ParamId, ParamSpec, ResidencyError, ResidencyMode, SourceId,
 };
 use sd_tensor::ggml::{Backend, Device, GTensor, Graph, SimDevice, SimOptions};
 use sd_tensor::{DType, GgmlError};
@@ -163,6 +163,9 @@ pub struct RuntimeOptions {
     pub planning_headroom: Option<u64>,
     /// Numerical options of the graphs built by [`Runtime::run`].
     pub compute_options: ComputeOptions,
+    /// Convert weights to this type when loading (`--type`; `None`: the files' types). See
+    /// [`ParamBuilder::set_weight_type`] for which tensors it applies to.
+    pub weight_type: Option<DType>,
 }
 
 impl Default for RuntimeOptions {
@@ -181,6 +184,7 @@ impl Default for RuntimeOptions {
             prefetch: true,
             planning_headroom: None,
             compute_options: ComputeOptions::default(),
+            weight_type: None,
         }
     }
 }
@@ -400,6 +404,7 @@ impl Runtime {
                 .source(source)
                 .ok_or_else(|| RuntimeError::Unknown(format!("model source {source}")))?;
             let pb = ParamBuilder::new(Some(catalog), sd_models::weights::DEFAULT_PARAM_CAPACITY)?;
+            pb.set_weight_type(self.options.weight_type);
             let model = declare(&pb)?;
             (model, pb.finish())
         };
@@ -502,6 +507,33 @@ impl Runtime {
         self.engine.end(session)?;
         self.engine.start(session)?;
         Ok(())
+    }
+
+    /// Loads model `h`'s weights now instead of at their first use, when that is where they
+    /// would stay: parameters kept in RAM and computed on the CPU. Reports
+    /// `progress(done, total)` in parameters; returns whether anything was loaded (other
+    /// setups stream weights to the device as graphs need them, within the budget).
+    pub fn preload(
+        &mut self,
+        h: ModelHandle,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<bool> {
+        let ids = self.slot(h)?.ids.clone();
+        if self.options.params != ParamsLocation::Ram || !self.compute.is_cpu() {
+            return Ok(false);
+        }
+        let _span = tracing::info_span!("preload", model = %self.slot(h)?.name).entered();
+        let total = ids.len();
+        let mut done = 0;
+        progress(0, total);
+        for chunk in ids.chunks(64) {
+            let m = self.engine.manager_mut();
+            m.prepare_params(chunk)?;
+            m.unpin_params(chunk)?;
+            done += chunk.len();
+            progress(done, total);
+        }
+        Ok(true)
     }
 
     /// The name given to model `h`.
