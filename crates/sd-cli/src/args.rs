@@ -183,9 +183,8 @@ pub fn parse(args: &[String]) -> Result<Args, Usage> {
             "--clip_l" => a.clip_l = Some(value(args, &mut i, flag)?.into()),
             "--type" => {
                 let v = value(args, &mut i, flag)?;
-                let t = DType::parse(v).filter(|d| {
-                    (d.is_float() && *d != DType::F64) || d.is_quantized()
-                });
+                let t = DType::parse(v)
+                    .filter(|d| (d.is_float() && *d != DType::F64) || d.is_quantized());
                 a.weight_type = Some(t.ok_or_else(|| {
                     Usage(format!(
                         "--type: unknown weight type '{v}' (known: f32, f16, bf16, q8_0, \
@@ -247,10 +246,10 @@ pub fn parse(args: &[String]) -> Result<Args, Usage> {
             }
             "--rng" => {
                 let v = value(args, &mut i, flag)?;
-                a.rng = Some(
-                    v.parse()
-                        .map_err(|_| Usage(format!("--rng: unknown rng '{v}' (known: cpu, cuda)")))?,
-                );
+                a.rng =
+                    Some(v.parse().map_err(|_| {
+                        Usage(format!("--rng: unknown rng '{v}' (known: cpu, cuda)"))
+                    })?);
             }
             "--backend" => {
                 let v = value(args, &mut i, flag)?;
@@ -258,8 +257,10 @@ pub fn parse(args: &[String]) -> Result<Args, Usage> {
             }
             "--params-backend" => {
                 let v = value(args, &mut i, flag)?;
-                a.params_backend =
-                    Some(v.parse().map_err(|e| Usage(format!("--params-backend: {e}")))?);
+                a.params_backend = Some(
+                    v.parse()
+                        .map_err(|e| Usage(format!("--params-backend: {e}")))?,
+                );
             }
             "--max-vram" => {
                 let v = value(args, &mut i, flag)?;
@@ -331,7 +332,10 @@ mod tests {
         let m = parse_max_vram("cuda0=1.5G,sim0=-256M").unwrap();
         assert_eq!(m.for_device("CUDA0"), Some(BudgetSpec::Bytes(3 * gib / 2)));
         assert_eq!(m.for_device("SIM0"), Some(BudgetSpec::FreeMinus(256 << 20)));
-        assert_eq!(parse_max_vram("0").unwrap().default, Some(BudgetSpec::Disabled));
+        assert_eq!(
+            parse_max_vram("0").unwrap().default,
+            Some(BudgetSpec::Disabled)
+        );
         for bad in ["", "x", "4Q", "nan", "1,2"] {
             assert!(parse_max_vram(bad).is_err(), "{bad}");
         }

@@ -230,6 +230,9 @@ fn generate(a: &Args, threads: usize) -> ExitCode {
         }
     }
     progress.finish_line();
+    if a.verbose {
+        report_memory(&pipeline);
+    }
     let name = if config.name.is_empty() {
         files
             .primary()
@@ -268,6 +271,33 @@ fn generate(a: &Args, threads: usize) -> ExitCode {
         );
     }
     ExitCode::SUCCESS
+}
+
+/// Prints (with `-v`) how each model ran last and the simulated device's peak.
+fn report_memory(p: &Pipeline) {
+    let rt = p.runtime();
+    let h = p.handles();
+    let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
+    if let Some(b) = rt.budget() {
+        eprintln!(
+            "budget on {}: {:.1} MiB",
+            rt.compute_backend().name(),
+            mib(b)
+        );
+    }
+    for m in [h.text_encoder, h.unet, h.vae] {
+        let r = rt.last_segments(m);
+        let peak = r.iter().map(|s| s.footprint()).max().unwrap_or(0);
+        eprintln!(
+            "{}: {} segment(s) in its last run, largest footprint {:.1} MiB",
+            rt.model_name(m).unwrap_or("?"),
+            r.len(),
+            mib(peak)
+        );
+    }
+    if let Some(sim) = rt.sim_device() {
+        eprintln!("simulated device peak: {:.2} MiB", mib(sim.peak_bytes()));
+    }
 }
 
 /// The A1111-style `parameters` text of a PNG.

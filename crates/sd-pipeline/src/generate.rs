@@ -20,14 +20,14 @@ use thiserror::Error;
 
 use crate::conditioning::{encode_cfg, CfgConditioning, ConditioningError};
 use crate::model_config::{ModelConfig, ModelConfigError};
-pub use crate::pipeline::{LoadOptions, ModelFiles, Pipeline, PipelineModels};
 use crate::pipeline::runtime_err;
+pub use crate::pipeline::{LoadOptions, ModelFiles, Pipeline, PipelineModels};
 use crate::rng::RngKind;
 use crate::runtime::{BuiltGraph, ModelHandle, Runtime, RuntimeError, RuntimeOptions};
-use crate::vae_tiling::{decode_tiled, VaeTiling};
 use crate::sampling::{sample, Denoise, KDenoiser, SampleMethod, SamplingError};
 use crate::schedule::{NoiseSchedule, Scheduler};
 use crate::tokenizer::{ClipTokenizer, CHUNK_LEN};
+use crate::vae_tiling::{decode_tiled, VaeTiling};
 
 /// Descriptor and node capacity of one UNet graph.
 const UNET_GRAPH: usize = 16384;

@@ -179,7 +179,10 @@ pub(crate) fn open_catalog(files: &ModelFiles) -> Result<ModelLoader, GenerateEr
 
 impl Pipeline {
     /// Loads the checkpoint at `path` into a runtime built with `options`.
-    pub fn load(path: impl AsRef<Path>, options: RuntimeOptions) -> Result<Pipeline, GenerateError> {
+    pub fn load(
+        path: impl AsRef<Path>,
+        options: RuntimeOptions,
+    ) -> Result<Pipeline, GenerateError> {
         Self::open(
             &ModelFiles::single(path.as_ref()),
             LoadOptions {

@@ -25,7 +25,8 @@ use sd_models::{ComputeOptions, GraphCtx, HostData, ModelError, ParamBuilder, Pa
 use sd_residency::capacity::{MaxVram, MaxVramError};
 use sd_residency::files::ModelLoader;
 use sd_residency::{
-    BackendId, Component, DeviceResidencyManager, ModelManager, ParamId, ParamSpec, ResidencyError, ResidencyMode, SourceId,
+    BackendId, Component, DeviceResidencyManager, ModelManager, ParamId, ParamSpec, ResidencyError,
+    ResidencyMode, SourceId,
 };
 use sd_tensor::ggml::{Backend, Device, GTensor, Graph, SimDevice, SimOptions};
 use sd_tensor::{DType, GgmlError};

@@ -66,6 +66,15 @@ fn ramp_weight(i: usize, start: usize, size: usize, len: usize, ramp: usize) -> 
     w
 }
 
+/// The blended output: weighted sums `[c, oh, ow]` and the weight sums `[oh, ow]`.
+struct Canvas {
+    acc: Vec<f32>,
+    wsum: Vec<f32>,
+    c: usize,
+    oh: usize,
+    ow: usize,
+}
+
 /// Decodes latents `[1, C, h, w]` tile by tile with `decode_tile` (latents of one tile to its
 /// image `[1, c, th * f, tw * f]`) and blends the tiles into one image `[1, c, h * f, w * f]`.
 pub fn decode_tiled<E>(
@@ -81,7 +90,7 @@ where
     let ys = tiling.starts(h);
     let xs = tiling.starts(w);
     let (th, tw) = (h.min(tiling.tile.max(1)), w.min(tiling.tile.max(1)));
-    let mut out: Option<(Vec<f32>, Vec<f32>, usize, usize, usize, usize)> = None;
+    let mut out: Option<Canvas> = None;
     for &y0 in &ys {
         for &x0 in &xs {
             let tile = latents.slice(2, y0, y0 + th)?.slice(3, x0, x0 + tw)?;
@@ -90,8 +99,12 @@ where
             let (c, ih, iw) = (is[1], is[2], is[3]);
             let f = ih / th.max(1);
             let (oh, ow) = (h * f, w * f);
-            let (acc, wsum, ..) = out.get_or_insert_with(|| {
-                (vec![0f32; c * oh * ow], vec![0f32; oh * ow], c, oh, ow, f)
+            let Canvas { acc, wsum, .. } = out.get_or_insert_with(|| Canvas {
+                acc: vec![0f32; c * oh * ow],
+                wsum: vec![0f32; oh * ow],
+                c,
+                oh,
+                ow,
             });
             let ramp = tiling.overlap * f;
             let (py0, px0) = (y0 * f, x0 * f);
@@ -109,7 +122,13 @@ where
             }
         }
     }
-    let (mut acc, wsum, c, oh, ow, _) = out.expect("at least one tile");
+    let Canvas {
+        mut acc,
+        wsum,
+        c,
+        oh,
+        ow,
+    } = out.expect("`starts` gives at least one tile per axis");
     let plane = oh * ow;
     for ch in 0..c {
         for (v, s) in acc[ch * plane..(ch + 1) * plane].iter_mut().zip(&wsum) {
@@ -145,8 +164,7 @@ mod tests {
     #[test]
     fn blending_a_pointwise_decoder_is_exact() {
         let (h, w) = (13, 21);
-        let lat = Tensor::from_fn([1, 2, h, w], |i| (i[1] * 100 + i[2] * 7 + i[3]) as f32)
-            .unwrap();
+        let lat = Tensor::from_fn([1, 2, h, w], |i| (i[1] * 100 + i[2] * 7 + i[3]) as f32).unwrap();
         let up = |t: &Tensor<f32>| -> Result<Tensor<f32>, sd_tensor::host::ShapeError> {
             let s = t.shape().to_vec();
             Tensor::from_fn([1, s[1], s[2] * 2, s[3] * 2], |i| {

@@ -96,12 +96,19 @@ fn img2img_strength_zero_is_the_vae_round_trip_and_a_real_run_keeps_the_colours(
     let init = blue_square_on_yellow();
     let prm = params("a blue circle on a yellow background", 1);
 
-    let zero = p.img2img(&prm, &init, 0.0, &mut |_, _| {}).unwrap().remove(0);
+    let zero = p
+        .img2img(&prm, &init, 0.0, &mut |_, _| {})
+        .unwrap()
+        .remove(0);
     let latents = p.encode(&init).unwrap();
     let round_trip = p.decode(&latents, None).unwrap();
     assert_eq!(zero.pixels(), round_trip.pixels());
     // The tiny VAE reconstructs its training drawings closely.
-    assert!(mad(&zero, &init) < 25.0, "round trip differs by {}", mad(&zero, &init));
+    assert!(
+        mad(&zero, &init) < 25.0,
+        "round trip differs by {}",
+        mad(&zero, &init)
+    );
 
     let mut steps = Vec::new();
     let out = p
@@ -111,16 +118,31 @@ fn img2img_strength_zero_is_the_vae_round_trip_and_a_real_run_keeps_the_colours(
     // Half of the 4 steps are sampled.
     assert_eq!(steps.last(), Some(&(2, 2)));
     let yellow = share_near(&out, [235, 220, 30]);
-    eprintln!("img2img 0.5: yellow share {yellow:.2}, round trip {:.2}", mad(&zero, &init));
+    eprintln!(
+        "img2img 0.5: yellow share {yellow:.2}, round trip {:.2}",
+        mad(&zero, &init)
+    );
     assert!(yellow > 0.4, "yellow share {yellow}");
     assert!(mad(&out, &zero) > 1.0, "strength 0.5 changed nothing");
 
     // Bad values are setting errors.
     let e = p.img2img(&prm, &init, 1.5, &mut |_, _| {}).unwrap_err();
-    assert!(matches!(e, GenerateError::InvalidSetting { flag: "strength", .. }));
+    assert!(matches!(
+        e,
+        GenerateError::InvalidSetting {
+            flag: "strength",
+            ..
+        }
+    ));
     let small = Image::filled(32, 32, &[0, 0, 0]).unwrap();
     let e = p.img2img(&prm, &small, 0.5, &mut |_, _| {}).unwrap_err();
-    assert!(matches!(e, GenerateError::InvalidSetting { flag: "init-img", .. }));
+    assert!(matches!(
+        e,
+        GenerateError::InvalidSetting {
+            flag: "init-img",
+            ..
+        }
+    ));
 }
 
 /// Writes the built-in model's tensors whose names start with `prefix` (prefix removed)
@@ -144,7 +166,10 @@ fn write_component(prefix: &str, name: &str, metadata: bool) -> PathBuf {
             continue;
         };
         let off = v["data_offsets"].as_array().unwrap();
-        let (a, b) = (off[0].as_u64().unwrap() as usize, off[1].as_u64().unwrap() as usize);
+        let (a, b) = (
+            off[0].as_u64().unwrap() as usize,
+            off[1].as_u64().unwrap() as usize,
+        );
         let start = out_data.len();
         out_data.extend_from_slice(&data[a..b]);
         let mut entry = v.clone();
@@ -152,7 +177,7 @@ fn write_component(prefix: &str, name: &str, metadata: bool) -> PathBuf {
         out_header.insert(rest.to_string(), entry);
     }
     let mut h = serde_json::to_string(&out_header).unwrap();
-    while (8 + h.len()) % 8 != 0 {
+    while !h.len().is_multiple_of(8) {
         h.push(' ');
     }
     let mut file = (h.len() as u64).to_le_bytes().to_vec();
@@ -205,7 +230,10 @@ fn component_files_equal_the_checkpoint() {
     )
     .unwrap_err()
     .to_string();
-    assert!(e.contains("--clip_l") && e.contains("unet.safetensors"), "{e}");
+    assert!(
+        e.contains("--clip_l") && e.contains("unet.safetensors"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -254,7 +282,10 @@ fn tiled_decoding_batches_clip_skip_and_weight_types() {
     assert_eq!(images[1].pixels(), second.pixels());
 
     // Clip skip 2 conditions on another layer: another image; beyond the 3 layers: an error.
-    let skip2 = one(&mut load(&ModelFiles::single(builtin()), cpu(), Some(2)), &base);
+    let skip2 = one(
+        &mut load(&ModelFiles::single(builtin()), cpu(), Some(2)),
+        &base,
+    );
     assert_ne!(skip2.pixels(), whole.pixels());
     let e = Pipeline::open(
         &ModelFiles::single(builtin()),
@@ -264,7 +295,13 @@ fn tiled_decoding_batches_clip_skip_and_weight_types() {
         },
     )
     .unwrap_err();
-    assert!(matches!(e, GenerateError::InvalidSetting { flag: "clip-skip", .. }));
+    assert!(matches!(
+        e,
+        GenerateError::InvalidSetting {
+            flag: "clip-skip",
+            ..
+        }
+    ));
 
     // Weight types: f32 is the f16 file's values exactly (f32 arithmetic either way up to
     // the matmul kernels), q8_0 quantizes the linear weights and stays close.
@@ -280,7 +317,8 @@ fn tiled_decoding_batches_clip_skip_and_weight_types() {
         let unet = q.handles().unet;
         let params = q.runtime().params(unet).unwrap();
         let w = &params.tensors["model.diffusion_model.middle_block.1.proj_in.weight"];
-        let lin = &params.tensors["model.diffusion_model.middle_block.1.transformer_blocks.0.attn1.to_q.weight"];
+        let lin = &params.tensors
+            ["model.diffusion_model.middle_block.1.transformer_blocks.0.attn1.to_q.weight"];
         assert_eq!(lin.dtype(), Some(t));
         assert!(w.dtype() == Some(t) || t.is_quantized());
         let img = one(&mut q, &base);
