@@ -39,7 +39,7 @@ generation:
   --clip-skip N               use the text encoder layer N from the end (default: the model's)
   -i, --init-img PATH         init image (PNG) for img2img
   --strength S                img2img noise strength in [0, 1] (default 0.75)
-  --vae-tiling                decode the latents in overlapping tiles (less memory)
+  --vae-tiling                VAE-decode (and encode, for img2img) in overlapping tiles
 devices and memory:
   --backend NAME              compute device: cpu (default), a ggml device name from
                               --list-devices (CUDA0, Vulkan0, ...), or sim:SIZE, a simulated

@@ -27,7 +27,7 @@ use crate::runtime::{BuiltGraph, ModelHandle, Runtime, RuntimeError, RuntimeOpti
 use crate::sampling::{sample, Denoise, KDenoiser, SampleMethod, SamplingError};
 use crate::schedule::{NoiseSchedule, Scheduler};
 use crate::tokenizer::{ClipTokenizer, CHUNK_LEN};
-use crate::vae_tiling::{decode_tiled, VaeTiling};
+use crate::vae_tiling::{decode_tiled, encode_tiled, VaeTiling};
 
 /// Descriptor and node capacity of one UNet graph.
 const UNET_GRAPH: usize = 16384;
@@ -304,7 +304,7 @@ impl Pipeline {
             .entered();
         check_settings(&self.config, params)?;
         let init_latents = match init {
-            Some((image, _)) => Some(self.encode(image)?),
+            Some((image, _)) => Some(self.encode(image, params.vae_tiling)?),
             None => None,
         };
         let cond = self.condition(params)?;
@@ -362,8 +362,12 @@ impl Pipeline {
     }
 
     /// VAE-encodes an image to latents `[1, C, h, w]`: the mean of the latent distribution
-    /// times the scaling factor.
-    pub fn encode(&mut self, image: &Image) -> Result<Tensor<f32>, GenerateError> {
+    /// times the scaling factor; whole or in tiles.
+    pub fn encode(
+        &mut self,
+        image: &Image,
+        tiling: Option<VaeTiling>,
+    ) -> Result<Tensor<f32>, GenerateError> {
         if self.vae.1.encoder.is_none() {
             return Err(GenerateError::Config {
                 path: self.path.clone(),
@@ -374,7 +378,19 @@ impl Pipeline {
             });
         }
         let x = image.to_rgb().to_tensor(PixelRange::MinusOneToOne);
+        let f = self.config.vae.downsample_factor();
+        let moments = match tiling {
+            Some(tiling) => encode_tiled(&x, tiling, f, |tile| self.encode_raw(tile))?,
+            None => self.encode_raw(&x)?,
+        };
+        let z = moments.shape()[1] / 2;
+        Ok(moments.slice(1, 0, z)?.scale(self.config.scaling_factor))
+    }
+
+    /// Runs the VAE encoder on `x` `[1, 3, H, W]` in [-1, 1]; returns the moments.
+    fn encode_raw(&mut self, x: &Tensor<f32>) -> Result<Tensor<f32>, GenerateError> {
         let ne: Vec<usize> = x.shape().iter().rev().copied().collect();
+        let data = x.data().to_vec();
         let (h, vae) = (self.vae.0, &self.vae.1);
         let out = self
             .runtime
@@ -383,14 +399,12 @@ impl Pipeline {
                 let output = vae.encode(g, &t)?;
                 Ok(BuiltGraph {
                     output,
-                    inputs: vec![(t, HostData::F32(x.into_data()))],
+                    inputs: vec![(t, HostData::F32(data))],
                 })
             })
             .map_err(|e| runtime_err(&self.path, e))?;
         let [_, c2, lh, lw] = out.shape();
-        let z = c2 / 2;
-        let moments = Tensor::new([1, c2, lh, lw], out.data)?;
-        Ok(moments.slice(1, 0, z)?.scale(self.config.scaling_factor))
+        Ok(Tensor::new([1, c2, lh, lw], out.data)?)
     }
 
     /// VAE-decodes latents `[1, C, h, w]` (divided by the scaling factor first) to an image,

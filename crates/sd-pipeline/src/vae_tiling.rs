@@ -1,5 +1,5 @@
-//! Tiled VAE decoding (`--vae-tiling`): latents are cut into overlapping tiles of equal size,
-//! each tile is decoded on its own (one graph shape for every tile, so the engine reuses one
+//! Tiled VAE decoding and encoding (`--vae-tiling`): latents (or pixels) are cut into
+//! overlapping tiles of equal size, each tile is decoded (encoded) on its own (one graph shape for every tile, so the engine reuses one
 //! plan and workspace), and the decoded tiles are blended with linear ramps across their
 //! overlaps.
 //!
@@ -80,25 +80,63 @@ struct Canvas {
 pub fn decode_tiled<E>(
     latents: &Tensor<f32>,
     tiling: VaeTiling,
-    mut decode_tile: impl FnMut(&Tensor<f32>) -> Result<Tensor<f32>, E>,
+    decode_tile: impl FnMut(&Tensor<f32>) -> Result<Tensor<f32>, E>,
 ) -> Result<Tensor<f32>, E>
 where
     E: From<sd_tensor::host::ShapeError>,
 {
-    let s = latents.shape();
+    run_tiled(latents, tiling, decode_tile)
+}
+
+/// Encodes an image `[1, c, H, W]` (sides multiples of `f`) tile by tile with `encode_tile`
+/// (pixels of one tile to its moments `[1, C, th / f, tw / f]`) and blends the tiles into
+/// `[1, C, H / f, W / f]`; `tiling` is in latent pixels, as for decoding.
+pub fn encode_tiled<E>(
+    image: &Tensor<f32>,
+    tiling: VaeTiling,
+    f: usize,
+    encode_tile: impl FnMut(&Tensor<f32>) -> Result<Tensor<f32>, E>,
+) -> Result<Tensor<f32>, E>
+where
+    E: From<sd_tensor::host::ShapeError>,
+{
+    let f = f.max(1);
+    let pixels = VaeTiling {
+        tile: tiling.tile * f,
+        overlap: tiling.overlap * f,
+    };
+    run_tiled(image, pixels, encode_tile)
+}
+
+/// Runs `run` on overlapping square tiles of `input` `[1, C, h, w]` and blends the outputs,
+/// which must all scale the tile by one ratio (`out / in` per side, from the first tile).
+fn run_tiled<E>(
+    input: &Tensor<f32>,
+    tiling: VaeTiling,
+    mut run: impl FnMut(&Tensor<f32>) -> Result<Tensor<f32>, E>,
+) -> Result<Tensor<f32>, E>
+where
+    E: From<sd_tensor::host::ShapeError>,
+{
+    let s = input.shape();
     let (h, w) = (s[2], s[3]);
     let ys = tiling.starts(h);
     let xs = tiling.starts(w);
     let (th, tw) = (h.min(tiling.tile.max(1)), w.min(tiling.tile.max(1)));
+    // Output pixels per input pixel as num / den (from the first tile's height).
+    let scale = |v: usize, num: usize| v * num / th.max(1);
     let mut out: Option<Canvas> = None;
+    let mut num = 0;
     for &y0 in &ys {
         for &x0 in &xs {
-            let tile = latents.slice(2, y0, y0 + th)?.slice(3, x0, x0 + tw)?;
-            let img = decode_tile(&tile)?;
+            let tile = input.slice(2, y0, y0 + th)?.slice(3, x0, x0 + tw)?;
+            let img = run(&tile)?;
             let is = img.shape();
             let (c, ih, iw) = (is[1], is[2], is[3]);
-            let f = ih / th.max(1);
-            let (oh, ow) = (h * f, w * f);
+            if out.is_none() {
+                num = ih;
+            }
+            let (oh, ow) = (scale(h, num), scale(w, num));
             let Canvas { acc, wsum, .. } = out.get_or_insert_with(|| Canvas {
                 acc: vec![0f32; c * oh * ow],
                 wsum: vec![0f32; oh * ow],
@@ -106,12 +144,12 @@ where
                 oh,
                 ow,
             });
-            let ramp = tiling.overlap * f;
-            let (py0, px0) = (y0 * f, x0 * f);
+            let ramp = scale(tiling.overlap, num);
+            let (py0, px0) = (scale(y0, num), scale(x0, num));
             let data = img.data();
-            for y in 0..ih {
+            for y in 0..ih.min(oh - py0) {
                 let wy = ramp_weight(y, py0, ih, oh, ramp);
-                for x in 0..iw {
+                for x in 0..iw.min(ow - px0) {
                     let wt = wy * ramp_weight(x, px0, iw, ow, ramp);
                     let o = (py0 + y) * ow + px0 + x;
                     wsum[o] += wt;
@@ -181,6 +219,30 @@ mod tests {
             up,
         )
         .unwrap();
+        assert_eq!(tiled.shape(), whole.shape());
+        for (a, b) in tiled.data().iter().zip(whole.data()) {
+            assert!((a - b).abs() < 1e-3, "{a} vs {b}");
+        }
+    }
+
+    /// An "encoder" that averages 2x2 blocks: tiled (tiles in latent units) equals whole.
+    #[test]
+    fn blending_a_pointwise_encoder_is_exact() {
+        let (h, w) = (24, 40);
+        let img = Tensor::from_fn([1, 3, h, w], |i| (i[1] * 50 + i[2] * 3 + i[3]) as f32).unwrap();
+        let down = |t: &Tensor<f32>| -> Result<Tensor<f32>, sd_tensor::host::ShapeError> {
+            let s = t.shape().to_vec();
+            Tensor::from_fn([1, s[1], s[2] / 2, s[3] / 2], |i| {
+                let at = |dy, dx| *t.at(&[0, i[1], 2 * i[2] + dy, 2 * i[3] + dx]).unwrap();
+                (at(0, 0) + at(0, 1) + at(1, 0) + at(1, 1)) / 4.0
+            })
+        };
+        let whole = down(&img).unwrap();
+        let tiling = VaeTiling {
+            tile: 6,
+            overlap: 2,
+        };
+        let tiled = encode_tiled(&img, tiling, 2, down).unwrap();
         assert_eq!(tiled.shape(), whole.shape());
         for (a, b) in tiled.data().iter().zip(whole.data()) {
             assert!((a - b).abs() < 1e-3, "{a} vs {b}");
