@@ -167,3 +167,66 @@ fn a_runtime_graph_equals_run_cpu() {
     let r = rt.add_model("x", Component::Other, SourceId(7), |_| Ok(()));
     assert!(matches!(r, Err(RuntimeError::Unknown(_))));
 }
+
+/// A model from a second model source (how an upscaler file joins a pipeline's runtime)
+/// computes like the same model from the main source, on a budgeted simulated device.
+#[test]
+fn a_second_model_source_runs_in_the_same_runtime() {
+    let open = |path: &std::path::Path| {
+        let mut loader = ModelLoader::new();
+        loader.add_file(path, None).unwrap();
+        sd_models::weights::canonicalize(&mut loader, None).unwrap();
+        loader
+    };
+    let main = open(&builtin());
+    let config = ModelConfig::detect(&main).unwrap();
+    let copy = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("second-source.safetensors");
+    std::fs::copy(builtin(), &copy).unwrap();
+    let mut rt = Runtime::new(
+        RuntimeOptions {
+            compute: ComputeDevice::Sim { bytes: 64 << 20 },
+            max_vram: Some(MaxVram::parse("0.01").unwrap()),
+            threads: 2,
+            planning_headroom: Some(0),
+            ..RuntimeOptions::default()
+        },
+        main,
+    )
+    .unwrap();
+    // The same file twice is refused; a copy is a new source.
+    assert!(rt.add_source(open(&builtin())).is_err());
+    let second = rt.add_source(open(&copy)).unwrap();
+    let mut vae_cfg = config.vae.clone();
+    vae_cfg.with_encoder = false;
+    let (a, vae_a) = rt
+        .add_model("vae", Component::Vae, SourceId::MAIN, |pb| {
+            sd_models::vae::AutoencoderKl::new(pb, vae_cfg.clone())
+        })
+        .unwrap();
+    let (b, vae_b) = rt
+        .add_model("vae-2", Component::Upscaler, second, |pb| {
+            sd_models::vae::AutoencoderKl::new(pb, vae_cfg.clone())
+        })
+        .unwrap();
+    let z: Vec<f32> = (0..4 * 8 * 8)
+        .map(|i| ((i * 37 % 17) as f32 - 8.0) / 5.0)
+        .collect();
+    let mut decode = |h, vae: &sd_models::vae::AutoencoderKl| {
+        rt.run(h, "decode", 8192, |g| {
+            let t = g.ctx.new_tensor(DType::F32, &[8, 8, 4, 1])?;
+            let output = vae.decode(g, &t)?;
+            Ok(BuiltGraph {
+                output,
+                inputs: vec![(t, HostData::F32(z.clone()))],
+            })
+        })
+        .unwrap()
+    };
+    let out_a = decode(a, &vae_a);
+    let out_b = decode(b, &vae_b);
+    assert_eq!(out_a.ne, [32, 32, 3, 1]);
+    assert_eq!(out_a.data, out_b.data);
+    let budget = rt.budget().unwrap();
+    let peak = rt.sim_device().unwrap().peak_bytes();
+    assert!(peak <= budget, "peak {peak} > budget {budget}");
+}
