@@ -165,6 +165,9 @@ fn generate(a: &Args, threads: usize) -> ExitCode {
         weight_type: a.weight_type,
         ..RuntimeOptions::default()
     };
+    if a.max_vram.is_some() && matches!(runtime.compute, ComputeDevice::Cpu) {
+        eprintln!("warning: --max-vram budgets a GPU (--backend); the CPU backend ignores it");
+    }
     let mut progress = Progress::new(a.verbose);
     progress.phase("loading");
     let mut pipeline = match Pipeline::open(
@@ -202,33 +205,41 @@ fn generate(a: &Args, threads: usize) -> ExitCode {
         rng: a.rng.unwrap_or(RngKind::Cpu),
         vae_tiling: a.vae_tiling.then(VaeTiling::default),
     };
-    let mut images = Vec::with_capacity(params.batch);
-    // One image at a time so that the bar can say which one.
-    for i in 0..params.batch {
-        let one = Txt2Img {
-            seed: params.seed.wrapping_add(i as u64),
-            batch: 1,
-            ..params.clone()
-        };
-        let label = if params.batch > 1 {
-            format!("image {}/{}", i + 1, params.batch)
+    // One call for the whole batch (the prompt is encoded once); a step number lower than
+    // the previous one starts the next image.
+    let batch = params.batch;
+    let label = |i: usize| {
+        if batch > 1 {
+            format!("image {}/{batch}", i + 1)
         } else {
             "sampling".to_string()
-        };
-        progress.phase(label);
-        let mut step = |s: usize, t: usize| progress.update(s.saturating_sub(1), t, "steps");
-        let result = match (&init, a.strength) {
-            (Some(img), s) => pipeline.img2img(&one, img, s.unwrap_or(0.75), &mut step),
-            (None, _) => pipeline.txt2img(&one, &mut step),
-        };
-        match result {
-            Ok(mut v) => images.append(&mut v),
-            Err(e) => {
-                progress.finish_line();
-                return fail(e);
-            }
         }
-    }
+    };
+    progress.phase(label(0));
+    let (mut image, mut last) = (0usize, (0usize, 0usize));
+    let mut step = |s: usize, t: usize| {
+        if s < last.0 {
+            progress.update(last.1, last.1, "steps");
+            image += 1;
+            progress.phase(label(image));
+        }
+        last = (s, t);
+        progress.update(s.saturating_sub(1), t, "steps");
+    };
+    let result = match (&init, a.strength) {
+        (Some(img), s) => pipeline.img2img(&params, img, s.unwrap_or(0.75), &mut step),
+        (None, _) => pipeline.txt2img(&params, &mut step),
+    };
+    let images = match result {
+        Ok(v) => {
+            progress.update(last.1, last.1, "steps");
+            v
+        }
+        Err(e) => {
+            progress.finish_line();
+            return fail(e);
+        }
+    };
     progress.finish_line();
     if a.verbose {
         report_memory(&pipeline);
