@@ -61,7 +61,7 @@ impl Progress {
         let filled = (done.min(total_n) * WIDTH) / total_n;
         let secs = self.phase_start.elapsed().as_secs_f64();
         let rate = if done > 0 {
-            format!("{:.2} s/{unit}", secs / done as f64)
+            format!("{:.2} s/{}", secs / done as f64, unit.trim_end_matches('s'))
         } else {
             String::new()
         };
