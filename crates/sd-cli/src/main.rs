@@ -7,153 +7,21 @@
 //! Exit codes: 0 success, 1 a model file that is missing or corrupt or a failed run, 2 bad
 //! flags or values.
 
-use std::path::PathBuf;
+mod args;
+mod progress;
+
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
-use sd_pipeline::generate::{model_config, txt2img, GenerateError, Txt2Img};
+use args::{parse, Args, Usage, USAGE};
+use progress::Progress;
+use sd_pipeline::generate::{GenerateError, LoadOptions, ModelFiles, Pipeline, Txt2Img};
+use sd_pipeline::rng::RngKind;
+use sd_pipeline::runtime::{ComputeDevice, RuntimeOptions};
 use sd_pipeline::sampling::SampleMethod;
-use sd_pipeline::schedule::{AysTable, Scheduler};
+use sd_pipeline::vae_tiling::VaeTiling;
 use sd_tensor::ggml::{Backend, BufferType, Context, Device, Gallocr, Graph};
-use sd_tensor::DType;
-
-const USAGE: &str =
-    "usage: sd -m MODEL -p PROMPT [-n NEGATIVE] [-o OUTPUT.png] [-W WIDTH] [-H HEIGHT]
-          [--steps N] [--cfg-scale S] [-s SEED] [--sampling-method NAME] [--scheduler NAME]
-          [-t THREADS] [-v]
-       sd [--list-devices] [--self-check] [-t THREADS] [-v] [--version]";
-
-/// A command-line error: exit code 2.
-struct Usage(String);
-
-#[derive(Default)]
-struct Args {
-    list: bool,
-    check: bool,
-    verbose: bool,
-    version: bool,
-    help: bool,
-    threads: Option<usize>,
-    model: Option<PathBuf>,
-    prompt: Option<String>,
-    negative: String,
-    output: Option<PathBuf>,
-    width: Option<usize>,
-    height: Option<usize>,
-    steps: Option<usize>,
-    cfg_scale: Option<f32>,
-    seed: Option<u64>,
-    sampler: Option<SampleMethod>,
-    scheduler: Option<Scheduler>,
-}
-
-fn value<'a>(args: &'a [String], i: &mut usize, flag: &str) -> Result<&'a str, Usage> {
-    *i += 1;
-    args.get(*i)
-        .map(String::as_str)
-        .ok_or_else(|| Usage(format!("{flag} needs a value")))
-}
-
-fn number<T: std::str::FromStr>(text: &str, flag: &str, what: &str) -> Result<T, Usage> {
-    text.parse::<T>()
-        .map_err(|_| Usage(format!("{flag} needs {what}, got '{text}'")))
-}
-
-fn positive(text: &str, flag: &str) -> Result<usize, Usage> {
-    match number::<usize>(text, flag, "a positive integer")? {
-        0 => Err(Usage(format!(
-            "{flag} needs a positive integer, got '{text}'"
-        ))),
-        n => Ok(n),
-    }
-}
-
-fn parse(args: &[String]) -> Result<Args, Usage> {
-    let mut a = Args::default();
-    let mut i = 0;
-    while i < args.len() {
-        let flag = args[i].as_str();
-        match flag {
-            "--list-devices" => a.list = true,
-            "--self-check" => a.check = true,
-            "-v" | "--verbose" => a.verbose = true,
-            "--version" => a.version = true,
-            "-h" | "--help" => a.help = true,
-            "-t" | "--threads" => {
-                let v = value(args, &mut i, "-t/--threads")?;
-                a.threads = Some(positive(v, "-t/--threads")?);
-            }
-            "-m" | "--model" => a.model = Some(value(args, &mut i, "-m/--model")?.into()),
-            "-p" | "--prompt" => a.prompt = Some(value(args, &mut i, "-p/--prompt")?.into()),
-            "-n" | "--negative-prompt" => {
-                a.negative = value(args, &mut i, "-n/--negative-prompt")?.into()
-            }
-            "-o" | "--output" => a.output = Some(value(args, &mut i, "-o/--output")?.into()),
-            "-W" | "--width" => {
-                a.width = Some(positive(value(args, &mut i, "-W/--width")?, "-W/--width")?)
-            }
-            "-H" | "--height" => {
-                a.height = Some(positive(
-                    value(args, &mut i, "-H/--height")?,
-                    "-H/--height",
-                )?)
-            }
-            "--steps" => a.steps = Some(positive(value(args, &mut i, "--steps")?, "--steps")?),
-            "--cfg-scale" => {
-                let v = value(args, &mut i, "--cfg-scale")?;
-                let s: f32 = number(v, "--cfg-scale", "a number")?;
-                if !s.is_finite() || s < 0.0 {
-                    return Err(Usage(format!(
-                        "--cfg-scale needs a finite number >= 0, got '{v}'"
-                    )));
-                }
-                a.cfg_scale = Some(s);
-            }
-            "-s" | "--seed" => {
-                let v = value(args, &mut i, "-s/--seed")?;
-                a.seed = Some(number(v, "-s/--seed", "a non-negative integer")?);
-            }
-            "--sampling-method" => {
-                let v = value(args, &mut i, "--sampling-method")?;
-                a.sampler = Some(v.parse().map_err(|_| {
-                    let names: Vec<&str> = SampleMethod::ALL.iter().map(|m| m.name()).collect();
-                    Usage(format!(
-                        "--sampling-method: unknown method '{v}' (known: {})",
-                        names.join(", ")
-                    ))
-                })?);
-            }
-            "--scheduler" => {
-                let v = value(args, &mut i, "--scheduler")?;
-                a.scheduler = Some(Scheduler::from_name(v, AysTable::Sd15).map_err(|_| {
-                    Usage(format!(
-                        "--scheduler: unknown scheduler '{v}' (known: discrete, karras, \
-                         exponential, ays, sgm_uniform, simple, lcm)"
-                    ))
-                })?);
-            }
-            other => return Err(Usage(format!("unknown argument '{other}'"))),
-        }
-        i += 1;
-    }
-    if a.model.is_none() {
-        for (set, flag) in [
-            (a.prompt.is_some(), "-p/--prompt"),
-            (a.output.is_some(), "-o/--output"),
-            (a.width.is_some(), "-W/--width"),
-            (a.height.is_some(), "-H/--height"),
-            (a.steps.is_some(), "--steps"),
-            (a.cfg_scale.is_some(), "--cfg-scale"),
-            (a.seed.is_some(), "-s/--seed"),
-            (a.sampler.is_some(), "--sampling-method"),
-            (a.scheduler.is_some(), "--scheduler"),
-        ] {
-            if set {
-                return Err(Usage(format!("{flag} needs -m/--model")));
-            }
-        }
-    }
-    Ok(a)
-}
+use sd_tensor::{DType, Image};
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -181,7 +49,7 @@ fn main() -> ExitCode {
             .map(|n| n.get())
             .unwrap_or(1)
     });
-    let generating = a.model.is_some();
+    let generating = a.generating();
     if a.list || (!a.check && !generating) {
         list_devices();
     }
@@ -204,12 +72,56 @@ fn flag_name(setting: &str) -> &str {
         "height" => "-H/--height",
         "steps" => "--steps",
         "cfg-scale" => "--cfg-scale",
+        "batch-count" => "-b/--batch-count",
+        "strength" => "--strength",
+        "init-img" => "-i/--init-img",
+        "clip-skip" => "--clip-skip",
+        "model" => "-m/--model",
         other => other,
     }
 }
 
+/// The path of image `i` of a batch: `OUTPUT` for the first, then `STEM_2.EXT`, ...
+fn output_path(output: &Path, i: usize) -> PathBuf {
+    if i == 0 {
+        return output.to_path_buf();
+    }
+    let stem = output
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let ext = output
+        .extension()
+        .map(|e| e.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "png".into());
+    output.with_file_name(format!("{stem}_{}.{ext}", i + 1))
+}
+
+/// Checks that the output's directory exists before any work.
+fn check_output(output: &Path) -> Result<(), String> {
+    let dir = match output.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    if output.is_dir() {
+        return Err(format!("-o/--output: {} is a directory", output.display()));
+    }
+    match std::fs::metadata(dir) {
+        Ok(m) if m.is_dir() && m.permissions().readonly() => Err(format!(
+            "-o/--output: cannot write {}: the directory {} is read-only",
+            output.display(),
+            dir.display()
+        )),
+        Ok(m) if m.is_dir() => Ok(()),
+        _ => Err(format!(
+            "-o/--output: cannot write {}: the directory {} does not exist",
+            output.display(),
+            dir.display()
+        )),
+    }
+}
+
 fn generate(a: &Args, threads: usize) -> ExitCode {
-    let model = a.model.clone().unwrap_or_default();
     let fail = |e: GenerateError| {
         if let GenerateError::InvalidSetting { flag, message } = &e {
             eprintln!("error: {}: {message}", flag_name(flag));
@@ -220,14 +132,64 @@ fn generate(a: &Args, threads: usize) -> ExitCode {
         }
     };
     let Some(prompt) = a.prompt.clone() else {
-        eprintln!("error: -m/--model needs -p/--prompt\n{USAGE}");
+        eprintln!("error: a model needs -p/--prompt\n{USAGE}");
         return ExitCode::from(2);
     };
-    let config = match model_config(&model) {
-        Ok(c) => c,
+    let output = a.output.clone().unwrap_or_else(|| "output.png".into());
+    if let Err(msg) = check_output(&output) {
+        eprintln!("error: {msg}");
+        return ExitCode::from(2);
+    }
+    let init = match &a.init {
+        Some(path) => match Image::load_png(path) {
+            Ok(img) => Some(img.to_rgb()),
+            Err(e) => {
+                eprintln!("error: -i/--init-img: {e}");
+                return ExitCode::FAILURE;
+            }
+        },
+        None => None,
+    };
+    let files = ModelFiles {
+        model: a.model.clone(),
+        diffusion_model: a.diffusion_model.clone(),
+        vae: a.vae.clone(),
+        clip_l: a.clip_l.clone(),
+    };
+    let runtime = RuntimeOptions {
+        compute: a.backend.clone().unwrap_or(ComputeDevice::Cpu),
+        params: a.params_backend.unwrap_or_default(),
+        mmap: a.mmap,
+        max_vram: a.max_vram.clone(),
+        threads,
+        weight_type: a.weight_type,
+        ..RuntimeOptions::default()
+    };
+    if a.max_vram.is_some() && matches!(runtime.compute, ComputeDevice::Cpu) {
+        eprintln!("warning: --max-vram budgets a GPU (--backend); the CPU backend ignores it");
+    }
+    let mut progress = Progress::new(a.verbose);
+    progress.phase("loading");
+    let mut pipeline = match Pipeline::open(
+        &files,
+        LoadOptions {
+            runtime,
+            clip_skip: a.clip_skip,
+        },
+    ) {
+        Ok(p) => p,
         Err(e) => return fail(e),
     };
-    let (native_w, native_h) = config.native_size.unwrap_or((512, 512));
+    if let Err(e) = pipeline.preload(&mut |d, t| progress.update(d, t, "tensors")) {
+        return fail(e);
+    }
+    let config = pipeline.config().clone();
+    let (native_w, native_h) = init
+        .as_ref()
+        .map(|i| (i.width(), i.height()))
+        .or(config.native_size)
+        .unwrap_or((512, 512));
+    let sampler = a.sampler.unwrap_or(SampleMethod::Euler);
     let params = Txt2Img {
         prompt,
         negative: a.negative.clone(),
@@ -236,54 +198,117 @@ fn generate(a: &Args, threads: usize) -> ExitCode {
         steps: a.steps.unwrap_or(20),
         cfg_scale: a.cfg_scale.or(config.cfg_scale).unwrap_or(7.0),
         seed: a.seed.unwrap_or(42),
-        sampler: a.sampler.unwrap_or(SampleMethod::Euler),
-        scheduler: a
-            .scheduler
-            .unwrap_or_else(|| a.sampler.unwrap_or(SampleMethod::Euler).default_scheduler()),
+        sampler,
+        scheduler: a.scheduler.unwrap_or_else(|| sampler.default_scheduler()),
         threads,
-        batch: 1,
+        batch: a.batch.unwrap_or(1),
+        rng: a.rng.unwrap_or(RngKind::Cpu),
+        vae_tiling: a.vae_tiling.then(VaeTiling::default),
     };
-    let output = a.output.clone().unwrap_or_else(|| "output.png".into());
-    let verbose = a.verbose;
-    let start = std::time::Instant::now();
-    let mut progress = |step: usize, total: usize| {
-        if verbose {
-            eprintln!(
-                "step {step}/{total} ({:.1} s)",
-                start.elapsed().as_secs_f64()
-            );
+    // One call for the whole batch (the prompt is encoded once); a step number lower than
+    // the previous one starts the next image.
+    let batch = params.batch;
+    let label = |i: usize| {
+        if batch > 1 {
+            format!("image {}/{batch}", i + 1)
+        } else {
+            "sampling".to_string()
         }
     };
-    let images = match txt2img(&model, &params, &mut progress) {
-        Ok(images) => images,
-        Err(e) => return fail(e),
+    progress.phase(label(0));
+    let (mut image, mut last) = (0usize, (0usize, 0usize));
+    let mut step = |s: usize, t: usize| {
+        if s < last.0 {
+            progress.update(last.1, last.1, "steps");
+            image += 1;
+            progress.phase(label(image));
+        }
+        last = (s, t);
+        progress.update(s.saturating_sub(1), t, "steps");
     };
+    let result = match (&init, a.strength) {
+        (Some(img), s) => pipeline.img2img(&params, img, s.unwrap_or(0.75), &mut step),
+        (None, _) => pipeline.txt2img(&params, &mut step),
+    };
+    let images = match result {
+        Ok(v) => {
+            progress.update(last.1, last.1, "steps");
+            v
+        }
+        Err(e) => {
+            progress.finish_line();
+            return fail(e);
+        }
+    };
+    progress.finish_line();
+    if a.verbose {
+        report_memory(&pipeline);
+    }
     let name = if config.name.is_empty() {
-        model
-            .file_stem()
+        files
+            .primary()
+            .and_then(|m| m.file_stem())
             .map(|s| s.to_string_lossy().into_owned())
             .unwrap_or_default()
     } else {
         config.name.clone()
     };
-    let text = vec![("parameters".to_string(), parameters_text(&params, &name))];
-    let Some(image) = images.first() else {
+    if images.is_empty() {
         eprintln!("error: no image was generated");
         return ExitCode::FAILURE;
-    };
-    if let Err(e) = image.save_png(&output, &text) {
-        eprintln!("error: cannot write {}: {e}", output.display());
-        return ExitCode::FAILURE;
     }
-    println!(
-        "saved {} ({}x{}, {} steps, {:.1} s)",
-        output.display(),
-        params.width,
-        params.height,
-        params.steps,
-        start.elapsed().as_secs_f64()
-    );
+    for (i, image) in images.iter().enumerate() {
+        let one = Txt2Img {
+            seed: params.seed.wrapping_add(i as u64),
+            ..params.clone()
+        };
+        let path = output_path(&output, i);
+        let mut text = parameters_text(&one, &name);
+        if let (Some(_), s) = (&init, a.strength) {
+            text.push_str(&format!(", Denoising strength: {}", s.unwrap_or(0.75)));
+        }
+        if let Err(e) = image.save_png(&path, &[("parameters".to_string(), text)]) {
+            eprintln!("error: cannot write {}: {e}", path.display());
+            return ExitCode::FAILURE;
+        }
+        println!(
+            "saved {} ({}x{}, {} steps, seed {}, {:.1} s)",
+            path.display(),
+            params.width,
+            params.height,
+            params.steps,
+            one.seed,
+            progress.elapsed()
+        );
+    }
     ExitCode::SUCCESS
+}
+
+/// Prints (with `-v`) how each model ran last and the simulated device's peak.
+fn report_memory(p: &Pipeline) {
+    let rt = p.runtime();
+    let h = p.handles();
+    let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
+    if let Some(b) = rt.budget() {
+        eprintln!(
+            "budget on {}: {:.1} MiB",
+            rt.compute_backend().name(),
+            mib(b)
+        );
+    }
+    for m in [h.text_encoder, h.unet, h.vae] {
+        let r = rt.last_segments(m);
+        let peak = r.iter().map(|s| s.footprint()).max().unwrap_or(0);
+        eprintln!(
+            "{}: {} segment(s) in its last run, largest footprint {:.1} MiB",
+            rt.model_name(m).unwrap_or("?"),
+            r.len(),
+            mib(peak)
+        );
+    }
+    if let Some(sim) = rt.sim_device() {
+        eprintln!("simulated device peak: {:.2} MiB", mib(sim.peak_bytes()));
+    }
 }
 
 /// The A1111-style `parameters` text of a PNG.

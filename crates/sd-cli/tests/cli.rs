@@ -166,3 +166,165 @@ fn bad_generation_values_are_exit_2() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("-m/--model"));
 }
+
+/// Runs `sd` on the built-in model (64x64, 3 steps, seed 5) writing `out`, with `extra`.
+fn run_builtin(out_path: &std::path::Path, extra: &[&str]) -> std::process::Output {
+    sd().arg("-m")
+        .arg(builtin_model())
+        .args(["-p", "a yellow circle on a blue background", "--steps", "3"])
+        .args(["-W", "64", "-H", "64", "-s", "5", "-t", "2", "-o"])
+        .arg(out_path)
+        .args(extra)
+        .output()
+        .unwrap()
+}
+
+fn ok(out: &std::process::Output) {
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn a_budgeted_simulated_device_gives_the_cpu_image() {
+    let cpu_png = scratch("budget_cpu.png");
+    ok(&run_builtin(&cpu_png, &[]));
+    // 8 MiB: less than the UNet's or the VAE decoder's weights + workspace (7-9 MB at 64x64
+    // with the engine's 128 MiB planning headroom), so they run in segments.
+    let sim_png = scratch("budget_sim.png");
+    let out = run_builtin(
+        &sim_png,
+        &[
+            "--backend",
+            "sim:256",
+            "--max-vram",
+            "8M",
+            "--params-backend",
+            "disk",
+        ],
+    );
+    ok(&out);
+    let a = sd_tensor::Image::load_png(&cpu_png).unwrap();
+    let b = sd_tensor::Image::load_png(&sim_png).unwrap();
+    assert_eq!(a.pixels(), b.pixels());
+    // An impossible budget is a clear error and writes nothing.
+    let none = scratch("budget_none.png");
+    let out = run_builtin(&none, &["--backend", "sim:256", "--max-vram", "1M"]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("budget"), "{err}");
+    assert!(!none.exists());
+}
+
+#[test]
+fn img2img_and_batches_write_every_image() {
+    let init = scratch("init.png");
+    ok(&run_builtin(&init, &[]));
+    let out_path = scratch("i2i.png");
+    let second = scratch("i2i_2.png");
+    let _ = std::fs::remove_file(&second);
+    let out = sd()
+        .arg("-m")
+        .arg(builtin_model())
+        .args(["-p", "a yellow square on a blue background", "--steps", "4"])
+        .args([
+            "-s",
+            "1",
+            "-t",
+            "2",
+            "-b",
+            "2",
+            "--strength",
+            "0.5",
+            "--mmap",
+        ])
+        .args([
+            "--vae-tiling",
+            "--rng",
+            "cuda",
+            "--clip-skip",
+            "1",
+            "--type",
+            "f32",
+        ])
+        .arg("-i")
+        .arg(&init)
+        .arg("-o")
+        .arg(&out_path)
+        .output()
+        .unwrap();
+    ok(&out);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("i2i_2.png"), "{stdout}");
+    for (path, seed) in [(&out_path, 1), (&second, 2)] {
+        let (img, text) = sd_tensor::Image::load_png_with_text(path).unwrap();
+        // The size comes from the init image.
+        assert_eq!((img.width(), img.height()), (64, 64));
+        let params = &text.iter().find(|(k, _)| k == "parameters").unwrap().1;
+        assert!(params.contains(&format!("Seed: {seed},")), "{params}");
+        assert!(params.contains("Denoising strength: 0.5"), "{params}");
+    }
+}
+
+#[test]
+fn file_and_value_errors_are_clear_and_write_nothing() {
+    let out_path = scratch("errors.png");
+    // Truncated model: exit 1 naming the file.
+    let bytes = std::fs::read(builtin_model()).unwrap();
+    let truncated = scratch("truncated.safetensors");
+    std::fs::write(&truncated, &bytes[..bytes.len() / 2]).unwrap();
+    let out = sd()
+        .arg("-m")
+        .arg(&truncated)
+        .args(["-p", "a red circle on a white background", "-o"])
+        .arg(&out_path)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("truncated.safetensors"), "{err}");
+    assert!(!out_path.exists());
+
+    // A missing component file: exit 1 naming it.
+    let out = run_builtin(&out_path, &["--vae", "no/such/vae.safetensors"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no/such/vae.safetensors"));
+    // A missing init image: exit 1 naming it.
+    let out = run_builtin(&out_path, &["-i", "no/such/init.png"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no/such/init.png"));
+    assert!(!out_path.exists());
+
+    // An output in a directory that does not exist: exit 2 before any work.
+    let nowhere = scratch("no-such-dir").join("out.png");
+    let out = run_builtin(&nowhere, &[]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("-o/--output") && err.contains("no-such-dir"),
+        "{err}"
+    );
+    assert!(!nowhere.exists());
+
+    // Bad values: exit 2 naming the flag.
+    for (args, flag) in [
+        (&["--backend", "sim:lots"][..], "--backend"),
+        (&["--backend", "NoSuchDevice9"][..], "NoSuchDevice9"),
+        (&["--max-vram", "much"][..], "--max-vram"),
+        (&["--type", "q9_9"][..], "--type"),
+        (&["--rng", "gpu"][..], "--rng"),
+        (&["--params-backend", "tape"][..], "--params-backend"),
+        (&["--strength", "0.5"][..], "--strength"),
+        (&["-b", "0"][..], "-b/--batch-count"),
+        (&["--clip-skip", "9"][..], "--clip-skip"),
+    ] {
+        let out = run_builtin(&out_path, args);
+        let code = if flag == "NoSuchDevice9" { 1 } else { 2 };
+        assert_eq!(out.status.code(), Some(code), "{args:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(flag), "{args:?}: {err}");
+        assert!(!out_path.exists(), "{args:?}");
+    }
+}

@@ -241,6 +241,7 @@ impl ClipTextModel {
         let pe = &self.embeddings.position_embedding;
         let pos = ctx.view(pe, [h, n, 1, 1], [pe.nb()[1], pe.nb()[2], pe.nb()[3]], 0)?;
         let mut x = ctx.add(&x, &pos)?;
+        g.marks.mark(&x, "embeddings", "h")?;
 
         // 2. Causal mask: 0 on and below the diagonal, -inf above.
         let mut mask = vec![0f32; n * n];
@@ -251,8 +252,8 @@ impl ClipTextModel {
         }
         let mask = g.aux_input("clip.causal_mask", DType::F32, &[n, n], HostData::F32(mask))?;
 
-        // 3. Encoder layers (pre-norm), up to the clip-skip layer.
-        for layer in &self.layers {
+        // 3. Encoder layers (pre-norm), up to the clip-skip layer; a graph cut after each.
+        for (i, layer) in self.layers.iter().enumerate() {
             let r = layer.layer_norm1.forward(&ctx, &x)?;
             let a = &layer.self_attn;
             let q = a.q_proj.forward(&ctx, &r)?;
@@ -264,6 +265,7 @@ impl ClipTextModel {
             let r = layer.mlp.fc1.forward(&ctx, &r)?;
             let r = layer.mlp.act.forward(&ctx, &r, g.opts)?;
             x = ctx.add(&x, &layer.mlp.fc2.forward(&ctx, &r)?)?;
+            g.marks.mark(&x, &format!("encoder.layers.{i}"), "h")?;
         }
 
         // 4. Final layer norm.

@@ -24,6 +24,7 @@ pub const DEFAULT_PARAM_CAPACITY: usize = 4096;
 struct Inner<'a> {
     ctx: Context,
     catalog: Option<&'a ModelLoader>,
+    weight_type: Option<DType>,
     params: BTreeMap<String, GTensor>,
 }
 
@@ -79,6 +80,26 @@ fn param_dtype(storage: &TensorStorage, expected: &[usize], force_f32: bool) -> 
     }
 }
 
+/// The dtype of a parameter under a `--type` override `t` (see
+/// [`ParamBuilder::set_weight_type`]).
+fn override_dtype(from_file: DType, t: DType, expected: &[usize], force_f32: bool) -> DType {
+    let inner = expected.last().copied().unwrap_or(1);
+    if force_f32 || expected.len() <= 1 {
+        return from_file;
+    }
+    if t.is_quantized() {
+        if expected.len() == 2 && inner.is_multiple_of(t.block_size()) {
+            t
+        } else {
+            from_file
+        }
+    } else if t.is_float() && t != DType::F64 {
+        t
+    } else {
+        from_file
+    }
+}
+
 impl<'a> ParamBuilder<'a> {
     /// A builder over `catalog` (`None`: synthetic f32 parameters) with room for
     /// `capacity` parameter descriptors.
@@ -87,10 +108,21 @@ impl<'a> ParamBuilder<'a> {
             inner: Rc::new(RefCell::new(Inner {
                 ctx: Context::new_descriptors(capacity, 1, 0)?,
                 catalog,
+                weight_type: None,
                 params: BTreeMap::new(),
             })),
             prefix: String::new(),
         })
+    }
+
+    /// Converts weights to `dtype` when they are loaded (`--type`; `None`: the file's types).
+    ///
+    /// Applies to every parameter that would get a float or quantized type from the file
+    /// (1-D tensors and those declared with [`ParamBuilder::tensor_f32`] stay f32); a
+    /// quantized type applies to 2-D matrices whose rows are whole blocks only (linear
+    /// weights; convolution kernels keep the file's type).
+    pub fn set_weight_type(&self, dtype: Option<DType>) {
+        self.inner.borrow_mut().weight_type = dtype;
     }
 
     /// A builder whose names are prefixed with `self`'s path and `name` (dot-separated).
@@ -165,7 +197,13 @@ impl<'a> ParamBuilder<'a> {
                         expected: shape.to_vec(),
                     });
                 }
-                param_dtype(st, shape, force_f32)
+                let from_file = param_dtype(st, shape, force_f32);
+                match inner.weight_type {
+                    Some(t) if from_file != DType::F32 || st.dtype.is_float() => {
+                        override_dtype(from_file, t, shape, force_f32)
+                    }
+                    _ => from_file,
+                }
             }
         };
         let ne: Vec<usize> = shape.iter().rev().copied().collect();

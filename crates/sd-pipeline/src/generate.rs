@@ -1,22 +1,18 @@
 //! Text-to-image generation with an SD1.x / SD2.x checkpoint.
 //!
-//! This first version executes every model on the CPU through
-//! [`sd_models::run::run_cpu`] (the whole graph at once, weights loaded to host memory once);
-//! the `sd-exec` engine (device placement, residency, graph cuts) replaces it later.
+//! Every model runs through the memory-budgeted execution engine of a [`Runtime`]
+//! (see [`crate::runtime`]): a [`Pipeline`] holds the runtime and the checkpoint's models.
 //!
 //! Steps: open the file and detect its configs ([`ModelConfig::detect`]), canonicalize the
-//! tensor names, declare CLIP, UNet and the VAE decoder on one [`ParamBuilder`] and load them
-//! to the CPU, encode prompt and negative prompt ([`encode_cfg`]), draw the initial noise with
+//! tensor names, add CLIP, UNet and the VAE to the runtime (their weights are read when first
+//! needed), encode prompt and negative prompt ([`encode_cfg`]), draw the initial noise with
 //! [`CpuRng`] and scale it to the first sigma, sample with classifier-free guidance (the UNet
 //! runs on the batch `[uncond, cond]`), and decode `latents / scaling_factor` with the VAE.
 
 use std::path::{Path, PathBuf};
 
-use sd_models::clip::ClipTextModel;
-use sd_models::run::run_cpu;
 use sd_models::unet::UnetModel;
-use sd_models::vae::AutoencoderKl;
-use sd_models::{load_all_to_cpu, ComputeOptions, GraphCtx, HostData, ModelError, ParamBuilder};
+use sd_models::{HostData, ModelError};
 use sd_residency::files::{FileError, ModelLoader};
 use sd_tensor::host::{ImageError, PixelRange};
 use sd_tensor::{DType, Image, Tensor};
@@ -24,10 +20,14 @@ use thiserror::Error;
 
 use crate::conditioning::{encode_cfg, CfgConditioning, ConditioningError};
 use crate::model_config::{ModelConfig, ModelConfigError};
-use crate::rng::{CpuRng, Rng};
+use crate::pipeline::runtime_err;
+pub use crate::pipeline::{LoadOptions, ModelFiles, Pipeline, PipelineModels};
+use crate::rng::RngKind;
+use crate::runtime::{BuiltGraph, ModelHandle, Runtime, RuntimeError, RuntimeOptions};
 use crate::sampling::{sample, Denoise, KDenoiser, SampleMethod, SamplingError};
 use crate::schedule::{NoiseSchedule, Scheduler};
 use crate::tokenizer::{ClipTokenizer, CHUNK_LEN};
+use crate::vae_tiling::{decode_tiled, encode_tiled, VaeTiling};
 
 /// Descriptor and node capacity of one UNet graph.
 const UNET_GRAPH: usize = 16384;
@@ -61,6 +61,11 @@ pub struct Txt2Img {
     pub threads: usize,
     /// Number of images.
     pub batch: usize,
+    /// The noise generator (`--rng`; stable-diffusion.cpp defaults to `cuda`, sd-rs to `cpu`,
+    /// torch's CPU generator).
+    pub rng: RngKind,
+    /// Decode the latents in tiles (`--vae-tiling`; `None`: whole).
+    pub vae_tiling: Option<VaeTiling>,
 }
 
 impl Default for Txt2Img {
@@ -79,6 +84,8 @@ impl Default for Txt2Img {
                 .map(|n| n.get())
                 .unwrap_or(1),
             batch: 1,
+            rng: RngKind::Cpu,
+            vae_tiling: None,
         }
     }
 }
@@ -127,53 +134,18 @@ pub enum GenerateError {
     /// The decoded image is invalid.
     #[error(transparent)]
     Image(#[from] ImageError),
+    /// The runtime failed (backend, residency, execution).
+    #[error(transparent)]
+    Runtime(Box<RuntimeError>),
+    /// A host tensor had an unexpected shape.
+    #[error(transparent)]
+    Shape(#[from] sd_tensor::host::ShapeError),
 }
 
 impl From<ModelError> for GenerateError {
     fn from(e: ModelError) -> Self {
         GenerateError::Model(Box::new(e))
     }
-}
-
-/// The loaded models of one checkpoint, ready to run on the CPU.
-struct Loaded {
-    config: ModelConfig,
-    clip: ClipTextModel,
-    unet: UnetModel,
-    vae: AutoencoderKl,
-    // Keeps the parameter tensors' host memory alive.
-    _params: sd_models::Params,
-    _buffer: sd_tensor::ggml::Buffer,
-}
-
-fn load(path: &Path) -> Result<Loaded, GenerateError> {
-    let mut loader = ModelLoader::new();
-    loader.add_file(path, None)?;
-    let config = ModelConfig::detect(&loader).map_err(|source| GenerateError::Config {
-        path: path.to_path_buf(),
-        source,
-    })?;
-    let weights = |source| GenerateError::Weights {
-        path: path.to_path_buf(),
-        source: Box::new(source),
-    };
-    sd_models::weights::canonicalize(&mut loader, Some(config.version)).map_err(weights)?;
-    let pb = ParamBuilder::new(Some(&loader), 4096).map_err(weights)?;
-    let clip = ClipTextModel::new(&pb, config.clip.clone()).map_err(weights)?;
-    let unet = UnetModel::new(&pb, config.unet.clone()).map_err(weights)?;
-    let mut vae_config = config.vae.clone();
-    vae_config.with_encoder = false;
-    let vae = AutoencoderKl::new(&pb, vae_config).map_err(weights)?;
-    let params = pb.finish();
-    let buffer = load_all_to_cpu(&params, &loader).map_err(weights)?;
-    Ok(Loaded {
-        config,
-        clip,
-        unet,
-        vae,
-        _params: params,
-        _buffer: buffer,
-    })
 }
 
 fn check_settings(cfg: &ModelConfig, p: &Txt2Img) -> Result<(), GenerateError> {
@@ -222,121 +194,277 @@ pub fn model_config(path: impl AsRef<Path>) -> Result<ModelConfig, GenerateError
     })
 }
 
-/// Generates `params.batch` images from `params.prompt` with the checkpoint at `model_path`.
+/// Generates `params.batch` images from `params.prompt` with the checkpoint at `model_path`,
+/// computing on the CPU with `params.threads` threads (see [`Pipeline`] for other devices
+/// and budgets).
 ///
 /// `progress(step, total)` is called before each model evaluation with the 1-based sampling
-/// step (`total` = `params.steps`; per image of a batch). Runs on the CPU (see the module
-/// documentation).
+/// step (`total` = `params.steps`; per image of a batch).
 pub fn txt2img(
     model_path: impl AsRef<Path>,
     params: &Txt2Img,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<Vec<Image>, GenerateError> {
-    let path = model_path.as_ref();
-    let m = load(path)?;
-    check_settings(&m.config, params)?;
-    let threads = params.threads.max(1);
-    let opts = ComputeOptions::default();
-
-    // Text conditioning.
-    let tokenizer = ClipTokenizer::sd1();
-    let clip = &m.clip;
-    let encoder = |ids: &[i32]| -> Result<Tensor<f32>, ModelError> {
-        let mut g = GraphCtx::new(CLIP_GRAPH, CLIP_GRAPH, opts)?;
-        let input = g.ctx.new_tensor(DType::I32, &[ids.len(), 1])?;
-        let out = clip.forward(&mut g, &input)?;
-        let hidden = out.ne()[0];
-        let data = run_cpu(
-            &g,
-            &[&out],
-            &[(&input, HostData::I32(ids.to_vec()))],
-            CLIP_GRAPH,
-            threads,
-        )?;
-        let data = data.into_iter().next().unwrap_or_default();
-        Tensor::new([CHUNK_LEN, hidden], data).map_err(|e| ModelError::Config(e.to_string()))
+    let options = RuntimeOptions {
+        threads: params.threads.max(1),
+        ..RuntimeOptions::default()
     };
-    let cond = encode_cfg(&tokenizer, &params.prompt, &params.negative, encoder)?;
-
-    let schedule = NoiseSchedule::scaled_linear();
-    let sigmas = params.scheduler.sigmas(params.steps, &schedule)?;
-    let f = m.config.vae.downsample_factor();
-    let (lw, lh) = (params.width / f, params.height / f);
-    let channels = m.config.unet.in_channels;
-
-    let mut images = Vec::with_capacity(params.batch);
-    for i in 0..params.batch {
-        let mut rng = CpuRng::new(params.seed.wrapping_add(i as u64));
-        let noise = rng.randn_tensor(&[1, channels, lh, lw])?;
-        let x = noise.scale(sigmas[0]);
-        let model = CfgUnet {
-            unet: &m.unet,
-            cond: &cond,
-            cfg_scale: params.cfg_scale,
-            threads,
-            opts,
-            sigmas: &sigmas,
-            progress: &mut *progress,
-        };
-        let mut denoiser = KDenoiser::new(model, m.config.prediction, &schedule);
-        let latents = sample(
-            params.sampler,
-            &mut denoiser,
-            x,
-            &sigmas,
-            &mut rng,
-            None,
-            &schedule,
-        )?;
-        images.push(decode(&m, &latents, threads, opts)?);
-    }
-    Ok(images)
+    Pipeline::load(model_path, options)?.txt2img(params, progress)
 }
 
-/// VAE-decodes latents `[1, C, h, w]` (divided by the scaling factor first) to an image.
-fn decode(
-    m: &Loaded,
-    latents: &Tensor<f32>,
-    threads: usize,
-    opts: ComputeOptions,
-) -> Result<Image, GenerateError> {
-    let shape = latents.shape().to_vec();
-    let z_host = latents.scale(1.0 / m.config.scaling_factor);
-    let mut g = GraphCtx::new(VAE_GRAPH, VAE_GRAPH, opts)?;
-    let ne: Vec<usize> = shape.iter().rev().copied().collect();
-    let z = g
-        .ctx
-        .new_tensor(DType::F32, &ne)
-        .map_err(ModelError::from)?;
-    let out = m.vae.decode(&mut g, &z)?;
-    let one = out.ne();
-    let (w, h, c) = (one[0], one[1], one[2]);
-    let data = run_cpu(
-        &g,
-        &[&out],
-        &[(&z, HostData::F32(z_host.into_data()))],
-        VAE_GRAPH,
-        threads,
-    )?;
-    let data = data.into_iter().next().unwrap_or_default();
-    let t = Tensor::new([1, c, h, w], data).map_err(|e| ModelError::Config(e.to_string()))?;
-    Ok(Image::from_tensor(&t, PixelRange::MinusOneToOne)?)
+/// The sigmas an img2img run samples: the last `floor(steps * strength)` steps of the
+/// schedule (stable-diffusion.cpp's `t_enc`), that is the final `t_enc + 1` sigmas.
+pub fn img2img_sigmas(sigmas: &[f32], strength: f32) -> &[f32] {
+    let steps = sigmas.len().saturating_sub(1);
+    let t_enc = ((steps as f32 * strength.clamp(0.0, 1.0)) as usize).min(steps);
+    &sigmas[steps - t_enc..]
+}
+
+impl Pipeline {
+    fn model_err(&self, e: RuntimeError) -> GenerateError {
+        runtime_err(&self.path, e)
+    }
+
+    /// Encodes prompt and negative prompt with the text encoder.
+    fn condition(&mut self, params: &Txt2Img) -> Result<CfgConditioning, GenerateError> {
+        let tokenizer = ClipTokenizer::sd1();
+        let (h, clip) = (self.clip.0, &self.clip.1);
+        let runtime = &mut self.runtime;
+        let encoder = |ids: &[i32]| -> Result<Tensor<f32>, ModelError> {
+            let out = runtime
+                .run(h, "text encoder", CLIP_GRAPH, |g| {
+                    let input = g.ctx.new_tensor(DType::I32, &[ids.len(), 1])?;
+                    let output = clip.forward(g, &input)?;
+                    Ok(BuiltGraph {
+                        output,
+                        inputs: vec![(input, HostData::I32(ids.to_vec()))],
+                    })
+                })
+                .map_err(runtime_to_model)?;
+            let hidden = out.ne[0];
+            Tensor::new([CHUNK_LEN, hidden], out.data)
+                .map_err(|e| ModelError::Config(e.to_string()))
+        };
+        let cond = encode_cfg(&tokenizer, &params.prompt, &params.negative, encoder)?;
+        self.runtime
+            .release(self.clip.0)
+            .map_err(|e| self.model_err(e))?;
+        Ok(cond)
+    }
+
+    /// Generates `params.batch` images from `params.prompt` (see [`txt2img`]).
+    pub fn txt2img(
+        &mut self,
+        params: &Txt2Img,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<Vec<Image>, GenerateError> {
+        self.generate(params, None, progress)
+    }
+
+    /// Generates `params.batch` images from `init` and `params.prompt`: the init image is
+    /// VAE-encoded (the latent distribution's mean), noised to the sigma where the last
+    /// `floor(steps * strength)` steps start ([`img2img_sigmas`]) and denoised over those
+    /// steps. Strength 0 returns the init image through a VAE round trip; 1 ignores it but
+    /// for the noise level. `init` must be `params.width` x `params.height`.
+    pub fn img2img(
+        &mut self,
+        params: &Txt2Img,
+        init: &Image,
+        strength: f32,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<Vec<Image>, GenerateError> {
+        if !(0.0..=1.0).contains(&strength) {
+            return Err(GenerateError::InvalidSetting {
+                flag: "strength",
+                message: format!("{strength} is not between 0 and 1"),
+            });
+        }
+        if (init.width(), init.height()) != (params.width, params.height) {
+            return Err(GenerateError::InvalidSetting {
+                flag: "init-img",
+                message: format!(
+                    "the init image is {}x{} but the output is {}x{}",
+                    init.width(),
+                    init.height(),
+                    params.width,
+                    params.height
+                ),
+            });
+        }
+        self.generate(params, Some((init, strength)), progress)
+    }
+
+    fn generate(
+        &mut self,
+        params: &Txt2Img,
+        init: Option<(&Image, f32)>,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<Vec<Image>, GenerateError> {
+        let _span = tracing::info_span!("generate", steps = params.steps, img2img = init.is_some())
+            .entered();
+        check_settings(&self.config, params)?;
+        let init_latents = match init {
+            Some((image, _)) => Some(self.encode(image, params.vae_tiling)?),
+            None => None,
+        };
+        let cond = self.condition(params)?;
+
+        let schedule = NoiseSchedule::scaled_linear();
+        let all_sigmas = params.scheduler.sigmas(params.steps, &schedule)?;
+        let sigmas = match init {
+            Some((_, strength)) => img2img_sigmas(&all_sigmas, strength).to_vec(),
+            None => all_sigmas,
+        };
+        let f = self.config.vae.downsample_factor();
+        let (lw, lh) = (params.width / f, params.height / f);
+        let channels = self.config.unet.in_channels;
+
+        let mut images = Vec::with_capacity(params.batch);
+        for i in 0..params.batch {
+            let mut rng = params.rng.create(params.seed.wrapping_add(i as u64));
+            let noise = rng.randn_tensor(&[1, channels, lh, lw])?;
+            let mut x = noise.scale(sigmas[0]);
+            if let Some(init) = &init_latents {
+                for (v, z) in x.data_mut().iter_mut().zip(init.data()) {
+                    *v += z;
+                }
+            }
+            let latents = if sigmas.len() < 2 {
+                x
+            } else {
+                let model = CfgUnet {
+                    runtime: &mut self.runtime,
+                    handle: self.unet.0,
+                    unet: &self.unet.1,
+                    cond: &cond,
+                    cfg_scale: params.cfg_scale,
+                    sigmas: &sigmas,
+                    progress: &mut *progress,
+                };
+                let mut denoiser = KDenoiser::new(model, self.config.prediction, &schedule);
+                sample(
+                    params.sampler,
+                    &mut denoiser,
+                    x,
+                    &sigmas,
+                    rng.as_mut(),
+                    None,
+                    &schedule,
+                )?
+            };
+            images.push(self.decode(&latents, params.vae_tiling)?);
+        }
+        self.runtime
+            .release(self.unet.0)
+            .and_then(|_| self.runtime.release(self.vae.0))
+            .map_err(|e| self.model_err(e))?;
+        Ok(images)
+    }
+
+    /// VAE-encodes an image to latents `[1, C, h, w]`: the mean of the latent distribution
+    /// times the scaling factor; whole or in tiles.
+    pub fn encode(
+        &mut self,
+        image: &Image,
+        tiling: Option<VaeTiling>,
+    ) -> Result<Tensor<f32>, GenerateError> {
+        if self.vae.1.encoder.is_none() {
+            return Err(GenerateError::Config {
+                path: self.path.clone(),
+                source: crate::model_config::ModelConfigError::Unsupported(
+                    "the autoencoder has no encoder (img2img needs one; give a full VAE with --vae)"
+                        .into(),
+                ),
+            });
+        }
+        let x = image.to_rgb().to_tensor(PixelRange::MinusOneToOne);
+        let f = self.config.vae.downsample_factor();
+        let moments = match tiling {
+            Some(tiling) => encode_tiled(&x, tiling, f, |tile| self.encode_raw(tile))?,
+            None => self.encode_raw(&x)?,
+        };
+        let z = moments.shape()[1] / 2;
+        Ok(moments.slice(1, 0, z)?.scale(self.config.scaling_factor))
+    }
+
+    /// Runs the VAE encoder on `x` `[1, 3, H, W]` in [-1, 1]; returns the moments.
+    fn encode_raw(&mut self, x: &Tensor<f32>) -> Result<Tensor<f32>, GenerateError> {
+        let ne: Vec<usize> = x.shape().iter().rev().copied().collect();
+        let data = x.data().to_vec();
+        let (h, vae) = (self.vae.0, &self.vae.1);
+        let out = self
+            .runtime
+            .run(h, "vae encode", VAE_GRAPH, |g| {
+                let t = g.ctx.new_tensor(DType::F32, &ne)?;
+                let output = vae.encode(g, &t)?;
+                Ok(BuiltGraph {
+                    output,
+                    inputs: vec![(t, HostData::F32(data))],
+                })
+            })
+            .map_err(|e| runtime_err(&self.path, e))?;
+        let [_, c2, lh, lw] = out.shape();
+        Ok(Tensor::new([1, c2, lh, lw], out.data)?)
+    }
+
+    /// VAE-decodes latents `[1, C, h, w]` (divided by the scaling factor first) to an image,
+    /// whole or in tiles.
+    pub fn decode(
+        &mut self,
+        latents: &Tensor<f32>,
+        tiling: Option<VaeTiling>,
+    ) -> Result<Image, GenerateError> {
+        let z = latents.scale(1.0 / self.config.scaling_factor);
+        let t = match tiling {
+            Some(tiling) => decode_tiled(&z, tiling, |tile| self.decode_raw(tile))?,
+            None => self.decode_raw(&z)?,
+        };
+        Ok(Image::from_tensor(&t, PixelRange::MinusOneToOne)?)
+    }
+
+    /// Runs the VAE decoder on `z` `[1, C, h, w]`; returns `[1, c, H, W]` in about [-1, 1].
+    fn decode_raw(&mut self, z: &Tensor<f32>) -> Result<Tensor<f32>, GenerateError> {
+        let ne: Vec<usize> = z.shape().iter().rev().copied().collect();
+        let data = z.data().to_vec();
+        let (h, vae) = (self.vae.0, &self.vae.1);
+        let out = self
+            .runtime
+            .run(h, "vae decode", VAE_GRAPH, |g| {
+                let z = g.ctx.new_tensor(DType::F32, &ne)?;
+                let output = vae.decode(g, &z)?;
+                Ok(BuiltGraph {
+                    output,
+                    inputs: vec![(z, HostData::F32(data))],
+                })
+            })
+            .map_err(|e| runtime_err(&self.path, e))?;
+        let [_, c, h, w] = out.shape();
+        Ok(Tensor::new([1, c, h, w], out.data)?)
+    }
+}
+
+/// A runtime error inside a model callback (conditioning, sampling) as a [`ModelError`].
+fn runtime_to_model(e: RuntimeError) -> ModelError {
+    match e {
+        RuntimeError::Model(m) => m,
+        other => ModelError::Config(other.to_string()),
+    }
 }
 
 /// The UNet with classifier-free guidance: runs on `[uncond, cond]` and returns
 /// `uncond + cfg_scale * (cond - uncond)` (the prompt only when `cfg_scale` is 1).
 struct CfgUnet<'a, 'p> {
+    runtime: &'a mut Runtime,
+    handle: ModelHandle,
     unet: &'a UnetModel,
     cond: &'a CfgConditioning,
     cfg_scale: f32,
-    threads: usize,
-    opts: ComputeOptions,
     sigmas: &'a [f32],
     progress: &'a mut (dyn FnMut(usize, usize) + 'p),
 }
 
 impl CfgUnet<'_, '_> {
-    fn run(&self, x_in: &Tensor<f32>, timestep: f32) -> Result<Vec<f32>, ModelError> {
+    fn run(&mut self, x_in: &Tensor<f32>, timestep: f32) -> Result<Vec<f32>, RuntimeError> {
         let guided = self.cfg_scale != 1.0;
         let batch = if guided { 2 } else { 1 };
         let shape = x_in.shape();
@@ -352,25 +480,28 @@ impl CfgUnet<'_, '_> {
             let s = context.shape();
             (s[s.len() - 2], s[s.len() - 1])
         };
-        let mut g = GraphCtx::new(UNET_GRAPH, UNET_GRAPH, self.opts)?;
-        let x = g.ctx.new_tensor(DType::F32, &[w, h, c, batch])?;
-        let t = g.ctx.new_tensor(DType::F32, &[batch])?;
-        let ctx = g.ctx.new_tensor(DType::F32, &[hidden, tokens, batch])?;
-        let out = self.unet.forward(&mut g, &x, &t, &ctx)?;
         let mut xs = x_in.data().to_vec();
         if guided {
             xs.extend_from_slice(x_in.data());
         }
-        let inputs = [
-            (&x, HostData::F32(xs)),
-            (&t, HostData::F32(vec![timestep; batch])),
-            (&ctx, HostData::F32(context.into_data())),
-        ];
-        let out = run_cpu(&g, &[&out], &inputs, UNET_GRAPH, self.threads)?;
-        Ok(out.into_iter().next().unwrap_or_default())
+        let unet = self.unet;
+        let out = self.runtime.run(self.handle, "unet", UNET_GRAPH, |g| {
+            let x = g.ctx.new_tensor(DType::F32, &[w, h, c, batch])?;
+            let t = g.ctx.new_tensor(DType::F32, &[batch])?;
+            let ctx = g.ctx.new_tensor(DType::F32, &[hidden, tokens, batch])?;
+            let output = unet.forward(g, &x, &t, &ctx)?;
+            Ok(BuiltGraph {
+                output,
+                inputs: vec![
+                    (x, HostData::F32(xs)),
+                    (t, HostData::F32(vec![timestep; batch])),
+                    (ctx, HostData::F32(context.into_data())),
+                ],
+            })
+        })?;
+        Ok(out.data)
     }
 }
-
 impl Denoise for CfgUnet<'_, '_> {
     fn predict(
         &mut self,

@@ -3,8 +3,11 @@
 pub mod conditioning;
 pub mod generate;
 pub mod model_config;
+pub mod pipeline;
 pub mod prompt;
 pub mod rng;
+pub mod runtime;
 pub mod sampling;
 pub mod schedule;
 pub mod tokenizer;
+pub mod vae_tiling;

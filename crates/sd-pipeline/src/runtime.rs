@@ -1,0 +1,624 @@
+//! The model runtime: every model graph of a pipeline runs through one memory-budgeted
+//! [`ExecutionEngine`] over one [`ModelManager`].
+//!
+//! A [`Runtime`] owns the engine, the CPU backend (where parameters live between uses) and
+//! the compute backend (the CPU, a named ggml device, or a [`SimDevice`] for tests). Each
+//! model (text encoder, UNet, VAE, an upscaler from another file...) is added with
+//! [`Runtime::add_model`]: its parameters are declared through a [`ParamBuilder`] over the
+//! model's catalog (a *model source* of the manager), registered with the manager, and the
+//! model gets its own execution session. [`Runtime::run`] builds a graph for a model in a
+//! fresh [`GraphCtx`] and executes it through the engine, which stages the weights on the
+//! compute device and runs the graph whole or in segments at its graph cuts to stay within
+//! the budget (`--max-vram`).
+//!
+//! Model code never decides residency: the [`RuntimeOptions`] do (params in RAM or read from
+//! disk at each use, file mappings, budget), and the engine and manager carry them out.
+
+use std::str::FromStr;
+use std::sync::Arc;
+
+use sd_exec::{
+    ComputeResult, ComputeTask, EngineOptions, ExecError, ExecutionEngine, SegmentReport,
+    SegmentationPolicy, SessionConfig, SessionId, DEFAULT_PLANNING_HEADROOM,
+};
+use sd_models::{ComputeOptions, GraphCtx, HostData, ModelError, ParamBuilder, Params};
+use sd_residency::capacity::{MaxVram, MaxVramError};
+use sd_residency::files::ModelLoader;
+use sd_residency::{
+    BackendId, Component, DeviceResidencyManager, ModelManager, ParamId, ParamSpec, ResidencyError,
+    ResidencyMode, SourceId,
+};
+use sd_tensor::ggml::{Backend, Device, GTensor, Graph, SimDevice, SimOptions};
+use sd_tensor::{DType, GgmlError};
+use thiserror::Error;
+
+/// Where models compute (`--backend`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ComputeDevice {
+    /// The ggml CPU backend (`cpu`).
+    Cpu,
+    /// A ggml device by name, as `sd --list-devices` prints it (`CUDA0`, `Vulkan0`...).
+    Named(String),
+    /// A simulated discrete GPU of this many bytes (`sim:<size>`): a real ggml backend whose
+    /// arithmetic is the CPU's, with fixed memory and peak tracking (tests, budget studies).
+    Sim {
+        /// Device memory in bytes.
+        bytes: u64,
+    },
+}
+
+/// Error parsing a size (`512M`, `1.5G`, `65536K`, `1048576B`).
+#[derive(Debug, Error, PartialEq, Eq)]
+#[error("'{text}' is not a size (a number with an optional unit B, K, M or G; default unit {default_unit})")]
+pub struct SizeError {
+    /// The text given.
+    pub text: String,
+    /// The unit assumed without one.
+    pub default_unit: &'static str,
+}
+
+/// Parses a byte size: a non-negative number followed by an optional unit `B`, `K`/`KiB`,
+/// `M`/`MiB`, `G`/`GiB` (binary units, case-insensitive); `default_shift` (10, 20 or 30)
+/// applies without a unit.
+pub fn parse_size(text: &str, default_shift: u32) -> std::result::Result<u64, SizeError> {
+    let unit_name = match default_shift {
+        0 => "B",
+        10 => "KiB",
+        20 => "MiB",
+        _ => "GiB",
+    };
+    let err = || SizeError {
+        text: text.to_string(),
+        default_unit: unit_name,
+    };
+    let t = text.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let shift = match unit.trim().to_ascii_lowercase().as_str() {
+        "" => default_shift,
+        "b" => 0,
+        "k" | "kb" | "kib" => 10,
+        "m" | "mb" | "mib" => 20,
+        "g" | "gb" | "gib" => 30,
+        _ => return Err(err()),
+    };
+    let v: f64 = num.parse().map_err(|_| err())?;
+    if !v.is_finite() || v < 0.0 {
+        return Err(err());
+    }
+    let bytes = v * (1u64 << shift) as f64;
+    if bytes > u64::MAX as f64 {
+        return Err(err());
+    }
+    Ok(bytes as u64)
+}
+
+impl FromStr for ComputeDevice {
+    type Err = String;
+
+    /// `cpu`, `sim:<size>` (size in MiB without a unit; `sim:512`, `sim:1.5G`), or a ggml
+    /// device name.
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        let t = s.trim();
+        if t.is_empty() {
+            return Err("empty backend name".into());
+        }
+        if t.eq_ignore_ascii_case("cpu") {
+            return Ok(ComputeDevice::Cpu);
+        }
+        if let Some(size) = t.strip_prefix("sim:").or_else(|| t.strip_prefix("SIM:")) {
+            let bytes = parse_size(size, 20).map_err(|e| format!("sim:<size>: {e}"))?;
+            if bytes == 0 {
+                return Err("sim:<size>: the simulated device needs a positive size".into());
+            }
+            return Ok(ComputeDevice::Sim { bytes });
+        }
+        Ok(ComputeDevice::Named(t.to_string()))
+    }
+}
+
+/// Where parameters live between uses (`--params-backend`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum ParamsLocation {
+    /// Loaded once to host memory and kept there (`cpu`, `ram`).
+    #[default]
+    Ram,
+    /// Read from the model files whenever a graph needs them, freed after use (`disk`).
+    Disk,
+}
+
+impl FromStr for ParamsLocation {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "cpu" | "ram" => Ok(ParamsLocation::Ram),
+            "disk" => Ok(ParamsLocation::Disk),
+            other => Err(format!(
+                "unknown params backend '{other}' (known: cpu, ram, disk)"
+            )),
+        }
+    }
+}
+
+/// How to build a [`Runtime`].
+#[derive(Clone, Debug)]
+pub struct RuntimeOptions {
+    /// The compute device.
+    pub compute: ComputeDevice,
+    /// Where parameters live between uses.
+    pub params: ParamsLocation,
+    /// Map host parameters from their files without copies where possible (`--mmap`).
+    pub mmap: bool,
+    /// The device budget (`--max-vram`), applied to the compute device when it is not the CPU.
+    pub max_vram: Option<MaxVram>,
+    /// CPU threads (compute on the CPU and the simulated device).
+    pub threads: usize,
+    /// When graphs run in segments (automatic: only when they do not fit).
+    pub segmentation: SegmentationPolicy,
+    /// Prefetch the next segment's weights while a segment computes.
+    pub prefetch: bool,
+    /// Bytes a whole-graph run must leave free (`None`: the engine's default).
+    pub planning_headroom: Option<u64>,
+    /// Numerical options of the graphs built by [`Runtime::run`].
+    pub compute_options: ComputeOptions,
+    /// Convert weights to this type when loading (`--type`; `None`: the files' types). See
+    /// [`ParamBuilder::set_weight_type`] for which tensors it applies to.
+    pub weight_type: Option<DType>,
+}
+
+impl Default for RuntimeOptions {
+    /// CPU compute, parameters in RAM, no mapping, no budget, all cores, automatic
+    /// segmentation with prefetch, exact numerics.
+    fn default() -> Self {
+        RuntimeOptions {
+            compute: ComputeDevice::Cpu,
+            params: ParamsLocation::Ram,
+            mmap: false,
+            max_vram: None,
+            threads: std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(1),
+            segmentation: SegmentationPolicy::Auto,
+            prefetch: true,
+            planning_headroom: None,
+            compute_options: ComputeOptions::default(),
+            weight_type: None,
+        }
+    }
+}
+
+/// An error of the runtime.
+#[derive(Debug, Error)]
+pub enum RuntimeError {
+    /// The compute backend could not be created.
+    #[error("backend '{name}': {source}")]
+    Backend {
+        /// The backend asked for.
+        name: String,
+        /// Why.
+        #[source]
+        source: GgmlError,
+    },
+    /// A budget cannot be applied.
+    #[error(transparent)]
+    MaxVram(#[from] MaxVramError),
+    /// Declaring a model's parameters or building its graph failed.
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    /// The residency manager refused (unknown tensor, bad file, shape...).
+    #[error(transparent)]
+    Residency(#[from] ResidencyError),
+    /// Executing a graph failed (capacity, allocation, compute).
+    #[error(transparent)]
+    Exec(#[from] ExecError),
+    /// A handle from another runtime, or a model source this runtime does not have.
+    #[error("unknown {0}")]
+    Unknown(String),
+    /// The output of a graph is not what the caller reads.
+    #[error("model '{model}': output of '{task}' {detail}")]
+    Output {
+        /// The model.
+        model: String,
+        /// The task.
+        task: String,
+        /// What is wrong.
+        detail: String,
+    },
+}
+
+/// Convenience alias.
+pub type Result<T> = std::result::Result<T, RuntimeError>;
+
+/// A model added to a [`Runtime`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ModelHandle(usize);
+
+struct ModelSlot {
+    name: String,
+    session: SessionId,
+    // Keeps the parameter descriptors' context alive while the manager holds them.
+    params: Params,
+    ids: Vec<ParamId>,
+}
+
+/// The output of [`Runtime::run`] as f32 values.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RunOutput {
+    /// The values, ggml order.
+    pub data: Vec<f32>,
+    /// The output's dimensions, ggml order (innermost first).
+    pub ne: [usize; 4],
+    /// Whether the graph ran in segments.
+    pub segmented: bool,
+    /// One report per segment run.
+    pub segments: Vec<SegmentReport>,
+}
+
+impl RunOutput {
+    /// The dimensions outermost first (PyTorch order), four of them.
+    pub fn shape(&self) -> [usize; 4] {
+        [self.ne[3], self.ne[2], self.ne[1], self.ne[0]]
+    }
+}
+
+/// The graph a [`Runtime::run`] build closure returns: the output tensor and host data for
+/// the input leaves it created (auxiliary inputs in the [`GraphCtx`] are added too).
+#[derive(Debug)]
+pub struct BuiltGraph {
+    /// The tensor to read back.
+    pub output: GTensor,
+    /// Input leaves and their data.
+    pub inputs: Vec<(GTensor, HostData)>,
+}
+
+/// One engine and one residency manager shared by every model of a pipeline (see the
+/// module documentation).
+pub struct Runtime {
+    // Field order is drop order: sessions and weight buffers go before the devices.
+    engine: ExecutionEngine<ModelManager>,
+    models: Vec<ModelSlot>,
+    compute: Arc<Backend>,
+    compute_id: BackendId,
+    cpu_id: BackendId,
+    budget: Option<u64>,
+    options: RuntimeOptions,
+    sim: Option<SimDevice>,
+}
+
+impl std::fmt::Debug for Runtime {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Runtime")
+            .field("compute", &self.compute.name())
+            .field("budget", &self.budget)
+            .field("models", &self.models.len())
+            .field("engine", &self.engine)
+            .finish()
+    }
+}
+
+impl Runtime {
+    /// A runtime whose main model source is `main` (the checkpoint and component files,
+    /// already canonicalized).
+    pub fn new(options: RuntimeOptions, main: ModelLoader) -> Result<Runtime> {
+        let threads = options.threads.max(1);
+        let backend_err = |name: &str| {
+            let name = name.to_string();
+            move |source| RuntimeError::Backend { name, source }
+        };
+        let cpu = Arc::new(Backend::cpu(threads).map_err(backend_err("cpu"))?);
+        let mut sim = None;
+        let compute = match &options.compute {
+            ComputeDevice::Cpu => cpu.clone(),
+            ComputeDevice::Named(name) => {
+                let b = Backend::by_name(name).map_err(backend_err(name))?;
+                if b.is_cpu() {
+                    b.set_threads(threads);
+                }
+                Arc::new(b)
+            }
+            ComputeDevice::Sim { bytes } => {
+                let name = format!("sim:{}", bytes >> 20);
+                let s = SimDevice::new(
+                    "SIM0",
+                    *bytes,
+                    SimOptions {
+                        threads,
+                        ..SimOptions::default()
+                    },
+                )
+                .map_err(backend_err(&name))?;
+                let b = s.backend().map_err(backend_err(&name))?;
+                sim = Some(s);
+                Arc::new(b)
+            }
+        };
+        let mut mm = ModelManager::new(main);
+        mm.set_mmap(options.mmap);
+        mm.set_segmented_compute(true);
+        mm.set_prefetch(options.prefetch);
+        if sim.is_some() {
+            // The simulated device is exactly its size: no driver reserve.
+            mm.set_device_reserve(0);
+        }
+        let cpu_id = mm.add_backend(cpu.clone())?;
+        let compute_id = if Arc::ptr_eq(&cpu, &compute) {
+            cpu_id
+        } else {
+            mm.add_backend(compute.clone())?
+        };
+        let mut budget = None;
+        if let Some(mv) = &options.max_vram {
+            mm.apply_max_vram(mv);
+            if let Some(d) = compute.device() {
+                budget = mm.device_budget(&d);
+            }
+        }
+        let engine = ExecutionEngine::new(
+            mm,
+            EngineOptions {
+                planning_headroom: options
+                    .planning_headroom
+                    .unwrap_or(DEFAULT_PLANNING_HEADROOM),
+            },
+        );
+        Ok(Runtime {
+            engine,
+            models: Vec::new(),
+            compute,
+            compute_id,
+            cpu_id,
+            budget,
+            options,
+            sim,
+        })
+    }
+
+    /// Adds another model's files (an upscaler, a LoRA-free auxiliary model) as a model
+    /// source; its models are added with [`Runtime::add_model`] and that source.
+    pub fn add_source(&mut self, loader: ModelLoader) -> Result<SourceId> {
+        Ok(self.engine.manager_mut().register_model_source(loader)?)
+    }
+
+    /// The catalog of a model source ([`SourceId::MAIN`]: the one given to [`Runtime::new`]).
+    pub fn catalog(&self, source: SourceId) -> Option<&ModelLoader> {
+        self.engine.manager().source(source)
+    }
+
+    /// Declares a model: `declare` builds the model struct from a [`ParamBuilder`] over
+    /// `source`'s catalog (dtypes and shapes checked against the files); its parameters are
+    /// registered with the manager (`component`, the runtime's residency options) and the
+    /// model gets its own started execution session named `name`.
+    pub fn add_model<T>(
+        &mut self,
+        name: &str,
+        component: Component,
+        source: SourceId,
+        declare: impl FnOnce(&ParamBuilder<'_>) -> std::result::Result<T, ModelError>,
+    ) -> Result<(ModelHandle, T)> {
+        let (model, params) = {
+            let catalog = self
+                .engine
+                .manager()
+                .source(source)
+                .ok_or_else(|| RuntimeError::Unknown(format!("model source {source}")))?;
+            let pb = ParamBuilder::new(Some(catalog), sd_models::weights::DEFAULT_PARAM_CAPACITY)?;
+            pb.set_weight_type(self.options.weight_type);
+            let model = declare(&pb)?;
+            (model, pb.finish())
+        };
+        let descs: Vec<(String, GTensor)> = params
+            .tensors
+            .iter()
+            .map(|(n, t)| (n.clone(), t.clone()))
+            .collect();
+        let mode = match self.options.params {
+            ParamsLocation::Ram => ResidencyMode::ParamBackend,
+            ParamsLocation::Disk => ResidencyMode::Disk,
+        };
+        let ids = self.engine.manager_mut().register_params(
+            ParamSpec {
+                component,
+                mode,
+                params_backend: self.cpu_id,
+                compute_backend: self.compute_id,
+                source,
+            },
+            &descs,
+        )?;
+        let session = self.engine.create_session(
+            SessionConfig::new(name, self.compute.clone(), self.compute_id)
+                .with_budget(self.budget)
+                .with_segmentation(self.options.segmentation)
+                .with_prefetch(self.options.prefetch),
+        );
+        self.engine.start(session)?;
+        tracing::debug!(model = name, params = ids.len(), "model added");
+        self.models.push(ModelSlot {
+            name: name.to_string(),
+            session,
+            params,
+            ids,
+        });
+        Ok((ModelHandle(self.models.len() - 1), model))
+    }
+
+    fn slot(&self, h: ModelHandle) -> Result<&ModelSlot> {
+        self.models
+            .get(h.0)
+            .ok_or_else(|| RuntimeError::Unknown(format!("model handle {}", h.0)))
+    }
+
+    /// Builds a graph for model `h` with `build` (in a fresh [`GraphCtx`] of `graph_size`
+    /// nodes and descriptors, with the runtime's compute options) and executes it through
+    /// the engine; returns the output as f32.
+    pub fn run(
+        &mut self,
+        h: ModelHandle,
+        description: &str,
+        graph_size: usize,
+        build: impl FnOnce(&mut GraphCtx) -> std::result::Result<BuiltGraph, ModelError>,
+    ) -> Result<RunOutput> {
+        let mut g = GraphCtx::new(graph_size, graph_size, self.options.compute_options)?;
+        let built = build(&mut g)?;
+        let mut graph = Graph::new(&g.ctx, graph_size).map_err(ModelError::from)?;
+        built.output.set_output();
+        graph
+            .build_forward_expand(&built.output)
+            .map_err(ModelError::from)?;
+        let marks = std::mem::take(&mut g.marks);
+        let mut task = ComputeTask::new(description, graph, built.output.clone()).with_marks(marks);
+        let aux = g.aux.iter().map(|a| (a.tensor.clone(), a.data.clone()));
+        for (t, data) in built.inputs.into_iter().chain(aux) {
+            t.set_input();
+            let bytes = host_bytes(&t, &data)?;
+            task = task.with_input(&t, bytes);
+        }
+        let result = self.execute(h, &task)?;
+        let data = result
+            .output_f32()
+            .filter(|_| built.output.dtype() == Some(DType::F32));
+        let Some(data) = data else {
+            return Err(RuntimeError::Output {
+                model: self.slot(h)?.name.clone(),
+                task: description.to_string(),
+                detail: format!("has type {:?}, not f32", built.output.dtype()),
+            });
+        };
+        Ok(RunOutput {
+            data,
+            ne: result.ne,
+            segmented: result.segmented,
+            segments: result.segments,
+        })
+    }
+
+    /// Executes a ready task in model `h`'s session.
+    pub fn execute(&mut self, h: ModelHandle, task: &ComputeTask) -> Result<ComputeResult> {
+        let session = self.slot(h)?.session;
+        Ok(self.engine.execute(session, task)?)
+    }
+
+    /// Ends model `h`'s session (its workspace, caches and compute-device weight copies are
+    /// released) and starts it again: call it when a phase that uses the model is over.
+    pub fn release(&mut self, h: ModelHandle) -> Result<()> {
+        let session = self.slot(h)?.session;
+        self.engine.end(session)?;
+        self.engine.start(session)?;
+        Ok(())
+    }
+
+    /// Loads model `h`'s weights now instead of at their first use, when that is where they
+    /// would stay: parameters kept in RAM and computed on the CPU. Reports
+    /// `progress(done, total)` in parameters; returns whether anything was loaded (other
+    /// setups stream weights to the device as graphs need them, within the budget).
+    pub fn preload(
+        &mut self,
+        h: ModelHandle,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<bool> {
+        let ids = self.slot(h)?.ids.clone();
+        if self.options.params != ParamsLocation::Ram || !self.compute.is_cpu() {
+            return Ok(false);
+        }
+        let _span = tracing::info_span!("preload", model = %self.slot(h)?.name).entered();
+        let total = ids.len();
+        let mut done = 0;
+        progress(0, total);
+        for chunk in ids.chunks(64) {
+            let m = self.engine.manager_mut();
+            m.prepare_params(chunk)?;
+            m.unpin_params(chunk)?;
+            done += chunk.len();
+            progress(done, total);
+        }
+        Ok(true)
+    }
+
+    /// The name given to model `h`.
+    pub fn model_name(&self, h: ModelHandle) -> Option<&str> {
+        self.models.get(h.0).map(|s| s.name.as_str())
+    }
+
+    /// The declared parameters of model `h`.
+    pub fn params(&self, h: ModelHandle) -> Option<&Params> {
+        self.models.get(h.0).map(|s| &s.params)
+    }
+
+    /// The manager's ids of model `h`'s parameters.
+    pub fn param_ids(&self, h: ModelHandle) -> Option<&[ParamId]> {
+        self.models.get(h.0).map(|s| s.ids.as_slice())
+    }
+
+    /// The segment reports of model `h`'s last execution.
+    pub fn last_segments(&self, h: ModelHandle) -> &[SegmentReport] {
+        self.models
+            .get(h.0)
+            .and_then(|s| self.engine.session(s.session))
+            .map_or(&[], |s| s.last_reports())
+    }
+
+    /// The compute backend.
+    pub fn compute_backend(&self) -> &Arc<Backend> {
+        &self.compute
+    }
+
+    /// The compute device, if the backend has one.
+    pub fn compute_device(&self) -> Option<Device> {
+        self.compute.device()
+    }
+
+    /// The budget in bytes on the compute device (from `--max-vram`), if any.
+    pub fn budget(&self) -> Option<u64> {
+        self.budget
+    }
+
+    /// The simulated device when computing on one (peak and live bytes for tests).
+    pub fn sim_device(&self) -> Option<&SimDevice> {
+        self.sim.as_ref()
+    }
+
+    /// The options the runtime was built with.
+    pub fn options(&self) -> &RuntimeOptions {
+        &self.options
+    }
+
+    /// The engine (reclaim log, sessions).
+    pub fn engine(&self) -> &ExecutionEngine<ModelManager> {
+        &self.engine
+    }
+
+    /// The engine, mutably.
+    pub fn engine_mut(&mut self) -> &mut ExecutionEngine<ModelManager> {
+        &mut self.engine
+    }
+}
+
+/// The bytes of `data` in `t`'s element type.
+fn host_bytes(t: &GTensor, data: &HostData) -> Result<Vec<u8>> {
+    let dtype = t.dtype();
+    let bad = |detail: String| {
+        RuntimeError::Model(ModelError::Input {
+            name: "graph input",
+            detail: format!("`{}`: {detail}", t.name()),
+        })
+    };
+    let bytes = match (data, dtype) {
+        (HostData::I32(v), Some(DType::I32)) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        (HostData::F32(v), Some(d)) if d.is_float() => {
+            sd_tensor::convert::from_f32(d, v, t.ne()[0].max(1)).map_err(|e| bad(e.to_string()))?
+        }
+        (HostData::I32(_), d) => return Err(bad(format!("i32 host data for type {d:?}"))),
+        (HostData::F32(_), d) => return Err(bad(format!("f32 host data for type {d:?}"))),
+    };
+    if bytes.len() != t.nbytes() {
+        return Err(bad(format!(
+            "{} bytes of data for a tensor of {} bytes",
+            bytes.len(),
+            t.nbytes()
+        )));
+    }
+    Ok(bytes)
+}

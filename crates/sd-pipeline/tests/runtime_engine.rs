@@ -1,0 +1,232 @@
+//! The pipeline through the execution engine: txt2img on the built-in model gives the same
+//! pixels on the CPU backend (parameters mapped from the file), on a simulated device
+//! without a budget (parameters read from disk at each use) and on a simulated device whose
+//! `--max-vram` budget is small enough to force the UNet and the VAE into segments; the
+//! simulated device's peak stays within the budget. A graph run through the runtime equals
+//! [`sd_models::run::run_cpu`] bit for bit, and an impossible budget is a clear error.
+
+use sd_models::clip::ClipTextModel;
+use sd_models::run::run_cpu;
+use sd_models::{load_all_to_cpu, GraphCtx, HostData, ParamBuilder};
+use sd_pipeline::generate::{GenerateError, Pipeline, Txt2Img};
+use sd_pipeline::model_config::ModelConfig;
+use sd_pipeline::runtime::{
+    BuiltGraph, ComputeDevice, ParamsLocation, Runtime, RuntimeError, RuntimeOptions,
+};
+use sd_residency::capacity::MaxVram;
+use sd_residency::files::ModelLoader;
+use sd_residency::{Component, SourceId};
+use sd_tensor::{DType, Image};
+
+fn builtin() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../models/builtin/sd-rs-shapes.safetensors")
+}
+
+fn params() -> Txt2Img {
+    Txt2Img {
+        prompt: "a green triangle on a black background".into(),
+        negative: String::new(),
+        width: 64,
+        height: 64,
+        steps: 3,
+        cfg_scale: 5.0,
+        seed: 3,
+        threads: 2,
+        ..Txt2Img::default()
+    }
+}
+
+fn options(compute: ComputeDevice, max_vram: Option<u64>) -> RuntimeOptions {
+    RuntimeOptions {
+        compute,
+        max_vram: max_vram
+            .map(|b| MaxVram::parse(&format!("{}", b as f64 / (1u64 << 30) as f64)).unwrap()),
+        threads: 2,
+        // The UNet (7.1 MB of weights + workspace at 64x64) and the VAE decoder (9.1 MB)
+        // exceed an 8 MiB budget with this headroom; the text encoder (3.4 MB) does not.
+        planning_headroom: Some(2 << 20),
+        ..RuntimeOptions::default()
+    }
+}
+
+fn generate(opts: RuntimeOptions) -> Result<(Image, Pipeline), GenerateError> {
+    let mut p = Pipeline::load(builtin(), opts)?;
+    let mut images = p.txt2img(&params(), &mut |_, _| {})?;
+    Ok((images.remove(0), p))
+}
+
+#[test]
+fn budgeted_segmented_runs_equal_whole_runs() {
+    let (cpu, _) = generate(RuntimeOptions {
+        mmap: true,
+        ..options(ComputeDevice::Cpu, None)
+    })
+    .unwrap();
+    let sim = ComputeDevice::Sim { bytes: 256 << 20 };
+    let (whole, p) = generate(RuntimeOptions {
+        params: ParamsLocation::Disk,
+        ..options(sim.clone(), None)
+    })
+    .unwrap();
+    let h = p.handles();
+    for m in [h.text_encoder, h.unet, h.vae] {
+        assert_eq!(
+            p.runtime().last_segments(m).len(),
+            1,
+            "{:?}",
+            p.runtime().model_name(m)
+        );
+    }
+    assert_eq!(cpu.pixels(), whole.pixels());
+
+    let budget = 8u64 << 20;
+    let (seg, p) = generate(options(sim, Some(budget))).unwrap();
+    assert_eq!(p.runtime().budget(), Some(budget));
+    let unet = p.runtime().last_segments(h.unet);
+    let vae = p.runtime().last_segments(h.vae);
+    assert!(unet.len() > 4, "unet ran in {} segment(s)", unet.len());
+    assert!(vae.len() > 1, "vae ran in {} segment(s)", vae.len());
+    let peak = p.runtime().sim_device().unwrap().peak_bytes();
+    assert!(peak <= budget, "peak {peak} > budget {budget}");
+    assert_eq!(seg.pixels(), whole.pixels());
+}
+
+#[test]
+fn an_impossible_budget_is_a_capacity_error() {
+    let Err(err) = generate(options(
+        ComputeDevice::Sim { bytes: 256 << 20 },
+        Some(1 << 20),
+    )) else {
+        panic!("a 1 MiB budget cannot hold the text encoder's token embedding");
+    };
+    let text = err.to_string();
+    assert!(text.contains("SIM0") && text.contains("budget"), "{text}");
+}
+
+#[test]
+fn a_runtime_graph_equals_run_cpu() {
+    let mut loader = ModelLoader::new();
+    loader.add_file(builtin(), None).unwrap();
+    let config = ModelConfig::detect(&loader).unwrap();
+    sd_models::weights::canonicalize(&mut loader, Some(config.version)).unwrap();
+    let ids: Vec<i32> = (0..77)
+        .map(|i| if i == 0 { 49406 } else { 49407 - (i % 3) })
+        .collect();
+
+    // Reference: the whole graph on the CPU backend with weights loaded by hand.
+    let pb = ParamBuilder::new(Some(&loader), 4096).unwrap();
+    let clip = ClipTextModel::new(&pb, config.clip.clone()).unwrap();
+    let params = pb.finish();
+    let _buf = load_all_to_cpu(&params, &loader).unwrap();
+    let mut g = GraphCtx::new(4096, 4096, Default::default()).unwrap();
+    let input = g.ctx.new_tensor(DType::I32, &[77, 1]).unwrap();
+    let out = clip.forward(&mut g, &input).unwrap();
+    let want = run_cpu(
+        &g,
+        &[&out],
+        &[(&input, HostData::I32(ids.clone()))],
+        4096,
+        2,
+    )
+    .unwrap()
+    .remove(0);
+
+    // The same graph through a runtime on the simulated device, always segmented.
+    let mut rt = Runtime::new(
+        RuntimeOptions {
+            compute: ComputeDevice::Sim { bytes: 64 << 20 },
+            threads: 2,
+            segmentation: sd_exec::SegmentationPolicy::Always,
+            ..RuntimeOptions::default()
+        },
+        loader,
+    )
+    .unwrap();
+    let cfg = config.clip.clone();
+    let (h, clip) = rt
+        .add_model("clip", Component::TextEncoder, SourceId::MAIN, |pb| {
+            ClipTextModel::new(pb, cfg)
+        })
+        .unwrap();
+    let got = rt
+        .run(h, "clip", 4096, |g| {
+            let input = g.ctx.new_tensor(DType::I32, &[77, 1])?;
+            let output = clip.forward(g, &input)?;
+            Ok(BuiltGraph {
+                output,
+                inputs: vec![(input, HostData::I32(ids.clone()))],
+            })
+        })
+        .unwrap();
+    assert!(got.segmented && got.segments.len() > 1);
+    assert_eq!(got.ne, [config.clip.hidden_size, 77, 1, 1]);
+    assert_eq!(got.data, want);
+
+    // A handle from elsewhere and a source the runtime lacks are errors, not panics.
+    let r = rt.add_model("x", Component::Other, SourceId(7), |_| Ok(()));
+    assert!(matches!(r, Err(RuntimeError::Unknown(_))));
+}
+
+/// A model from a second model source (how an upscaler file joins a pipeline's runtime)
+/// computes like the same model from the main source, on a budgeted simulated device.
+#[test]
+fn a_second_model_source_runs_in_the_same_runtime() {
+    let open = |path: &std::path::Path| {
+        let mut loader = ModelLoader::new();
+        loader.add_file(path, None).unwrap();
+        sd_models::weights::canonicalize(&mut loader, None).unwrap();
+        loader
+    };
+    let main = open(&builtin());
+    let config = ModelConfig::detect(&main).unwrap();
+    let copy = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("second-source.safetensors");
+    std::fs::copy(builtin(), &copy).unwrap();
+    let mut rt = Runtime::new(
+        RuntimeOptions {
+            compute: ComputeDevice::Sim { bytes: 64 << 20 },
+            max_vram: Some(MaxVram::parse("0.01").unwrap()),
+            threads: 2,
+            planning_headroom: Some(0),
+            ..RuntimeOptions::default()
+        },
+        main,
+    )
+    .unwrap();
+    // The same file twice is refused; a copy is a new source.
+    assert!(rt.add_source(open(&builtin())).is_err());
+    let second = rt.add_source(open(&copy)).unwrap();
+    let mut vae_cfg = config.vae.clone();
+    vae_cfg.with_encoder = false;
+    let (a, vae_a) = rt
+        .add_model("vae", Component::Vae, SourceId::MAIN, |pb| {
+            sd_models::vae::AutoencoderKl::new(pb, vae_cfg.clone())
+        })
+        .unwrap();
+    let (b, vae_b) = rt
+        .add_model("vae-2", Component::Upscaler, second, |pb| {
+            sd_models::vae::AutoencoderKl::new(pb, vae_cfg.clone())
+        })
+        .unwrap();
+    let z: Vec<f32> = (0..4 * 8 * 8)
+        .map(|i| ((i * 37 % 17) as f32 - 8.0) / 5.0)
+        .collect();
+    let mut decode = |h, vae: &sd_models::vae::AutoencoderKl| {
+        rt.run(h, "decode", 8192, |g| {
+            let t = g.ctx.new_tensor(DType::F32, &[8, 8, 4, 1])?;
+            let output = vae.decode(g, &t)?;
+            Ok(BuiltGraph {
+                output,
+                inputs: vec![(t, HostData::F32(z.clone()))],
+            })
+        })
+        .unwrap()
+    };
+    let out_a = decode(a, &vae_a);
+    let out_b = decode(b, &vae_b);
+    assert_eq!(out_a.ne, [32, 32, 3, 1]);
+    assert_eq!(out_a.data, out_b.data);
+    let budget = rt.budget().unwrap();
+    let peak = rt.sim_device().unwrap().peak_bytes();
+    assert!(peak <= budget, "peak {peak} > budget {budget}");
+}
