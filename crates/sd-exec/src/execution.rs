@@ -206,12 +206,18 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
             .device()
             .map(|d| d.memory().total)
             .filter(|t| *t > 0);
-        let limit = match (cfg.budget, device_total) {
-            (Some(a), Some(b)) => a.min(b),
-            (a, b) => match a.or(b) {
-                Some(l) => l,
-                None => return Ok(false),
-            },
+        // The tightest of the session budget, the device's budget in the manager
+        // (`--max-vram`) and the device's memory.
+        let limit = [
+            cfg.budget,
+            self.manager.backend_budget(cfg.backend_id),
+            device_total,
+        ]
+        .into_iter()
+        .flatten()
+        .min();
+        let Some(limit) = limit else {
+            return Ok(false);
         };
         let weights: u64 = whole.segment_weight_bytes.iter().sum();
         let ws = whole.plan.max_compute_buffer() as u64;

@@ -236,6 +236,10 @@ pub trait DeviceResidencyManager {
     fn segmented_compute_enabled(&self) -> bool;
     /// Whether weights may be prefetched to compute devices ahead of use.
     fn prefetch_enabled(&self) -> bool;
+    /// The budget set for a backend's device (`--max-vram`), if any.
+    fn backend_budget(&self, _backend: BackendId) -> Option<u64> {
+        None
+    }
 
     /// Registers a runtime owner: while any is registered, LoRA changes are refused.
     fn register_runtime_owner(&mut self, owner: OwnerId);

@@ -630,6 +630,10 @@ impl DeviceResidencyManager for ModelManager {
         self.segmented
     }
 
+    fn backend_budget(&self, backend: BackendId) -> Option<u64> {
+        self.device_of(backend).and_then(|d| self.device_budget(&d))
+    }
+
     fn prefetch_enabled(&self) -> bool {
         self.prefetch
     }
