@@ -66,16 +66,20 @@ fn most_common(classes: impl Iterator<Item = usize>) -> Option<usize> {
         n[c] += 1;
         any = true;
     }
-    any.then(|| (0..n.len()).max_by_key(|&i| (n[i], usize::MAX - i)).unwrap())
+    any.then(|| {
+        (0..n.len())
+            .max_by_key(|&i| (n[i], usize::MAX - i))
+            .unwrap()
+    })
 }
 
 fn read(img: &Image) -> Option<Reading> {
     let (w, h) = (img.width(), img.height());
     let ch = img.channels();
     let cls: Vec<usize> = img.pixels().chunks_exact(ch).map(nearest).collect();
-    let border = (0..h).flat_map(|y| (0..w).map(move |x| (x, y))).filter(|&(x, y)| {
-        x < 2 || y < 2 || x + 2 >= w || y + 2 >= h
-    });
+    let border = (0..h)
+        .flat_map(|y| (0..w).map(move |x| (x, y)))
+        .filter(|&(x, y)| x < 2 || y < 2 || x + 2 >= w || y + 2 >= h);
     let bg = most_common(border.map(|(x, y)| cls[y * w + x]))?;
     let fg = most_common(cls.iter().copied().filter(|&c| c != bg))?;
     // The largest 4-connected region of the shape colour.
@@ -211,7 +215,10 @@ fn builtin_model_draws_the_prompted_colour_and_shape() {
         let t = std::time::Instant::now();
         let img = txt2img(&model, &params, &mut |_, _| {}).unwrap().remove(0);
         let got = read(&img);
-        println!("{prompt} (seed {seed}, {:.1} s): {got:?}", t.elapsed().as_secs_f64());
+        println!(
+            "{prompt} (seed {seed}, {:.1} s): {got:?}",
+            t.elapsed().as_secs_f64()
+        );
         let ok = got.as_ref().is_some_and(|r| {
             (r.colour, r.shape, r.background) == (colour, shape, bg) && r.area > 0.02
         });

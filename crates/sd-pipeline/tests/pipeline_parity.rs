@@ -167,7 +167,11 @@ fn tokens_and_sigmas_match_the_reference_runs() {
             .unwrap();
         assert_eq!(ours.len(), run.sigmas.len());
         for (a, b) in ours.iter().zip(&run.sigmas) {
-            assert!((a - b).abs() <= 1e-5 * b.max(1.0), "{}: {a} vs {b}", run.name);
+            assert!(
+                (a - b).abs() <= 1e-5 * b.max(1.0),
+                "{}: {a} vs {b}",
+                run.name
+            );
         }
     }
 }

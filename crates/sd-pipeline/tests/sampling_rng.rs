@@ -130,8 +130,7 @@ fn cuda_rng_is_standard_normal() {
 /// docstring). No GPU was used: agreement with torch on a GPU rests on that sample.
 #[test]
 fn cuda_rng_matches_the_philox_reference() {
-    let fx: Value =
-        serde_json::from_str(include_str!("fixtures/sampling/philox.json")).unwrap();
+    let fx: Value = serde_json::from_str(include_str!("fixtures/sampling/philox.json")).unwrap();
     let published = floats(&fx["published_seed0_3x4"]);
     let got = CudaRng::new(0).randn_tensor(&[3, 4]).unwrap();
     assert_close(got.data(), &published, "seed 0 [3, 4] vs torch CUDA");
