@@ -247,7 +247,7 @@ fn run_results(cmd: &mut Command) -> Res<Vec<(String, String)>> {
 /// `cargo xtask bench unet`: one SD1.5 UNet step (random weights, batch 2, 64x64 latent,
 /// 77x768 context) in sd-rs on the ggml CPU backend (f16 weights,
 /// `crates/sd-models/benches/unet_step.rs`, which also measures the ggml f16 matmul
-/// ceiling), then in diffusers on PyTorch CPU (`scripts/bench/unet_step_diffusers.py`, f32
+/// ceiling; once with sd.cpp's CPU default f32 attention, once with flash attention), then in diffusers on PyTorch CPU (`scripts/bench/unet_step_diffusers.py`, f32
 /// and bf16), on the same thread count (`SD_BENCH_THREADS`, default 2); prints the times,
 /// the ratios and GFLOP/s against the ceiling. `SD_BENCH_TORCH_DTYPES` (default `f32,bf16`)
 /// picks the PyTorch runs, `SD_BENCH_REPS` (default 2) the timed steps of each.
@@ -255,12 +255,18 @@ fn bench_unet(benv: &BuildEnv) -> Res<()> {
     let threads = env::var("SD_BENCH_THREADS").unwrap_or_else(|_| "2".into());
     let reps = env::var("SD_BENCH_REPS").unwrap_or_else(|_| "2".into());
     let dtypes = env::var("SD_BENCH_TORCH_DTYPES").unwrap_or_else(|_| "f32,bf16".into());
-    let mut results = run_results(
-        cargo(benv)
-            .args(["bench", "--workspace", "--bench", "unet_step"])
-            .env("SD_BENCH_THREADS", &threads)
-            .env("SD_BENCH_REPS", &reps),
-    )?;
+    // sd.cpp's CPU default (f32 mul_mat attention), then with flash attention (`fa_` keys).
+    let mut results = Vec::new();
+    for (flash, prefix) in [("0", ""), ("1", "fa_")] {
+        let r = run_results(
+            cargo(benv)
+                .args(["bench", "--workspace", "--bench", "unet_step"])
+                .env("SD_BENCH_THREADS", &threads)
+                .env("SD_BENCH_REPS", &reps)
+                .env("SD_BENCH_FLASH_ATTN", flash),
+        )?;
+        results.extend(r.into_iter().map(|(k, v)| (format!("{prefix}{k}"), v)));
+    }
     let script = root().join("scripts/bench/unet_step_diffusers.py");
     for dtype in dtypes.split(',').filter(|d| !d.is_empty()) {
         let mut py = Command::new("python3");
@@ -287,18 +293,31 @@ fn bench_unet(benv: &BuildEnv) -> Res<()> {
         gflop / ours,
         100.0 * gflop / ours / ceiling
     );
+    let fa = get("fa_ggml_unet_seconds")?;
+    let fa_cpu = get("fa_ggml_unet_cpu_seconds")?;
+    let fa_ceiling = get("fa_matmul_f16_gflops")?;
+    println!(
+        "  sd-rs, flash attention      {fa:8.2} s  {:6.1} GFLOP/s  {:5.1}% of the ceiling measured in its run ({fa_ceiling:.1} GFLOP/s)  CPU {fa_cpu:.2} s",
+        gflop / fa,
+        100.0 * gflop / fa / fa_ceiling
+    );
     for dtype in dtypes.split(',').filter(|d| !d.is_empty()) {
         let theirs = get(&format!("torch_{dtype}_seconds"))?;
         let theirs_cpu = get(&format!("torch_{dtype}_cpu_seconds"))?;
         println!(
-            "  diffusers (torch, {dtype:4})    {theirs:8.2} s  {:6.1} GFLOP/s  {:5.1}% of the ceiling  CPU {theirs_cpu:.2} s  sd-rs/diffusers time ratio {:.2} (CPU time ratio {:.2})",
+            "  diffusers (torch, {dtype:4})    {theirs:8.2} s  {:6.1} GFLOP/s  {:5.1}% of the ceiling  CPU {theirs_cpu:.2} s",
             gflop / theirs,
             100.0 * gflop / theirs / ceiling,
+        );
+        println!(
+            "    sd-rs / diffusers {dtype}: time {:.2} (CPU time {:.2}); with flash attention: time {:.2} (CPU time {:.2})",
             ours / theirs,
-            ours_cpu / theirs_cpu
+            ours_cpu / theirs_cpu,
+            fa / theirs,
+            fa_cpu / theirs_cpu
         );
     }
-    for k in ["load_start", "load_end"] {
+    for k in ["load_start", "fa_load_end"] {
         if let Some((_, v)) = results.iter().find(|(key, _)| key == k) {
             println!("  {k} (1/5/15 min load average): {v}");
         }

@@ -15,7 +15,8 @@
 //! `crates/sd-tensor/benches/matmul.rs` measures it, before and after the UNet runs.
 //!
 //! Environment: `SD_BENCH_THREADS` (default 2), `SD_BENCH_REPS` (timed UNet steps after one
-//! warm-up, default 2). Prints the CPU time per step too (on a shared machine
+//! warm-up, default 2), `SD_BENCH_FLASH_ATTN=1` (ggml's `flash_attn_ext` for attention instead of
+//! the default f32 `mul_mat` + softmax). Prints the CPU time per step too (on a shared machine
 //! the wall time includes waiting for cores; CPU time does not). Prints human-readable lines and `RESULT key=value` lines for xtask.
 
 use std::time::Instant;
@@ -99,10 +100,19 @@ fn main() {
         unet.params.nbytes() as f64 / 1e9,
         t.elapsed().as_secs_f64()
     );
+    let flash_attn = env_usize("SD_BENCH_FLASH_ATTN", 0) != 0;
     let opts = ComputeOptions {
         exact: false,
-        flash_attn: false,
+        flash_attn,
     };
+    println!(
+        "attention: {}",
+        if flash_attn {
+            "flash_attn_ext (K, V in f16)"
+        } else {
+            "f32 mul_mat + softmax"
+        }
+    );
     let step = UnetStep::new(&unet.model, StepShape::SD15_512_CFG, opts, &backend)
         .expect("UNet step graph");
     let gflop = step.flops() / 1e9;

@@ -33,8 +33,14 @@ fn synthetic_dtype_applies_to_matrices_only() {
     assert_eq!(emb.dtype(), Some(DType::F32));
     // Rows that do not fit a quantized block stay f32.
     let pb = ParamBuilder::with_synthetic_dtype(None, 16, DType::Q8_0).unwrap();
-    assert_eq!(pb.tensor("odd", &[4, 20]).unwrap().dtype(), Some(DType::F32));
-    assert_eq!(pb.tensor("ok", &[4, 64]).unwrap().dtype(), Some(DType::Q8_0));
+    assert_eq!(
+        pb.tensor("odd", &[4, 20]).unwrap().dtype(),
+        Some(DType::F32)
+    );
+    assert_eq!(
+        pb.tensor("ok", &[4, 64]).unwrap().dtype(),
+        Some(DType::Q8_0)
+    );
 }
 
 #[test]
