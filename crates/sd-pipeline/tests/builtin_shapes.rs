@@ -13,6 +13,7 @@
 use std::path::PathBuf;
 
 use sd_pipeline::generate::{txt2img, Txt2Img};
+use sd_pipeline::rng::RngKind;
 use sd_pipeline::sampling::SampleMethod;
 use sd_pipeline::schedule::Scheduler;
 use sd_tensor::Image;
@@ -210,6 +211,7 @@ fn builtin_model_draws_the_prompted_colour_and_shape() {
             sampler: SampleMethod::Euler,
             scheduler: Scheduler::Discrete,
             threads: 2,
+            rng: RngKind::Cpu,
             ..Txt2Img::default()
         };
         let t = std::time::Instant::now();

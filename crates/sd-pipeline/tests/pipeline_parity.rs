@@ -17,7 +17,7 @@ use sd_models::{load_all_to_cpu, ComputeOptions, GraphCtx, HostData, ModelError,
 use sd_pipeline::conditioning::{encode_cfg, CfgConditioning};
 use sd_pipeline::generate::{txt2img, Txt2Img};
 use sd_pipeline::model_config::ModelConfig;
-use sd_pipeline::rng::{CpuRng, Rng};
+use sd_pipeline::rng::{CpuRng, Rng, RngKind};
 use sd_pipeline::sampling::{sample, Denoise, KDenoiser, SampleMethod, SamplingError};
 use sd_pipeline::schedule::{NoiseSchedule, Scheduler};
 use sd_pipeline::tokenizer::{ClipTokenizer, CHUNK_LEN};
@@ -77,6 +77,9 @@ fn runs() -> Vec<Run> {
                     scheduler,
                     threads: THREADS,
                     batch: 1,
+                    // torch.randn on the CPU, as the reference draws its noise.
+                    rng: RngKind::Cpu,
+                    vae_tiling: None,
                 },
                 token_ids: r["token_ids"]
                     .as_array()
