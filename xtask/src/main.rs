@@ -5,7 +5,8 @@
 //!   arguments are passed to `sd` instead).
 //! - `cargo xtask test`: the whole test run as CI does it (rustfmt, clippy, tests).
 //! - `cargo xtask setup`: only installs what the ggml build needs (CMake, libclang).
-//! - `cargo xtask bench <name>`: benchmarks (`matmul`, `exec`).
+//! - `cargo xtask bench <name>`: benchmarks (`matmul`, `exec`, `unet`: one SD1.5 UNet step in
+//!   sd-rs and in diffusers, side by side, against the ggml matmul ceiling).
 //!
 //! xtask itself has no dependencies, so it builds before CMake or libclang exist and can
 //! install them: with apt-get when running as root, otherwise from PyPI with pip.
@@ -216,6 +217,110 @@ fn bench(rest: &[String]) -> Res<()> {
         "exec" => run(cargo(&benv)
             .args(["bench", "-p", "sd-exec", "--bench", "exec", "--"])
             .args(&rest[1..])),
-        other => Err(format!("unknown benchmark '{other}' (known: matmul, exec)")),
+        "unet" => bench_unet(&benv),
+        other => Err(format!(
+            "unknown benchmark '{other}' (known: matmul, exec, unet)"
+        )),
     }
+}
+
+/// Runs `cmd`, echoing its output, and returns the `RESULT key=value` lines it printed.
+fn run_results(cmd: &mut Command) -> Res<Vec<(String, String)>> {
+    eprintln!("+ {cmd:?}");
+    let out = cmd
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .map_err(|e| format!("cannot run {cmd:?}: {e}"))?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    print!("{text}");
+    if !out.status.success() {
+        return Err(format!("{cmd:?} failed with {}", out.status));
+    }
+    Ok(text
+        .lines()
+        .filter_map(|l| l.strip_prefix("RESULT "))
+        .filter_map(|l| l.split_once('='))
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect())
+}
+
+/// `cargo xtask bench unet`: one SD1.5 UNet step (random weights, batch 2, 64x64 latent,
+/// 77x768 context) in sd-rs on the ggml CPU backend (f16 weights,
+/// `crates/sd-models/benches/unet_step.rs`, which also measures the ggml f16 matmul
+/// ceiling; once with sd.cpp's CPU default f32 attention, once with flash attention), then in diffusers on PyTorch CPU (`scripts/bench/unet_step_diffusers.py`, f32
+/// and bf16), on the same thread count (`SD_BENCH_THREADS`, default 2); prints the times,
+/// the ratios and GFLOP/s against the ceiling. `SD_BENCH_TORCH_DTYPES` (default `f32,bf16`)
+/// picks the PyTorch runs, `SD_BENCH_REPS` (default 2) the timed steps of each.
+fn bench_unet(benv: &BuildEnv) -> Res<()> {
+    let threads = env::var("SD_BENCH_THREADS").unwrap_or_else(|_| "2".into());
+    let reps = env::var("SD_BENCH_REPS").unwrap_or_else(|_| "2".into());
+    let dtypes = env::var("SD_BENCH_TORCH_DTYPES").unwrap_or_else(|_| "f32,bf16".into());
+    // sd.cpp's CPU default (f32 mul_mat attention), then with flash attention (`fa_` keys).
+    let mut results = Vec::new();
+    for (flash, prefix) in [("0", ""), ("1", "fa_")] {
+        let r = run_results(
+            cargo(benv)
+                .args(["bench", "--workspace", "--bench", "unet_step"])
+                .env("SD_BENCH_THREADS", &threads)
+                .env("SD_BENCH_REPS", &reps)
+                .env("SD_BENCH_FLASH_ATTN", flash),
+        )?;
+        results.extend(r.into_iter().map(|(k, v)| (format!("{prefix}{k}"), v)));
+    }
+    let script = root().join("scripts/bench/unet_step_diffusers.py");
+    for dtype in dtypes.split(',').filter(|d| !d.is_empty()) {
+        let mut py = Command::new("python3");
+        py.arg(&script)
+            .args(["--threads", &threads, "--dtype", dtype, "--reps", &reps]);
+        results.extend(run_results(&mut py)?);
+    }
+    let get = |k: &str| -> Res<f64> {
+        results
+            .iter()
+            .rev()
+            .find(|(key, _)| key == k)
+            .and_then(|(_, v)| v.parse().ok())
+            .ok_or_else(|| format!("no result {k}"))
+    };
+    let ours = get("ggml_unet_seconds")?;
+    let ours_cpu = get("ggml_unet_cpu_seconds")?;
+    let gflop = get("unet_gflop")?;
+    let ceiling = get("matmul_f16_gflops")?;
+    println!();
+    println!("SD1.5 UNet step, batch 2, 64x64 latent, {threads} CPU threads ({gflop:.0} GFLOP of matrix products)");
+    println!(
+        "  sd-rs (ggml, f16 weights)   {ours:8.2} s  {:6.1} GFLOP/s  {:5.1}% of the ggml f16 matmul ceiling ({ceiling:.1} GFLOP/s)  CPU {ours_cpu:.2} s",
+        gflop / ours,
+        100.0 * gflop / ours / ceiling
+    );
+    let fa = get("fa_ggml_unet_seconds")?;
+    let fa_cpu = get("fa_ggml_unet_cpu_seconds")?;
+    let fa_ceiling = get("fa_matmul_f16_gflops")?;
+    println!(
+        "  sd-rs, flash attention      {fa:8.2} s  {:6.1} GFLOP/s  {:5.1}% of the ceiling measured in its run ({fa_ceiling:.1} GFLOP/s)  CPU {fa_cpu:.2} s",
+        gflop / fa,
+        100.0 * gflop / fa / fa_ceiling
+    );
+    for dtype in dtypes.split(',').filter(|d| !d.is_empty()) {
+        let theirs = get(&format!("torch_{dtype}_seconds"))?;
+        let theirs_cpu = get(&format!("torch_{dtype}_cpu_seconds"))?;
+        println!(
+            "  diffusers (torch, {dtype:4})    {theirs:8.2} s  {:6.1} GFLOP/s  {:5.1}% of the ceiling  CPU {theirs_cpu:.2} s",
+            gflop / theirs,
+            100.0 * gflop / theirs / ceiling,
+        );
+        println!(
+            "    sd-rs / diffusers {dtype}: time {:.2} (CPU time {:.2}); with flash attention: time {:.2} (CPU time {:.2})",
+            ours / theirs,
+            ours_cpu / theirs_cpu,
+            fa / theirs,
+            fa_cpu / theirs_cpu
+        );
+    }
+    for k in ["load_start", "fa_load_end"] {
+        if let Some((_, v)) = results.iter().find(|(key, _)| key == k) {
+            println!("  {k} (1/5/15 min load average): {v}");
+        }
+    }
+    Ok(())
 }

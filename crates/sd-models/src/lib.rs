@@ -16,10 +16,12 @@
 //!
 //! Forward passes take a [`GraphCtx`]: the compute context, the [`CutMarks`] the graph
 //! planner reads, and the auxiliary inputs (masks) a model needs filled in before
-//! execution. [`run::run_cpu`] executes such a graph on the CPU backend (tests, tools).
+//! execution. [`run::run_cpu`] executes such a graph on the CPU backend (tests, tools);
+//! [`bench`] builds synthetic full-size models for benchmarks.
 
 #![warn(missing_docs)]
 
+pub mod bench;
 pub mod clip;
 pub mod nn;
 pub mod run;

@@ -25,6 +25,8 @@ struct Inner<'a> {
     ctx: Context,
     catalog: Option<&'a ModelLoader>,
     weight_type: Option<DType>,
+    /// Storage type of synthetic (catalog-less) parameters.
+    synthetic: DType,
     params: BTreeMap<String, GTensor>,
 }
 
@@ -104,11 +106,24 @@ impl<'a> ParamBuilder<'a> {
     /// A builder over `catalog` (`None`: synthetic f32 parameters) with room for
     /// `capacity` parameter descriptors.
     pub fn new(catalog: Option<&'a ModelLoader>, capacity: usize) -> Result<Self> {
+        Self::with_synthetic_dtype(catalog, capacity, DType::F32)
+    }
+
+    /// Like [`ParamBuilder::new`], but parameters declared without a catalog are stored as
+    /// `dtype` where a file could store them so (tensors of 2 or more dimensions whose rows
+    /// fit `dtype`'s blocks, not declared with [`ParamBuilder::tensor_f32`]); the rest stay
+    /// f32. For synthetic full-size models (benchmarks).
+    pub fn with_synthetic_dtype(
+        catalog: Option<&'a ModelLoader>,
+        capacity: usize,
+        dtype: DType,
+    ) -> Result<Self> {
         Ok(ParamBuilder {
             inner: Rc::new(RefCell::new(Inner {
                 ctx: Context::new_descriptors(capacity, 1, 0)?,
                 catalog,
                 weight_type: None,
+                synthetic: dtype,
                 params: BTreeMap::new(),
             })),
             prefix: String::new(),
@@ -185,7 +200,19 @@ impl<'a> ParamBuilder<'a> {
             )));
         }
         let dtype = match inner.catalog {
-            None => DType::F32,
+            None => {
+                let d = inner.synthetic;
+                let inner_dim = shape.last().copied().unwrap_or(1);
+                if force_f32
+                    || shape.len() <= 1
+                    || !(d.is_float() || d.is_quantized())
+                    || !inner_dim.is_multiple_of(d.block_size())
+                {
+                    DType::F32
+                } else {
+                    d
+                }
+            }
             Some(cat) => {
                 let st = cat
                     .get(&full)

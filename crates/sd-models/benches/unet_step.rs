@@ -1,0 +1,161 @@
+//! One SD1.5 UNet step on the ggml CPU backend, next to the ggml f16 matmul ceiling measured
+//! in the same process: the Rust half of `cargo xtask bench unet` (the other half is
+//! `scripts/bench/unet_step_diffusers.py`, the same step in diffusers).
+//!
+//! The UNet is the full SD1.5 config (`UnetConfig::sd1`: 320 channels, mult 1/2/4/4,
+//! 2 res blocks, 8 heads, context 768) with random f16 weights (1-D parameters f32), built by
+//! [`sd_models::bench::SyntheticUnet`]; the step is a 512x512 image with classifier-free
+//! guidance: latents `[2, 4, 64, 64]`, context `[2, 77, 768]`, timestep 500. Numerics are
+//! stable-diffusion.cpp's CPU defaults: f16 weights, f32 activations (ggml converts them to
+//! f16 inside f16 matmuls; convolutions use f16 im2col), attention by f32 `mul_mat` +
+//! softmax (no flash attention), table GELU.
+//!
+//! FLOPs are counted from the graph ([`sd_models::bench::graph_flops`]: every matrix
+//! product, convolutions included). The ceiling is a 2048^3 f16 x f32 `mul_mat`, as
+//! `crates/sd-tensor/benches/matmul.rs` measures it, before and after the UNet runs.
+//!
+//! Environment: `SD_BENCH_THREADS` (default 2), `SD_BENCH_REPS` (timed UNet steps after one
+//! warm-up, default 2), `SD_BENCH_FLASH_ATTN=1` (ggml's `flash_attn_ext` for attention instead of
+//! the default f32 `mul_mat` + softmax). Prints the CPU time per step too (on a shared machine
+//! the wall time includes waiting for cores; CPU time does not). Prints human-readable lines and `RESULT key=value` lines for xtask.
+
+use std::time::Instant;
+
+use sd_models::bench::{StepShape, SyntheticUnet, UnetStep};
+use sd_models::ComputeOptions;
+use sd_tensor::ggml::{Backend, BufferType, Context, Gallocr, Graph};
+use sd_tensor::DType;
+
+fn env_usize(name: &str, default: usize) -> usize {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+fn loadavg() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(","))
+        .unwrap_or_else(|_| "unknown".into())
+}
+
+/// CPU seconds (user + system) this process has used so far: `/proc/self/stat` fields 14
+/// and 15, in Linux's `USER_HZ` ticks (100 per second); 0 where unavailable.
+fn cpu_seconds() -> f64 {
+    let Ok(stat) = std::fs::read_to_string("/proc/self/stat") else {
+        return 0.0;
+    };
+    // Fields after the parenthesised command name; utime and stime are fields 14 and 15.
+    let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let tick = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+    (tick(11) + tick(12)) / 100.0
+}
+
+/// Best GFLOP/s of a 2048^3 f16 x f32 matmul over a few runs.
+fn matmul_ceiling(backend: &Backend) -> f64 {
+    let n = 2048;
+    let ctx = Context::new_descriptors(8, 8, 1).unwrap();
+    let a = ctx.new_tensor(DType::F16, &[n, n]).unwrap();
+    let b = ctx.new_tensor(DType::F32, &[n, n]).unwrap();
+    let _buf = BufferType::cpu().alloc_context_tensors(&ctx).unwrap();
+    let vals: Vec<f32> = (0..n * n)
+        .map(|i| ((i * 7919 % 1000) as f32 - 500.0) / 500.0)
+        .collect();
+    a.write_f32(&vals).unwrap();
+    b.write_f32(&vals).unwrap();
+    let out = ctx.mul_mat(&a, &b).unwrap();
+    out.set_output();
+    let mut g = Graph::new(&ctx, 8).unwrap();
+    g.build_forward_expand(&out).unwrap();
+    let mut galloc = Gallocr::new(backend.buffer_type()).unwrap();
+    galloc.alloc_graph(&g).unwrap();
+    backend.compute(&g).unwrap();
+    let flops = 2.0 * (n as f64).powi(3);
+    (0..5)
+        .map(|_| {
+            let t = Instant::now();
+            backend.compute(&g).unwrap();
+            flops / t.elapsed().as_secs_f64() / 1e9
+        })
+        .fold(0.0, f64::max)
+}
+
+fn main() {
+    // `cargo bench` passes `--bench`; nothing else is taken.
+    let threads = env_usize("SD_BENCH_THREADS", 2);
+    let reps = env_usize("SD_BENCH_REPS", 2).max(1);
+    let backend = Backend::cpu(threads).expect("CPU backend");
+    println!("RESULT threads={threads}");
+    println!("RESULT load_start={}", loadavg());
+
+    let ceiling_before = matmul_ceiling(&backend);
+    println!("ggml f16 matmul 2048^3, {threads} threads: {ceiling_before:.1} GFLOP/s");
+
+    let t = Instant::now();
+    let unet = SyntheticUnet::sd15_cpu(DType::F16, 1).expect("synthetic SD1.5 UNet");
+    println!(
+        "SD1.5 UNet, random f16 weights: {} tensors, {:.2} GB, built in {:.1} s",
+        unet.params.tensors.len(),
+        unet.params.nbytes() as f64 / 1e9,
+        t.elapsed().as_secs_f64()
+    );
+    let flash_attn = env_usize("SD_BENCH_FLASH_ATTN", 0) != 0;
+    let opts = ComputeOptions {
+        exact: false,
+        flash_attn,
+    };
+    println!(
+        "attention: {}",
+        if flash_attn {
+            "flash_attn_ext (K, V in f16)"
+        } else {
+            "f32 mul_mat + softmax"
+        }
+    );
+    let step = UnetStep::new(&unet.model, StepShape::SD15_512_CFG, opts, &backend)
+        .expect("UNet step graph");
+    let gflop = step.flops() / 1e9;
+    println!("one step (batch 2, 64x64 latent, 77x768 context): {gflop:.1} GFLOP");
+    let warm = step.run(&backend).expect("UNet step");
+    println!("warm-up step: {warm:.2} s");
+    let cpu0 = cpu_seconds();
+    let mut times: Vec<f64> = (0..reps)
+        .map(|_| step.run(&backend).expect("UNet step"))
+        .collect();
+    let cpu_per_step = (cpu_seconds() - cpu0) / reps as f64;
+    let out = step.output().read_f32().expect("read output");
+    assert!(out.iter().all(|v| v.is_finite()), "non-finite UNet output");
+    times.sort_by(f64::total_cmp);
+    let best = times[0];
+    let median = times[times.len() / 2];
+    println!(
+        "timed steps: {}",
+        times
+            .iter()
+            .map(|t| format!("{t:.2} s"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    let ceiling_after = matmul_ceiling(&backend);
+    println!("ggml f16 matmul 2048^3 after the UNet: {ceiling_after:.1} GFLOP/s");
+    let ceiling = ceiling_before.max(ceiling_after);
+    let rate = gflop / best;
+    println!(
+        "ggml UNet step: best {best:.2} s, median {median:.2} s, {rate:.1} GFLOP/s = {:.0}% of the f16 matmul ceiling",
+        100.0 * rate / ceiling
+    );
+    println!(
+        "CPU time per timed step: {cpu_per_step:.2} s (wall x threads = {:.2} s when uncontended)",
+        median * threads as f64
+    );
+    println!("RESULT ggml_unet_seconds={best:.4}");
+    println!("RESULT ggml_unet_cpu_seconds={cpu_per_step:.4}");
+    println!("RESULT ggml_unet_seconds_median={median:.4}");
+    println!("RESULT unet_gflop={gflop:.2}");
+    println!("RESULT ggml_unet_gflops={rate:.2}");
+    println!("RESULT matmul_f16_gflops={ceiling:.2}");
+    println!("RESULT matmul_f16_gflops_before={ceiling_before:.2}");
+    println!("RESULT matmul_f16_gflops_after={ceiling_after:.2}");
+    println!("RESULT load_end={}", loadavg());
+}
