@@ -5,7 +5,7 @@
 //!   arguments are passed to `sd` instead).
 //! - `cargo xtask test`: the whole test run as CI does it (rustfmt, clippy, tests).
 //! - `cargo xtask setup`: only installs what the ggml build needs (CMake, libclang).
-//! - `cargo xtask bench <name>`: benchmarks (`matmul`, `exec`).
+//! - `cargo xtask bench <name>`: benchmarks (`matmul`, `exec`, `upscale`).
 //!
 //! xtask itself has no dependencies, so it builds before CMake or libclang exist and can
 //! install them: with apt-get when running as root, otherwise from PyPI with pip.
@@ -216,6 +216,56 @@ fn bench(rest: &[String]) -> Res<()> {
         "exec" => run(cargo(&benv)
             .args(["bench", "-p", "sd-exec", "--bench", "exec", "--"])
             .args(&rest[1..])),
-        other => Err(format!("unknown benchmark '{other}' (known: matmul, exec)")),
+        "upscale" => bench_upscale(&benv, &rest[1..]),
+        other => Err(format!(
+            "unknown benchmark '{other}' (known: matmul, exec, upscale)"
+        )),
     }
+}
+
+/// `cargo xtask bench upscale [--size N] [--threads T] [--tile T]` (defaults 512, 2, 128):
+/// a full-size Real-ESRGAN x4plus network (random weights) upscales an N x N image 4x in
+/// tiles, with sd-rs (the release example `upscale_bench`) and with spandrel on PyTorch CPU
+/// (`scripts/bench/upscale_bench.py`, same tiles), one after the other; prints both times
+/// and their ratio.
+fn bench_upscale(benv: &BuildEnv, args: &[String]) -> Res<()> {
+    run(cargo(benv).args(["build", "--release", "--workspace", "--examples"]))?;
+    let exe = root().join("target/release/examples/upscale_bench");
+    let ours = capture(Command::new(&exe).args(args))?;
+    let peer = capture(
+        Command::new("python3")
+            .arg(root().join("scripts/bench/upscale_bench.py"))
+            .args(args),
+    )?;
+    let secs = |json: &str| -> Res<f64> {
+        let v = json
+            .split("\"seconds\": ")
+            .nth(1)
+            .and_then(|r| r.split([',', '}']).next())
+            .ok_or_else(|| format!("no seconds in {json}"))?;
+        v.trim().parse().map_err(|e| format!("{v}: {e}"))
+    };
+    let (a, b) = (secs(&ours)?, secs(&peer)?);
+    println!("{}", ours.trim());
+    println!("{}", peer.trim());
+    println!(
+        "upscale x4plus: sd-rs {a:.2} s, spandrel/PyTorch {b:.2} s, sd-rs time / PyTorch time = {:.2}",
+        a / b
+    );
+    Ok(())
+}
+
+fn capture(cmd: &mut Command) -> Res<String> {
+    eprintln!("+ {cmd:?}");
+    let out = cmd
+        .output()
+        .map_err(|e| format!("cannot run {cmd:?}: {e}"))?;
+    if !out.status.success() {
+        return Err(format!(
+            "{cmd:?} failed with {}: {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        ));
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
