@@ -47,11 +47,11 @@ pub enum UpscaleError {
         /// The model file.
         path: String,
         /// What went wrong.
-        source: ModelError,
+        source: Box<ModelError>,
     },
     /// Building or running the graph failed.
     #[error(transparent)]
-    Graph(#[from] ModelError),
+    Graph(Box<ModelError>),
     /// A ggml operation failed.
     #[error(transparent)]
     Ggml(#[from] GgmlError),
@@ -67,6 +67,12 @@ pub enum UpscaleError {
     /// The pipeline runtime refused or failed.
     #[error("upscale: {0}")]
     Runtime(#[from] Box<RuntimeError>),
+}
+
+impl From<ModelError> for UpscaleError {
+    fn from(e: ModelError) -> Self {
+        UpscaleError::Graph(Box::new(e))
+    }
 }
 
 /// Upscaling settings.
@@ -135,7 +141,7 @@ impl CpuUpscaler {
         let path = path.as_ref();
         let model_err = |source| UpscaleError::Model {
             path: path.display().to_string(),
-            source,
+            source: Box::new(source),
         };
         let (catalog, arch) = upscaler::open(path).map_err(model_err)?;
         let pb = ParamBuilder::new(Some(&catalog), 4096).map_err(model_err)?;
@@ -237,7 +243,7 @@ impl UpscalerModel {
         let path = path.as_ref();
         let (catalog, arch) = upscaler::open(path).map_err(|source| UpscaleError::Model {
             path: path.display().to_string(),
-            source,
+            source: Box::new(source),
         })?;
         let source = rt.add_source(catalog).map_err(Box::new)?;
         let (handle, model) = rt

@@ -67,8 +67,8 @@ fn every_upscale_mode_reaches_the_target_size() {
         HiresUpscaler::Bilinear,
         model,
     ] {
-        let out = txt2img_hires(&mut p, &params(), &hires(mode.clone(), 0.5), &mut |_, _| {})
-            .unwrap();
+        let out =
+            txt2img_hires(&mut p, &params(), &hires(mode.clone(), 0.5), &mut |_, _| {}).unwrap();
         assert_eq!(out.len(), 1);
         assert_eq!((out[0].width(), out[0].height()), (96, 96), "{mode:?}");
     }
