@@ -6,7 +6,8 @@
 //! - `cargo xtask test`: the whole test run as CI does it (rustfmt, clippy, tests).
 //! - `cargo xtask setup`: only installs what the ggml build needs (CMake, libclang).
 //! - `cargo xtask bench <name>`: benchmarks (`matmul`, `exec`, `unet`: one SD1.5 UNet step in
-//!   sd-rs and in diffusers, side by side, against the ggml matmul ceiling).
+//!   sd-rs and in diffusers, side by side, against the ggml matmul ceiling; `upscale`: tiled
+//!   Real-ESRGAN x4 in sd-rs and in spandrel).
 //!
 //! xtask itself has no dependencies, so it builds before CMake or libclang exist and can
 //! install them: with apt-get when running as root, otherwise from PyPI with pip.
@@ -218,8 +219,9 @@ fn bench(rest: &[String]) -> Res<()> {
             .args(["bench", "-p", "sd-exec", "--bench", "exec", "--"])
             .args(&rest[1..])),
         "unet" => bench_unet(&benv),
+        "upscale" => bench_upscale(&benv, &rest[1..]),
         other => Err(format!(
-            "unknown benchmark '{other}' (known: matmul, exec, unet)"
+            "unknown benchmark '{other}' (known: matmul, exec, unet, upscale)"
         )),
     }
 }
@@ -323,4 +325,50 @@ fn bench_unet(benv: &BuildEnv) -> Res<()> {
         }
     }
     Ok(())
+}
+/// `cargo xtask bench upscale [--size N] [--threads T] [--tile T]` (defaults 512, 2, 128):
+/// a full-size Real-ESRGAN x4plus network (random weights) upscales an N x N image 4x in
+/// tiles, with sd-rs (the release example `upscale_bench`) and with spandrel on PyTorch CPU
+/// (`scripts/bench/upscale_bench.py`, same tiles), one after the other; prints both times
+/// and their ratio.
+fn bench_upscale(benv: &BuildEnv, args: &[String]) -> Res<()> {
+    run(cargo(benv).args(["build", "--release", "--workspace", "--examples"]))?;
+    let exe = root().join("target/release/examples/upscale_bench");
+    let ours = capture(Command::new(&exe).args(args))?;
+    let peer = capture(
+        Command::new("python3")
+            .arg(root().join("scripts/bench/upscale_bench.py"))
+            .args(args),
+    )?;
+    let secs = |json: &str| -> Res<f64> {
+        let v = json
+            .split("\"seconds\": ")
+            .nth(1)
+            .and_then(|r| r.split([',', '}']).next())
+            .ok_or_else(|| format!("no seconds in {json}"))?;
+        v.trim().parse().map_err(|e| format!("{v}: {e}"))
+    };
+    let (a, b) = (secs(&ours)?, secs(&peer)?);
+    println!("{}", ours.trim());
+    println!("{}", peer.trim());
+    println!(
+        "upscale x4plus: sd-rs {a:.2} s, spandrel/PyTorch {b:.2} s, sd-rs time / PyTorch time = {:.2}",
+        a / b
+    );
+    Ok(())
+}
+
+fn capture(cmd: &mut Command) -> Res<String> {
+    eprintln!("+ {cmd:?}");
+    let out = cmd
+        .output()
+        .map_err(|e| format!("cannot run {cmd:?}: {e}"))?;
+    if !out.status.success() {
+        return Err(format!(
+            "{cmd:?} failed with {}: {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        ));
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }

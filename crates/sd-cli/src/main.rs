@@ -9,6 +9,7 @@
 
 mod args;
 mod progress;
+mod upscale;
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -25,6 +26,16 @@ use sd_tensor::{DType, Image};
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
+    let (args, up) = match upscale::take_flags(&args) {
+        Ok(x) => x,
+        Err(msg) => {
+            eprintln!("error: {msg}\n{USAGE}{}", upscale::USAGE);
+            return ExitCode::from(2);
+        }
+    };
+    if up.mode {
+        return upscale::run(&up);
+    }
     let a = match parse(&args) {
         Ok(a) => a,
         Err(Usage(msg)) => {
@@ -41,7 +52,7 @@ fn main() -> ExitCode {
         return ExitCode::SUCCESS;
     }
     if a.help {
-        println!("{USAGE}");
+        println!("{USAGE}{}", upscale::USAGE);
         return ExitCode::SUCCESS;
     }
     let threads = a.threads.unwrap_or_else(|| {
@@ -60,7 +71,11 @@ fn main() -> ExitCode {
         }
     }
     if generating {
-        return generate(&a, threads);
+        return generate(&a, threads, &up);
+    }
+    if up.model.is_some() {
+        eprintln!("error: --upscale-model needs -m/--model and -p/--prompt, or upscale mode");
+        return ExitCode::from(2);
     }
     ExitCode::SUCCESS
 }
@@ -121,7 +136,7 @@ fn check_output(output: &Path) -> Result<(), String> {
     }
 }
 
-fn generate(a: &Args, threads: usize) -> ExitCode {
+fn generate(a: &Args, threads: usize, up: &upscale::UpscaleArgs) -> ExitCode {
     let fail = |e: GenerateError| {
         if let GenerateError::InvalidSetting { flag, message } = &e {
             eprintln!("error: {}: {message}", flag_name(flag));
@@ -241,6 +256,10 @@ fn generate(a: &Args, threads: usize) -> ExitCode {
         }
     };
     progress.finish_line();
+    let images = match upscale::after_generation(up, &mut pipeline, images, a.verbose) {
+        Ok(v) => v,
+        Err(code) => return code,
+    };
     if a.verbose {
         report_memory(&pipeline);
     }
@@ -267,6 +286,7 @@ fn generate(a: &Args, threads: usize) -> ExitCode {
         if let (Some(_), s) = (&init, a.strength) {
             text.push_str(&format!(", Denoising strength: {}", s.unwrap_or(0.75)));
         }
+        text.push_str(&upscale::parameters_note(up));
         if let Err(e) = image.save_png(&path, &[("parameters".to_string(), text)]) {
             eprintln!("error: cannot write {}: {e}", path.display());
             return ExitCode::FAILURE;
@@ -274,8 +294,8 @@ fn generate(a: &Args, threads: usize) -> ExitCode {
         println!(
             "saved {} ({}x{}, {} steps, seed {}, {:.1} s)",
             path.display(),
-            params.width,
-            params.height,
+            image.width(),
+            image.height(),
             params.steps,
             one.seed,
             progress.elapsed()

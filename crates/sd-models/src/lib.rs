@@ -8,6 +8,8 @@
 //! - [`clip`]: the CLIP text encoder (SD1 CLIP-L, SD2 OpenCLIP-H in the transformers layout).
 //! - [`vae`]: the AutoencoderKL encoder and decoder.
 //! - [`unet`]: the SD1.x / SD2.x UNet, with graph-cut marks at block boundaries.
+//! - [`esrgan`], [`srvgg`], [`mosr`]: image upscalers (RRDBNet, SRVGGNetCompact, MoSR), with
+//!   architecture detection in [`upscaler`].
 //!
 //! Parameters are declared through a [`ParamBuilder`] ([`weights`]): every tensor is
 //! registered by canonical name in a no-alloc parameter context, its dtype taken from the
@@ -23,9 +25,13 @@
 
 pub mod bench;
 pub mod clip;
+pub mod esrgan;
+pub mod mosr;
 pub mod nn;
 pub mod run;
+pub mod srvgg;
 pub mod unet;
+pub mod upscaler;
 pub mod vae;
 pub mod weights;
 

@@ -70,6 +70,30 @@ impl Conv2d {
         })
     }
 
+    /// Like [`Conv2d::new`] with the kernel kept in f32 whatever the file stores (exact f32
+    /// convolutions; the upscalers use this). `bias`: whether a bias exists.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new_f32(
+        pb: &ParamBuilder<'_>,
+        in_ch: usize,
+        out_ch: usize,
+        k: usize,
+        stride: usize,
+        padding: usize,
+        bias: bool,
+    ) -> Result<Self> {
+        Ok(Conv2d {
+            weight: pb.tensor_f32("weight", &[out_ch, in_ch, k, k])?,
+            bias: if bias {
+                Some(pb.tensor_f32("bias", &[out_ch])?)
+            } else {
+                None
+            },
+            stride,
+            padding,
+        })
+    }
+
     /// Convolves `x` `[W, H, C, N]`.
     pub fn forward(&self, g: &GraphCtx, x: &GTensor) -> Result<GTensor> {
         let ctx = &g.ctx;
@@ -247,4 +271,94 @@ pub fn attention(
     let o = ctx.mul_mat(&vt, &probs)?; // [dv, n_q, h, B]
     let o = ctx.cont(&ctx.permute(&o, [0, 2, 1, 3])?)?; // [dv, h, n_q, B]
     Ok(ctx.reshape(&o, &[dv * heads, nq, b])?)
+}
+
+/// `nn.PReLU` with one slope per channel: `weight` `[C]`, applied to `[W, H, C, N]`.
+#[derive(Clone, Debug)]
+pub struct PRelu {
+    /// Slopes of the negative part.
+    pub weight: GTensor,
+}
+
+impl PRelu {
+    /// Declares `weight` of size `channels` (f32) under `pb`.
+    pub fn new(pb: &ParamBuilder<'_>, channels: usize) -> Result<Self> {
+        Ok(PRelu {
+            weight: pb.tensor_f32("weight", &[channels])?,
+        })
+    }
+
+    /// `max(x, 0) + a * min(x, 0)` per channel.
+    pub fn forward(&self, ctx: &Context, x: &GTensor) -> Result<GTensor> {
+        let c = self.weight.ne()[0];
+        let pos = ctx.relu(x)?;
+        let neg = ctx.sub(x, &pos)?;
+        let neg = ctx.mul(&neg, &ctx.reshape(&self.weight, &[1, 1, c, 1])?)?;
+        Ok(ctx.add(&pos, &neg)?)
+    }
+}
+
+/// Mish, `x * tanh(softplus(x))`.
+pub fn mish(ctx: &Context, x: &GTensor) -> Result<GTensor> {
+    Ok(ctx.mul(x, &ctx.tanh(&ctx.softplus(x)?)?)?)
+}
+
+/// `x` itself when contiguous, else a contiguous copy.
+pub fn contiguous(ctx: &Context, x: &GTensor) -> Result<GTensor> {
+    Ok(if x.is_contiguous() {
+        x.clone()
+    } else {
+        ctx.cont(x)?
+    })
+}
+
+fn check_shuffle(what: &'static str, x: &GTensor, r: usize, ok: bool) -> Result<()> {
+    if r == 0 || !ok {
+        return Err(crate::ModelError::Input {
+            name: what,
+            detail: format!("{:?} with factor {r}", x.ne()),
+        });
+    }
+    Ok(())
+}
+
+/// `nn.PixelShuffle(r)`: `[W, H, C * r * r, N]` to `[W * r, H * r, C, N]`, input channel
+/// `c * r * r + i * r + j` going to output pixel `(x * r + j, y * r + i)` of channel `c`.
+pub fn pixel_shuffle(ctx: &Context, x: &GTensor, r: usize) -> Result<GTensor> {
+    let [w, h, cr, n] = x.ne();
+    check_shuffle("pixel_shuffle", x, r, r > 0 && cr.is_multiple_of(r * r))?;
+    if r == 1 {
+        return Ok(x.clone());
+    }
+    let c = cr / (r * r);
+    // [W, H, j, (i, C, N)] -> [j, W, H, (i, C, N)]
+    let t = ctx.reshape(&contiguous(ctx, x)?, &[w, h, r, r * c * n])?;
+    let t = ctx.cont(&ctx.permute(&t, [1, 2, 0, 3])?)?;
+    // [(j, W), H, i, (C, N)] -> [(j, W), i, H, (C, N)]
+    let t = ctx.reshape(&t, &[r * w, h, r, c * n])?;
+    let t = ctx.cont(&ctx.permute(&t, [0, 2, 1, 3])?)?;
+    Ok(ctx.reshape(&t, &[r * w, r * h, c, n])?)
+}
+
+/// `pixel_unshuffle(r)`, the inverse of [`pixel_shuffle`]: `[W * r, H * r, C, N]` to
+/// `[W, H, C * r * r, N]` (W and H multiples of `r`).
+pub fn pixel_unshuffle(ctx: &Context, x: &GTensor, r: usize) -> Result<GTensor> {
+    let [wr, hr, c, n] = x.ne();
+    check_shuffle(
+        "pixel_unshuffle",
+        x,
+        r,
+        r > 0 && wr.is_multiple_of(r) && hr.is_multiple_of(r),
+    )?;
+    if r == 1 {
+        return Ok(x.clone());
+    }
+    let (w, h) = (wr / r, hr / r);
+    // [(j, W), i, H, (C, N)] -> [(j, W), H, i, (C, N)]
+    let t = ctx.reshape(&contiguous(ctx, x)?, &[wr, r, h, c * n])?;
+    let t = ctx.cont(&ctx.permute(&t, [0, 2, 1, 3])?)?;
+    // [j, W, H, (i, C, N)] -> [W, H, j, (i, C, N)]
+    let t = ctx.reshape(&t, &[r, w, h, r * c * n])?;
+    let t = ctx.cont(&ctx.permute(&t, [2, 0, 1, 3])?)?;
+    Ok(ctx.reshape(&t, &[w, h, r * r * c, n])?)
 }

@@ -2,6 +2,7 @@
 
 pub mod conditioning;
 pub mod generate;
+pub mod hires;
 pub mod model_config;
 pub mod pipeline;
 pub mod prompt;
@@ -10,4 +11,5 @@ pub mod runtime;
 pub mod sampling;
 pub mod schedule;
 pub mod tokenizer;
+pub mod upscale;
 pub mod vae_tiling;

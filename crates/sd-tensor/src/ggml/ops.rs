@@ -172,6 +172,61 @@ impl Context {
         })
     }
 
+    /// Softplus, `ln(1 + e^x)` (`x` itself above 20, as torch's default threshold).
+    pub fn softplus(&self, a: &GTensor) -> Result<GTensor> {
+        self.unary("softplus", a, sys::ggml_softplus)
+    }
+
+    /// Depthwise 2-D convolution of `input` `[W, H, C, N]` with `kernel` `[KW, KH, 1, C]`
+    /// (one filter per channel, PyTorch's `groups = C`), computed directly in f32.
+    pub fn conv_2d_dw_direct(
+        &self,
+        kernel: &GTensor,
+        input: &GTensor,
+        stride: (usize, usize),
+        pad: (usize, usize),
+        dilation: (usize, usize),
+    ) -> Result<GTensor> {
+        let (kn, xn) = (kernel.ne(), input.ne());
+        if kn[2] != 1 || kn[3] != xn[2] {
+            return Err(bad(
+                "conv_2d_dw_direct",
+                format!(
+                    "kernel {kn:?} is not [KW, KH, 1, {}] for input {xn:?}",
+                    xn[2]
+                ),
+            ));
+        }
+        if !matches!(kernel.dtype(), Some(DType::F32 | DType::F16))
+            || input.dtype() != Some(DType::F32)
+            || !input.is_contiguous()
+        {
+            return Err(bad(
+                "conv_2d_dw_direct",
+                format!(
+                    "kernel {:?} and contiguous f32 input ({:?}) required",
+                    kernel.dtype(),
+                    input.dtype()
+                ),
+            ));
+        }
+        self.check_conv([kn[0], kn[1], xn[2], kn[3]], xn, stride, pad, dilation)?;
+        // SAFETY: shapes and types checked.
+        self.op("conv_2d_dw_direct", 1, |c| unsafe {
+            sys::ggml_conv_2d_dw_direct(
+                c,
+                kernel.raw(),
+                input.raw(),
+                stride.0 as i32,
+                stride.1 as i32,
+                pad.0 as i32,
+                pad.1 as i32,
+                dilation.0 as i32,
+                dilation.1 as i32,
+            )
+        })
+    }
+
     /// Matrix product: `a` is `[k, m, ...]`, `b` is `[k, n, ...]`, the result `[m, n, ...]`
     /// (`b @ a^T` in row-major terms), with `a` broadcast over dims 2 and 3.
     pub fn mul_mat(&self, a: &GTensor, b: &GTensor) -> Result<GTensor> {
@@ -362,20 +417,40 @@ impl Context {
                 ),
             ));
         }
-        // SAFETY: bounds checked.
+        // ggml checks a view's *contiguous* size (row size times the outer dims) against the
+        // source; a view whose strides overlap (an im2col-like window) can exceed it while
+        // touching only bytes inside. Such a view is created as a one-row view and given its
+        // dims and strides afterwards.
+        let contiguous_size = ne[1..].iter().try_fold(row, |acc, &d| acc.checked_mul(d));
+        let overlapping = contiguous_size
+            .and_then(|s| s.checked_add(offset))
+            .is_none_or(|e| e > a.nbytes());
+        // SAFETY: bounds checked (the last byte touched is inside the source); an
+        // overlapping view's fields are set to dims and strides whose extent was checked.
         self.op("view", 1, |c| unsafe {
-            sys::ggml_view_4d(
-                c,
-                a.raw(),
-                ne[0] as i64,
-                ne[1] as i64,
-                ne[2] as i64,
-                ne[3] as i64,
-                nb[0],
-                nb[1],
-                nb[2],
-                offset,
-            )
+            if overlapping {
+                let t = sys::ggml_view_1d(c, a.raw(), ne[0] as i64, offset);
+                if !t.is_null() {
+                    for i in 1..4 {
+                        (*t).ne[i] = ne[i] as i64;
+                        (*t).nb[i] = nb[i - 1];
+                    }
+                }
+                t
+            } else {
+                sys::ggml_view_4d(
+                    c,
+                    a.raw(),
+                    ne[0] as i64,
+                    ne[1] as i64,
+                    ne[2] as i64,
+                    ne[3] as i64,
+                    nb[0],
+                    nb[1],
+                    nb[2],
+                    offset,
+                )
+            }
         })
     }
 
@@ -624,6 +699,30 @@ impl Context {
     pub fn upscale(&self, a: &GTensor, factor: usize) -> Result<GTensor> {
         let ne = a.ne();
         self.interpolate(a, ne[0] * factor, ne[1] * factor, Interpolation::Nearest)
+    }
+
+    /// Pads each dim with zeros: `p[i] = (before, after)`.
+    pub fn pad_ext(&self, a: &GTensor, p: [(usize, usize); 4]) -> Result<GTensor> {
+        if p.iter()
+            .any(|&(l, r)| l > i32::MAX as usize || r > i32::MAX as usize)
+        {
+            return Err(bad("pad_ext", format!("padding {p:?} too large")));
+        }
+        // SAFETY: non-negative pads.
+        self.op("pad_ext", 1, |c| unsafe {
+            sys::ggml_pad_ext(
+                c,
+                a.raw(),
+                p[0].0 as i32,
+                p[0].1 as i32,
+                p[1].0 as i32,
+                p[1].1 as i32,
+                p[2].0 as i32,
+                p[2].1 as i32,
+                p[3].0 as i32,
+                p[3].1 as i32,
+            )
+        })
     }
 
     /// Pads each dim at its end with zeros.
