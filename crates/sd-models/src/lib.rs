@@ -159,6 +159,10 @@ pub struct GraphCtx {
     pub aux: Vec<AuxInput>,
     /// Numerical options.
     pub opts: ComputeOptions,
+    /// With `opts.flash_attn`: the head widths that use `flash_attn_ext` (`None`: all).
+    /// Backends' kernels cover some widths only (ggml's CUDA backend has none for 160, an
+    /// SD1.5 UNet width); other widths fall back to `mul_mat` attention.
+    pub flash_attn_head_dims: Option<Vec<usize>>,
 }
 
 impl GraphCtx {
@@ -170,7 +174,17 @@ impl GraphCtx {
             marks: CutMarks::new(),
             aux: Vec::new(),
             opts,
+            flash_attn_head_dims: None,
         })
+    }
+
+    /// Whether attention with head width `d` (and no mask) uses `flash_attn_ext`.
+    pub fn flash_attn_for(&self, d: usize) -> bool {
+        self.opts.flash_attn
+            && self
+                .flash_attn_head_dims
+                .as_ref()
+                .is_none_or(|dims| dims.contains(&d))
     }
 
     /// Creates an input tensor (flagged as input) named `name` whose data is `data`.

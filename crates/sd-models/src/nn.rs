@@ -256,7 +256,7 @@ pub fn attention(
         Ok(ctx.cont(&ctx.permute(&t, [0, 2, 1, 3])?)?)
     };
     let qh = split(q, d, nq)?;
-    if g.opts.flash_attn && mask.is_none() {
+    if g.flash_attn_for(d) && mask.is_none() {
         let kh = ctx.cast(&split(k, d, nkv)?, DType::F16)?;
         let vh = ctx.cast(&split(v, dv, nkv)?, DType::F16)?;
         let o = ctx.flash_attn_ext(&qh, &kh, &vh, None, scale)?; // [dv, h, n_q, B]

@@ -387,3 +387,25 @@ fn each_prepare_call_stages_its_own_blocks() {
         .all(|p| r.mm.param_info(*p).unwrap().staged));
     r.assert_on_device_identical(&r.ids[3..6]);
 }
+
+#[test]
+fn upload_counter_matches_the_device_and_pageable_params_stay_correct() {
+    for pinned in [true, false] {
+        let mut r = rig(
+            if pinned { "SIM_UP_P" } else { "SIM_UP_R" },
+            1 << 20,
+            Some(1024),
+            ResidencyMode::ParamBackend,
+            false,
+        );
+        r.mm.set_pinned_host_params(pinned);
+        assert_eq!(r.mm.upload_bytes(), 0);
+        let (a, b) = (r.ids[..4].to_vec(), r.ids[4..].to_vec());
+        r.run(&a, &[]);
+        r.run(&b, std::slice::from_ref(&a));
+        r.run(&a, std::slice::from_ref(&b));
+        // Three stagings of four 256-byte tensors, all host -> device.
+        assert_eq!(r.mm.upload_bytes(), 3 * 1024);
+        assert_eq!(r.mm.upload_bytes(), r.sim.stats().host_to_device_bytes);
+    }
+}

@@ -827,3 +827,50 @@ fn weights_split_over_several_device_buffers() {
     let s = dev.stats();
     assert_eq!((s.live_buffers, s.live_bytes), (0, 0));
 }
+
+#[test]
+fn copy_tensors_merges_runs_laid_out_alike_and_copies_every_byte() {
+    use sd_tensor::ggml::{Backend, BufferType, Context, SimDevice, SimOptions};
+    use sd_tensor::DType;
+    let sim = SimDevice::new("SIM_COALESCE", 1 << 20, SimOptions::default()).unwrap();
+    let align = sim
+        .buffer_type()
+        .alignment()
+        .max(BufferType::cpu().alignment());
+    // Five f32 tensors of 3 * align bytes (sizes are multiples of both alignments).
+    let n = 3 * align / 4;
+    let ctx = Context::new_descriptors(16, 1, 0).unwrap();
+    let mk = |i: usize| {
+        let t = ctx.new_tensor(DType::F32, &[n]).unwrap();
+        t.set_name(&format!("t{i}"));
+        t
+    };
+    let srcs: Vec<_> = (0..5).map(mk).collect();
+    let dsts: Vec<_> = (5..10).map(mk).collect();
+    let host = BufferType::cpu().alloc(5 * n * 4).unwrap();
+    let dev = sim.buffer_type().alloc(6 * n * 4).unwrap();
+    for (i, t) in srcs.iter().enumerate() {
+        host.place(t, i * n * 4).unwrap();
+        t.write_f32(&(0..n).map(|k| (i * n + k) as f32).collect::<Vec<_>>())
+            .unwrap();
+    }
+    // Destinations 0..3 mirror the sources; 3 is out of place (one slot later); 4 after it.
+    for (i, t) in dsts.iter().enumerate() {
+        let slot = if i >= 3 { i + 1 } else { i };
+        dev.place(t, slot * n * 4).unwrap();
+    }
+    let pairs: Vec<_> = srcs.iter().cloned().zip(dsts.iter().cloned()).collect();
+    sim.reset_counters();
+    let copies = Backend::copy_tensors(&pairs).unwrap();
+    // [0, 1, 2] merged, then [3, 4] merged (same relative offsets again).
+    assert_eq!(copies, 2);
+    assert_eq!(sim.stats().host_to_device_copies, 2);
+    for (s, d) in srcs.iter().zip(&dsts) {
+        assert_eq!(s.read_f32().unwrap(), d.read_f32().unwrap());
+    }
+    // Reversed order: nothing merges, still every byte right.
+    let rev: Vec<_> = pairs.iter().rev().cloned().collect();
+    sim.reset_counters();
+    assert_eq!(Backend::copy_tensors(&rev).unwrap(), 5);
+    assert_eq!(sim.stats().host_to_device_copies, 5);
+}

@@ -52,7 +52,9 @@ struct Planned {
 
 impl ModelManager {
     /// The buffer type of a parameter's params copy: the compute device's pinned host type
-    /// when params live on the CPU and compute elsewhere, else the params backend's default.
+    /// when params live on the CPU and compute elsewhere (unless
+    /// [`set_pinned_host_params`](ModelManager::set_pinned_host_params) turned it off), else
+    /// the params backend's default.
     pub(crate) fn params_buffer_type(&self, s: &ParamState) -> BufferType {
         let (Some(pb), Some(pdev), Some(cdev)) = (
             self.backend(s.params_backend),
@@ -61,7 +63,7 @@ impl ModelManager {
         ) else {
             return BufferType::cpu();
         };
-        if pdev != cdev && pdev.kind() == DeviceKind::Cpu {
+        if self.pinned_host_params && pdev != cdev && pdev.kind() == DeviceKind::Cpu {
             if let Some(h) = cdev.host_buffer_type() {
                 return h;
             }

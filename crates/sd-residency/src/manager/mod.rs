@@ -126,6 +126,9 @@ pub struct ModelManager {
     segmented: bool,
     prefetch: bool,
     load_threads: usize,
+    pinned_host_params: bool,
+    coalesce_uploads: bool,
+    upload_bytes: u64,
 }
 
 impl std::fmt::Debug for ModelManager {
@@ -166,6 +169,9 @@ impl ModelManager {
             segmented: false,
             prefetch: false,
             load_threads: 0,
+            pinned_host_params: true,
+            coalesce_uploads: false,
+            upload_bytes: 0,
         }
     }
 
@@ -260,6 +266,28 @@ impl ModelManager {
     /// Turns prefetch on or off.
     pub fn set_prefetch(&mut self, on: bool) {
         self.prefetch = on;
+    }
+
+    /// Whether params copies in host memory for a compute device other than the CPU use that
+    /// device's pinned host buffer type (`ggml_backend_dev_host_buffer_type`; CUDA's
+    /// `cudaMallocHost`), so uploads run at the link's speed (default: on). Off: plain
+    /// pageable host memory (the CPU buffer type), for comparison.
+    pub fn set_pinned_host_params(&mut self, on: bool) {
+        self.pinned_host_params = on;
+    }
+
+    /// Whether uploads into a staging block merge runs of tensors laid out alike in storage
+    /// and staging into one copy ([`Backend::copy_tensors`]), on the calling thread and on
+    /// the transfer thread alike. Default: off (one copy per tensor), until a side-by-side
+    /// measurement shows a gain (see docs/benchmarks.md).
+    pub fn set_coalesce_uploads(&mut self, on: bool) {
+        self.coalesce_uploads = on;
+    }
+
+    /// Bytes copied from params copies into staging or prefetch blocks on another device
+    /// since the manager was created (host-to-device traffic of weights).
+    pub fn upload_bytes(&self) -> u64 {
+        self.upload_bytes
     }
 
     /// Threads used to read files (0: one per core).

@@ -89,6 +89,7 @@ impl ModelManager {
                 .map(|p| (*p, buft.alloc_size(&self.states[p].tensor) as u64))
                 .collect();
             for (placements, size) in plan_chunks(&sizes, buft.alignment() as u64, cap) {
+                let mut now = Vec::new();
                 let buffer = buft
                     .alloc(size as usize)
                     .map_err(ResidencyError::ggml("allocating a staging block"))?;
@@ -121,18 +122,45 @@ impl ModelManager {
                         }
                     }
                     let src = src.ok_or(ResidencyError::UnknownParam(p))?;
+                    let copy = WeightCopy {
+                        src,
+                        dst: tensor,
+                        name,
+                    };
                     match deferred.as_deref_mut() {
-                        Some(list) => list.push(WeightCopy {
-                            src,
-                            dst: tensor,
-                            name,
-                        }),
-                        None => Backend::copy_tensor(&src, &tensor)
-                            .map_err(ResidencyError::ggml(format!("uploading `{name}`")))?,
+                        Some(list) => list.push(copy),
+                        None => now.push(copy),
                     }
                 }
+                self.upload_now(&now)?;
             }
         }
+        Ok(())
+    }
+
+    /// Copies `copies` on this thread (one copy per run of tensors laid out alike when
+    /// [`set_coalesce_uploads`](ModelManager::set_coalesce_uploads) is on) and counts them.
+    fn upload_now(&mut self, copies: &[WeightCopy]) -> Result<()> {
+        if copies.is_empty() {
+            return Ok(());
+        }
+        if self.coalesce_uploads {
+            let pairs: Vec<_> = copies
+                .iter()
+                .map(|c| (c.src.clone(), c.dst.clone()))
+                .collect();
+            Backend::copy_tensors(&pairs).map_err(ResidencyError::ggml(format!(
+                "uploading `{}` and {} more",
+                copies[0].name,
+                copies.len() - 1
+            )))?;
+        } else {
+            for c in copies {
+                Backend::copy_tensor(&c.src, &c.dst)
+                    .map_err(ResidencyError::ggml(format!("uploading `{}`", c.name)))?;
+            }
+        }
+        self.upload_bytes += copies.iter().map(|c| c.dst.nbytes() as u64).sum::<u64>();
         Ok(())
     }
 
@@ -271,7 +299,10 @@ impl ModelManager {
         match self.stage_with(&wanted, Some(owner), Some(&mut copies)) {
             Ok(blocks) => {
                 // The copies run on a transfer thread while the caller computes.
-                self.transfers.push(TransferJob::spawn(copies, blocks));
+                self.upload_bytes += copies.iter().map(|c| c.dst.nbytes() as u64).sum::<u64>();
+                let coalesce = self.coalesce_uploads;
+                self.transfers
+                    .push(TransferJob::spawn(copies, blocks, coalesce));
                 WeightPrefetchResult::Scheduled
             }
             Err(e) => {

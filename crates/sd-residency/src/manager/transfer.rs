@@ -32,12 +32,26 @@ enum State {
     Done(Result<u64, String>),
 }
 
-fn copy_all(copies: &[WeightCopy]) -> Result<u64, String> {
+fn copy_all(copies: &[WeightCopy], coalesce: bool) -> Result<u64, String> {
     let _span = tracing::debug_span!("weight_transfer", copies = copies.len()).entered();
-    let mut bytes = 0u64;
+    let bytes = copies.iter().map(|c| c.dst.nbytes() as u64).sum();
+    if coalesce {
+        // Runs laid out alike in storage and staging go as one copy each.
+        let pairs: Vec<(GTensor, GTensor)> = copies
+            .iter()
+            .map(|c| (c.src.clone(), c.dst.clone()))
+            .collect();
+        Backend::copy_tensors(&pairs).map_err(|e| {
+            let first = copies.first().map_or("", |c| c.name.as_str());
+            format!(
+                "uploading `{first}` and {} more: {e}",
+                copies.len().saturating_sub(1)
+            )
+        })?;
+        return Ok(bytes);
+    }
     for c in copies {
         Backend::copy_tensor(&c.src, &c.dst).map_err(|e| format!("uploading `{}`: {e}", c.name))?;
-        bytes += c.dst.nbytes() as u64;
     }
     Ok(bytes)
 }
@@ -45,17 +59,18 @@ fn copy_all(copies: &[WeightCopy]) -> Result<u64, String> {
 impl TransferJob {
     /// Starts copying `copies` on a new thread; when no thread can be started, copies
     /// synchronously and returns a finished job.
-    pub fn spawn(copies: Vec<WeightCopy>, blocks: Vec<BlockId>) -> TransferJob {
+    /// With `coalesce`, see [`Backend::copy_tensors`].
+    pub fn spawn(copies: Vec<WeightCopy>, blocks: Vec<BlockId>, coalesce: bool) -> TransferJob {
         let shared = std::sync::Arc::new(copies);
         let theirs = shared.clone();
         let state = match std::thread::Builder::new()
             .name("sd-weight-transfer".into())
-            .spawn(move || copy_all(&theirs))
+            .spawn(move || copy_all(&theirs, coalesce))
         {
             Ok(h) => State::Running(h),
             Err(e) => {
                 tracing::debug!(error = %e, "no transfer thread: copying synchronously");
-                State::Done(copy_all(&shared))
+                State::Done(copy_all(&shared, coalesce))
             }
         };
         TransferJob {

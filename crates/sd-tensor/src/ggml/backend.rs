@@ -86,6 +86,55 @@ impl Device {
             .ok_or_else(|| GgmlError::NoSuchBackend(name.to_string()))
     }
 
+    /// Loads a ggml backend module (for example `libggml-cuda.so`, built from the same ggml
+    /// source with `GGML_BACKEND_DL=ON`, `BUILD_SHARED_LIBS=ON`) and registers its devices;
+    /// returns the names of the devices it added.
+    ///
+    /// The module's references to ggml's base library must resolve to this process's own
+    /// (statically linked) copy, so the executable has to export its symbols (link with
+    /// `-Wl,--export-dynamic`, as the `sd-bench` binary does), and the module's `NEEDED`
+    /// `libggml-base.so.0` must be found by the dynamic loader (`scripts/device/cuda_run.sh`
+    /// gives it an empty stub of that name, so a missing symbol is a load error rather than
+    /// a silent second copy of ggml). ggml opens modules with `RTLD_NOW`.
+    pub fn load_module(path: &std::path::Path) -> Result<Vec<String>> {
+        let err = |detail: &str| GgmlError::ModuleLoad {
+            path: path.display().to_string(),
+            detail: detail.to_string(),
+        };
+        if !path.is_file() {
+            return Err(err("no such file"));
+        }
+        let c = CString::new(path.as_os_str().to_string_lossy().as_bytes())
+            .map_err(|_| err("the path contains a NUL byte"))?;
+        let before: Vec<String> = Self::all().iter().map(Device::name).collect();
+        // SAFETY: NUL-terminated path; ggml returns NULL (and logs why) on failure.
+        let reg = unsafe { sys::ggml_backend_load(c.as_ptr()) };
+        if reg.is_null() {
+            return Err(err(
+                "ggml_backend_load failed (see ggml's log: missing library, undefined symbol, \
+                 or an incompatible backend API version)",
+            ));
+        }
+        Ok(Self::all()
+            .iter()
+            .map(Device::name)
+            .filter(|n| !before.contains(n))
+            .collect())
+    }
+
+    /// Loads every backend module named in the environment variable `SD_BACKEND_MODULES`
+    /// (paths separated by `:`); returns the device names they added. Unset: nothing.
+    pub fn load_modules_from_env() -> Result<Vec<String>> {
+        let Some(list) = std::env::var_os("SD_BACKEND_MODULES") else {
+            return Ok(Vec::new());
+        };
+        let mut added = Vec::new();
+        for p in std::env::split_paths(&list).filter(|p| !p.as_os_str().is_empty()) {
+            added.extend(Self::load_module(&p)?);
+        }
+        Ok(added)
+    }
+
     /// The CPU device.
     pub fn cpu() -> Result<Device> {
         // SAFETY: registry query.
@@ -601,6 +650,88 @@ impl Backend {
     pub fn synchronize(&self) {
         // SAFETY: live backend.
         unsafe { sys::ggml_backend_synchronize(self.raw()) }
+    }
+
+    /// Copies each `(src, dst)` pair like [`Backend::copy_tensor`], merging runs of pairs
+    /// whose sources lie in one host buffer and whose destinations lie in one buffer at the
+    /// same relative offsets (as when a staging block mirrors a storage block's layout), each
+    /// destination at the first aligned address after the previous one, into one
+    /// `ggml_backend_tensor_set` each: on CUDA one `cudaMemcpy` per run instead of one
+    /// synchronous copy per tensor. The alignment padding between merged destinations is
+    /// overwritten too; it can hold no tensor. Returns the number of copies issued.
+    pub fn copy_tensors(pairs: &[(GTensor, GTensor)]) -> Result<usize> {
+        let mergeable = |s: &GTensor, d: &GTensor| {
+            s.is_allocated()
+                && d.is_allocated()
+                && s.is_host()
+                && s.has_buffer()
+                && d.has_buffer()
+                && s.is_contiguous()
+                && d.is_contiguous()
+                && s.nbytes() == d.nbytes()
+                && s.dtype() == d.dtype()
+                && s.ne() == d.ne()
+        };
+        let mut copies = 0;
+        let mut i = 0;
+        while i < pairs.len() {
+            let (s0, d0) = &pairs[i];
+            if !mergeable(s0, d0) {
+                Self::copy_tensor(s0, d0)?;
+                copies += 1;
+                i += 1;
+                continue;
+            }
+            let (sb, db) = (s0.buffer_raw(), d0.buffer_raw());
+            let (s_start, d_start) = (s0.data_addr(), d0.data_addr());
+            // SAFETY: live buffer.
+            let align = unsafe { sys::ggml_backend_buffer_get_alignment(db) }.max(1);
+            let mut end = s_start + s0.nbytes();
+            let mut j = i + 1;
+            while j < pairs.len() {
+                let (s, d) = &pairs[j];
+                if !mergeable(s, d) || s.buffer_raw() != sb || d.buffer_raw() != db {
+                    break;
+                }
+                let (so, dof) = (s.data_addr(), d.data_addr());
+                // Same relative offsets, and in the destination the next tensor sits at the
+                // first aligned address after the previous one, so the padding copied in
+                // between can hold no other tensor.
+                let d_end = d_start + (end - s_start);
+                if so < end
+                    || so - s_start != dof.wrapping_sub(d_start)
+                    || dof != d_end.next_multiple_of(align)
+                {
+                    break;
+                }
+                end = so + s.nbytes();
+                j += 1;
+            }
+            if j == i + 1 {
+                Self::copy_tensor(s0, d0)?;
+            } else {
+                let len = end - s_start;
+                // A byte descriptor spanning the run in the destination buffer.
+                let ctx = Context::new_descriptors(1, 1, 0)?;
+                let span = ctx.new_tensor(crate::DType::I8, &[len])?;
+                // SAFETY: the run lies inside the destination buffer (every merged
+                // destination does, at the same offsets as in the source run, which ends at
+                // the last merged tensor's end); the source run lies in one live host buffer.
+                unsafe {
+                    let status = sys::ggml_backend_tensor_alloc(db, span.raw(), d_start as *mut _);
+                    if status != sys::GGML_STATUS_SUCCESS {
+                        return Err(GgmlError::Mismatch(format!(
+                            "coalesced copy of {len} bytes: {}",
+                            status_name(status)
+                        )));
+                    }
+                    sys::ggml_backend_tensor_set(span.raw(), s_start as *const _, 0, len);
+                }
+            }
+            copies += 1;
+            i = j;
+        }
+        Ok(copies)
     }
 
     /// Copies `src`'s data into `dst` (same shape and type, any backends).

@@ -40,6 +40,10 @@ pub enum GgmlError {
     /// A backend could not be initialised.
     #[error("ggml backend '{0}' failed to initialise")]
     BackendInit(String),
+    /// A backend module (a `libggml-<name>.so` built with `GGML_BACKEND_DL`) could not be
+    /// loaded.
+    #[error("cannot load ggml backend module {path}: {detail}")]
+    ModuleLoad { path: String, detail: String },
     /// Tensors from different contexts or backends were mixed where ggml needs one.
     #[error("{0}")]
     Mismatch(String),

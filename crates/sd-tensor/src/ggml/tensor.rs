@@ -262,6 +262,11 @@ impl GTensor {
         !self.t().data.is_null()
     }
 
+    /// The address of the tensor's data (null when unallocated); for coalescing copies.
+    pub(crate) fn data_addr(&self) -> usize {
+        self.t().data as usize
+    }
+
     /// Whether the tensor's memory is in a backend buffer.
     pub fn has_buffer(&self) -> bool {
         !self.t().buffer.is_null()

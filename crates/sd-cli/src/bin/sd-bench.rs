@@ -1,0 +1,975 @@
+//! `sd-bench`: measurements of the execution engine on a named ggml backend, printed as JSON
+//! lines (one object per run). Driven on the GPU machine by `scripts/device/cuda_run.sh`.
+//!
+//! ```text
+//! sd-bench write-weights DIR [--config sd15|tiny]       random f16 UNet weights (LDM layout)
+//! sd-bench unet --weights FILE --backend NAME [--max-vram FRAC|BYTES] [--params MODE]
+//!               [--steps N] [--flash-attn auto|on|off] [--dump DIR] [--config sd15|tiny]
+//!               [--runtime-reserve BYTES] [--direct on]
+//! sd-bench check --backend NAME                         tiny UNet: backend vs CPU, resident
+//!                                                       and streamed through a budget
+//! sd-bench copy-bw --backend NAME [--mib N]             host->device copy bandwidth
+//! ```
+//!
+//! Every command first loads the ggml backend modules named by `--module PATH` (repeatable)
+//! or the `SD_BACKEND_MODULES` environment variable (`:`-separated); see
+//! [`Device::load_module`]. This binary is linked with `--export-dynamic` (see `build.rs`) so
+//! that a module's ggml symbols resolve to the copy linked into it.
+//!
+//! `unet` runs one UNet step (the SD1.5 UNet by default: 512x512, batch 2, 77x768 context)
+//! through `sd-exec`'s [`ExecutionEngine`] over a `sd-residency` [`ModelManager`]:
+//! - `--params device` (default without `--max-vram`): weights loaded once into device
+//!   memory (resident);
+//! - `--params pinned`: weights in host RAM in the device's pinned host buffer type,
+//!   streamed per segment; `--params ram`: the same in pageable host memory;
+//! - `--params disk`: weights read from the file for each use (page cache permitting).
+//!
+//! With `--max-vram` (a fraction of the weight bytes such as `0.25`, or bytes) the session
+//! has that budget and runs in segments with prefetch. Reported per run: the median step
+//! time, the weight bytes uploaded per step (the manager's counter), the peak device memory
+//! used as CUDA reports it (`cudaMemGetInfo` through `ggml_backend_dev_memory`, sampled
+//! every 0.2 ms from a thread, relative to the free memory before the run), and the engine's
+//! own largest segment footprint. `--runtime-reserve` takes that many bytes of the budget
+//! away from the engine for the backend's own allocations; `--direct on` times the step
+//! without the engine (one graph allocation, `compute` only).
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use sd_exec::{
+    ComputeTask, EngineOptions, ExecError, ExecutionEngine, SegmentationPolicy, SessionConfig,
+    SessionId,
+};
+use sd_models::unet::{HeadSpec, UnetConfig, UnetModel};
+use sd_models::weights::DEFAULT_PARAM_CAPACITY;
+use sd_models::{ComputeOptions, GraphCtx, HostData, ModelError, ParamBuilder, Params};
+use sd_residency::files::{FileError, ModelLoader};
+use sd_residency::{Component, ModelManager, ParamSpec, ResidencyError, ResidencyMode, SourceId};
+use sd_tensor::ggml::{Backend, BufferType, Context, Device, GTensor, GgmlError};
+use sd_tensor::DType;
+use serde_json::json;
+
+/// Errors of the benchmark tool.
+#[derive(Debug, thiserror::Error)]
+enum BenchError {
+    #[error("{0}")]
+    Usage(String),
+    #[error("{0}")]
+    Check(String),
+    #[error(transparent)]
+    Ggml(#[from] GgmlError),
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    #[error(transparent)]
+    Exec(#[from] ExecError),
+    #[error(transparent)]
+    Residency(#[from] ResidencyError),
+    #[error(transparent)]
+    File(#[from] FileError),
+    #[error("{path}: {source}")]
+    Io {
+        path: String,
+        source: std::io::Error,
+    },
+}
+
+type Result<T> = std::result::Result<T, BenchError>;
+
+fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> BenchError + '_ {
+    move |source| BenchError::Io {
+        path: path.display().to_string(),
+        source,
+    }
+}
+
+/// Where the UNet's parameters live between uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum ParamsMode {
+    /// Loaded once into the compute device's memory.
+    Device,
+    /// Host RAM, pinned (the device's host buffer type).
+    Pinned,
+    /// Host RAM, pageable.
+    Ram,
+    /// Read from the file for each use.
+    Disk,
+}
+
+impl ParamsMode {
+    fn parse(s: &str) -> Result<Self> {
+        Ok(match s {
+            "device" => Self::Device,
+            "pinned" => Self::Pinned,
+            "ram" => Self::Ram,
+            "disk" => Self::Disk,
+            _ => {
+                return Err(BenchError::Usage(format!(
+                    "--params: `{s}` is not device, pinned, ram or disk"
+                )))
+            }
+        })
+    }
+    fn name(self) -> &'static str {
+        match self {
+            Self::Device => "device",
+            Self::Pinned => "pinned",
+            Self::Ram => "ram",
+            Self::Disk => "disk",
+        }
+    }
+}
+
+/// Parsed flags: `--name value` pairs and positionals.
+struct Flags {
+    values: BTreeMap<String, Vec<String>>,
+    positional: Vec<String>,
+}
+
+impl Flags {
+    fn parse(args: &[String]) -> Result<Flags> {
+        let mut values: BTreeMap<String, Vec<String>> = BTreeMap::new();
+        let mut positional = Vec::new();
+        let mut it = args.iter();
+        while let Some(a) = it.next() {
+            if let Some(name) = a.strip_prefix("--") {
+                let v = it
+                    .next()
+                    .ok_or_else(|| BenchError::Usage(format!("--{name} needs a value")))?;
+                values.entry(name.to_string()).or_default().push(v.clone());
+            } else {
+                positional.push(a.clone());
+            }
+        }
+        Ok(Flags { values, positional })
+    }
+    fn get(&self, name: &str) -> Option<&str> {
+        self.values
+            .get(name)
+            .and_then(|v| v.last())
+            .map(String::as_str)
+    }
+    fn all(&self, name: &str) -> &[String] {
+        self.values.get(name).map_or(&[], Vec::as_slice)
+    }
+    fn num<T: std::str::FromStr>(&self, name: &str, default: T) -> Result<T> {
+        match self.get(name) {
+            None => Ok(default),
+            Some(v) => v
+                .parse()
+                .map_err(|_| BenchError::Usage(format!("--{name}: `{v}` is not a number"))),
+        }
+    }
+    fn check_known(&self, known: &[&str]) -> Result<()> {
+        for k in self.values.keys() {
+            if !known.contains(&k.as_str()) {
+                return Err(BenchError::Usage(format!("unknown flag --{k}")));
+            }
+        }
+        Ok(())
+    }
+}
+
+const USAGE: &str = "usage: sd-bench write-weights DIR [--config sd15|tiny]
+       sd-bench unet --weights FILE --backend NAME [--max-vram FRAC|BYTES]
+                [--params device|pinned|ram|disk] [--steps N] [--flash-attn auto|on|off]
+                [--dump DIR] [--config sd15|tiny] [--runtime-reserve BYTES] [--direct on]
+       sd-bench check --backend NAME
+       sd-bench copy-bw --backend NAME [--mib N]
+  every command: [--module PATH]... (or SD_BACKEND_MODULES=PATH:PATH)";
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    match run(&args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(BenchError::Usage(m)) => {
+            eprintln!("sd-bench: {m}\n{USAGE}");
+            ExitCode::from(2)
+        }
+        Err(e) => {
+            eprintln!("sd-bench: {e}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+fn run(args: &[String]) -> Result<()> {
+    let Some((cmd, rest)) = args.split_first() else {
+        return Err(BenchError::Usage("no command".into()));
+    };
+    let flags = Flags::parse(rest)?;
+    let mut loaded = Device::load_modules_from_env()?;
+    for m in flags.all("module") {
+        loaded.extend(Device::load_module(Path::new(m))?);
+    }
+    if !loaded.is_empty() {
+        eprintln!("sd-bench: backend modules added devices {loaded:?}");
+    }
+    match cmd.as_str() {
+        "write-weights" => {
+            flags.check_known(&["module", "config"])?;
+            let dir = flags
+                .positional
+                .first()
+                .ok_or_else(|| BenchError::Usage("write-weights needs a directory".into()))?;
+            let cfg = config_by_name(flags.get("config").unwrap_or("sd15"))?;
+            let path = Path::new(dir).join("unet.safetensors");
+            let t0 = Instant::now();
+            let bytes = write_weights(&cfg, &path, 1)?;
+            println!(
+                "{}",
+                json!({"cmd": "write-weights", "path": path, "weight_bytes": bytes,
+                       "seconds": t0.elapsed().as_secs_f64()})
+            );
+            Ok(())
+        }
+        "unet" => {
+            flags.check_known(&[
+                "module",
+                "weights",
+                "backend",
+                "max-vram",
+                "params",
+                "steps",
+                "flash-attn",
+                "dump",
+                "config",
+                "threads",
+                "runtime-reserve",
+                "direct",
+            ])?;
+            cmd_unet(&flags)
+        }
+        "check" => {
+            flags.check_known(&["module", "backend", "threads"])?;
+            cmd_check(&flags)
+        }
+        "copy-bw" => {
+            flags.check_known(&["module", "backend", "mib"])?;
+            cmd_copy_bw(&flags)
+        }
+        other => Err(BenchError::Usage(format!("unknown command `{other}`"))),
+    }
+}
+
+fn config_by_name(name: &str) -> Result<UnetConfig> {
+    match name {
+        "sd15" => Ok(UnetConfig::sd1()),
+        "tiny" => Ok(tiny_config()),
+        _ => Err(BenchError::Usage(format!(
+            "--config: `{name}` is not sd15 or tiny"
+        ))),
+    }
+}
+
+/// A small UNet of the SD1 architecture whose head widths (64, 128) every backend's flash
+/// attention supports: two levels, attention at both.
+fn tiny_config() -> UnetConfig {
+    UnetConfig {
+        model_channels: 128,
+        channel_mult: vec![1, 2],
+        num_res_blocks: 1,
+        attention_resolutions: vec![1, 2],
+        heads: HeadSpec::Heads(2),
+        context_dim: 64,
+        ..UnetConfig::sd1()
+    }
+}
+
+/// Declares the UNet's parameters (from `catalog`, or synthetic f32 without one).
+fn declare(cfg: &UnetConfig, catalog: Option<&ModelLoader>) -> Result<(UnetModel, Params)> {
+    let pb = ParamBuilder::new(catalog, DEFAULT_PARAM_CAPACITY)?;
+    let model = UnetModel::new(&pb, cfg.clone())?;
+    Ok((model, pb.finish()))
+}
+
+/// A deterministic uniform stream in [-1, 1).
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> f32 {
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+}
+
+/// Writes random f16 weights for `cfg` in the LDM layout (`model.diffusion_model.*`, as SD1.5
+/// checkpoints store them) to `path`; returns the data bytes. Matrices and kernels are
+/// uniform with variance 1/(3 fan_in); norm gains 1 ± 0.1; biases ± 0.02.
+fn write_weights(cfg: &UnetConfig, path: &Path, seed: u64) -> Result<u64> {
+    let (_, params) = declare(cfg, None)?;
+    let mut header = String::from("{");
+    let mut offset = 0u64;
+    let mut shapes = Vec::new();
+    for (i, (name, t)) in params.tensors.iter().enumerate() {
+        let shape = t.shape(t.n_dims());
+        let n: usize = shape.iter().product();
+        let end = offset + 2 * n as u64;
+        if i > 0 {
+            header.push(',');
+        }
+        header.push_str(&format!(
+            "\"{name}\":{{\"dtype\":\"F16\",\"shape\":{shape:?},\"data_offsets\":[{offset},{end}]}}"
+        ));
+        shapes.push((name.clone(), shape));
+        offset = end;
+    }
+    header.push('}');
+    while (8 + header.len()) % 64 != 0 {
+        header.push(' ');
+    }
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).map_err(io_err(dir))?;
+    }
+    let tmp = path.with_extension("tmp");
+    let file = std::fs::File::create(&tmp).map_err(io_err(&tmp))?;
+    let mut w = std::io::BufWriter::with_capacity(8 << 20, file);
+    w.write_all(&(header.len() as u64).to_le_bytes())
+        .and_then(|_| w.write_all(header.as_bytes()))
+        .map_err(io_err(&tmp))?;
+    let mut rng = Rng(seed.wrapping_mul(0x9E3779B97F4A7C15) | 1);
+    let mut buf = Vec::new();
+    for (name, shape) in shapes {
+        let n: usize = shape.iter().product();
+        let fan_in: usize = shape.iter().skip(1).product::<usize>().max(1);
+        let (base, scale) = if shape.len() >= 2 {
+            (0.0, (1.0 / fan_in as f32).sqrt())
+        } else if name.ends_with(".weight") {
+            (1.0, 0.1)
+        } else {
+            (0.0, 0.02)
+        };
+        buf.clear();
+        buf.reserve(2 * n);
+        for _ in 0..n {
+            let v = half::f16::from_f32(base + scale * rng.next());
+            buf.extend_from_slice(&v.to_le_bytes());
+        }
+        w.write_all(&buf).map_err(io_err(&tmp))?;
+    }
+    w.flush().map_err(io_err(&tmp))?;
+    drop(w);
+    std::fs::rename(&tmp, path).map_err(io_err(path))?;
+    Ok(offset)
+}
+
+/// Samples the lowest free memory of a device from a thread.
+struct PeakSampler {
+    stop: Arc<AtomicBool>,
+    min_free: Arc<AtomicU64>,
+    handle: Option<std::thread::JoinHandle<()>>,
+}
+
+impl PeakSampler {
+    fn start(device: Device) -> PeakSampler {
+        let stop = Arc::new(AtomicBool::new(false));
+        let min_free = Arc::new(AtomicU64::new(device.memory().free));
+        let (s, m) = (stop.clone(), min_free.clone());
+        let handle = std::thread::spawn(move || {
+            while !s.load(Ordering::Relaxed) {
+                m.fetch_min(device.memory().free, Ordering::Relaxed);
+                std::thread::sleep(Duration::from_micros(200));
+            }
+        });
+        PeakSampler {
+            stop,
+            min_free,
+            handle: Some(handle),
+        }
+    }
+    fn min_free(&self) -> u64 {
+        self.min_free.load(Ordering::Relaxed)
+    }
+}
+
+impl Drop for PeakSampler {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(h) = self.handle.take() {
+            let _ = h.join();
+        }
+    }
+}
+
+/// Deterministic UNet inputs: latents `[W, H, C, B]`, timesteps `[B]`, context `[D, N, B]`.
+struct Inputs {
+    w: usize,
+    b: usize,
+    n_ctx: usize,
+    x: Vec<f32>,
+    t: Vec<f32>,
+    ctx: Vec<f32>,
+}
+
+impl Inputs {
+    fn new(cfg: &UnetConfig, w: usize, b: usize, n_ctx: usize) -> Inputs {
+        let mut rng = Rng(77);
+        let x = (0..w * w * cfg.in_channels * b)
+            .map(|_| rng.next())
+            .collect();
+        let t = (0..b).map(|i| 999.0 - 500.0 * i as f32).collect();
+        let ctx = (0..cfg.context_dim * n_ctx * b)
+            .map(|_| rng.next())
+            .collect();
+        Inputs {
+            w,
+            b,
+            n_ctx,
+            x,
+            t,
+            ctx,
+        }
+    }
+}
+
+fn f32_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+/// One UNet step wired through an engine session.
+struct Rig {
+    engine: ExecutionEngine<ModelManager>,
+    session: SessionId,
+    task: ComputeTask,
+    _g: GraphCtx,
+    _model: UnetModel,
+    _params: Params,
+}
+
+struct RigOptions<'a> {
+    cfg: &'a UnetConfig,
+    weights: &'a Path,
+    backend: Arc<Backend>,
+    mode: ParamsMode,
+    budget: Option<u64>,
+    /// Head widths that use flash attention (empty: none).
+    flash_attn: Vec<usize>,
+    threads: usize,
+}
+
+fn build_rig(o: RigOptions<'_>, inputs: &Inputs) -> Result<Rig> {
+    let mut loader = ModelLoader::new();
+    loader.add_file(o.weights, None)?;
+    let (model, params) = declare(o.cfg, Some(&loader))?;
+    let mut mm = ModelManager::new(loader);
+    mm.set_device_reserve(0);
+    mm.set_segmented_compute(o.budget.is_some());
+    mm.set_prefetch(true);
+    mm.set_pinned_host_params(o.mode != ParamsMode::Ram);
+    // A/B switch for the coalesced uploads (SD_BENCH_COALESCE=1: on; default off).
+    mm.set_coalesce_uploads(std::env::var("SD_BENCH_COALESCE").is_ok_and(|v| v == "1"));
+    let gpu = mm.add_backend(o.backend.clone())?;
+    let params_backend = match o.mode {
+        ParamsMode::Device => gpu,
+        _ => mm.add_backend(Arc::new(Backend::cpu(o.threads)?))?,
+    };
+    if let Some(dev) = o.backend.device() {
+        mm.set_device_budget(&dev, o.budget);
+    }
+    let descs: Vec<(String, GTensor)> = params
+        .tensors
+        .iter()
+        .map(|(n, t)| (n.clone(), t.clone()))
+        .collect();
+    mm.register_params(
+        ParamSpec {
+            component: Component::Diffusion,
+            mode: if o.mode == ParamsMode::Disk {
+                ResidencyMode::Disk
+            } else {
+                ResidencyMode::ParamBackend
+            },
+            params_backend,
+            compute_backend: gpu,
+            source: SourceId::MAIN,
+        },
+        &descs,
+    )?;
+    let mut engine = ExecutionEngine::new(
+        mm,
+        EngineOptions {
+            planning_headroom: 0,
+        },
+    );
+    let policy = if o.budget.is_some() {
+        SegmentationPolicy::Auto
+    } else {
+        SegmentationPolicy::Never
+    };
+    let session = engine.create_session(
+        SessionConfig::new("unet", o.backend.clone(), gpu)
+            .with_budget(o.budget)
+            .with_segmentation(policy)
+            .with_prefetch(true),
+    );
+    engine.start(session)?;
+
+    let (g, graph, out, feeds) = unet_graph(&model, o.cfg, inputs, &o.flash_attn)?;
+    let mut task = ComputeTask::new("unet step", graph, out)
+        .with_marks(g.marks.clone())
+        .with_weights(params.tensors.values());
+    for (t, bytes) in feeds {
+        task = task.with_input(&t, bytes);
+    }
+    Ok(Rig {
+        engine,
+        session,
+        task,
+        _g: g,
+        _model: model,
+        _params: params,
+    })
+}
+
+const GRAPH: usize = 32768;
+
+/// The UNet step's graph: its context (with cut marks), the graph, the output and the input
+/// leaves with their bytes (latents, timesteps, context, and any auxiliary inputs).
+#[allow(clippy::type_complexity)]
+fn unet_graph(
+    model: &UnetModel,
+    cfg: &UnetConfig,
+    inputs: &Inputs,
+    flash_attn: &[usize],
+) -> Result<(
+    GraphCtx,
+    sd_tensor::ggml::Graph,
+    GTensor,
+    Vec<(GTensor, Vec<u8>)>,
+)> {
+    let mut g = GraphCtx::new(
+        GRAPH,
+        GRAPH,
+        ComputeOptions {
+            exact: false,
+            flash_attn: !flash_attn.is_empty(),
+        },
+    )?;
+    g.flash_attn_head_dims = Some(flash_attn.to_vec());
+    let ctx = g.ctx.clone();
+    let x = ctx.new_tensor(DType::F32, &[inputs.w, inputs.w, cfg.in_channels, inputs.b])?;
+    x.set_name("x");
+    x.set_input();
+    let t = ctx.new_tensor(DType::F32, &[inputs.b])?;
+    t.set_name("timesteps");
+    t.set_input();
+    let c = ctx.new_tensor(DType::F32, &[cfg.context_dim, inputs.n_ctx, inputs.b])?;
+    c.set_name("context");
+    c.set_input();
+    let out = model.forward(&mut g, &x, &t, &c)?;
+    out.set_output();
+    let mut graph = sd_tensor::ggml::Graph::new(&ctx, GRAPH)?;
+    graph.build_forward_expand(&out)?;
+    let mut feeds = vec![
+        (x, f32_bytes(&inputs.x)),
+        (t, f32_bytes(&inputs.t)),
+        (c, f32_bytes(&inputs.ctx)),
+    ];
+    for aux in &g.aux {
+        let bytes = match &aux.data {
+            HostData::F32(v) => f32_bytes(v),
+            HostData::I32(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        };
+        feeds.push((aux.tensor.clone(), bytes));
+    }
+    Ok((g, graph, out, feeds))
+}
+
+/// The same step without the engine: weights in one device buffer, the graph allocated once
+/// with ggml's graph allocator, then `compute` + `synchronize` timed `steps` times (the
+/// engine's per-step overhead is the difference to the resident engine step).
+fn direct_step_ms(
+    cfg: &UnetConfig,
+    weights: &Path,
+    backend: &Backend,
+    inputs: &Inputs,
+    flash_attn: &[usize],
+    steps: usize,
+) -> Result<Vec<f64>> {
+    let mut loader = ModelLoader::new();
+    loader.add_file(weights, None)?;
+    let (model, params) = declare(cfg, Some(&loader))?;
+    let _wbuf = backend.buffer_type().alloc_context_tensors(&params.ctx)?;
+    for (name, t) in &params.tensors {
+        let dtype = t
+            .dtype()
+            .ok_or_else(|| BenchError::Check(format!("`{name}` has no dtype")))?;
+        t.write_bytes(0, &loader.read_converted(name, dtype)?)?;
+    }
+    let (_g, graph, _out, feeds) = unet_graph(&model, cfg, inputs, flash_attn)?;
+    let mut galloc = sd_tensor::ggml::Gallocr::new(backend.buffer_type())?;
+    galloc.alloc_graph(&graph)?;
+    for (t, bytes) in &feeds {
+        t.write_bytes(0, bytes)?;
+    }
+    let mut times = Vec::with_capacity(steps);
+    for i in 0..steps + 2 {
+        let t0 = Instant::now();
+        backend.compute(&graph)?;
+        backend.synchronize();
+        if i >= 2 {
+            times.push(t0.elapsed().as_secs_f64() * 1e3);
+        }
+    }
+    Ok(times)
+}
+
+impl Rig {
+    fn step(&mut self) -> Result<sd_exec::ComputeResult> {
+        Ok(self.engine.execute(self.session, &self.task)?)
+    }
+}
+
+/// The head widths of `cfg` whose `flash_attn_ext` (f32 Q, f16 K/V) `backend` runs.
+fn flash_attn_dims(backend: &Backend, cfg: &UnetConfig) -> Result<Vec<usize>> {
+    let ctx = Context::new_descriptors(64, 1, 0)?;
+    let mut dims = Vec::new();
+    for mult in &cfg.channel_mult {
+        let ch = cfg.model_channels * mult;
+        let (heads, d) = cfg.heads.split(ch)?;
+        let q = ctx.new_tensor(DType::F32, &[d, 256, heads, 1])?;
+        let k = ctx.new_tensor(DType::F16, &[d, 256, heads, 1])?;
+        let v = ctx.new_tensor(DType::F16, &[d, 256, heads, 1])?;
+        let o = ctx.flash_attn_ext(&q, &k, &v, None, 0.125)?;
+        if backend.supports_op(&o) && !dims.contains(&d) {
+            dims.push(d);
+        }
+    }
+    Ok(dims)
+}
+
+/// Every head width of `cfg`.
+fn all_head_dims(cfg: &UnetConfig) -> Result<Vec<usize>> {
+    let mut dims = Vec::new();
+    for mult in &cfg.channel_mult {
+        let d = cfg.heads.split(cfg.model_channels * mult)?.1;
+        if !dims.contains(&d) {
+            dims.push(d);
+        }
+    }
+    Ok(dims)
+}
+
+fn parse_budget(s: &str, weight_bytes: u64) -> Result<u64> {
+    let v: f64 = s
+        .parse()
+        .map_err(|_| BenchError::Usage(format!("--max-vram: `{s}` is not a number")))?;
+    if v.is_nan() || v <= 0.0 {
+        return Err(BenchError::Usage(format!("--max-vram: `{s}` must be > 0")));
+    }
+    Ok(if v <= 1.0 {
+        (v * weight_bytes as f64) as u64
+    } else {
+        v as u64
+    })
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn cmd_unet(flags: &Flags) -> Result<()> {
+    let weights = PathBuf::from(
+        flags
+            .get("weights")
+            .ok_or_else(|| BenchError::Usage("unet needs --weights FILE".into()))?,
+    );
+    let backend_name = flags.get("backend").unwrap_or("CPU");
+    let cfg = config_by_name(flags.get("config").unwrap_or("sd15"))?;
+    let steps: usize = flags.num("steps", 10)?.max(1);
+    let threads: usize = flags.num("threads", 8)?;
+    let backend = Arc::new(Backend::by_name(backend_name)?);
+    if backend.is_cpu() {
+        backend.set_threads(threads);
+    }
+    let device = backend
+        .device()
+        .ok_or_else(|| BenchError::Usage(format!("backend {backend_name} has no device")))?;
+    let weight_bytes = {
+        let mut l = ModelLoader::new();
+        l.add_file(&weights, None)?;
+        let (_, p) = declare(&cfg, Some(&l))?;
+        p.nbytes() as u64
+    };
+    let budget = flags
+        .get("max-vram")
+        .map(|s| parse_budget(s, weight_bytes))
+        .transpose()?;
+    let mode = match flags.get("params") {
+        Some(s) => ParamsMode::parse(s)?,
+        None if budget.is_some() => ParamsMode::Pinned,
+        None => ParamsMode::Device,
+    };
+    if mode == ParamsMode::Device && budget.is_some() {
+        return Err(BenchError::Usage(
+            "--params device keeps every weight on the device: it takes no --max-vram".into(),
+        ));
+    }
+    let flash_attn = match flags.get("flash-attn").unwrap_or("auto") {
+        "on" => all_head_dims(&cfg)?,
+        "off" => Vec::new(),
+        "auto" => flash_attn_dims(&backend, &cfg)?,
+        other => {
+            return Err(BenchError::Usage(format!(
+                "--flash-attn: `{other}` is not auto, on or off"
+            )))
+        }
+    };
+    let (w, b, n_ctx) = if cfg == UnetConfig::sd1() {
+        (64, 2, 77)
+    } else {
+        (16, 2, 8)
+    };
+    let inputs = Inputs::new(&cfg, w, b, n_ctx);
+
+    if flags.get("direct").is_some_and(|v| v != "off") {
+        let times = direct_step_ms(&cfg, &weights, &backend, &inputs, &flash_attn, steps)?;
+        println!(
+            "{}",
+            json!({"cmd": "unet-direct", "backend": backend.name(), "flash_attn_head_dims": flash_attn,
+                   "steps": steps, "step_ms_median": median(times.clone()),
+                   "step_ms_min": times.iter().cloned().fold(f64::MAX, f64::min)})
+        );
+        return Ok(());
+    }
+    // The engine's budget leaves `--runtime-reserve` bytes of the --max-vram budget to the
+    // backend's own allocations it does not see (CUDA: cuBLAS workspaces, loaded kernels,
+    // ggml's temporary pool).
+    let reserve: u64 = flags.num("runtime-reserve", 0u64)?;
+    let engine_budget = budget.map(|b| b.saturating_sub(reserve));
+
+    let free_before = device.memory().free;
+    let sampler = PeakSampler::start(device);
+    let t_setup = Instant::now();
+    let mut rig = build_rig(
+        RigOptions {
+            cfg: &cfg,
+            weights: &weights,
+            backend: backend.clone(),
+            mode,
+            budget: engine_budget,
+            flash_attn: flash_attn.clone(),
+            threads,
+        },
+        &inputs,
+    )?;
+    let first = rig.step()?;
+    let setup_s = t_setup.elapsed().as_secs_f64();
+    rig.step()?;
+    let up0 = rig.engine.manager().upload_bytes();
+    let mut times = Vec::with_capacity(steps);
+    let mut last = first.clone();
+    for _ in 0..steps {
+        let t0 = Instant::now();
+        last = rig.step()?;
+        times.push(t0.elapsed().as_secs_f64());
+    }
+    let uploaded = rig.engine.manager().upload_bytes() - up0;
+    let peak_used = free_before.saturating_sub(sampler.min_free());
+    drop(sampler);
+    let out = last.output_f32().unwrap_or_default();
+    let finite = out.iter().all(|v| v.is_finite());
+    let max_footprint = last
+        .segments
+        .iter()
+        .map(|s| s.footprint())
+        .max()
+        .unwrap_or(0);
+    if let Some(dir) = flags.get("dump") {
+        let dir = Path::new(dir);
+        std::fs::create_dir_all(dir).map_err(io_err(dir))?;
+        for (name, v) in [
+            ("x.f32", &inputs.x),
+            ("t.f32", &inputs.t),
+            ("ctx.f32", &inputs.ctx),
+            ("out.f32", &out),
+        ] {
+            let p = dir.join(name);
+            std::fs::write(&p, f32_bytes(v)).map_err(io_err(&p))?;
+        }
+    }
+    let first_out = first.output_f32().unwrap_or_default();
+    let repeat_diff = first_out
+        .iter()
+        .zip(&out)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0f32, f32::max);
+    println!(
+        "{}",
+        json!({
+            "cmd": "unet",
+            "backend": backend.name(),
+            "params": mode.name(),
+            "budget_bytes": budget,
+            "runtime_reserve_bytes": reserve,
+            "coalesced_uploads": std::env::var("SD_BENCH_COALESCE").is_ok_and(|v| v == "1"),
+            "weight_bytes": weight_bytes,
+            "flash_attn_head_dims": flash_attn,
+            "latent": [b, cfg.in_channels, w, w],
+            "steps": steps,
+            "step_ms_median": median(times.clone()) * 1e3,
+            "step_ms_min": times.iter().cloned().fold(f64::MAX, f64::min) * 1e3,
+            "setup_and_first_step_s": setup_s,
+            "h2d_bytes_per_step": uploaded / steps as u64,
+            "segmented": last.segmented,
+            "segments": last.segments.len(),
+            "prefetched": last.segments.iter().filter(|s| s.prefetched).count(),
+            "engine_max_footprint_bytes": max_footprint,
+            "peak_device_used_bytes": peak_used,
+            "output_finite": finite,
+            "output_rms": (out.iter().map(|v| (*v as f64).powi(2)).sum::<f64>() / out.len().max(1) as f64).sqrt(),
+            "max_abs_diff_first_vs_last": repeat_diff,
+        })
+    );
+    Ok(())
+}
+
+fn rel_l2(a: &[f32], r: &[f32]) -> f64 {
+    let (mut num, mut den) = (0.0f64, 0.0f64);
+    for (x, y) in a.iter().zip(r) {
+        num += ((x - y) as f64).powi(2);
+        den += (*y as f64).powi(2);
+    }
+    if a.len() != r.len() || a.iter().any(|v| !v.is_finite()) {
+        return f64::INFINITY;
+    }
+    (num / den.max(1e-30)).sqrt()
+}
+
+/// The tiny UNet on the CPU and on `--backend`: resident (mul_mat and flash attention) and
+/// streamed from pinned/pageable RAM or disk through a budget of half the weights; every
+/// result must match the CPU's within f16 tolerance.
+fn cmd_check(flags: &Flags) -> Result<()> {
+    let name = flags
+        .get("backend")
+        .ok_or_else(|| BenchError::Usage("check needs --backend NAME".into()))?;
+    let threads: usize = flags.num("threads", 8)?;
+    let cfg = tiny_config();
+    let dir = std::env::temp_dir().join(format!("sd-bench-check-{}", std::process::id()));
+    let weights = dir.join("unet.safetensors");
+    let weight_bytes = write_weights(&cfg, &weights, 5)?;
+    let inputs = Inputs::new(&cfg, 16, 2, 8);
+    let run = |backend: Arc<Backend>, mode, budget, flash_attn: &Vec<usize>| -> Result<Vec<f32>> {
+        let mut rig = build_rig(
+            RigOptions {
+                cfg: &cfg,
+                weights: &weights,
+                backend,
+                mode,
+                budget,
+                flash_attn: flash_attn.clone(),
+                threads,
+            },
+            &inputs,
+        )?;
+        let r = rig.step()?;
+        r.output_f32()
+            .ok_or_else(|| BenchError::Check("output is not f32".into()))
+    };
+    let cpu = Arc::new(Backend::cpu(threads)?);
+    let dev = Arc::new(Backend::by_name(name)?);
+    let none = Vec::new();
+    let reference = run(cpu.clone(), ParamsMode::Device, None, &none)?;
+    let fa = flash_attn_dims(&dev, &cfg)?;
+    let reference_fa = run(cpu, ParamsMode::Device, None, &fa)?;
+    let half = Some(weight_bytes / 2);
+    let mut cases = vec![
+        ("resident", ParamsMode::Device, None, &none),
+        ("pinned, budget 1/2", ParamsMode::Pinned, half, &none),
+        ("ram, budget 1/2", ParamsMode::Ram, half, &none),
+        ("disk, budget 1/2", ParamsMode::Disk, half, &none),
+    ];
+    if !fa.is_empty() {
+        cases.push(("resident, flash attention", ParamsMode::Device, None, &fa));
+        cases.push((
+            "pinned, budget 1/2, flash attention",
+            ParamsMode::Pinned,
+            half,
+            &fa,
+        ));
+    }
+    let mut worst = 0.0f64;
+    for (label, mode, budget, flash) in cases {
+        let out = run(dev.clone(), mode, budget, flash)?;
+        let err = rel_l2(
+            &out,
+            if flash.is_empty() {
+                &reference
+            } else {
+                &reference_fa
+            },
+        );
+        worst = worst.max(err);
+        println!(
+            "{}",
+            json!({"cmd": "check", "backend": dev.name(), "case": label, "rel_l2_vs_cpu": err,
+                   "elements": out.len()})
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    const TOL: f64 = 2e-2;
+    if worst > TOL {
+        return Err(BenchError::Check(format!(
+            "{name} differs from the CPU: relative L2 error {worst:.3e} > {TOL:.0e}"
+        )));
+    }
+    println!(
+        "{}",
+        json!({"cmd": "check", "backend": dev.name(), "ok": true, "worst_rel_l2": worst,
+               "flash_attn_head_dims": fa})
+    );
+    Ok(())
+}
+
+/// Host->device copy bandwidth: one `--mib` MiB tensor copied from a pinned host buffer (the
+/// device's host buffer type) and from a pageable one into device memory; best of 5.
+fn cmd_copy_bw(flags: &Flags) -> Result<()> {
+    let name = flags
+        .get("backend")
+        .ok_or_else(|| BenchError::Usage("copy-bw needs --backend NAME".into()))?;
+    let mib: usize = flags.num("mib", 1024)?;
+    let n = mib << 20;
+    let backend = Backend::by_name(name)?;
+    let device = backend
+        .device()
+        .ok_or_else(|| BenchError::Usage(format!("{name} has no device")))?;
+    let ctx = Context::new_descriptors(4, 1, 0)?;
+    let dst = ctx.new_tensor(DType::I8, &[n])?;
+    let _dbuf = backend.buffer_type().alloc_context_tensors(&ctx)?;
+    let mut results = serde_json::Map::new();
+    let pinned = device.host_buffer_type();
+    for (label, buft) in [("pinned", pinned), ("pageable", Some(BufferType::cpu()))] {
+        let Some(buft) = buft else {
+            results.insert(label.into(), serde_json::Value::Null);
+            continue;
+        };
+        let hctx = Context::new_descriptors(2, 1, 0)?;
+        let src = hctx.new_tensor(DType::I8, &[n])?;
+        let _hbuf = buft.alloc_context_tensors(&hctx)?;
+        src.write_bytes(0, &vec![0x5a; n])?;
+        let mut best = Duration::MAX;
+        for _ in 0..5 {
+            backend.synchronize();
+            let t0 = Instant::now();
+            Backend::copy_tensor(&src, &dst)?;
+            backend.synchronize();
+            best = best.min(t0.elapsed());
+        }
+        results.insert(
+            label.into(),
+            json!({"buffer_type": buft.name(), "gb_per_s": n as f64 / best.as_secs_f64() / 1e9}),
+        );
+    }
+    println!(
+        "{}",
+        json!({"cmd": "copy-bw", "backend": backend.name(), "bytes": n, "results": results})
+    );
+    Ok(())
+}

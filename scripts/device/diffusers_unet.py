@@ -1,0 +1,118 @@
+"""The PyTorch/diffusers peer of `sd-bench unet`: the same SD1.5 UNet step on the same GPU with
+the same weights and inputs.
+
+Reads the LDM-layout safetensors that `sd-bench write-weights` wrote, converts it to the
+diffusers layout with diffusers' own `convert_ldm_unet_checkpoint`, loads it into
+`UNet2DConditionModel` (SD1.5 config) in f16, and times one step (batch 2, 64x64 latents,
+77x768 context) with CUDA events (warm-up, median of --iters). With --dump DIR (the inputs
+and output `sd-bench unet --dump DIR` wrote: raw little-endian f32) it runs the same inputs
+and prints the relative L2 error of sd-rs's output and of diffusers' f16 output against a
+diffusers f32 reference. Prints one JSON line.
+
+usage: python3 diffusers_unet.py WEIGHTS.safetensors [--dump DIR] [--iters N] [--warmup N]
+"""
+
+import argparse
+import json
+import sys
+
+import numpy as np
+import torch
+from safetensors.torch import load_file
+
+
+def sd15_unet(dtype):
+    from diffusers import UNet2DConditionModel
+
+    # runwayml/stable-diffusion-v1-5 unet/config.json
+    return UNet2DConditionModel(
+        sample_size=64,
+        in_channels=4,
+        out_channels=4,
+        down_block_types=("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
+        up_block_types=("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3,
+        block_out_channels=(320, 640, 1280, 1280),
+        layers_per_block=2,
+        cross_attention_dim=768,
+        attention_head_dim=8,
+        norm_num_groups=32,
+    ).to(dtype)
+
+
+def rel_l2(a, r):
+    a = a.double().flatten()
+    r = r.double().flatten()
+    return float((a - r).norm() / r.norm())
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("weights")
+    ap.add_argument("--dump")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--device", default="cuda")
+    args = ap.parse_args()
+    from diffusers.loaders.single_file_utils import convert_ldm_unet_checkpoint
+
+    dev = torch.device(args.device)
+    ldm = load_file(args.weights)
+    unet = sd15_unet(torch.float16)
+    sd = convert_ldm_unet_checkpoint(ldm, unet.config)
+    unet.load_state_dict(sd, strict=True)
+    del ldm
+    unet = unet.to(dev).eval()
+    weight_bytes = sum(p.numel() * p.element_size() for p in unet.parameters())
+
+    b, n_ctx = 2, 77
+    if args.dump:
+        rd = lambda n: torch.from_numpy(np.fromfile(f"{args.dump}/{n}", dtype="<f4"))
+        x = rd("x.f32").reshape(b, 4, 64, 64)
+        t = rd("t.f32").reshape(b)
+        c = rd("ctx.f32").reshape(b, n_ctx, 768)
+        ours = rd("out.f32").reshape(b, 4, 64, 64)
+    else:
+        g = torch.Generator().manual_seed(0)
+        x = torch.rand(b, 4, 64, 64, generator=g) * 2 - 1
+        t = torch.tensor([999.0, 499.0])
+        c = torch.rand(b, n_ctx, 768, generator=g) * 2 - 1
+        ours = None
+    x16, t16, c16 = x.to(dev, torch.float16), t.to(dev), c.to(dev, torch.float16)
+
+    torch.cuda.reset_peak_memory_stats()
+    with torch.no_grad():
+        for _ in range(args.warmup):
+            out16 = unet(x16, t16, encoder_hidden_states=c16).sample
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(args.iters):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            unet(x16, t16, encoder_hidden_states=c16)
+            e.record()
+            torch.cuda.synchronize()
+            times.append(s.elapsed_time(e))
+    peak = torch.cuda.max_memory_allocated()
+    res = {
+        "cmd": "diffusers-unet",
+        "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name(),
+        "weight_bytes": weight_bytes,
+        "step_ms_median": float(np.median(times)),
+        "step_ms_min": float(np.min(times)),
+        "iters": args.iters,
+        "peak_allocated_bytes": peak,
+        "attn_processor": type(next(iter(unet.attn_processors.values()))).__name__,
+    }
+    if ours is not None:
+        unet32 = unet.float()
+        with torch.no_grad():
+            ref = unet32(x.to(dev), t.to(dev), encoder_hidden_states=c.to(dev)).sample.cpu()
+        res["rel_l2_sdrs_vs_f32_ref"] = rel_l2(ours, ref)
+        res["rel_l2_diffusers_f16_vs_f32_ref"] = rel_l2(out16.float().cpu(), ref)
+        res["rel_l2_sdrs_vs_diffusers_f16"] = rel_l2(ours, out16.float().cpu())
+    print(json.dumps(res), flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
