@@ -49,7 +49,8 @@ devices and memory:
                               (read from the files at each use)
   --max-vram SIZE             compute device budget for weights + workspace: GiB (4, 3.5),
                               or with a unit (512M, 6G); 0 = none; negative = free memory
-                              minus that much; per device: cuda0=6,cuda1=8
+                              minus that much; per device: cuda0=6,cuda1=8; on CUDA,
+                              320M of it is left to the CUDA runtime (cuBLAS, kernels)
   --mmap                      map weights from the files instead of copying them
   -t, --threads N             CPU threads (default: all cores)
   -v, --verbose               log every step

@@ -7,8 +7,8 @@
 //! 2. release the workspace if the segment needs a larger one (never two buffers at once);
 //! 3. activate the prefetched weights if they target `k`;
 //! 4. `ensure_capacity` for the workspace growth + the cut outputs it will store, with the
-//!    segment's weights required and protected, segments in reverse order as the preferred
-//!    eviction order;
+//!    segment's weights required and protected, and the other segments' weights in the
+//!    preferred eviction order [`eviction_order`] (furthest next use first);
 //! 5. `prepare_params` (load, stage, pin) the segment's weights;
 //! 6. build the segment graph (cached cuts bound as inputs), allocate it, upload host inputs;
 //! 7. best effort: prefetch the next segment's missing weights if they fit now;
@@ -359,8 +359,6 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         let owner = self.session.id.owner();
         let prefetch_on =
             segmented && self.session.config.prefetch && self.manager.prefetch_enabled();
-        // Preferred eviction order: segments in reverse order.
-        let preferred: Vec<Vec<ParamId>> = p.segment_params.iter().rev().cloned().collect();
         for ids in &p.segment_params {
             self.session.params_used.extend(ids.iter().copied());
         }
@@ -427,6 +425,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
 
             let pending = compute.saturating_sub(held) + store_bytes + import_bytes;
             let request = self.request(d, pending);
+            let preferred = eviction_order(&p.segment_params, k);
             ensure_capacity(
                 self.manager,
                 self.others,
@@ -456,16 +455,8 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
                 self.session.pinned_now.extend_from_slice(group);
             }
             // From here on the segment's weights are pinned: unpin whatever happens.
-            let r = self.compute_segment(
-                task,
-                p,
-                k,
-                &inputs,
-                prefetch_on,
-                &mut queued,
-                store_bytes,
-                &preferred,
-            );
+            let r =
+                self.compute_segment(task, p, k, &inputs, prefetch_on, &mut queued, store_bytes);
             let pinned = std::mem::take(&mut self.session.pinned_now);
             let unpinned = self.manager.unpin_params(&pinned);
             let cache_bytes = r?;
@@ -527,7 +518,6 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         prefetch_on: bool,
         queued: &mut Option<(usize, Vec<ParamId>)>,
         store_bytes: u64,
-        preferred: &[Vec<ParamId>],
     ) -> Result<u64> {
         let plan = &p.plan;
         let seg = &plan.segments[k];
@@ -542,7 +532,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         self.session.slots[d].workspace.allocate(sg)?;
         self.session.sync(self.manager);
         if prefetch_on {
-            *queued = self.enqueue_prefetch(task, p, k, store_bytes, preferred);
+            *queued = self.enqueue_prefetch(task, p, k, store_bytes);
         }
         let slot = &mut self.session.slots[d];
         let Some(sg) = slot.workspace.current() else {
@@ -579,7 +569,6 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         p: &Prepared,
         k: usize,
         store_bytes: u64,
-        preferred: &[Vec<ParamId>],
     ) -> Option<(usize, Vec<ParamId>)> {
         let current: HashSet<ParamId> = p.segment_params[k].iter().copied().collect();
         let (target, next) = p
@@ -607,6 +596,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         };
         let request = self.request(td, pending);
         let backend_name = self.session.slots[td].backend.name().to_string();
+        let preferred = eviction_order(&p.segment_params, target);
         let ok = ensure_capacity(
             self.manager,
             self.others,
@@ -615,7 +605,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
                 backend_name,
                 request,
                 required: &missing,
-                preferred,
+                preferred: &preferred,
                 protected: &protected,
             },
             self.log,
@@ -665,5 +655,40 @@ mod tests {
         assert_eq!(g[1], vec![p(&[3]), p(&[5])]);
         assert_eq!(g[2], vec![p(&[9]), p(&[4, 6]), p(&[5])]);
         assert!(g[3].is_empty());
+    }
+}
+
+/// The preferred eviction order when segment `k` needs room: the other segments' weights,
+/// the one whose next use is furthest away first, for a graph that runs again the same way
+/// (a sampling loop calls the same UNet every step). Segments already run in this pass are
+/// next needed in the next pass, the most recent one last of all: `k-1, k-2, ..., 0`, then
+/// the segments still to come in this pass, the last first: `n-1, ..., k+1`. Evicting in
+/// this order keeps a fixed resident set across steps and streams only the rest, where a
+/// least-recently-used order would evict exactly the weights the pass needs next.
+pub(crate) fn eviction_order(segment_params: &[Vec<ParamId>], k: usize) -> Vec<Vec<ParamId>> {
+    let n = segment_params.len();
+    (0..k)
+        .rev()
+        .chain((k + 1..n).rev())
+        .map(|j| segment_params[j].clone())
+        .collect()
+}
+
+#[cfg(test)]
+mod eviction_order_tests {
+    use super::*;
+
+    #[test]
+    fn furthest_next_use_comes_first() {
+        let segs: Vec<Vec<ParamId>> = (0..5).map(|i| vec![ParamId(i)]).collect();
+        let order = |k| {
+            eviction_order(&segs, k)
+                .into_iter()
+                .map(|g| g[0].0)
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(order(0), vec![4, 3, 2, 1]);
+        assert_eq!(order(2), vec![1, 0, 4, 3]);
+        assert_eq!(order(4), vec![3, 2, 1, 0]);
     }
 }

@@ -17,6 +17,13 @@
 /// Bytes of currently free device memory left unused by capacity checks.
 pub const DEVICE_RESERVE_BYTES: u64 = 512 << 20;
 
+/// Device memory a CUDA backend allocates outside the tensors the manager and the engine
+/// track (the cuBLAS handle and workspace, kernels loaded on first use, ggml's temporary
+/// pool): 245 MiB measured on an H200 running the SD1.5 UNet (`docs/benchmarks.md`), with
+/// margin. `--max-vram` budgets on such devices give the engine this much less, so that the
+/// device's own peak stays within the budget.
+pub const CUDA_RUNTIME_RESERVE_BYTES: u64 = 320 << 20;
+
 /// How a device's memory relates to the host's.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum DeviceClass {

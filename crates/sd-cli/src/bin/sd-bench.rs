@@ -30,7 +30,8 @@
 //! used as CUDA reports it (`cudaMemGetInfo` through `ggml_backend_dev_memory`, sampled
 //! every 0.2 ms from a thread, relative to the free memory before the run), and the engine's
 //! own largest segment footprint. `--runtime-reserve` takes that many bytes of the budget
-//! away from the engine for the backend's own allocations; `--direct on` times the step
+//! away from the engine for the backend's own allocations (default: the `ModelManager`'s,
+//! `CUDA_RUNTIME_RESERVE_BYTES` on CUDA devices); `--direct on` times the step
 //! without the engine (one graph allocation, `compute` only).
 
 use std::collections::BTreeMap;
@@ -742,7 +743,12 @@ fn cmd_unet(flags: &Flags) -> Result<()> {
     // The engine's budget leaves `--runtime-reserve` bytes of the --max-vram budget to the
     // backend's own allocations it does not see (CUDA: cuBLAS workspaces, loaded kernels,
     // ggml's temporary pool).
-    let reserve: u64 = flags.num("runtime-reserve", 0u64)?;
+    let default_reserve = if device.name().to_ascii_uppercase().starts_with("CUDA") {
+        sd_residency::capacity::CUDA_RUNTIME_RESERVE_BYTES
+    } else {
+        0
+    };
+    let reserve: u64 = flags.num("runtime-reserve", default_reserve)?;
     let engine_budget = budget.map(|b| b.saturating_sub(reserve));
 
     let free_before = device.memory().free;

@@ -47,7 +47,7 @@ pub use state::{Component, ParamSpec, ResidencyMode};
 
 use crate::capacity::{
     inspect_capacity, DeviceClass, DeviceMemoryCapacity, DeviceMemoryRequest, DeviceState, MaxVram,
-    DEVICE_RESERVE_BYTES,
+    CUDA_RUNTIME_RESERVE_BYTES, DEVICE_RESERVE_BYTES,
 };
 use crate::files::ModelLoader;
 use crate::residency::{
@@ -118,6 +118,9 @@ pub struct ModelManager {
     owners: BTreeSet<OwnerId>,
     runtime: HashMap<(OwnerId, BackendId), u64>,
     budgets: HashMap<String, u64>,
+    /// Bytes of each `--max-vram` budget left to the backend runtime (`None`: the default
+    /// of [`ModelManager::runtime_reserve`]).
+    runtime_reserve: Option<u64>,
     reserve_bytes: u64,
     max_block_bytes: u64,
     epoch: u64,
@@ -161,6 +164,7 @@ impl ModelManager {
             owners: BTreeSet::new(),
             runtime: HashMap::new(),
             budgets: HashMap::new(),
+            runtime_reserve: None,
             reserve_bytes: DEVICE_RESERVE_BYTES,
             max_block_bytes: MAX_RESIDENCY_BLOCK_BYTES,
             epoch: 0,
@@ -226,10 +230,44 @@ impl ModelManager {
             if d.kind() == DeviceKind::Cpu {
                 continue;
             }
+            let reserve = self.runtime_reserve(&d);
             let budget = max_vram
                 .for_device(&d.name())
-                .and_then(|spec| spec.resolve(Some(d.memory().free)));
+                .and_then(|spec| spec.resolve(Some(d.memory().free)))
+                .map(|b| {
+                    if reserve > 0 {
+                        tracing::info!(
+                            device = %d.name(),
+                            budget = b,
+                            reserve,
+                            "leaving part of the budget to the backend runtime"
+                        );
+                    }
+                    b.saturating_sub(reserve)
+                });
             self.set_device_budget(&d, budget);
+        }
+    }
+
+    /// Sets how many bytes of each `--max-vram` budget are left to the backend runtime's own
+    /// allocations, which no tracked tensor accounts for (`None`: the default, see
+    /// [`ModelManager::runtime_reserve`]). Applies to later [`ModelManager::apply_max_vram`]
+    /// calls.
+    pub fn set_runtime_reserve(&mut self, bytes: Option<u64>) {
+        self.runtime_reserve = bytes;
+    }
+
+    /// Bytes of a `--max-vram` budget on `device` left to its backend runtime: the value set
+    /// with [`ModelManager::set_runtime_reserve`], else [`CUDA_RUNTIME_RESERVE_BYTES`] on
+    /// CUDA devices and 0 elsewhere (the CPU is not budgeted; the simulated device allocates
+    /// nothing behind the manager's back; other GPU runtimes are not measured yet).
+    pub fn runtime_reserve(&self, device: &Device) -> u64 {
+        match self.runtime_reserve {
+            Some(b) => b,
+            None if device.name().to_ascii_uppercase().starts_with("CUDA") => {
+                CUDA_RUNTIME_RESERVE_BYTES
+            }
+            None => 0,
         }
     }
 
