@@ -24,7 +24,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
 
-use sd_graphcut::{CapturedGraph, CutMarks, CutName, HostInputs, Plan, SegmentGraph};
+use sd_graphcut::{CapturedGraph, CutMarks, CutName, HostInputs, Plan, SegmentGraph, SegmentKind};
 use sd_residency::{BackendMemoryRequest, DeviceResidencyManager, ParamId, WeightPrefetchResult};
 use sd_tensor::ggml::{BufferType, GTensor, TensorId};
 
@@ -172,7 +172,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         let prepared = if segmented {
             let p = self.prepare_plan(task, &task.marks)?;
             if p.plan.segments.len() > 1 {
-                p
+                self.merge_segments(task, p)?
             } else {
                 whole
             }
@@ -201,22 +201,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
             SegmentationPolicy::Auto if !can => return Ok(false),
             SegmentationPolicy::Auto => {}
         }
-        let device_total = cfg
-            .backend
-            .device()
-            .map(|d| d.memory().total)
-            .filter(|t| *t > 0);
-        // The tightest of the session budget, the device's budget in the manager
-        // (`--max-vram`) and the device's memory.
-        let limit = [
-            cfg.budget,
-            self.manager.backend_budget(cfg.backend_id),
-            device_total,
-        ]
-        .into_iter()
-        .flatten()
-        .min();
-        let Some(limit) = limit else {
+        let Some(limit) = self.segment_limit() else {
             return Ok(false);
         };
         let weights: u64 = whole.segment_weight_bytes.iter().sum();
@@ -235,6 +220,106 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
             return Ok(true);
         }
         Ok(false)
+    }
+
+    /// The tightest of the session budget, the device's budget in the manager
+    /// (`--max-vram`) and the device's memory, if any.
+    fn segment_limit(&self) -> Option<u64> {
+        let cfg = &self.session.config;
+        let device_total = cfg
+            .backend
+            .device()
+            .map(|d| d.memory().total)
+            .filter(|t| *t > 0);
+        [
+            cfg.budget,
+            self.manager.backend_budget(cfg.backend_id),
+            device_total,
+        ]
+        .into_iter()
+        .flatten()
+        .min()
+    }
+
+    /// Runs consecutive cut groups of `fine` as one segment while the merged segment's
+    /// estimated footprint (its weights, the largest compute buffer of its parts, the cut
+    /// outputs it produces and the largest set of live cuts) stays within a third of the
+    /// limit: one third for the segment computing, one for the next one's prefetched
+    /// weights, one for weights that stay resident from step to step. The merged plan is
+    /// measured like any other; if a merged segment does not fit the limit after all, the
+    /// fine plan runs. Off with [`SessionConfig::merge_segments`], under
+    /// [`SegmentationPolicy::Always`], and without a limit.
+    fn merge_segments(&mut self, task: &ComputeTask, fine: Prepared) -> Result<Prepared> {
+        let cfg = &self.session.config;
+        if !cfg.merge_segments || cfg.segmentation == SegmentationPolicy::Always {
+            return Ok(fine);
+        }
+        let Some(limit) = self.segment_limit() else {
+            return Ok(fine);
+        };
+        let target = limit / 3;
+        let segs = &fine.plan.segments;
+        // Ranges of consecutive cut segments; the final segment stays on its own.
+        let mut ranges: Vec<(usize, usize)> = Vec::new();
+        let (mut w, mut c, mut o, mut l) = (0u64, 0u64, 0u64, 0u64);
+        for (k, seg) in segs.iter().enumerate() {
+            let sw = fine.segment_weight_bytes[k];
+            let sc = seg.bytes.compute_buffer as u64;
+            let so = seg.bytes.outputs as u64;
+            let sl = seg.bytes.live_cuts as u64;
+            let fits = w + sw + c.max(sc) + o + so + l.max(sl) <= target;
+            match ranges.last_mut() {
+                Some(r)
+                    if seg.kind == SegmentKind::Cut
+                        && segs[r.0].kind == SegmentKind::Cut
+                        && fits =>
+                {
+                    r.1 = k;
+                    w += sw;
+                    c = c.max(sc);
+                    o += so;
+                    l = l.max(sl);
+                }
+                _ => {
+                    ranges.push((k, k));
+                    (w, c, o, l) = (sw, sc, so, sl);
+                }
+            }
+        }
+        if ranges.len() == segs.len() {
+            return Ok(fine);
+        }
+        let mut group_of: HashMap<String, String> = HashMap::new();
+        for &(a, b) in &ranges {
+            let name = if a == b {
+                segs[a].name.clone()
+            } else {
+                format!("{}..{}", segs[a].name, segs[b].name)
+            };
+            for seg in &segs[a..=b] {
+                group_of.insert(seg.name.clone(), name.clone());
+            }
+        }
+        let marks = task
+            .marks
+            .regrouped(|g| group_of.get(g).cloned().unwrap_or_else(|| g.to_string()))?;
+        let merged = self.prepare_plan(task, &marks)?;
+        let too_big = merged.plan.segments.iter().enumerate().find(|(k, seg)| {
+            merged.segment_weight_bytes[*k]
+                + (seg.bytes.compute_buffer + seg.bytes.live_cuts) as u64
+                > limit
+        });
+        if let Some((k, seg)) = too_big {
+            tracing::debug!(segment = k, name = %seg.name, limit, "merged segment too large: fine plan");
+            return Ok(fine);
+        }
+        tracing::debug!(
+            fine = segs.len(),
+            merged = merged.plan.segments.len(),
+            target,
+            "segments merged"
+        );
+        Ok(merged)
     }
 
     fn request(&self, device: usize, pending: u64) -> BackendMemoryRequest {

@@ -57,6 +57,11 @@ pub struct SessionConfig {
     pub segmentation: SegmentationPolicy,
     /// Whether to prefetch the next segment's weights (also needs the manager's switch).
     pub prefetch: bool,
+    /// Whether automatic segmentation may run consecutive cut groups as one segment while
+    /// a segment stays within a third of the budget (fewer, larger segments: less
+    /// per-segment overhead, with room left for the prefetched next segment and a resident
+    /// set). [`SegmentationPolicy::Always`] never merges.
+    pub merge_segments: bool,
     /// Extra devices for layer split (`diffusion=cuda0&cuda1`): with any, a graph with cuts
     /// runs segment by segment, each segment on the device its weights are assigned to
     /// (contiguous ranges of segments per device, in list order, the primary first).
@@ -84,6 +89,7 @@ impl SessionConfig {
             backend_id,
             budget: None,
             segmentation: SegmentationPolicy::Auto,
+            merge_segments: true,
             prefetch: true,
             split: Vec::new(),
         }
@@ -119,6 +125,12 @@ impl SessionConfig {
     /// Turns prefetch on or off.
     pub fn with_prefetch(mut self, on: bool) -> Self {
         self.prefetch = on;
+        self
+    }
+
+    /// Sets [`SessionConfig::merge_segments`].
+    pub fn with_segment_merging(mut self, on: bool) -> Self {
+        self.merge_segments = on;
         self
     }
 }

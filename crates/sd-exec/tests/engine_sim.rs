@@ -662,3 +662,119 @@ fn unet_layer_split_across_two_devices_equals_whole_within_budgets() {
 fn transformer_layer_split_across_two_devices_equals_whole_within_budgets() {
     check_layer_split("TF", transformer);
 }
+
+/// Repeated steps under a budget of about half the weights (a sampling loop): the eviction
+/// order (furthest next use first) keeps a resident set from step to step and streams only
+/// the rest, where least-recently-used or reverse-segment orders evict exactly what the next
+/// step needs first and re-upload every weight each step.
+#[test]
+fn repeated_steps_keep_a_resident_set_under_a_half_weight_budget() {
+    let (seg, _) = run(
+        "SIM_CYCLIC_PROBE",
+        transformer,
+        None,
+        SegmentationPolicy::Always,
+        false,
+    );
+    let mut r = rig("SIM_CYCLIC", false);
+    let weights: u64 =
+        r.w.iter()
+            .filter(|(k, _)| k.starts_with("tf."))
+            .map(|(_, t)| t.nbytes() as u64)
+            .sum();
+    let footprint = seg.segments.iter().map(|s| s.footprint()).max().unwrap();
+    // Half the weights besides the largest segment, with a little slack for alignment.
+    let budget = weights / 2 + footprint + 8192;
+    let id = r.session(Some(budget), SegmentationPolicy::Auto, false);
+    let h2d = |r: &Rig| r.sim.stats().host_to_device_bytes;
+    let mut per_step = Vec::new();
+    for _ in 0..4 {
+        let before = h2d(&r);
+        let out = r.engine.execute(id, &transformer(&r.w)).unwrap();
+        assert!(out.segmented);
+        assert_eq!(out.output, seg.output, "budgeted step differs");
+        per_step.push(h2d(&r) - before);
+    }
+    assert!(r.sim.peak_bytes() <= budget, "peak over budget");
+    // Steady state: what does not fit is streamed, what fits stays. Here two of the six
+    // layers (plus the small input) per step; reverse segment order re-uploads three.
+    for (i, moved) in per_step.iter().enumerate().skip(1) {
+        assert!(
+            *moved < weights * 7 / 16,
+            "step {i} moved {moved} B of {weights} B weights under budget {budget} \
+             (per step: {per_step:?})"
+        );
+    }
+    println!("weights {weights} B, budget {budget} B, host->device per step {per_step:?}");
+    r.engine.end(id).unwrap();
+}
+
+/// Under a budget just below the whole graph, consecutive cut groups run as one segment
+/// while a segment stays within a third of the budget (the UNet's small groups merge; the
+/// transformer's layers, each over a sixth of the weights, cannot), with the same bits as
+/// the whole graph, within budget; with merging off, every cut group is its own segment.
+fn check_merged(tag: &str, build: Builder, expect_merges: bool) {
+    let (whole, whole_peak) = run(
+        &format!("{tag}_MWHOLE"),
+        build,
+        None,
+        SegmentationPolicy::Never,
+        false,
+    );
+    let (fine, _) = run(
+        &format!("{tag}_MFINE"),
+        build,
+        None,
+        SegmentationPolicy::Always,
+        false,
+    );
+    let groups = fine.segments.len();
+    let budget = whole_peak * 9 / 10;
+    for (merge, prefetch) in [(true, false), (true, true), (false, true)] {
+        let mut r = rig(&format!("{tag}_M{merge}{prefetch}"), prefetch);
+        let id = r.engine.create_session(
+            SessionConfig::new("test", r.backend.clone(), r.gpu)
+                .with_budget(Some(budget))
+                .with_prefetch(prefetch)
+                .with_segment_merging(merge),
+        );
+        r.engine.start(id).unwrap();
+        for step in 0..2 {
+            let res = r.engine.execute(id, &build(&r.w)).unwrap();
+            assert!(res.segmented, "{tag}: not segmented under {budget}");
+            assert_eq!(res.output, whole.output, "{tag}: merge {merge} step {step}");
+            let n = res.segments.len();
+            if merge && expect_merges {
+                assert!(
+                    n < groups && n >= 2,
+                    "{tag}: {n} segments for {groups} cut groups under {budget} B"
+                );
+            } else {
+                assert_eq!(n, groups, "{tag}: merge {merge}");
+            }
+            println!(
+                "{tag}: merge {merge} prefetch {prefetch}: {n} segments ({:?})",
+                res.segments
+                    .iter()
+                    .map(|s| s.name.as_str())
+                    .collect::<Vec<_>>()
+            );
+        }
+        assert!(
+            r.sim.peak_bytes() <= budget,
+            "{tag}: peak {} > budget {budget}",
+            r.sim.peak_bytes()
+        );
+        r.engine.end(id).unwrap();
+    }
+}
+
+#[test]
+fn unet_merged_segments_equal_whole_within_budget() {
+    check_merged("SIM_UNET", unet, true);
+}
+
+#[test]
+fn transformer_merged_segments_equal_whole_within_budget() {
+    check_merged("SIM_TF", transformer, false);
+}

@@ -196,6 +196,51 @@ impl CutMarks {
         self.marks.is_empty()
     }
 
+    /// The same marks with groups merged: each mark's group becomes `merge(group)`. Marks
+    /// whose group is renamed get the output name `<old group>.<old output>`, so that the
+    /// outputs of merged groups stay distinct; marks whose group is kept keep their names.
+    /// The engine uses this to run several consecutive cut groups as one segment when the
+    /// budget allows, without the model marking anything differently.
+    pub fn regrouped(&self, merge: impl Fn(&str) -> String) -> Result<CutMarks> {
+        let mut out = CutMarks::new();
+        for m in &self.marks {
+            let group = merge(m.name.group());
+            let name = if group == m.name.group() {
+                m.name.clone()
+            } else {
+                let output = format!("{}.{}", m.name.group(), m.name.output());
+                CutName::new(&group, &output).map_err(|reason| GraphCutError::InvalidCutName {
+                    group: group.clone(),
+                    output: output.clone(),
+                    reason,
+                    at: m.location.to_string(),
+                })?
+            };
+            if let Some(&i) = out.by_name.get(&name) {
+                let first = &out.marks[i];
+                return Err(GraphCutError::DuplicateCutName {
+                    cut: name.to_string(),
+                    marks: Box::new(MarkConflict {
+                        first: first.tensor_name.clone(),
+                        first_at: first.location.to_string(),
+                        second: m.tensor_name.clone(),
+                        second_at: m.location.to_string(),
+                    }),
+                });
+            }
+            let i = out.marks.len();
+            out.by_tensor.insert(m.tensor, i);
+            out.by_name.insert(name.clone(), i);
+            out.marks.push(CutMark {
+                tensor: m.tensor,
+                tensor_name: m.tensor_name.clone(),
+                name,
+                location: m.location,
+            });
+        }
+        Ok(out)
+    }
+
     /// Removes all marks (before building the next graph).
     pub fn clear(&mut self) {
         self.marks.clear();
