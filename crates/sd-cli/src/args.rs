@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use sd_pipeline::rng::RngKind;
 use sd_pipeline::runtime::{parse_size, ComputeDevice, ParamsLocation};
-use sd_pipeline::sampling::SampleMethod;
+use sd_pipeline::sampling::{Prediction, SampleMethod};
 use sd_pipeline::schedule::{AysTable, Scheduler};
 use sd_residency::capacity::MaxVram;
 use sd_tensor::DType;
@@ -37,6 +37,8 @@ generation:
   --scheduler NAME            discrete, karras, exponential, ays, sgm_uniform, simple, lcm
   --rng cpu|cuda              noise generator: torch CPU or CUDA Philox (default cpu)
   --clip-skip N               use the text encoder layer N from the end (default: the model's)
+  --prediction eps|v          what the UNet predicts (default: the model's; SD2.x 768-v
+                              checkpoints need v)
   -i, --init-img PATH         init image (PNG) for img2img
   --strength S                img2img noise strength in [0, 1] (default 0.75)
   --vae-tiling                VAE-decode (and encode, for img2img) in overlapping tiles
@@ -91,6 +93,7 @@ pub struct Args {
     pub scheduler: Option<Scheduler>,
     pub rng: Option<RngKind>,
     pub clip_skip: Option<usize>,
+    pub prediction: Option<Prediction>,
     pub init: Option<PathBuf>,
     pub strength: Option<f32>,
     pub vae_tiling: bool,
@@ -235,6 +238,15 @@ pub fn parse(args: &[String]) -> Result<Args, Usage> {
                 a.strength = Some(s);
             }
             "-i" | "--init-img" => a.init = Some(value(args, &mut i, "-i/--init-img")?.into()),
+            "--prediction" => {
+                a.prediction = Some(match value(args, &mut i, flag)? {
+                    "eps" => Prediction::Eps,
+                    "v" => Prediction::V,
+                    other => {
+                        return Err(Usage(format!("--prediction needs eps or v, got '{other}'")))
+                    }
+                });
+            }
             "--clip-skip" => {
                 let v = value(args, &mut i, flag)?;
                 let n: i64 = number(v, flag, "an integer")?;
@@ -322,6 +334,17 @@ pub fn parse(args: &[String]) -> Result<Args, Usage> {
 mod tests {
     use super::*;
     use sd_residency::capacity::BudgetSpec;
+
+    #[test]
+    fn prediction_takes_eps_or_v() {
+        let p = |v: &str| parse(&["--prediction".to_string(), v.to_string()]);
+        assert_eq!(p("v").unwrap().prediction, Some(Prediction::V));
+        assert_eq!(p("eps").unwrap().prediction, Some(Prediction::Eps));
+        let Err(Usage(e)) = p("x0") else {
+            panic!("--prediction x0 accepted");
+        };
+        assert!(e.contains("--prediction") && e.contains("'x0'"), "{e}");
+    }
 
     #[test]
     fn max_vram_takes_gib_and_units() {

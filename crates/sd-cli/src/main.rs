@@ -190,6 +190,7 @@ fn generate(a: &Args, threads: usize, up: &upscale::UpscaleArgs) -> ExitCode {
         LoadOptions {
             runtime,
             clip_skip: a.clip_skip,
+            prediction: a.prediction,
         },
     ) {
         Ok(p) => p,

@@ -129,6 +129,7 @@ impl<M: DeviceResidencyManager> ExecutionEngine<M> {
             .get_mut(&id)
             .ok_or(ExecError::UnknownSession(id))?;
         s.release_all();
+        s.clear_runner_cache();
         s.planner = sd_graphcut::GraphPlanner::new(
             s.config.backend.buffer_type(),
             sd_graphcut::PlanOptions::default(),
@@ -167,16 +168,95 @@ impl<M: DeviceResidencyManager> ExecutionEngine<M> {
         Ok(())
     }
 
-    /// Clears the session's caches (cut cache and plan cache) and releases its workspace.
+    /// Clears the session's caches (runner cache, cut cache and plan cache) and releases its
+    /// workspace.
     pub fn clear_cache(&mut self, id: SessionId) -> Result<()> {
         self.discard_graph(id)?;
-        let s = self.get_mut(id)?;
+        let s = self
+            .sessions
+            .get_mut(&id)
+            .ok_or(ExecError::UnknownSession(id))?;
+        s.clear_runner_cache();
+        s.sync(&mut self.manager);
         s.planner = sd_graphcut::GraphPlanner::new(
             s.config.backend.buffer_type(),
             sd_graphcut::PlanOptions::default(),
             8,
         );
         Ok(())
+    }
+
+    /// Stores host `bytes` (exactly `like.nbytes()`, in `like`'s type and shape) in session
+    /// `id`'s runner cache under `name`, on its compute device, after making room for them
+    /// within its budget like any other allocation. The entry stays until `end`,
+    /// `clear_cache` or [`ExecutionEngine::cache_remove`]; tasks read it with
+    /// [`ComputeTask::with_cached_input`] (a device-side copy, no upload).
+    pub fn cache_store(
+        &mut self,
+        id: SessionId,
+        name: &str,
+        like: &sd_tensor::ggml::GTensor,
+        bytes: &[u8],
+    ) -> Result<()> {
+        let key = runner_key(name)?;
+        let mut session = self
+            .sessions
+            .remove(&id)
+            .ok_or(ExecError::UnknownSession(id))?;
+        let result = (|| {
+            if !session.started {
+                return Err(ExecError::NotStarted(id));
+            }
+            let slot = &session.slots[0];
+            let old = slot.runner_cache.get(&key).map_or(0, |t| t.nbytes() as u64);
+            let pending = (bytes.len() as u64).saturating_sub(old);
+            let request = sd_residency::BackendMemoryRequest {
+                backend: slot.backend_id,
+                owner: id.owner(),
+                pending_bytes: pending,
+                runtime_resident_bytes: slot.resident_bytes(),
+                max_backend_bytes: slot.budget,
+            };
+            crate::eviction::ensure_capacity(
+                &mut self.manager,
+                &mut self.sessions,
+                &crate::eviction::CapacityAsk {
+                    what: format!("runner cache entry '{name}' of session {id}"),
+                    backend_name: slot.backend.name().to_string(),
+                    request,
+                    required: &[],
+                    preferred: &[],
+                    protected: &[],
+                },
+                &mut self.log,
+            )?;
+            session.slots[0]
+                .runner_cache
+                .store_bytes(&key, like, bytes)
+                .map_err(ExecError::from)
+        })();
+        session.sync(&mut self.manager);
+        self.sessions.insert(id, session);
+        result
+    }
+
+    /// The runner cache entry `name` of session `id`, if any.
+    pub fn cache_entry(&self, id: SessionId, name: &str) -> Option<&sd_tensor::ggml::GTensor> {
+        let key = runner_key(name).ok()?;
+        self.sessions.get(&id)?.slots[0].runner_cache.get(&key)
+    }
+
+    /// Drops the runner cache entry `name` of session `id`; returns whether there was one.
+    pub fn cache_remove(&mut self, id: SessionId, name: &str) -> Result<bool> {
+        let key = runner_key(name)?;
+        let s = self
+            .sessions
+            .get_mut(&id)
+            .ok_or(ExecError::UnknownSession(id))?;
+        let removed = s.slots[0].runner_cache.contains(&key);
+        s.slots[0].runner_cache.remove(&key);
+        s.sync(&mut self.manager);
+        Ok(removed)
     }
 
     /// Computes `task` in session `id` (see [`crate::execution`]). On failure (a panic
@@ -245,4 +325,12 @@ impl<M: DeviceResidencyManager> ExecutionEngine<M> {
     pub fn take_reclaim_log(&mut self) -> Vec<ReclaimEvent> {
         std::mem::take(&mut self.log)
     }
+}
+
+/// The cut-cache key of runner cache entry `name`.
+pub(crate) fn runner_key(name: &str) -> Result<sd_graphcut::CutName> {
+    sd_graphcut::CutName::new("runner", name).map_err(|reason| ExecError::InvalidTask {
+        task: format!("runner cache entry '{name}'"),
+        detail: reason,
+    })
 }

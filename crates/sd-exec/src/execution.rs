@@ -441,6 +441,23 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         for (t, b) in &task.inputs {
             inputs.insert(t, b)?;
         }
+        for (t, name) in &task.cached_inputs {
+            let key = crate::engine::runner_key(name)?;
+            let entry = self.session.slots[0]
+                .runner_cache
+                .get(&key)
+                .ok_or_else(|| {
+                    self.invalid(
+                        task,
+                        format!(
+                            "input '{}' reads runner cache entry '{name}', which session {} does not hold",
+                            t.name(),
+                            self.session.id
+                        ),
+                    )
+                })?;
+            inputs.insert_tensor(t, entry)?;
+        }
         let owner = self.session.id.owner();
         let prefetch_on =
             segmented && self.session.config.prefetch && self.manager.prefetch_enabled();

@@ -285,8 +285,9 @@ impl ExecutionSession {
     ) -> u64 {
         let mut bytes = 0;
         for s in self.slots.iter_mut().filter(|s| s.backend_id == backend) {
-            bytes += s.resident_bytes();
+            let before = s.resident_bytes();
             s.release();
+            bytes += before - s.resident_bytes();
         }
         self.sync(manager);
         bytes
@@ -297,6 +298,21 @@ impl ExecutionSession {
         for s in &mut self.slots {
             s.release();
         }
+    }
+
+    /// Drops every runner cache entry.
+    pub(crate) fn clear_runner_cache(&mut self) {
+        for s in &mut self.slots {
+            s.runner_cache.clear();
+        }
+    }
+
+    /// Bytes of its runner cache.
+    pub fn runner_cache_bytes(&self) -> u64 {
+        self.slots
+            .iter()
+            .map(|s| s.runner_cache.bytes() as u64)
+            .sum()
     }
 
     /// Clears the cut caches (they live for one graph).
@@ -319,6 +335,10 @@ pub(crate) struct DeviceSlot {
     pub budget: Option<u64>,
     pub workspace: ComputeWorkspace,
     pub cut_cache: CutCache,
+    /// The runner cache: named tensors the runner keeps on this device across executions
+    /// (only the primary slot's is used). Counted in the resident bytes; released by `end`
+    /// and `clear_cache`, never by idle reclamation or a failed execution.
+    pub runner_cache: CutCache,
 }
 
 impl fmt::Debug for DeviceSlot {
@@ -328,6 +348,7 @@ impl fmt::Debug for DeviceSlot {
             .field("budget", &self.budget)
             .field("workspace", &self.workspace)
             .field("cut_cache", &self.cut_cache)
+            .field("runner_cache", &self.runner_cache)
             .finish()
     }
 }
@@ -341,12 +362,13 @@ impl DeviceSlot {
             budget,
             workspace: ComputeWorkspace::new(buft),
             cut_cache: CutCache::new(buft),
+            runner_cache: CutCache::new(buft),
         }
     }
 
     /// Workspace + cut cache bytes.
     pub fn resident_bytes(&self) -> u64 {
-        self.workspace.bytes() + self.cut_cache.bytes() as u64
+        self.workspace.bytes() + self.cut_cache.bytes() as u64 + self.runner_cache.bytes() as u64
     }
 
     fn release(&mut self) {

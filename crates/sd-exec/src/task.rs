@@ -24,6 +24,9 @@ pub struct ComputeTask {
     pub inputs: Vec<(GTensor, Vec<u8>)>,
     /// Weight leaves (registered parameters) the graph uses.
     pub weights: Vec<GTensor>,
+    /// Input leaves whose data comes from the session's runner cache: `(tensor, entry
+    /// name)`, copied on the device, never through the host.
+    pub cached_inputs: Vec<(GTensor, String)>,
 }
 
 impl ComputeTask {
@@ -36,6 +39,7 @@ impl ComputeTask {
             output,
             inputs: Vec::new(),
             weights: Vec::new(),
+            cached_inputs: Vec::new(),
         }
     }
 
@@ -48,6 +52,13 @@ impl ComputeTask {
     /// Adds host data for an input leaf.
     pub fn with_input(mut self, tensor: &GTensor, bytes: Vec<u8>) -> ComputeTask {
         self.inputs.push((tensor.clone(), bytes));
+        self
+    }
+
+    /// Feeds an input leaf from the runner cache entry `name` (see
+    /// [`crate::ExecutionEngine::cache_store`]); the entry must have the leaf's type and shape.
+    pub fn with_cached_input(mut self, tensor: &GTensor, name: impl Into<String>) -> ComputeTask {
+        self.cached_inputs.push((tensor.clone(), name.into()));
         self
     }
 

@@ -778,3 +778,68 @@ fn unet_merged_segments_equal_whole_within_budget() {
 fn transformer_merged_segments_equal_whole_within_budget() {
     check_merged("SIM_TF", transformer, false);
 }
+
+/// The runner cache: an input stored once on the device feeds later executions by a
+/// device-side copy (the same bits as the host input, fewer bytes host->device), counts in
+/// the session's resident bytes, survives idle reclamation, and goes with `clear_cache`; a
+/// task reading a missing entry fails naming it, and the session stays usable.
+#[test]
+fn runner_cache_feeds_inputs_on_the_device_and_counts_in_the_budget() {
+    let mut r = rig("SIM_RUNNER", false);
+    let id = r.session(None, SegmentationPolicy::Always, false);
+    let reference = transformer(&r.w);
+    let host_in = reference.inputs[0].1.clone();
+    let want = r.engine.execute(id, &reference).unwrap();
+
+    let like = reference.inputs[0].0.clone();
+    r.engine.cache_store(id, "tokens", &like, &host_in).unwrap();
+    let cached = r.engine.session(id).unwrap().runner_cache_bytes();
+    assert!(
+        cached >= host_in.len() as u64,
+        "runner cache holds {cached} B"
+    );
+    assert!(r.engine.session(id).unwrap().resident_bytes() >= cached);
+
+    // The same graph with its input taken from the cache instead of the host.
+    let from_cache = |r: &Rig| {
+        let mut t = transformer(&r.w);
+        let (leaf, _) = t.inputs.remove(0);
+        t.with_cached_input(&leaf, "tokens")
+    };
+    let before = r.sim.stats().host_to_device_bytes;
+    let got = r.engine.execute(id, &from_cache(&r)).unwrap();
+    let cached_h2d = r.sim.stats().host_to_device_bytes - before;
+    assert_eq!(got.output, want.output, "cached input gives other bits");
+    let before = r.sim.stats().host_to_device_bytes;
+    r.engine.execute(id, &transformer(&r.w)).unwrap();
+    let host_h2d = r.sim.stats().host_to_device_bytes - before;
+    assert!(
+        cached_h2d + host_in.len() as u64 <= host_h2d,
+        "cached run moved {cached_h2d} B host->device, host-input run {host_h2d} B"
+    );
+
+    // A second session's work reclaims idle workspaces, not the runner cache.
+    let other = r.session(None, SegmentationPolicy::Always, false);
+    r.engine.execute(other, &unet(&r.w)).unwrap();
+    assert!(r.engine.cache_entry(id, "tokens").is_some());
+
+    // A missing entry: a clear error, and the session still works.
+    let mut t = transformer(&r.w);
+    let (leaf, _) = t.inputs.remove(0);
+    let err = r
+        .engine
+        .execute(id, &t.with_cached_input(&leaf, "nothing"))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("'nothing'"), "{err}");
+    assert_eq!(
+        r.engine.execute(id, &from_cache(&r)).unwrap().output,
+        want.output
+    );
+
+    r.engine.clear_cache(id).unwrap();
+    assert!(r.engine.cache_entry(id, "tokens").is_none());
+    assert_eq!(r.engine.session(id).unwrap().runner_cache_bytes(), 0);
+    r.engine.end(id).unwrap();
+    r.engine.end(other).unwrap();
+}

@@ -9,7 +9,7 @@ use std::collections::HashMap;
 
 use sd_tensor::ggml::{Backend, Buffer, BufferType, Context, GTensor};
 
-use crate::error::{ggml, Result};
+use crate::error::{ggml, GraphCutError, Result};
 use crate::marks::CutName;
 
 struct Entry {
@@ -80,6 +80,48 @@ impl CutCache {
         let e = &self.entries[name];
         Backend::copy_tensor(src, &e.tensor)
             .map_err(ggml(format!("copying cut '{name}' into the cut cache")))
+    }
+
+    /// Stores host `bytes` (exactly `like.nbytes()`, in its layout) under `name`, in an
+    /// entry with `like`'s type and shape (reused when the layout matches).
+    pub fn store_bytes(&mut self, name: &CutName, like: &GTensor, bytes: &[u8]) -> Result<()> {
+        if bytes.len() != like.nbytes() {
+            return Err(GraphCutError::InvalidGraph {
+                node: format!("cache entry '{name}'"),
+                detail: format!(
+                    "{} host bytes for a tensor of {} bytes",
+                    bytes.len(),
+                    like.nbytes()
+                ),
+            });
+        }
+        let reusable = self.entries.get(name).is_some_and(|e| {
+            e.tensor.type_code() == like.type_code() && e.tensor.ne() == like.ne()
+        });
+        if !reusable {
+            self.entries.remove(name);
+            let ctx =
+                Context::new_descriptors(1, 1, 0).map_err(ggml(format!("cache entry '{name}'")))?;
+            let tensor = ctx
+                .new_tensor(
+                    like.dtype().ok_or_else(|| GraphCutError::InvalidGraph {
+                        node: format!("cache entry '{name}'"),
+                        detail: format!("unsupported tensor type {}", like.type_code()),
+                    })?,
+                    &like.ne(),
+                )
+                .map_err(ggml(format!("cache entry '{name}'")))?;
+            tensor.set_name(&like.name());
+            let buffer = self
+                .buft
+                .alloc_context_tensors(&ctx)
+                .map_err(ggml(format!("allocating cache entry '{name}'")))?;
+            self.entries.insert(name.clone(), Entry { tensor, buffer });
+        }
+        self.entries[name]
+            .tensor
+            .write_bytes(0, bytes)
+            .map_err(ggml(format!("writing cache entry '{name}'")))
     }
 
     /// The cached tensor of a cut.

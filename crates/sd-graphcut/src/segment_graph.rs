@@ -36,12 +36,21 @@ use crate::plan::{InputKind, Plan, Segment, SegmentOutput};
 use crate::planner::SegmentMeasure;
 use crate::view::{CapturedGraph, TensorRef};
 
-/// Host data for external inputs, by tensor. An external input found here is uploaded into
-/// a private copy in every segment that reads it (like uploading the inputs of a monolithic
-/// graph after allocation); one not found here must already have data.
+/// Data for external inputs, by tensor: host bytes, or a tensor that already holds the data
+/// in some backend buffer (a runner cache entry on the device). An external input found here
+/// is written into a private copy in every segment that reads it (like uploading the inputs
+/// of a monolithic graph after allocation; a tensor source is copied backend to backend, so
+/// device-resident data never goes through the host); one not found here must already have
+/// data.
 #[derive(Clone, Debug, Default)]
 pub struct HostInputs<'a> {
-    map: HashMap<TensorId, &'a [u8]>,
+    map: HashMap<TensorId, InputData<'a>>,
+}
+
+#[derive(Clone, Debug)]
+enum InputData<'a> {
+    Bytes(&'a [u8]),
+    Tensor(GTensor),
 }
 
 impl<'a> HostInputs<'a> {
@@ -62,13 +71,52 @@ impl<'a> HostInputs<'a> {
                 ),
             });
         }
-        self.map.insert(t.id(), bytes);
+        self.map.insert(t.id(), InputData::Bytes(bytes));
         Ok(())
     }
 
-    /// The bytes for a tensor.
+    /// A tensor with data (same type and shape as `t`) to copy into input `t`.
+    pub fn insert_tensor(&mut self, t: &GTensor, src: &GTensor) -> Result<()> {
+        if src.type_code() != t.type_code() || src.ne() != t.ne() {
+            return Err(GraphCutError::InvalidGraph {
+                node: format!("input '{}'", t.name()),
+                detail: format!(
+                    "source '{}' is {:?} of type {}, the input {:?} of type {}",
+                    src.name(),
+                    src.ne(),
+                    src.type_code(),
+                    t.ne(),
+                    t.type_code()
+                ),
+            });
+        }
+        self.map.insert(t.id(), InputData::Tensor(src.clone()));
+        Ok(())
+    }
+
+    /// The host bytes for a tensor (`None` if it has none, or a tensor source).
     pub fn get(&self, id: TensorId) -> Option<&'a [u8]> {
-        self.map.get(&id).copied()
+        match self.map.get(&id) {
+            Some(InputData::Bytes(b)) => Some(b),
+            _ => None,
+        }
+    }
+
+    /// Whether there is data (bytes or a tensor) for a tensor.
+    pub fn contains(&self, id: TensorId) -> bool {
+        self.map.contains_key(&id)
+    }
+
+    /// Writes the data for input `id` into `dst`.
+    fn write_into(
+        &self,
+        id: TensorId,
+        dst: &GTensor,
+    ) -> Option<std::result::Result<(), sd_tensor::GgmlError>> {
+        Some(match self.map.get(&id)? {
+            InputData::Bytes(b) => dst.write_bytes(0, b),
+            InputData::Tensor(src) => Backend::copy_tensor(src, dst),
+        })
     }
 }
 
@@ -159,10 +207,10 @@ impl SegmentGraph {
     /// graph was allocated).
     pub fn upload(&self, inputs: &HostInputs<'_>) -> Result<()> {
         for (t, id) in &self.uploads {
-            let bytes = inputs
-                .get(*id)
+            let written = inputs
+                .write_into(*id, t)
                 .ok_or_else(|| self.err(format!("no host data for input '{}'", t.name())))?;
-            t.write_bytes(0, bytes).map_err(ggml(format!(
+            written.map_err(ggml(format!(
                 "uploading input '{}' of segment {}",
                 t.name(),
                 self.index
@@ -277,7 +325,7 @@ fn build(
             (InputKind::External, TensorRef::Leaf(l)) => {
                 let host = match mode {
                     Mode::Measure => true,
-                    Mode::Execute { inputs, .. } => inputs.get(orig.id()).is_some(),
+                    Mode::Execute { inputs, .. } => inputs.contains(orig.id()),
                 };
                 let t = if host {
                     let c = ctx

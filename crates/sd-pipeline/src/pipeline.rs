@@ -84,6 +84,10 @@ pub struct LoadOptions {
     /// Use the hidden states of this layer from the end (`--clip-skip`; 1: the last; `None`:
     /// the model's default, 1 for SD1 and 2 for SD2).
     pub clip_skip: Option<usize>,
+    /// What the UNet predicts (`--prediction`; `None`: the model's configuration, eps
+    /// unless the file's sd-rs metadata says otherwise). SD2.x 768-v checkpoints need `v`:
+    /// their weights do not tell.
+    pub prediction: Option<crate::sampling::Prediction>,
 }
 
 /// A loaded model (see the module documentation).
@@ -187,7 +191,7 @@ impl Pipeline {
             &ModelFiles::single(path.as_ref()),
             LoadOptions {
                 runtime: options,
-                clip_skip: None,
+                ..LoadOptions::default()
             },
         )
     }
@@ -214,6 +218,9 @@ impl Pipeline {
                 });
             }
             config.clip.clip_skip = skip;
+        }
+        if let Some(p) = options.prediction {
+            config.prediction = p;
         }
         let mut runtime =
             Runtime::new(options.runtime, loader).map_err(|e| runtime_err(&primary, e))?;

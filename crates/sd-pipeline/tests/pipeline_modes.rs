@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 
 use sd_pipeline::generate::{GenerateError, LoadOptions, ModelFiles, Pipeline, Txt2Img};
 use sd_pipeline::runtime::RuntimeOptions;
+use sd_pipeline::sampling::Prediction;
 use sd_pipeline::vae_tiling::VaeTiling;
 use sd_tensor::{DType, Image};
 
@@ -34,7 +35,15 @@ fn params(prompt: &str, seed: u64) -> Txt2Img {
 }
 
 fn load(files: &ModelFiles, runtime: RuntimeOptions, clip_skip: Option<usize>) -> Pipeline {
-    Pipeline::open(files, LoadOptions { runtime, clip_skip }).unwrap()
+    Pipeline::open(
+        files,
+        LoadOptions {
+            runtime,
+            clip_skip,
+            ..LoadOptions::default()
+        },
+    )
+    .unwrap()
 }
 
 fn cpu() -> RuntimeOptions {
@@ -243,7 +252,7 @@ fn component_files_equal_the_checkpoint() {
         &files,
         LoadOptions {
             runtime: cpu(),
-            clip_skip: None,
+            ..LoadOptions::default()
         },
     )
     .unwrap_err()
@@ -310,6 +319,7 @@ fn tiled_decoding_batches_clip_skip_and_weight_types() {
         LoadOptions {
             runtime: cpu(),
             clip_skip: Some(4),
+            ..LoadOptions::default()
         },
     )
     .unwrap_err();
@@ -344,4 +354,29 @@ fn tiled_decoding_batches_clip_skip_and_weight_types() {
         eprintln!("--type {t}: mean abs difference {d:.2}");
         assert!(d < limit, "{t}: differs by {d}");
     }
+}
+
+/// `--prediction`: eps given explicitly is the model's default (the same image); v reads
+/// the same UNet output as a velocity, which gives another image.
+#[test]
+fn prediction_override_changes_the_denoiser() {
+    let files = ModelFiles::single(builtin());
+    let with = |prediction| {
+        Pipeline::open(
+            &files,
+            LoadOptions {
+                runtime: cpu(),
+                prediction,
+                ..LoadOptions::default()
+            },
+        )
+        .unwrap()
+    };
+    let base = params("a red circle on a white background", 3);
+    let default = one(&mut with(None), &base);
+    let eps = one(&mut with(Some(Prediction::Eps)), &base);
+    let v = one(&mut with(Some(Prediction::V)), &base);
+    assert_eq!(eps.pixels(), default.pixels());
+    let d = mad(&v, &default);
+    assert!(d > 1.0, "v prediction changed the image by only {d}");
 }
