@@ -46,7 +46,9 @@ devices and memory:
   --backend NAME              compute device: cpu (default), a ggml device name from
                               --list-devices (CUDA0, Vulkan0, ...), or sim:SIZE, a simulated
                               GPU of SIZE (MiB, or with unit K/M/G) whose arithmetic runs on
-                              the CPU, with exact memory accounting (tests, budget studies)
+                              the CPU, with exact memory accounting (tests, budget studies);
+                              A&B (or diffusion=A&B) layer-splits the UNet across A and
+                              B within each one's --max-vram (sim:64&sim:64 -> SIM0, SIM1)
   --params-backend WHERE      where weights live between uses: cpu/ram (loaded once) or disk
                               (read from the files at each use)
   --max-vram SIZE             compute device budget for weights + workspace: GiB (4, 3.5),
@@ -98,6 +100,7 @@ pub struct Args {
     pub strength: Option<f32>,
     pub vae_tiling: bool,
     pub backend: Option<ComputeDevice>,
+    pub split: Vec<ComputeDevice>,
     pub params_backend: Option<ParamsLocation>,
     pub max_vram: Option<MaxVram>,
     pub mmap: bool,
@@ -266,7 +269,17 @@ pub fn parse(args: &[String]) -> Result<Args, Usage> {
             }
             "--backend" => {
                 let v = value(args, &mut i, flag)?;
-                a.backend = Some(v.parse().map_err(|e| Usage(format!("--backend: {e}")))?);
+                // `a&b&...` (optionally `diffusion=a&b`): the diffusion model is layer-split
+                // across the devices, in order; everything else runs on the first.
+                let v = v.strip_prefix("diffusion=").unwrap_or(v);
+                let mut devices = Vec::new();
+                for part in v.split('&') {
+                    let d: ComputeDevice =
+                        part.parse().map_err(|e| Usage(format!("--backend: {e}")))?;
+                    devices.push(d);
+                }
+                a.backend = Some(devices.remove(0));
+                a.split = devices;
             }
             "--params-backend" => {
                 let v = value(args, &mut i, flag)?;
@@ -334,6 +347,16 @@ pub fn parse(args: &[String]) -> Result<Args, Usage> {
 mod tests {
     use super::*;
     use sd_residency::capacity::BudgetSpec;
+
+    #[test]
+    fn backend_with_ampersands_is_a_layer_split() {
+        let a = parse(&["--backend".into(), "diffusion=sim:64&sim:32".into()]).unwrap();
+        assert_eq!(a.backend, Some(ComputeDevice::Sim { bytes: 64 << 20 }));
+        assert_eq!(a.split, vec![ComputeDevice::Sim { bytes: 32 << 20 }]);
+        let a = parse(&["--backend".into(), "sim:64".into()]).unwrap();
+        assert!(a.split.is_empty());
+        assert!(parse(&["--backend".into(), "sim:64&".into()]).is_err());
+    }
 
     #[test]
     fn prediction_takes_eps_or_v() {

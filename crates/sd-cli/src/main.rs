@@ -173,6 +173,7 @@ fn generate(a: &Args, threads: usize, up: &upscale::UpscaleArgs) -> ExitCode {
     };
     let runtime = RuntimeOptions {
         compute: a.backend.clone().unwrap_or(ComputeDevice::Cpu),
+        split: a.split.clone(),
         params: a.params_backend.unwrap_or_default(),
         mmap: a.mmap,
         max_vram: a.max_vram.clone(),

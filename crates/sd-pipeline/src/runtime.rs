@@ -148,6 +148,11 @@ impl FromStr for ParamsLocation {
 pub struct RuntimeOptions {
     /// The compute device.
     pub compute: ComputeDevice,
+    /// Extra devices the diffusion model is layer-split across (`--backend "a&b"`): its
+    /// segments run on the compute device first, then on these in order, in contiguous
+    /// ranges within each device's budget (`--max-vram` per device). The other models stay
+    /// on the compute device.
+    pub split: Vec<ComputeDevice>,
     /// Where parameters live between uses.
     pub params: ParamsLocation,
     /// Map host parameters from their files without copies where possible (`--mmap`).
@@ -175,6 +180,7 @@ impl Default for RuntimeOptions {
     fn default() -> Self {
         RuntimeOptions {
             compute: ComputeDevice::Cpu,
+            split: Vec::new(),
             params: ParamsLocation::Ram,
             mmap: false,
             max_vram: None,
@@ -284,8 +290,11 @@ pub struct Runtime {
     compute_id: BackendId,
     cpu_id: BackendId,
     budget: Option<u64>,
+    /// Layer-split devices of the diffusion model: backend, id, budget.
+    split: Vec<(Arc<Backend>, BackendId, Option<u64>)>,
     options: RuntimeOptions,
     sim: Option<SimDevice>,
+    split_sims: Vec<SimDevice>,
 }
 
 impl std::fmt::Debug for Runtime {
@@ -309,37 +318,55 @@ impl Runtime {
             move |source| RuntimeError::Backend { name, source }
         };
         let cpu = Arc::new(Backend::cpu(threads).map_err(backend_err("cpu"))?);
-        let mut sim = None;
-        let compute = match &options.compute {
-            ComputeDevice::Cpu => cpu.clone(),
-            ComputeDevice::Named(name) => {
-                let b = Backend::by_name(name).map_err(backend_err(name))?;
-                if b.is_cpu() {
-                    b.set_threads(threads);
+        // A backend for `device`; simulated devices are named SIM0, SIM1, ... in order.
+        let mut sims: Vec<SimDevice> = Vec::new();
+        let mut make = |device: &ComputeDevice| -> Result<(Arc<Backend>, bool)> {
+            Ok(match device {
+                ComputeDevice::Cpu => (cpu.clone(), false),
+                ComputeDevice::Named(name) => {
+                    let b = Backend::by_name(name).map_err(backend_err(name))?;
+                    if b.is_cpu() {
+                        b.set_threads(threads);
+                    }
+                    (Arc::new(b), false)
                 }
-                Arc::new(b)
-            }
-            ComputeDevice::Sim { bytes } => {
-                let name = format!("sim:{}", bytes >> 20);
-                let s = SimDevice::new(
-                    "SIM0",
-                    *bytes,
-                    SimOptions {
-                        threads,
-                        ..SimOptions::default()
-                    },
-                )
-                .map_err(backend_err(&name))?;
-                let b = s.backend().map_err(backend_err(&name))?;
-                sim = Some(s);
-                Arc::new(b)
-            }
+                ComputeDevice::Sim { bytes } => {
+                    let name = format!("sim:{}", bytes >> 20);
+                    let s = SimDevice::new(
+                        &format!("SIM{}", sims.len()),
+                        *bytes,
+                        SimOptions {
+                            threads,
+                            ..SimOptions::default()
+                        },
+                    )
+                    .map_err(backend_err(&name))?;
+                    let b = s.backend().map_err(backend_err(&name))?;
+                    sims.push(s);
+                    (Arc::new(b), true)
+                }
+            })
         };
+        let (compute, primary_sim) = make(&options.compute)?;
+        let mut split_backends = Vec::new();
+        for d in &options.split {
+            let (b, _) = make(d)?;
+            if b.is_cpu() || Arc::ptr_eq(&b, &compute) {
+                return Err(RuntimeError::Unknown(format!(
+                    "layer split device '{}': split devices must be distinct GPUs (or sim:SIZE)",
+                    b.name()
+                )));
+            }
+            split_backends.push(b);
+        }
+        let mut sims = sims.into_iter();
+        let sim = if primary_sim { sims.next() } else { None };
+        let split_sims: Vec<SimDevice> = sims.collect();
         let mut mm = ModelManager::new(main);
         mm.set_mmap(options.mmap);
         mm.set_segmented_compute(true);
         mm.set_prefetch(options.prefetch);
-        if sim.is_some() {
+        if sim.is_some() || !split_sims.is_empty() {
             // The simulated device is exactly its size: no driver reserve.
             mm.set_device_reserve(0);
         }
@@ -349,6 +376,10 @@ impl Runtime {
         } else {
             mm.add_backend(compute.clone())?
         };
+        let mut split_ids = Vec::new();
+        for b in &split_backends {
+            split_ids.push(mm.add_backend(b.clone())?);
+        }
         let mut budget = None;
         if let Some(mv) = &options.max_vram {
             mm.apply_max_vram(mv);
@@ -356,6 +387,14 @@ impl Runtime {
                 budget = mm.device_budget(&d);
             }
         }
+        let split = split_backends
+            .into_iter()
+            .zip(split_ids)
+            .map(|(b, id)| {
+                let budget = b.device().and_then(|d| mm.device_budget(&d));
+                (b, id, budget)
+            })
+            .collect();
         let engine = ExecutionEngine::new(
             mm,
             EngineOptions {
@@ -371,8 +410,10 @@ impl Runtime {
             compute_id,
             cpu_id,
             budget,
+            split,
             options,
             sim,
+            split_sims,
         })
     }
 
@@ -428,12 +469,16 @@ impl Runtime {
             },
             &descs,
         )?;
-        let session = self.engine.create_session(
-            SessionConfig::new(name, self.compute.clone(), self.compute_id)
-                .with_budget(self.budget)
-                .with_segmentation(self.options.segmentation)
-                .with_prefetch(self.options.prefetch),
-        );
+        let mut config = SessionConfig::new(name, self.compute.clone(), self.compute_id)
+            .with_budget(self.budget)
+            .with_segmentation(self.options.segmentation)
+            .with_prefetch(self.options.prefetch);
+        if component == Component::Diffusion {
+            for (b, id, budget) in &self.split {
+                config = config.with_split_device(b.clone(), *id, *budget);
+            }
+        }
+        let session = self.engine.create_session(config);
         self.engine.start(session)?;
         tracing::debug!(model = name, params = ids.len(), "model added");
         self.models.push(ModelSlot {
@@ -573,6 +618,12 @@ impl Runtime {
     /// The budget in bytes on the compute device (from `--max-vram`), if any.
     pub fn budget(&self) -> Option<u64> {
         self.budget
+    }
+
+    /// The simulated layer-split devices (`--backend "sim:A&sim:B"`: SIM1, ...), for peak
+    /// and live bytes in tests.
+    pub fn split_sim_devices(&self) -> &[SimDevice] {
+        &self.split_sims
     }
 
     /// The simulated device when computing on one (peak and live bytes for tests).

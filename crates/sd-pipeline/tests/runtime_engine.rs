@@ -13,6 +13,7 @@ use sd_pipeline::model_config::ModelConfig;
 use sd_pipeline::runtime::{
     BuiltGraph, ComputeDevice, ParamsLocation, Runtime, RuntimeError, RuntimeOptions,
 };
+use sd_pipeline::vae_tiling::VaeTiling;
 use sd_residency::capacity::MaxVram;
 use sd_residency::files::ModelLoader;
 use sd_residency::{Component, SourceId};
@@ -229,4 +230,68 @@ fn a_second_model_source_runs_in_the_same_runtime() {
     let budget = rt.budget().unwrap();
     let peak = rt.sim_device().unwrap().peak_bytes();
     assert!(peak <= budget, "peak {peak} > budget {budget}");
+}
+
+/// `--backend "sim:A&sim:B"`: the UNet is layer-split across two simulated devices (the
+/// first's budget too small for it), the other models stay on the first; the image equals
+/// the whole run's, each device's own peak stays within its budget, and activations (skips
+/// included) cross between the devices.
+#[test]
+fn layer_split_across_two_simulated_devices_equals_the_whole_run() {
+    let sim = ComputeDevice::Sim { bytes: 256 << 20 };
+    // Tiled VAE decoding keeps the decoder within the first device's small budget.
+    let tiled = Txt2Img {
+        vae_tiling: Some(VaeTiling {
+            tile: 8,
+            overlap: 4,
+        }),
+        ..params()
+    };
+    let run = |opts: RuntimeOptions| -> (Image, Pipeline) {
+        let mut p = Pipeline::load(builtin(), opts).unwrap();
+        let img = p.txt2img(&tiled, &mut |_, _| {}).unwrap().remove(0);
+        (img, p)
+    };
+    let (whole, _) = run(options(sim.clone(), None));
+    let gib = (1u64 << 30) as f64;
+    let (b0, b1) = (5u64 << 20, 64u64 << 20);
+    let opts = RuntimeOptions {
+        split: vec![sim.clone()],
+        max_vram: Some(
+            MaxVram::parse(&format!(
+                "sim0={},sim1={}",
+                b0 as f64 / gib,
+                b1 as f64 / gib
+            ))
+            .unwrap(),
+        ),
+        ..options(sim, None)
+    };
+    let (split, p) = run(opts);
+    let rt = p.runtime();
+    let unet = rt.last_segments(p.handles().unet);
+    let devices: Vec<usize> = unet.iter().map(|s| s.device).collect();
+    assert!(
+        devices.contains(&0) && devices.contains(&1),
+        "unet segments on devices {devices:?}"
+    );
+    assert!(
+        devices.windows(2).all(|w| w[0] <= w[1]),
+        "not contiguous: {devices:?}"
+    );
+    assert!(
+        unet.iter().any(|s| s.copied_bytes > 0),
+        "no activation crossed"
+    );
+    let p0 = rt.sim_device().unwrap().peak_bytes();
+    let p1 = rt.split_sim_devices()[0].peak_bytes();
+    assert!(p0 <= b0, "SIM0 peak {p0} > {b0}");
+    assert!(p1 <= b1, "SIM1 peak {p1} > {b1}");
+    assert!(p1 > 0, "SIM1 unused");
+    println!(
+        "unet segments per device {devices:?}; peaks SIM0 {p0} of {b0}, SIM1 {p1} of {b1}; \
+         copied {} B",
+        unet.iter().map(|s| s.copied_bytes).sum::<u64>()
+    );
+    assert_eq!(split.pixels(), whole.pixels());
 }
