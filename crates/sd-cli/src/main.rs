@@ -321,8 +321,22 @@ fn report_memory(p: &Pipeline) {
     for m in [h.text_encoder, h.unet, h.vae] {
         let r = rt.last_segments(m);
         let peak = r.iter().map(|s| s.footprint()).max().unwrap_or(0);
+        let devices = r.iter().map(|s| s.device).max().unwrap_or(0) + 1;
+        let split = if devices > 1 {
+            let per: Vec<String> = (0..devices)
+                .map(|d| r.iter().filter(|s| s.device == d).count().to_string())
+                .collect();
+            let copied: u64 = r.iter().map(|s| s.copied_bytes).sum();
+            format!(
+                ", layer split {} per device, {:.2} MiB copied between devices",
+                per.join("+"),
+                mib(copied)
+            )
+        } else {
+            String::new()
+        };
         eprintln!(
-            "{}: {} segment(s) in its last run, largest footprint {:.1} MiB",
+            "{}: {} segment(s) in its last run, largest footprint {:.1} MiB{split}",
             rt.model_name(m).unwrap_or("?"),
             r.len(),
             mib(peak)
@@ -330,6 +344,13 @@ fn report_memory(p: &Pipeline) {
     }
     if let Some(sim) = rt.sim_device() {
         eprintln!("simulated device peak: {:.2} MiB", mib(sim.peak_bytes()));
+    }
+    for (i, sim) in rt.split_sim_devices().iter().enumerate() {
+        eprintln!(
+            "simulated split device SIM{} peak: {:.2} MiB",
+            i + 1,
+            mib(sim.peak_bytes())
+        );
     }
 }
 
