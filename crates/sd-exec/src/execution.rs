@@ -561,7 +561,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
                 self.compute_segment(task, p, k, &inputs, prefetch_on, &mut queued, store_bytes);
             let pinned = std::mem::take(&mut self.session.pinned_now);
             let unpinned = self.manager.unpin_params(&pinned);
-            let cache_bytes = r?;
+            let (cache_bytes, direct_outputs) = r?;
             unpinned?;
             self.session.slots[d].workspace.end_graph();
             for slot in &mut self.session.slots {
@@ -579,6 +579,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
                 cache_bytes,
                 copied_bytes: import_bytes,
                 prefetched,
+                direct_outputs,
             });
         }
         if queued.is_some() {
@@ -620,7 +621,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         prefetch_on: bool,
         queued: &mut Option<(usize, Vec<ParamId>)>,
         store_bytes: u64,
-    ) -> Result<u64> {
+    ) -> Result<(u64, usize)> {
         let plan = &p.plan;
         let seg = &plan.segments[k];
         let d = p.segment_device[k];
@@ -631,6 +632,18 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
             &self.session.slots[d].cut_cache,
             inputs,
         )?;
+        // Cut outputs that later segments or the caller read are computed straight into
+        // their cut-cache entries (capacity for them was asked for as `store_bytes`); the
+        // others are copied there after computing.
+        let mut direct: HashSet<CutName> = HashSet::new();
+        for (o, t) in sg.outputs() {
+            if (o.graph_output || seg.future_cuts.contains(&o.name))
+                && !direct.contains(&o.name)
+                && self.session.slots[d].cut_cache.bind_output(&o.name, t)?
+            {
+                direct.insert(o.name.clone());
+            }
+        }
         self.session.slots[d].workspace.allocate(sg)?;
         self.session.sync(self.manager);
         if prefetch_on {
@@ -657,9 +670,11 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
             .map(|(o, t)| (o.name.clone(), t.clone()))
             .collect();
         for (name, t) in outs {
-            slot.cut_cache.store(&name, &t)?;
+            if !direct.contains(&name) {
+                slot.cut_cache.store(&name, &t)?;
+            }
         }
-        Ok(slot.cut_cache.bytes() as u64)
+        Ok((slot.cut_cache.bytes() as u64, direct.len()))
     }
 
     /// Best effort: schedules the next segment's missing weights on its device now if they

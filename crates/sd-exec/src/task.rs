@@ -90,6 +90,8 @@ pub struct SegmentReport {
     pub copied_bytes: u64,
     /// Whether its weights had been prefetched while the previous segment computed.
     pub prefetched: bool,
+    /// Outputs it computed straight into cut-cache storage (no copy after computing).
+    pub direct_outputs: usize,
 }
 
 impl SegmentReport {

@@ -375,6 +375,13 @@ fn check_model(tag: &str, build: Builder) {
             prefetch,
         );
         assert!(tight.segmented, "{tag}: not segmented under {budget}");
+        // Every segment's cut outputs (and the final output) are computed straight into
+        // cut-cache storage, none copied there afterwards.
+        let direct: Vec<usize> = tight.segments.iter().map(|s| s.direct_outputs).collect();
+        assert!(
+            direct.iter().all(|&n| n > 0),
+            "{tag}: outputs computed into the cache per segment {direct:?}"
+        );
         assert_eq!(
             tight.output, whole.output,
             "{tag}: tight (prefetch {prefetch}) differs"

@@ -82,6 +82,43 @@ impl CutCache {
             .map_err(ggml(format!("copying cut '{name}' into the cut cache")))
     }
 
+    /// Makes `t` (a segment graph's output, not yet allocated) live in the entry for `name`
+    /// (allocated, or reused when the layout matches), so that computing the graph writes the
+    /// cut straight into the cache and no copy is needed afterwards. Returns `false`, doing
+    /// nothing, when `t` cannot be placed (a view, or a tensor that already has memory); the
+    /// caller then [`store`](Self::store)s a copy after computing.
+    pub fn bind_output(&mut self, name: &CutName, t: &GTensor) -> Result<bool> {
+        if t.view_src().is_some() || t.is_allocated() {
+            return Ok(false);
+        }
+        let reusable = self.entries.get(name).is_some_and(|e| {
+            e.tensor.type_code() == t.type_code()
+                && e.tensor.ne() == t.ne()
+                && e.tensor.nb() == t.nb()
+        });
+        if !reusable {
+            self.entries.remove(name);
+            let ctx = Context::new_descriptors(1, 1, 0)
+                .map_err(ggml(format!("cut cache entry '{name}'")))?;
+            let tensor = ctx
+                .new_tensor_like(t)
+                .map_err(ggml(format!("cut cache entry '{name}'")))?;
+            let buffer = self
+                .buft
+                .alloc_context_tensors(&ctx)
+                .map_err(ggml(format!("allocating cut cache entry '{name}'")))?;
+            self.entries.insert(name.clone(), Entry { tensor, buffer });
+        }
+        let e = &self.entries[name];
+        if e.tensor.nb() != t.nb() || e.buffer.alloc_size(t) > e.buffer.size() {
+            return Ok(false);
+        }
+        e.buffer
+            .place(t, 0)
+            .map_err(ggml(format!("placing cut '{name}' in the cut cache")))?;
+        Ok(true)
+    }
+
     /// Stores host `bytes` (exactly `like.nbytes()`, in its layout) under `name`, in an
     /// entry with `like`'s type and shape (reused when the layout matches).
     pub fn store_bytes(&mut self, name: &CutName, like: &GTensor, bytes: &[u8]) -> Result<()> {
