@@ -231,7 +231,7 @@ fn bsrgan_name(name: &str) -> Option<String> {
 /// element-wise im2col.
 fn conv_cwh(g: &GraphCtx, conv: &Conv2d, x: &GTensor) -> Result<GTensor> {
     let ctx = &g.ctx;
-    let [kw, kh, c, oc] = conv.weight.ne();
+    let [kw, kh, c, _] = conv.weight.ne();
     let [xc, w, h, n] = x.ne();
     if xc != c || n != 1 || kw != kh || conv.stride != 1 || 2 * conv.padding + 1 != kw {
         return Err(ModelError::Input {
@@ -239,19 +239,41 @@ fn conv_cwh(g: &GraphCtx, conv: &Conv2d, x: &GTensor) -> Result<GTensor> {
             detail: format!("kernel {:?} on {:?}", conv.weight.ne(), x.ne()),
         });
     }
-    let k = kw;
-    // Kernel [kx, ky, C, OC] -> [C, kx, OC, ky] = [k C, OC, k].
-    let wk = ctx.cont(&ctx.permute(&conv.weight, [1, 3, 0, 2])?)?;
-    let wk = ctx.reshape(&wk, &[k * c, oc, k])?;
     let p = conv.padding;
     let xp = if p > 0 {
         ctx.pad_ext(x, [(0, 0), (p, p), (p, p), (0, 0)])?
     } else {
         x.clone()
     };
+    conv_cwh_padded(g, conv, &xp, w, h)
+}
+
+/// [`conv_cwh`] of an input that already carries its zero border (`[C, W + 2p, H + 2p, 1]`,
+/// contiguous), for an output of `w` x `h` pixels.
+fn conv_cwh_padded(
+    g: &GraphCtx,
+    conv: &Conv2d,
+    xp: &GTensor,
+    w: usize,
+    h: usize,
+) -> Result<GTensor> {
+    let ctx = &g.ctx;
+    let [kw, _, c, oc] = conv.weight.ne();
+    let p = conv.padding;
+    let [xc, pw, ph, _] = xp.ne();
+    if xc != c || pw != w + 2 * p || ph != h + 2 * p {
+        return Err(ModelError::Input {
+            name: "conv",
+            detail: format!("kernel {:?} on padded {:?}", conv.weight.ne(), xp.ne()),
+        });
+    }
+    let k = kw;
+    // Kernel [kx, ky, C, OC] -> [C, kx, OC, ky] = [k C, OC, k].
+    let wk = ctx.cont(&ctx.permute(&conv.weight, [1, 3, 0, 2])?)?;
+    let wk = ctx.reshape(&wk, &[k * c, oc, k])?;
     let nb = xp.nb();
     // [k C, W, H, k]: pixel (w, h) of kernel row ky starts at w * nb1 + (h + ky) * nb2.
-    let cols = ctx.view(&xp, [k * c, w, h, k], [nb[1], nb[2], nb[2]], 0)?;
+    let cols = ctx.view(xp, [k * c, w, h, k], [nb[1], nb[2], nb[2]], 0)?;
     let cols = ctx.reshape(&ctx.cont(&cols)?, &[k * c, w * h, k])?;
     let y = ctx.mul_mat(&wk, &cols)?; // [OC, W*H, k]
     let mut acc = ctx.view(&y, [oc, w * h, 1, 1], [y.nb()[1], y.nb()[2], y.nb()[2]], 0)?;
@@ -322,10 +344,16 @@ impl DenseBlock {
     fn forward(&self, g: &GraphCtx, x: &GTensor) -> Result<GTensor> {
         let ctx = &g.ctx;
         let lrelu = |t: GTensor| -> Result<GTensor> { Ok(ctx.leaky_relu(&t, LEAKY_SLOPE)?) };
-        let mut cat = x.clone();
+        // The growing concatenation is kept with its zero border: each piece is padded once
+        // when it is made, instead of the whole concatenation before every convolution.
+        let [_, w, h, _] = x.ne();
+        let pad = |t: &GTensor| -> Result<GTensor> {
+            Ok(ctx.pad_ext(t, [(0, 0), (1, 1), (1, 1), (0, 0)])?)
+        };
+        let mut cat = pad(x)?;
         let mut feats: Vec<GTensor> = Vec::with_capacity(4);
         for (i, conv) in self.convs.iter().enumerate().take(4) {
-            let mut y = lrelu(conv_cwh(g, conv, &cat)?)?;
+            let mut y = lrelu(conv_cwh_padded(g, conv, &cat, w, h)?)?;
             if let Some(c11) = &self.conv1x1 {
                 if i == 1 {
                     y = ctx.add(&y, &conv_cwh(g, c11, x)?)?;
@@ -333,10 +361,10 @@ impl DenseBlock {
                     y = ctx.add(&y, &feats[1])?;
                 }
             }
-            cat = ctx.concat(&cat, &y, 0)?;
+            cat = ctx.concat(&cat, &pad(&y)?, 0)?;
             feats.push(y);
         }
-        let x5 = conv_cwh(g, &self.convs[4], &cat)?;
+        let x5 = conv_cwh_padded(g, &self.convs[4], &cat, w, h)?;
         Ok(ctx.add(&ctx.scale(&x5, RESIDUAL_SCALE)?, x)?)
     }
 }
