@@ -72,7 +72,7 @@ fn upscaler_shares_the_generation_budget_and_reclaims_idle_copies() {
     rt.engine_mut().take_reclaim_log();
     rt.sim_device().unwrap().reset_peak();
     let opts = UpscaleOptions {
-        tile_size: 34,
+        tile_size: 32,
         repeats: 1,
     };
     let out = {
