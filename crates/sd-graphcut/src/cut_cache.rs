@@ -54,30 +54,46 @@ impl CutCache {
         self.buft
     }
 
-    /// Stores a copy of `src`'s data under `name`, with `src`'s layout. An entry of the same
-    /// name and layout is overwritten in place; otherwise a new buffer is allocated.
-    pub fn store(&mut self, name: &CutName, src: &GTensor) -> Result<()> {
-        let _span =
-            tracing::trace_span!("cut_cache_store", cut = %name, bytes = src.nbytes()).entered();
+    /// The entry for `name` with `like`'s type and shape, allocated unless one with that
+    /// layout exists: `like`'s strides too, or (`contiguous`) a contiguous tensor.
+    fn entry_like(&mut self, name: &CutName, like: &GTensor, contiguous: bool) -> Result<&Entry> {
         let reusable = self.entries.get(name).is_some_and(|e| {
-            e.tensor.type_code() == src.type_code()
-                && e.tensor.ne() == src.ne()
-                && e.tensor.nb() == src.nb()
+            e.tensor.type_code() == like.type_code()
+                && e.tensor.ne() == like.ne()
+                && (contiguous || e.tensor.nb() == like.nb())
         });
         if !reusable {
             self.entries.remove(name);
             let ctx = Context::new_descriptors(1, 1, 0)
                 .map_err(ggml(format!("cut cache entry '{name}'")))?;
-            let tensor = ctx
-                .new_tensor_like(src)
-                .map_err(ggml(format!("cut cache entry '{name}'")))?;
+            let tensor = if contiguous {
+                let dtype = like.dtype().ok_or_else(|| GraphCutError::InvalidGraph {
+                    node: format!("cache entry '{name}'"),
+                    detail: format!("unsupported tensor type {}", like.type_code()),
+                })?;
+                let t = ctx.new_tensor(dtype, &like.ne());
+                t.inspect(|t| {
+                    t.set_name(&like.name());
+                })
+            } else {
+                ctx.new_tensor_like(like)
+            }
+            .map_err(ggml(format!("cut cache entry '{name}'")))?;
             let buffer = self
                 .buft
                 .alloc_context_tensors(&ctx)
                 .map_err(ggml(format!("allocating cut cache entry '{name}'")))?;
             self.entries.insert(name.clone(), Entry { tensor, buffer });
         }
-        let e = &self.entries[name];
+        Ok(&self.entries[name])
+    }
+
+    /// Stores a copy of `src`'s data under `name`, with `src`'s layout. An entry of the same
+    /// name and layout is overwritten in place; otherwise a new buffer is allocated.
+    pub fn store(&mut self, name: &CutName, src: &GTensor) -> Result<()> {
+        let _span =
+            tracing::trace_span!("cut_cache_store", cut = %name, bytes = src.nbytes()).entered();
+        let e = self.entry_like(name, src, false)?;
         Backend::copy_tensor(src, &e.tensor)
             .map_err(ggml(format!("copying cut '{name}' into the cut cache")))
     }
@@ -91,25 +107,7 @@ impl CutCache {
         if t.view_src().is_some() || t.is_allocated() {
             return Ok(false);
         }
-        let reusable = self.entries.get(name).is_some_and(|e| {
-            e.tensor.type_code() == t.type_code()
-                && e.tensor.ne() == t.ne()
-                && e.tensor.nb() == t.nb()
-        });
-        if !reusable {
-            self.entries.remove(name);
-            let ctx = Context::new_descriptors(1, 1, 0)
-                .map_err(ggml(format!("cut cache entry '{name}'")))?;
-            let tensor = ctx
-                .new_tensor_like(t)
-                .map_err(ggml(format!("cut cache entry '{name}'")))?;
-            let buffer = self
-                .buft
-                .alloc_context_tensors(&ctx)
-                .map_err(ggml(format!("allocating cut cache entry '{name}'")))?;
-            self.entries.insert(name.clone(), Entry { tensor, buffer });
-        }
-        let e = &self.entries[name];
+        let e = self.entry_like(name, t, false)?;
         if e.tensor.nb() != t.nb() || e.buffer.alloc_size(t) > e.buffer.size() {
             return Ok(false);
         }
@@ -132,30 +130,7 @@ impl CutCache {
                 ),
             });
         }
-        let reusable = self.entries.get(name).is_some_and(|e| {
-            e.tensor.type_code() == like.type_code() && e.tensor.ne() == like.ne()
-        });
-        if !reusable {
-            self.entries.remove(name);
-            let ctx =
-                Context::new_descriptors(1, 1, 0).map_err(ggml(format!("cache entry '{name}'")))?;
-            let tensor = ctx
-                .new_tensor(
-                    like.dtype().ok_or_else(|| GraphCutError::InvalidGraph {
-                        node: format!("cache entry '{name}'"),
-                        detail: format!("unsupported tensor type {}", like.type_code()),
-                    })?,
-                    &like.ne(),
-                )
-                .map_err(ggml(format!("cache entry '{name}'")))?;
-            tensor.set_name(&like.name());
-            let buffer = self
-                .buft
-                .alloc_context_tensors(&ctx)
-                .map_err(ggml(format!("allocating cache entry '{name}'")))?;
-            self.entries.insert(name.clone(), Entry { tensor, buffer });
-        }
-        self.entries[name]
+        self.entry_like(name, like, true)?
             .tensor
             .write_bytes(0, bytes)
             .map_err(ggml(format!("writing cache entry '{name}'")))
