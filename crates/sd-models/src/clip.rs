@@ -1,11 +1,22 @@
-//! The CLIP text encoder (transformers `CLIPTextModel` layout) as used by SD1.x and SD2.x.
+//! The CLIP text encoder (transformers `CLIPTextModel` layout) as used by SD1.x, SD2.x and
+//! SDXL (CLIP-L and OpenCLIP-bigG).
 //!
 //! Parameters live under `cond_stage_model.transformer.text_model.` (canonical names; SD2's
-//! OpenCLIP checkpoints are converted to this layout by `sd_residency::names`):
+//! and SDXL's OpenCLIP checkpoints are converted to this layout by `sd_residency::names`;
+//! bigG lives under `cond_stage_model.1.transformer.text_model.`):
 //! `embeddings.{token,position}_embedding.weight`, `encoder.layers.N.{layer_norm1,
 //! self_attn.{q,k,v,out}_proj, layer_norm2, mlp.fc1, mlp.fc2}`, `final_layer_norm`.
+//!
+//! With a projection ([`ClipTextConfig::projection_dim`], SDXL's bigG) the model also gives
+//! the pooled output of `CLIPTextModelWithProjection`: the last layer's hidden state at the
+//! end-of-text token, final layer norm, then the text projection, stored either as
+//! transformers' `text_projection.weight` (`[proj, width]`, next to `text_model`) or as
+//! OpenCLIP's `text_model.text_projection` (`[width, proj]`, transposed here); see
+//! [`sd_residency::names::TEXT_PROJECTION_LINEAR`].
 
-use sd_residency::names::CLIP_PREFIX;
+use sd_residency::names::{
+    CLIP_G_PREFIX, CLIP_PREFIX, TEXT_PROJECTION_LINEAR, TEXT_PROJECTION_OPENCLIP,
+};
 use sd_tensor::ggml::GTensor;
 use sd_tensor::DType;
 
@@ -36,9 +47,14 @@ pub struct ClipTextConfig {
     /// `num_hidden_layers - (clip_skip - 1)`; 1 uses every layer. (diffusers' `clip_skip`
     /// is this minus one.)
     pub clip_skip: usize,
-    /// Apply `final_layer_norm` to the selected hidden state (SD1 and SD2 do; SDXL's first
-    /// encoder does not).
+    /// Apply `final_layer_norm` to the selected hidden state (SD1 and SD2 do; SDXL's
+    /// encoders do not).
     pub final_layer_norm: bool,
+    /// Width of the pooled text projection (`projection_dim` of
+    /// `CLIPTextModelWithProjection`; SDXL's bigG: 1280). `Some`: every layer, the final
+    /// layer norm and the projection are declared, and
+    /// [`ClipTextModel::forward_with_pooled`] is available.
+    pub projection_dim: Option<usize>,
     /// Name prefix of the parameters.
     pub prefix: String,
 }
@@ -58,7 +74,40 @@ impl ClipTextConfig {
             layer_norm_eps: 1e-5,
             clip_skip: 1,
             final_layer_norm: true,
+            projection_dim: None,
             prefix: format!("{CLIP_PREFIX}text_model"),
+        }
+    }
+
+    /// SDXL's first encoder: CLIP ViT-L/14 as SD1's, its penultimate layer without the final
+    /// layer norm (`sgm` `FrozenCLIPEmbedder`, `layer: hidden, layer_idx: 11`).
+    pub fn sdxl_clip_l() -> Self {
+        ClipTextConfig {
+            clip_skip: 2,
+            final_layer_norm: false,
+            ..Self::sd1()
+        }
+    }
+
+    /// SDXL's second encoder (the refiner's only one): OpenCLIP ViT-bigG/14
+    /// (`stabilityai/stable-diffusion-xl-base-1.0` `text_encoder_2/config.json`: 32 layers,
+    /// 1280 wide, 20 heads, MLP 5120, `gelu`, `projection_dim: 1280`). The context is the
+    /// penultimate layer without the final layer norm (`FrozenOpenCLIPEmbedder2`, `layer:
+    /// penultimate`); the pooled output is projected.
+    pub fn sdxl_clip_g() -> Self {
+        ClipTextConfig {
+            vocab_size: 49408,
+            hidden_size: 1280,
+            intermediate_size: 5120,
+            num_hidden_layers: 32,
+            num_attention_heads: 20,
+            max_position_embeddings: 77,
+            hidden_act: Activation::Gelu,
+            layer_norm_eps: 1e-5,
+            clip_skip: 2,
+            final_layer_norm: false,
+            projection_dim: Some(1280),
+            prefix: format!("{CLIP_G_PREFIX}text_model"),
         }
     }
 
@@ -78,6 +127,7 @@ impl ClipTextConfig {
             layer_norm_eps: 1e-5,
             clip_skip: 2,
             final_layer_norm: true,
+            projection_dim: None,
             prefix: format!("{CLIP_PREFIX}text_model"),
         }
     }
@@ -88,8 +138,19 @@ impl ClipTextConfig {
             .saturating_sub(self.clip_skip.max(1) - 1)
     }
 
+    /// Number of layers declared: all of them with a projection (the pooled output reads
+    /// the last one), else [`ClipTextConfig::layers_used`].
+    pub fn layers_declared(&self) -> usize {
+        if self.projection_dim.is_some() {
+            self.num_hidden_layers
+        } else {
+            self.layers_used()
+        }
+    }
+
     fn validate(&self) -> Result<()> {
         if self.num_attention_heads == 0
+            || self.projection_dim == Some(0)
             || !self.hidden_size.is_multiple_of(self.num_attention_heads)
             || self.layers_used() == 0
             || self.max_position_embeddings == 0
@@ -157,12 +218,36 @@ pub struct ClipTextModel {
     pub layers: Vec<ClipEncoderLayer>,
     /// `final_layer_norm`.
     pub final_layer_norm: Option<LayerNorm>,
+    /// The pooled-output projection, when configured.
+    pub text_projection: Option<TextProjection>,
+}
+
+/// The pooled-output projection in one of its two stored layouts.
+#[derive(Clone, Debug)]
+pub enum TextProjection {
+    /// transformers' `text_projection.weight` `W` `[proj, width]`, applied as `x W^T`.
+    Linear(Linear),
+    /// OpenCLIP's `text_projection` `P` `[width, proj]`, applied as `x P`.
+    OpenClip(GTensor),
+}
+
+impl TextProjection {
+    fn forward(&self, ctx: &sd_tensor::ggml::Context, x: &GTensor) -> Result<GTensor> {
+        match self {
+            TextProjection::Linear(l) => l.forward(ctx, x),
+            TextProjection::OpenClip(p) => {
+                let pt = ctx.cont(&ctx.transpose(p)?)?;
+                Ok(ctx.mul_mat(&pt, x)?)
+            }
+        }
+    }
 }
 
 impl ClipTextModel {
     /// Declares the parameters under `config.prefix` of `pb`.
     pub fn new(pb: &ParamBuilder<'_>, config: ClipTextConfig) -> Result<Self> {
         config.validate()?;
+        let root = pb.clone();
         let pb = pb.pp(&config.prefix);
         let (h, eps) = (config.hidden_size, config.layer_norm_eps);
         let e = pb.pp("embeddings");
@@ -174,8 +259,8 @@ impl ClipTextModel {
                 .pp("position_embedding")
                 .tensor_f32("weight", &[config.max_position_embeddings, h])?,
         };
-        let mut layers = Vec::with_capacity(config.layers_used());
-        for i in 0..config.layers_used() {
+        let mut layers = Vec::with_capacity(config.layers_declared());
+        for i in 0..config.layers_declared() {
             let l = pb.pp(format!("encoder.layers.{i}"));
             let a = l.pp("self_attn");
             let m = l.pp("mlp");
@@ -196,16 +281,43 @@ impl ClipTextModel {
                 },
             });
         }
-        let final_layer_norm = if config.final_layer_norm {
+        let final_layer_norm = if config.final_layer_norm || config.projection_dim.is_some() {
             Some(LayerNorm::new(&pb.pp("final_layer_norm"), h, eps)?)
         } else {
             None
+        };
+        let text_projection = match config.projection_dim {
+            None => None,
+            Some(proj) => {
+                // The slot prefix: `text_model`'s parent.
+                let slot = config
+                    .prefix
+                    .strip_suffix("text_model")
+                    .unwrap_or(&config.prefix)
+                    .trim_end_matches('.');
+                let slot = root.pp(slot);
+                let open_clip = TEXT_PROJECTION_OPENCLIP;
+                let linear = TEXT_PROJECTION_LINEAR.trim_end_matches(".weight");
+                if !slot.contains(TEXT_PROJECTION_LINEAR) && slot.contains(open_clip) {
+                    Some(TextProjection::OpenClip(
+                        slot.tensor(open_clip, &[h, proj])?,
+                    ))
+                } else {
+                    Some(TextProjection::Linear(Linear::new(
+                        &slot.pp(linear),
+                        h,
+                        proj,
+                        false,
+                    )?))
+                }
+            }
         };
         Ok(ClipTextModel {
             config,
             embeddings,
             layers,
             final_layer_norm,
+            text_projection,
         })
     }
 
@@ -213,6 +325,59 @@ impl ClipTextModel {
     /// `max_position_embeddings`). Returns the hidden states `[hidden, n_tokens, B]` of the
     /// layer selected by `clip_skip`, final layer norm applied if configured.
     pub fn forward(&self, g: &mut GraphCtx, input_ids: &GTensor) -> Result<GTensor> {
+        let (hidden, _) = self.encode(g, input_ids, self.config.layers_used())?;
+        Ok(hidden)
+    }
+
+    /// Like [`ClipTextModel::forward`], and also the pooled, projected output
+    /// `[projection_dim, B]`: the last layer's hidden state of sequence `b` at token
+    /// `pool_at[b]` (the first end-of-text token: transformers and OpenCLIP take the
+    /// position of the largest id, which is end-of-text in the CLIP vocabulary), final layer
+    /// norm, text projection. Needs [`ClipTextConfig::projection_dim`].
+    pub fn forward_with_pooled(
+        &self,
+        g: &mut GraphCtx,
+        input_ids: &GTensor,
+        pool_at: &[usize],
+    ) -> Result<(GTensor, GTensor)> {
+        let (proj, ln) = match (&self.text_projection, &self.final_layer_norm) {
+            (Some(p), Some(ln)) => (p, ln),
+            _ => {
+                return Err(ModelError::Config(
+                    "pooled output asked of a CLIP text model without a projection".into(),
+                ))
+            }
+        };
+        let [n, b, _, _] = input_ids.ne();
+        if pool_at.len() != b || pool_at.iter().any(|&p| p >= n) {
+            return Err(ModelError::Input {
+                name: "pool_at",
+                detail: format!("{pool_at:?}, expected {b} positions below {n}"),
+            });
+        }
+        let (hidden, last) = self.encode(g, input_ids, self.config.num_hidden_layers)?;
+        let ctx = g.ctx.clone();
+        let h = self.config.hidden_size;
+        let rows: Vec<i32> = pool_at
+            .iter()
+            .enumerate()
+            .map(|(i, &p)| (i * n + p) as i32)
+            .collect();
+        let idx = g.aux_input("clip.pool_index", DType::I32, &[b], HostData::I32(rows))?;
+        let flat = ctx.reshape(&last, &[h, n * b])?;
+        let pooled = ctx.get_rows(&flat, &idx)?; // [h, B]
+        let pooled = ln.forward(&ctx, &pooled)?;
+        Ok((hidden, proj.forward(&ctx, &pooled)?))
+    }
+
+    /// Runs `run` layers; returns the hidden state of layer `layers_used` (final layer norm
+    /// applied if configured) and that of the last layer run (no norm).
+    fn encode(
+        &self,
+        g: &mut GraphCtx,
+        input_ids: &GTensor,
+        run: usize,
+    ) -> Result<(GTensor, GTensor)> {
         let ctx = g.ctx.clone();
         let idn = input_ids.ne();
         let (n, b) = (idn[0], idn[1]);
@@ -252,8 +417,11 @@ impl ClipTextModel {
         }
         let mask = g.aux_input("clip.causal_mask", DType::F32, &[n, n], HostData::F32(mask))?;
 
-        // 3. Encoder layers (pre-norm), up to the clip-skip layer; a graph cut after each.
-        for (i, layer) in self.layers.iter().enumerate() {
+        // 3. Encoder layers (pre-norm), up to the clip-skip layer (or all of them for the
+        //    pooled output); a graph cut after each.
+        let used = self.config.layers_used();
+        let mut selected = None;
+        for (i, layer) in self.layers.iter().take(run).enumerate() {
             let r = layer.layer_norm1.forward(&ctx, &x)?;
             let a = &layer.self_attn;
             let q = a.q_proj.forward(&ctx, &r)?;
@@ -266,12 +434,16 @@ impl ClipTextModel {
             let r = layer.mlp.act.forward(&ctx, &r, g.opts)?;
             x = ctx.add(&x, &layer.mlp.fc2.forward(&ctx, &r)?)?;
             g.marks.mark(&x, &format!("encoder.layers.{i}"), "h")?;
+            if i + 1 == used {
+                selected = Some(x.clone());
+            }
         }
+        let mut hidden = selected.unwrap_or_else(|| x.clone());
 
-        // 4. Final layer norm.
-        if let Some(ln) = &self.final_layer_norm {
-            x = ln.forward(&ctx, &x)?;
+        // 4. Final layer norm of the selected layer.
+        if let (true, Some(ln)) = (self.config.final_layer_norm, &self.final_layer_norm) {
+            hidden = ln.forward(&ctx, &hidden)?;
         }
-        Ok(x)
+        Ok((hidden, x))
     }
 }

@@ -362,3 +362,25 @@ pub fn pixel_unshuffle(ctx: &Context, x: &GTensor, r: usize) -> Result<GTensor> 
     let t = ctx.cont(&ctx.permute(&t, [2, 0, 1, 3])?)?;
     Ok(ctx.reshape(&t, &[w, h, r * r * c, n])?)
 }
+
+/// Sinusoidal embeddings of scalars, computed on the host: for each value `v`, `dim` numbers
+/// `[cos(v f_0), .., cos(v f_{h-1}), sin(v f_0), .., sin(v f_{h-1})]` with `h = dim / 2` and
+/// `f_i = exp(-ln(10000) i / h)` (cos first: LDM's `timestep_embedding`, diffusers'
+/// `Timesteps(flip_sin_to_cos=True, downscale_freq_shift=0)`), concatenated value after
+/// value. SDXL embeds its size and crop conditioning (and the refiner its aesthetic score)
+/// this way, 256 numbers each. An odd `dim` ends with a zero, as upstream pads.
+pub fn sinusoidal_embedding(values: &[f32], dim: usize) -> Vec<f32> {
+    let half = dim / 2;
+    let freqs: Vec<f32> = (0..half)
+        .map(|i| (-(10000f64.ln()) * i as f64 / half as f64).exp() as f32)
+        .collect();
+    let mut out = Vec::with_capacity(values.len() * dim);
+    for &v in values {
+        out.extend(freqs.iter().map(|&f| (v * f).cos()));
+        out.extend(freqs.iter().map(|&f| (v * f).sin()));
+        if dim % 2 == 1 {
+            out.push(0.0);
+        }
+    }
+    out
+}

@@ -1,4 +1,4 @@
-//! The SD1.x / SD2.x UNet (LDM `openaimodel.UNetModel`).
+//! The LDM UNet (`openaimodel.UNetModel`) of SD1.x, SD2.x, SDXL and the SDXL refiner.
 //!
 //! Parameters live under `model.diffusion_model.` in the original layout: `time_embed.{0,2}`,
 //! `input_blocks.N.M` (`N` = 0 is `conv_in`; a `ResBlock` at `M` = 0, its
@@ -6,6 +6,12 @@
 //! `middle_block.{0,1,2}`, `output_blocks.N.M` (`ResBlock`, optional `SpatialTransformer`,
 //! optional `Upsample` as `.conv`), `out.{0,2}`. Inside a `SpatialTransformer`: `norm`,
 //! `proj_in`, `transformer_blocks.K.{norm1,attn1,norm2,attn2,norm3,ff}`, `proj_out`.
+//!
+//! SDXL adds a per-level transformer depth (`[0, 2, 10]`: none at the first level) and
+//! `label_emb.0.{0,2}` (`adm_in_channels` to the time-embedding width, SiLU between),
+//! whose output is added to the time embedding: it embeds the vector `y` (pooled text
+//! and sinusoidal embeddings of the size conditioning, see [`crate::nn::sinusoidal_embedding`]).
+//! [`UnetConfig::from_catalog`] reads every width and depth from the tensors.
 //!
 //! The forward pass marks a graph cut ([`sd_graphcut::CutMarks`]) at the output of every
 //! input block (`input_blocks.N|h`), of the middle block (`middle_block|h`) and of every
@@ -18,6 +24,8 @@ use sd_tensor::DType;
 use crate::nn::{attention, Activation, Conv2d, GroupNorm, LayerNorm, Linear};
 use crate::weights::ParamBuilder;
 use crate::{GraphCtx, ModelError, Result};
+
+mod infer;
 
 /// How attention heads are sized.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -63,8 +71,15 @@ pub struct UnetConfig {
     pub attention_resolutions: Vec<usize>,
     /// Attention head sizing (`num_heads` / `num_head_channels`).
     pub heads: HeadSpec,
-    /// Transformer blocks per `SpatialTransformer` (`transformer_depth`).
-    pub transformer_depth: usize,
+    /// Transformer blocks per `SpatialTransformer`, one entry per level (`transformer_depth`;
+    /// 0: no attention at that level even if `attention_resolutions` names it).
+    pub transformer_depth: Vec<usize>,
+    /// Transformer blocks of the middle block's `SpatialTransformer`
+    /// (`transformer_depth_middle`; LDM's default is the last level's depth).
+    pub transformer_depth_middle: usize,
+    /// Width of the `y` vector embedded by `label_emb` (`adm_in_channels`; SDXL 2816, the
+    /// refiner 2560); `None`: no `label_emb`.
+    pub adm_in_channels: Option<usize>,
     /// Width of the cross-attention context (`context_dim`).
     pub context_dim: usize,
     /// Linear instead of 1x1-conv `proj_in`/`proj_out` (`use_linear_in_transformer`).
@@ -88,7 +103,9 @@ impl UnetConfig {
             num_res_blocks: 2,
             attention_resolutions: vec![4, 2, 1],
             heads: HeadSpec::Heads(8),
-            transformer_depth: 1,
+            transformer_depth: vec![1; 4],
+            transformer_depth_middle: 1,
+            adm_in_channels: None,
             context_dim: 768,
             use_linear_in_transformer: false,
             norm_groups: 32,
@@ -107,6 +124,46 @@ impl UnetConfig {
         }
     }
 
+    /// SDXL base (`sgm` `configs/inference/sd_xl_base.yaml`: `model_channels: 320,
+    /// channel_mult: [1, 2, 4], attention_resolutions: [4, 2], num_res_blocks: 2,
+    /// num_head_channels: 64, transformer_depth: [1, 2, 10]` (level 0 has no attention, so
+    /// its depth is 0 here), `context_dim: 2048, adm_in_channels: 2816,
+    /// use_linear_in_transformer: True`).
+    pub fn sdxl() -> Self {
+        UnetConfig {
+            channel_mult: vec![1, 2, 4],
+            attention_resolutions: vec![4, 2],
+            heads: HeadSpec::HeadDim(64),
+            transformer_depth: vec![0, 2, 10],
+            transformer_depth_middle: 10,
+            adm_in_channels: Some(2816),
+            context_dim: 2048,
+            use_linear_in_transformer: true,
+            ..Self::sd1()
+        }
+    }
+
+    /// SDXL refiner (`sgm` `configs/inference/sd_xl_refiner.yaml`: `model_channels: 384,
+    /// channel_mult: [1, 2, 4, 4], attention_resolutions: [4, 2], num_head_channels: 64,
+    /// transformer_depth: 4, context_dim: 1280, adm_in_channels: 2560`).
+    pub fn sdxl_refiner() -> Self {
+        UnetConfig {
+            model_channels: 384,
+            channel_mult: vec![1, 2, 4, 4],
+            transformer_depth: vec![0, 4, 4, 0],
+            transformer_depth_middle: 4,
+            adm_in_channels: Some(2560),
+            context_dim: 1280,
+            ..Self::sdxl()
+        }
+    }
+
+    /// Whether level `level` (downsampling factor `ds`) has `SpatialTransformer`s.
+    fn has_attention(&self, level: usize, ds: usize) -> bool {
+        self.attention_resolutions.contains(&ds)
+            && self.transformer_depth.get(level).is_some_and(|&d| d > 0)
+    }
+
     /// Width of the time embedding (`4 * model_channels`).
     pub fn time_embed_dim(&self) -> usize {
         4 * self.model_channels
@@ -116,7 +173,9 @@ impl UnetConfig {
         if self.channel_mult.is_empty()
             || self.model_channels == 0
             || self.num_res_blocks == 0
-            || self.transformer_depth == 0
+            || self.transformer_depth.len() != self.channel_mult.len()
+            || self.transformer_depth_middle == 0
+            || self.adm_in_channels == Some(0)
             || self.norm_groups == 0
         {
             return Err(ModelError::Config(format!("UNet config {self:?}")));
@@ -307,7 +366,7 @@ pub struct SpatialTransformer {
 }
 
 impl SpatialTransformer {
-    fn new(pb: &ParamBuilder<'_>, ch: usize, cfg: &UnetConfig) -> Result<Self> {
+    fn new(pb: &ParamBuilder<'_>, ch: usize, depth: usize, cfg: &UnetConfig) -> Result<Self> {
         let (heads, _) = cfg.heads.split(ch)?;
         let proj = |name: &str, i: usize, o: usize| -> Result<Projection> {
             Ok(if cfg.use_linear_in_transformer {
@@ -316,8 +375,8 @@ impl SpatialTransformer {
                 Projection::Conv(Conv2d::new(&pb.pp(name), i, o, 1, 1, 0)?)
             })
         };
-        let mut transformer_blocks = Vec::with_capacity(cfg.transformer_depth);
-        for k in 0..cfg.transformer_depth {
+        let mut transformer_blocks = Vec::with_capacity(depth);
+        for k in 0..depth {
             transformer_blocks.push(BasicTransformerBlock::new(
                 &pb.pp(format!("transformer_blocks.{k}")),
                 ch,
@@ -401,6 +460,8 @@ pub struct UnetModel {
     pub time_embed_0: Linear,
     /// `time_embed.2`.
     pub time_embed_2: Linear,
+    /// `label_emb.0.0` and `label_emb.0.2` (SDXL): the embedding of `y`.
+    pub label_emb: Option<(Linear, Linear)>,
     /// `input_blocks.N`.
     pub input_blocks: Vec<Vec<Layer>>,
     /// `middle_block`.
@@ -443,8 +504,14 @@ impl UnetModel {
                 let b = pb.pp(format!("input_blocks.{}", input_blocks.len()));
                 let mut layers = vec![Layer::Res(ResBlock::new(&b.pp("0"), ch, mult * mc, cfg)?)];
                 ch = mult * mc;
-                if cfg.attention_resolutions.contains(&ds) {
-                    layers.push(Layer::Attn(SpatialTransformer::new(&b.pp("1"), ch, cfg)?));
+                if cfg.has_attention(level, ds) {
+                    let depth = cfg.transformer_depth[level];
+                    layers.push(Layer::Attn(SpatialTransformer::new(
+                        &b.pp("1"),
+                        ch,
+                        depth,
+                        cfg,
+                    )?));
                 }
                 input_blocks.push(layers);
                 skip_chans.push(ch);
@@ -467,7 +534,12 @@ impl UnetModel {
         let m = pb.pp("middle_block");
         let middle_block = vec![
             Layer::Res(ResBlock::new(&m.pp("0"), ch, ch, cfg)?),
-            Layer::Attn(SpatialTransformer::new(&m.pp("1"), ch, cfg)?),
+            Layer::Attn(SpatialTransformer::new(
+                &m.pp("1"),
+                ch,
+                cfg.transformer_depth_middle,
+                cfg,
+            )?),
             Layer::Res(ResBlock::new(&m.pp("2"), ch, ch, cfg)?),
         ];
 
@@ -485,8 +557,14 @@ impl UnetModel {
                     cfg,
                 )?)];
                 ch = mc * mult;
-                if cfg.attention_resolutions.contains(&ds) {
-                    layers.push(Layer::Attn(SpatialTransformer::new(&b.pp("1"), ch, cfg)?));
+                if cfg.has_attention(level, ds) {
+                    let depth = cfg.transformer_depth[level];
+                    layers.push(Layer::Attn(SpatialTransformer::new(
+                        &b.pp("1"),
+                        ch,
+                        depth,
+                        cfg,
+                    )?));
                 }
                 if level != 0 && i == cfg.num_res_blocks {
                     let idx = layers.len();
@@ -507,6 +585,13 @@ impl UnetModel {
         Ok(UnetModel {
             time_embed_0: Linear::new(&pb.pp("time_embed.0"), mc, ted, true)?,
             time_embed_2: Linear::new(&pb.pp("time_embed.2"), ted, ted, true)?,
+            label_emb: match cfg.adm_in_channels {
+                Some(adm) => Some((
+                    Linear::new(&pb.pp("label_emb.0.0"), adm, ted, true)?,
+                    Linear::new(&pb.pp("label_emb.0.2"), ted, ted, true)?,
+                )),
+                None => None,
+            },
             input_blocks,
             middle_block,
             output_blocks,
@@ -517,14 +602,16 @@ impl UnetModel {
     }
 
     /// Builds the forward pass: `x` latents `[W, H, in_channels, B]` (W and H multiples of
-    /// `2^(levels - 1)`), `timesteps` f32 `[B]`, `context` `[context_dim, n_ctx, B]`.
-    /// Returns the model output `[W, H, out_channels, B]` (noise or v prediction).
+    /// `2^(levels - 1)`), `timesteps` f32 `[B]`, `context` `[context_dim, n_ctx, B]`, and
+    /// `y` f32 `[adm_in_channels, B]`, required exactly when the model has `label_emb`
+    /// (SDXL). Returns the model output `[W, H, out_channels, B]` (noise or v prediction).
     pub fn forward(
         &self,
         g: &mut GraphCtx,
         x: &GTensor,
         timesteps: &GTensor,
         context: &GTensor,
+        y: Option<&GTensor>,
     ) -> Result<GTensor> {
         let cfg = &self.config;
         let ctx = g.ctx.clone();
@@ -564,10 +651,40 @@ impl UnetModel {
             });
         }
 
-        // 1. Time embedding: sinusoidal (cos first), Linear, SiLU, Linear.
+        let y = match (&self.label_emb, y, cfg.adm_in_channels) {
+            (Some(_), Some(y), Some(adm)) => {
+                if y.ne() != [adm, b, 1, 1] || y.dtype() != Some(DType::F32) {
+                    return Err(ModelError::Input {
+                        name: "y",
+                        detail: format!("{:?} {:?}, expected f32 [{adm}, {b}]", y.dtype(), y.ne()),
+                    });
+                }
+                Some(y)
+            }
+            (None, None, _) => None,
+            (Some(_), None, _) => {
+                return Err(ModelError::Input {
+                    name: "y",
+                    detail: "this UNet has `label_emb` (SDXL) and needs its `y` vector".into(),
+                })
+            }
+            _ => {
+                return Err(ModelError::Input {
+                    name: "y",
+                    detail: "given, but this UNet has no `label_emb`".into(),
+                })
+            }
+        };
+
+        // 1. Time embedding: sinusoidal (cos first), Linear, SiLU, Linear; plus the label
+        //    embedding of `y` (Linear, SiLU, Linear) when there is one.
         let t = ctx.timestep_embedding(timesteps, cfg.model_channels, 10000)?;
         let t = self.time_embed_0.forward(&ctx, &t)?;
-        let emb = self.time_embed_2.forward(&ctx, &ctx.silu(&t)?)?;
+        let mut emb = self.time_embed_2.forward(&ctx, &ctx.silu(&t)?)?;
+        if let (Some((l0, l2)), Some(y)) = (&self.label_emb, y) {
+            let l = l0.forward(&ctx, y)?;
+            emb = ctx.add(&emb, &l2.forward(&ctx, &ctx.silu(&l)?)?)?;
+        }
         // A cut of its own: computed once, read by every later segment (and copied, not
         // recomputed, on every device of a layer split, so its weights live on one).
         g.marks.mark(&emb, "time_embed", "emb")?;

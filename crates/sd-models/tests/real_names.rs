@@ -96,3 +96,40 @@ fn clip_sd1_and_sd2_declare_the_real_tensors() {
         fixture("sd2_clip_diffusers", "cond_stage_model.transformer."),
     );
 }
+
+#[test]
+fn unet_sdxl_declares_the_real_tensors() {
+    let pb = ParamBuilder::new(None, 4096).unwrap();
+    UnetModel::new(&pb, UnetConfig::sdxl()).unwrap();
+    assert_same(
+        "sdxl unet",
+        declared(&pb.finish()),
+        fixture("sdxl_unet_original", ""),
+    );
+}
+
+#[test]
+fn unet_sdxl_structure_reads_from_the_real_tensors() {
+    let real = fixture("sdxl_unet_original", "");
+    let cfg = UnetConfig::from_shapes(|n| real.get(n).cloned(), &UnetConfig::sdxl()).unwrap();
+    assert_eq!(cfg, UnetConfig::sdxl());
+}
+
+#[test]
+fn clip_sdxl_declares_the_real_tensors() {
+    // CLIP-L: SDXL uses 11 of the 12 layers and no final layer norm; the file has all.
+    let pb = ParamBuilder::new(None, 4096).unwrap();
+    ClipTextModel::new(&pb, ClipTextConfig::sdxl_clip_l()).unwrap();
+    let mut want = fixture("sd15_clip_original", "");
+    want.retain(|k, _| !k.contains("layers.11.") && !k.contains("final_layer_norm"));
+    assert_same("clip-l sdxl", declared(&pb.finish()), want);
+    // bigG with its projection: every tensor of transformers' CLIPTextModelWithProjection
+    // (without a catalog the transformers `Linear` projection is declared).
+    let pb = ParamBuilder::new(None, 4096).unwrap();
+    ClipTextModel::new(&pb, ClipTextConfig::sdxl_clip_g()).unwrap();
+    assert_same(
+        "clip-g sdxl",
+        declared(&pb.finish()),
+        fixture("sdxl_clip_g_diffusers", "cond_stage_model.1.transformer."),
+    );
+}

@@ -489,7 +489,7 @@ impl CfgUnet<'_, '_> {
             let x = g.ctx.new_tensor(DType::F32, &[w, h, c, batch])?;
             let t = g.ctx.new_tensor(DType::F32, &[batch])?;
             let ctx = g.ctx.new_tensor(DType::F32, &[hidden, tokens, batch])?;
-            let output = unet.forward(g, &x, &t, &ctx)?;
+            let output = unet.forward(g, &x, &t, &ctx, None)?;
             Ok(BuiltGraph {
                 output,
                 inputs: vec![

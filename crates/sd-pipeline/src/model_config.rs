@@ -216,12 +216,31 @@ fn parse_unet(s: &Map<String, Value>, c: &mut UnetConfig) -> Result<(), ModelCon
                     _ => return Err(inv(format!("{w}: {v}"))),
                 }
             }
-            "transformer_depth" => c.transformer_depth = usize_of(v, &w)?,
+            "transformer_depth" => {
+                c.transformer_depth = match v {
+                    Value::Array(_) => list_of(v, &w)?,
+                    _ => {
+                        let d = usize_of(v, &w)?;
+                        c.transformer_depth_middle = d;
+                        vec![d]
+                    }
+                }
+            }
+            "transformer_depth_middle" => c.transformer_depth_middle = usize_of(v, &w)?,
+            "adm_in_channels" => c.adm_in_channels = Some(usize_of(v, &w)?),
             "context_dim" => c.context_dim = usize_of(v, &w)?,
             "use_linear_in_transformer" => c.use_linear_in_transformer = bool_of(v, &w)?,
             "norm_groups" => c.norm_groups = usize_of(v, &w)?,
             _ => return Err(inv(format!("unknown key {w}"))),
         }
+    }
+    // One depth for every level (LDM's integer `transformer_depth`).
+    if let [d] = c.transformer_depth[..] {
+        c.transformer_depth = vec![d; c.channel_mult.len()];
+    }
+    // Not given: the default's depth at every level of the given `channel_mult`.
+    if !s.contains_key("transformer_depth") && c.transformer_depth.len() != c.channel_mult.len() {
+        c.transformer_depth = vec![c.transformer_depth_middle; c.channel_mult.len()];
     }
     Ok(())
 }

@@ -234,7 +234,7 @@ impl Denoise for CfgUnet<'_> {
         let x = g.ctx.new_tensor(DType::F32, &[w, h, c, 2]).unwrap();
         let t = g.ctx.new_tensor(DType::F32, &[2]).unwrap();
         let ctx = g.ctx.new_tensor(DType::F32, &[hidden, tokens, 2]).unwrap();
-        let out = self.unet.forward(&mut g, &x, &t, &ctx).map_err(err)?;
+        let out = self.unet.forward(&mut g, &x, &t, &ctx, None).map_err(err)?;
         let mut xs = x_in.data().to_vec();
         xs.extend_from_slice(x_in.data());
         let inputs = [

@@ -13,11 +13,21 @@ pub fn fixtures() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/models")
 }
 
+/// The folder of the SDXL fixtures (`scripts/fixtures/make_sdxl_fixtures.py`).
+pub fn sdxl_fixtures() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/sdxl")
+}
+
 /// The catalog of fixture `name` (diffusers names), converted to canonical names.
 pub fn catalog(name: &str) -> ModelLoader {
+    catalog_in(&fixtures(), name)
+}
+
+/// The catalog of `<dir>/<name>.safetensors`, converted to canonical names.
+pub fn catalog_in(dir: &std::path::Path, name: &str) -> ModelLoader {
     let mut loader = ModelLoader::new();
     loader
-        .add_file(fixtures().join(format!("{name}.safetensors")), None)
+        .add_file(dir.join(format!("{name}.safetensors")), None)
         .expect("open fixture weights");
     canonicalize(&mut loader, None).expect("canonical names");
     loader
@@ -31,7 +41,12 @@ pub struct Ref {
 
 /// Every tensor of `<name>_io.safetensors`.
 pub fn io(name: &str) -> HashMap<String, Ref> {
-    let bytes = std::fs::read(fixtures().join(format!("{name}_io.safetensors"))).unwrap();
+    io_in(&fixtures(), name)
+}
+
+/// Every tensor of `<dir>/<name>_io.safetensors`.
+pub fn io_in(dir: &std::path::Path, name: &str) -> HashMap<String, Ref> {
+    let bytes = std::fs::read(dir.join(format!("{name}_io.safetensors"))).unwrap();
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
     st.tensors()
         .into_iter()
