@@ -150,7 +150,7 @@ impl UnetStep {
         for i in [&x, &t, &ctx] {
             i.set_input();
         }
-        let out = unet.forward(&mut g, &x, &t, &ctx)?;
+        let out = unet.forward(&mut g, &x, &t, &ctx, None)?;
         out.set_output();
         let mut graph = Graph::new(&g.ctx, UNET_GRAPH)?;
         graph.build_forward_expand(&out)?;

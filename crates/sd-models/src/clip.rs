@@ -14,7 +14,11 @@ use crate::weights::ParamBuilder;
 use crate::{GraphCtx, HostData, ModelError, Result};
 
 /// Configuration of a CLIP text encoder.
-#[derive(Clone, Debug, PartialEq)]
+///
+/// Deserializes from the transformers key names; missing keys keep [`ClipTextConfig::sd1`]'s
+/// values.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(default = "ClipTextConfig::sd1", deny_unknown_fields)]
 pub struct ClipTextConfig {
     /// Vocabulary size (`vocab_size`).
     pub vocab_size: usize,
@@ -39,7 +43,8 @@ pub struct ClipTextConfig {
     /// Apply `final_layer_norm` to the selected hidden state (SD1 and SD2 do; SDXL's first
     /// encoder does not).
     pub final_layer_norm: bool,
-    /// Name prefix of the parameters.
+    /// Name prefix of the parameters (set by the loader, never read from a config).
+    #[serde(skip)]
     pub prefix: String,
 }
 

@@ -19,8 +19,8 @@ use crate::nn::{attention, Activation, Conv2d, GroupNorm, LayerNorm, Linear};
 use crate::weights::ParamBuilder;
 use crate::{GraphCtx, ModelError, Result};
 
-/// How attention heads are sized.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// How attention heads are sized (serialized as `{"Heads": n}` / `{"HeadDim": d}`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum HeadSpec {
     /// A fixed number of heads at every width (LDM `num_heads`; SD1: 8).
     Heads(usize),
@@ -46,7 +46,10 @@ impl HeadSpec {
 }
 
 /// Configuration of the UNet (the `unet_config` params of LDM's inference YAMLs).
-#[derive(Clone, Debug, PartialEq)]
+///
+/// Deserializes from the LDM key names; missing keys keep [`UnetConfig::sd1`]'s values.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(default = "UnetConfig::sd1", deny_unknown_fields)]
 pub struct UnetConfig {
     /// Latent channels in (`in_channels`).
     pub in_channels: usize,
@@ -71,7 +74,8 @@ pub struct UnetConfig {
     pub use_linear_in_transformer: bool,
     /// Group count of every GroupNorm (32 in LDM).
     pub norm_groups: usize,
-    /// Name prefix of the parameters.
+    /// Name prefix of the parameters (set by the loader, never read from a config).
+    #[serde(skip)]
     pub prefix: String,
 }
 
@@ -517,16 +521,24 @@ impl UnetModel {
     }
 
     /// Builds the forward pass: `x` latents `[W, H, in_channels, B]` (W and H multiples of
-    /// `2^(levels - 1)`), `timesteps` f32 `[B]`, `context` `[context_dim, n_ctx, B]`.
-    /// Returns the model output `[W, H, out_channels, B]` (noise or v prediction).
+    /// `2^(levels - 1)`), `timesteps` f32 `[B]`, `context` `[context_dim, n_ctx, B]`, `y`
+    /// the class/ADM vector `[adm, B]` of UNets with a `label_emb` (SDXL; `None` for SD1 and
+    /// SD2). Returns the model output `[W, H, out_channels, B]` (noise or v prediction).
     pub fn forward(
         &self,
         g: &mut GraphCtx,
         x: &GTensor,
         timesteps: &GTensor,
         context: &GTensor,
+        y: Option<&GTensor>,
     ) -> Result<GTensor> {
         let cfg = &self.config;
+        if let Some(y) = y {
+            return Err(ModelError::Input {
+                name: "y",
+                detail: format!("{:?} given to a UNet without `label_emb`", y.ne()),
+            });
+        }
         let ctx = g.ctx.clone();
         let [w, h, c, b] = x.ne();
         let align = 1usize << (cfg.channel_mult.len() - 1);

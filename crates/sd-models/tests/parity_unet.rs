@@ -64,7 +64,7 @@ fn run(name: &str, opts: ComputeOptions) -> (Vec<f32>, Vec<f32>, GraphCtx) {
     let x = g.ctx.new_tensor(DType::F32, &ne(&xr.shape)).unwrap();
     let t = g.ctx.new_tensor(DType::F32, &ne(&tr.shape)).unwrap();
     let c = g.ctx.new_tensor(DType::F32, &ne(&cr.shape)).unwrap();
-    let out = unet.forward(&mut g, &x, &t, &c).unwrap();
+    let out = unet.forward(&mut g, &x, &t, &c, None).unwrap();
     let want = &refs["out"];
     assert_eq!(out.ne().to_vec(), ne(&want.shape));
     let inputs = [
@@ -127,7 +127,7 @@ fn unet_cut_marks_plan_into_block_segments() {
     let x = g.ctx.new_tensor(DType::F32, &[8, 8, 4, 1]).unwrap();
     let t = g.ctx.new_tensor(DType::F32, &[1]).unwrap();
     let c = g.ctx.new_tensor(DType::F32, &[24, 7, 1]).unwrap();
-    let out = unet.forward(&mut g, &x, &t, &c).unwrap();
+    let out = unet.forward(&mut g, &x, &t, &c, None).unwrap();
     out.set_output();
     let mut graph = Graph::new(&g.ctx, 8192).unwrap();
     graph.build_forward_expand(&out).unwrap();

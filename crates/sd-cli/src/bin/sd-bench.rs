@@ -563,7 +563,7 @@ fn unet_graph(
     let c = ctx.new_tensor(DType::F32, &[cfg.context_dim, inputs.n_ctx, inputs.b])?;
     c.set_name("context");
     c.set_input();
-    let out = model.forward(&mut g, &x, &t, &c)?;
+    let out = model.forward(&mut g, &x, &t, &c, None)?;
     out.set_output();
     let mut graph = sd_tensor::ggml::Graph::new(&ctx, GRAPH)?;
     graph.build_forward_expand(&out)?;
