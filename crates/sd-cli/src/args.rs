@@ -2,6 +2,7 @@
 
 use std::path::PathBuf;
 
+use sd_pipeline::family;
 use sd_pipeline::rng::RngKind;
 use sd_pipeline::runtime::{parse_size, ComputeDevice, ParamsLocation};
 use sd_pipeline::sampling::{Prediction, SampleMethod};
@@ -19,6 +20,7 @@ model files:
   --diffusion-model PATH      UNet alone (replaces the checkpoint's)
   --vae PATH                  autoencoder alone (replaces the checkpoint's)
   --clip_l PATH               CLIP-L text encoder alone (replaces the checkpoint's)
+  --clip_h PATH               OpenCLIP-H text encoder alone (SD2.x)
   --type TYPE                 convert weights when loading: f32, f16, bf16, q8_0, q5_0,
                               q5_1, q4_0, q4_1, q2_K..q6_K (quantized types apply to linear
                               weights; default: the files' types)
@@ -78,9 +80,9 @@ pub struct Args {
     pub help: bool,
     pub threads: Option<usize>,
     pub model: Option<PathBuf>,
-    pub diffusion_model: Option<PathBuf>,
-    pub vae: Option<PathBuf>,
-    pub clip_l: Option<PathBuf>,
+    /// Component files: `(slot name, path)`; the flags are the model families' slots
+    /// (`--diffusion-model`, `--vae`, `--clip_l`, ...).
+    pub components: Vec<(&'static str, PathBuf)>,
     pub weight_type: Option<DType>,
     pub prompt: Option<String>,
     pub negative: String,
@@ -109,7 +111,10 @@ pub struct Args {
 impl Args {
     /// Whether any model file is given (generation is asked for).
     pub fn generating(&self) -> bool {
-        self.model.is_some() || self.diffusion_model.is_some()
+        self.model.is_some()
+            || self.components.iter().any(|(name, _)| {
+                family::slot_by_name(name).is_some_and(|s| s.kind == family::SlotKind::Diffusion)
+            })
     }
 }
 
@@ -183,11 +188,6 @@ pub fn parse(args: &[String]) -> Result<Args, Usage> {
                 a.threads = Some(positive(v, "-t/--threads")?);
             }
             "-m" | "--model" => a.model = Some(value(args, &mut i, "-m/--model")?.into()),
-            "--diffusion-model" => {
-                a.diffusion_model = Some(value(args, &mut i, flag)?.into());
-            }
-            "--vae" => a.vae = Some(value(args, &mut i, flag)?.into()),
-            "--clip_l" => a.clip_l = Some(value(args, &mut i, flag)?.into()),
             "--type" => {
                 let v = value(args, &mut i, flag)?;
                 let t = DType::parse(v)
@@ -304,6 +304,7 @@ pub fn parse(args: &[String]) -> Result<Args, Usage> {
             }
             "--scheduler" => {
                 let v = value(args, &mut i, "--scheduler")?;
+                // `ays` takes the model's table once the model is known (main.rs).
                 a.scheduler = Some(Scheduler::from_name(v, AysTable::Sd15).map_err(|_| {
                     Usage(format!(
                         "--scheduler: unknown scheduler '{v}' (known: discrete, karras, \
@@ -311,7 +312,13 @@ pub fn parse(args: &[String]) -> Result<Args, Usage> {
                     ))
                 })?);
             }
-            other => return Err(Usage(format!("unknown argument '{other}'"))),
+            other => match family::slot_by_flag(other) {
+                Some(slot) => {
+                    let path = value(args, &mut i, slot.flag)?.into();
+                    a.components.push((slot.name, path));
+                }
+                None => return Err(Usage(format!("unknown argument '{other}'"))),
+            },
         }
         i += 1;
     }
@@ -327,9 +334,14 @@ pub fn parse(args: &[String]) -> Result<Args, Usage> {
             (a.sampler.is_some(), "--sampling-method"),
             (a.scheduler.is_some(), "--scheduler"),
             (a.init.is_some(), "-i/--init-img"),
-            (a.vae.is_some(), "--vae"),
-            (a.clip_l.is_some(), "--clip_l"),
-        ] {
+        ]
+        .into_iter()
+        .chain(a.components.iter().map(|(name, _)| {
+            (
+                true,
+                family::slot_by_name(name).map_or("a component flag", |s| s.flag),
+            )
+        })) {
             if set {
                 return Err(Usage(format!(
                     "{flag} needs -m/--model (or --diffusion-model)"

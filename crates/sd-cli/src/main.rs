@@ -16,10 +16,10 @@ use std::process::ExitCode;
 
 use args::{parse, Args, Usage, USAGE};
 use progress::Progress;
-use sd_pipeline::generate::{GenerateError, LoadOptions, ModelFiles, Pipeline, Txt2Img};
+use sd_pipeline::generate::{Callbacks, GenerateError, LoadOptions, ModelFiles, Pipeline, Txt2Img};
 use sd_pipeline::rng::RngKind;
 use sd_pipeline::runtime::{ComputeDevice, RuntimeOptions};
-use sd_pipeline::sampling::SampleMethod;
+use sd_pipeline::schedule::Scheduler;
 use sd_pipeline::vae_tiling::VaeTiling;
 use sd_tensor::ggml::{Backend, BufferType, Context, Device, Gallocr, Graph};
 use sd_tensor::{DType, Image};
@@ -167,9 +167,11 @@ fn generate(a: &Args, threads: usize, up: &upscale::UpscaleArgs) -> ExitCode {
     };
     let files = ModelFiles {
         model: a.model.clone(),
-        diffusion_model: a.diffusion_model.clone(),
-        vae: a.vae.clone(),
-        clip_l: a.clip_l.clone(),
+        components: a
+            .components
+            .iter()
+            .map(|(slot, path)| (slot.to_string(), path.clone()))
+            .collect(),
     };
     let runtime = RuntimeOptions {
         compute: a.backend.clone().unwrap_or(ComputeDevice::Cpu),
@@ -200,30 +202,37 @@ fn generate(a: &Args, threads: usize, up: &upscale::UpscaleArgs) -> ExitCode {
     if let Err(e) = pipeline.preload(&mut |d, t| progress.update(d, t, "tensors")) {
         return fail(e);
     }
-    let config = pipeline.config().clone();
+    let spec = pipeline.spec().clone();
+    let defaults = spec.defaults;
     let (native_w, native_h) = init
         .as_ref()
         .map(|i| (i.width(), i.height()))
-        .or(config.native_size)
-        .unwrap_or((512, 512));
-    let sampler = a.sampler.unwrap_or(SampleMethod::Euler);
+        .unwrap_or((defaults.width, defaults.height));
+    let sampler = a.sampler.unwrap_or(defaults.sampler);
+    // The scheduler's name was checked when parsing; `ays` takes the family's table.
+    let scheduler = match a.scheduler {
+        Some(s) => Scheduler::from_name(s.name(), defaults.ays).unwrap_or(s),
+        None => defaults
+            .scheduler
+            .unwrap_or_else(|| sampler.default_scheduler()),
+    };
     let params = Txt2Img {
         prompt,
         negative: a.negative.clone(),
         width: a.width.unwrap_or(native_w),
         height: a.height.unwrap_or(native_h),
-        steps: a.steps.unwrap_or(20),
-        cfg_scale: a.cfg_scale.or(config.cfg_scale).unwrap_or(7.0),
+        steps: a.steps.unwrap_or(defaults.steps),
+        cfg_scale: a.cfg_scale.unwrap_or(defaults.cfg_scale),
         seed: a.seed.unwrap_or(42),
         sampler,
-        scheduler: a.scheduler.unwrap_or_else(|| sampler.default_scheduler()),
+        scheduler,
         threads,
         batch: a.batch.unwrap_or(1),
         rng: a.rng.unwrap_or(RngKind::Cpu),
         vae_tiling: a.vae_tiling.then(VaeTiling::default),
     };
-    // One call for the whole batch (the prompt is encoded once); a step number lower than
-    // the previous one starts the next image.
+    // One call for the whole batch (the prompt is encoded once); each decoded image starts
+    // the next one's progress line.
     let batch = params.batch;
     let label = |i: usize| {
         if batch > 1 {
@@ -233,25 +242,28 @@ fn generate(a: &Args, threads: usize, up: &upscale::UpscaleArgs) -> ExitCode {
         }
     };
     progress.phase(label(0));
-    let (mut image, mut last) = (0usize, (0usize, 0usize));
-    let mut step = |s: usize, t: usize| {
-        if s < last.0 {
-            progress.update(last.1, last.1, "steps");
-            image += 1;
-            progress.phase(label(image));
+    let progress = std::cell::RefCell::new(progress);
+    let total = std::cell::Cell::new(0usize);
+    let mut on_step = |s: usize, t: usize| {
+        total.set(t);
+        progress.borrow_mut().update(s - 1, t, "steps");
+    };
+    let mut on_image = |i: usize, _: &Image| {
+        let mut p = progress.borrow_mut();
+        p.update(total.get(), total.get(), "steps");
+        if i + 1 < batch {
+            p.phase(label(i + 1));
         }
-        last = (s, t);
-        progress.update(s.saturating_sub(1), t, "steps");
     };
-    let result = match (&init, a.strength) {
-        (Some(img), s) => pipeline.img2img(&params, img, s.unwrap_or(0.75), &mut step),
-        (None, _) => pipeline.txt2img(&params, &mut step),
+    let callbacks = Callbacks {
+        on_step: &mut on_step,
+        on_image: &mut on_image,
     };
+    let init_strength = init.as_ref().map(|img| (img, a.strength.unwrap_or(0.75)));
+    let result = pipeline.generate(&params, init_strength, callbacks);
+    let mut progress = progress.into_inner();
     let images = match result {
-        Ok(v) => {
-            progress.update(last.1, last.1, "steps");
-            v
-        }
+        Ok(v) => v,
         Err(e) => {
             progress.finish_line();
             return fail(e);
@@ -265,14 +277,14 @@ fn generate(a: &Args, threads: usize, up: &upscale::UpscaleArgs) -> ExitCode {
     if a.verbose {
         report_memory(&pipeline);
     }
-    let name = if config.name.is_empty() {
+    let name = if spec.name.is_empty() {
         files
             .primary()
             .and_then(|m| m.file_stem())
             .map(|s| s.to_string_lossy().into_owned())
             .unwrap_or_default()
     } else {
-        config.name.clone()
+        spec.name.clone()
     };
     if images.is_empty() {
         eprintln!("error: no image was generated");
@@ -318,7 +330,7 @@ fn report_memory(p: &Pipeline) {
             mib(b)
         );
     }
-    for m in [h.text_encoder, h.unet, h.vae] {
+    for m in h.all() {
         let r = rt.last_segments(m);
         let peak = r.iter().map(|s| s.footprint()).max().unwrap_or(0);
         let devices = r.iter().map(|s| s.device).max().unwrap_or(0) + 1;

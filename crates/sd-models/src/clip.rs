@@ -25,7 +25,11 @@ use crate::weights::ParamBuilder;
 use crate::{GraphCtx, HostData, ModelError, Result};
 
 /// Configuration of a CLIP text encoder.
-#[derive(Clone, Debug, PartialEq)]
+///
+/// Deserializes from the transformers key names; missing keys keep [`ClipTextConfig::sd1`]'s
+/// values.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(default = "ClipTextConfig::sd1", deny_unknown_fields)]
 pub struct ClipTextConfig {
     /// Vocabulary size (`vocab_size`).
     pub vocab_size: usize,
@@ -55,7 +59,8 @@ pub struct ClipTextConfig {
     /// layer norm and the projection are declared, and
     /// [`ClipTextModel::forward_with_pooled`] is available.
     pub projection_dim: Option<usize>,
-    /// Name prefix of the parameters.
+    /// Name prefix of the parameters (set by the loader, never read from a config).
+    #[serde(skip)]
     pub prefix: String,
 }
 

@@ -8,6 +8,9 @@
 //! - [`clip`]: the CLIP text encoder (SD1 CLIP-L, SD2 OpenCLIP-H in the transformers layout).
 //! - [`vae`]: the AutoencoderKL encoder and decoder.
 //! - [`unet`]: the SD1.x / SD2.x UNet, with graph-cut marks at block boundaries.
+//! - [`diffusion`], [`text_encoder`], [`first_stage`]: the networks of each role as closed
+//!   enums ([`diffusion::DiffusionNet`] fed one [`diffusion::DiffusionInputs`],
+//!   [`text_encoder::TextEncoder`], [`first_stage::FirstStage`]), each stating its graph size.
 //! - [`esrgan`], [`srvgg`], [`mosr`]: image upscalers (RRDBNet, SRVGGNetCompact, MoSR), with
 //!   architecture detection in [`upscaler`].
 //!
@@ -25,11 +28,14 @@
 
 pub mod bench;
 pub mod clip;
+pub mod diffusion;
 pub mod esrgan;
+pub mod first_stage;
 pub mod mosr;
 pub mod nn;
 pub mod run;
 pub mod srvgg;
+pub mod text_encoder;
 pub mod unet;
 pub mod upscaler;
 pub mod vae;

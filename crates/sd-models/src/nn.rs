@@ -195,7 +195,8 @@ impl GroupNorm {
 }
 
 /// Activation functions.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum Activation {
     /// `x * sigmoid(1.702 x)` (CLIP's `quick_gelu`).
     QuickGelu,

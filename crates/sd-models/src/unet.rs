@@ -27,8 +27,8 @@ use crate::{GraphCtx, ModelError, Result};
 
 mod infer;
 
-/// How attention heads are sized.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// How attention heads are sized (serialized as `{"Heads": n}` / `{"HeadDim": d}`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum HeadSpec {
     /// A fixed number of heads at every width (LDM `num_heads`; SD1: 8).
     Heads(usize),
@@ -54,7 +54,10 @@ impl HeadSpec {
 }
 
 /// Configuration of the UNet (the `unet_config` params of LDM's inference YAMLs).
-#[derive(Clone, Debug, PartialEq)]
+///
+/// Deserializes from the LDM key names; missing keys keep [`UnetConfig::sd1`]'s values.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(default = "UnetConfig::sd1", deny_unknown_fields)]
 pub struct UnetConfig {
     /// Latent channels in (`in_channels`).
     pub in_channels: usize,
@@ -71,12 +74,16 @@ pub struct UnetConfig {
     pub attention_resolutions: Vec<usize>,
     /// Attention head sizing (`num_heads` / `num_head_channels`).
     pub heads: HeadSpec,
-    /// Transformer blocks per `SpatialTransformer`, one entry per level (`transformer_depth`;
-    /// 0: no attention at that level even if `attention_resolutions` names it).
+    /// Transformer blocks per `SpatialTransformer` (`transformer_depth`): one number for
+    /// every level (LDM's integer form, SD1/SD2/the refiner; a JSON number deserializes
+    /// to it) or one entry per level (SDXL's `[0, 2, 10]`; 0: no attention at that level
+    /// even if `attention_resolutions` names it).
+    #[serde(deserialize_with = "one_or_many")]
     pub transformer_depth: Vec<usize>,
     /// Transformer blocks of the middle block's `SpatialTransformer`
-    /// (`transformer_depth_middle`; LDM's default is the last level's depth).
-    pub transformer_depth_middle: usize,
+    /// (`transformer_depth_middle`; `None`: the last entry of `transformer_depth`, LDM's
+    /// default).
+    pub transformer_depth_middle: Option<usize>,
     /// Width of the `y` vector embedded by `label_emb` (`adm_in_channels`; SDXL 2816, the
     /// refiner 2560); `None`: no `label_emb`.
     pub adm_in_channels: Option<usize>,
@@ -86,7 +93,8 @@ pub struct UnetConfig {
     pub use_linear_in_transformer: bool,
     /// Group count of every GroupNorm (32 in LDM).
     pub norm_groups: usize,
-    /// Name prefix of the parameters.
+    /// Name prefix of the parameters (set by the loader, never read from a config).
+    #[serde(skip)]
     pub prefix: String,
 }
 
@@ -103,8 +111,8 @@ impl UnetConfig {
             num_res_blocks: 2,
             attention_resolutions: vec![4, 2, 1],
             heads: HeadSpec::Heads(8),
-            transformer_depth: vec![1; 4],
-            transformer_depth_middle: 1,
+            transformer_depth: vec![1],
+            transformer_depth_middle: None,
             adm_in_channels: None,
             context_dim: 768,
             use_linear_in_transformer: false,
@@ -135,7 +143,7 @@ impl UnetConfig {
             attention_resolutions: vec![4, 2],
             heads: HeadSpec::HeadDim(64),
             transformer_depth: vec![0, 2, 10],
-            transformer_depth_middle: 10,
+            transformer_depth_middle: None,
             adm_in_channels: Some(2816),
             context_dim: 2048,
             use_linear_in_transformer: true,
@@ -150,18 +158,31 @@ impl UnetConfig {
         UnetConfig {
             model_channels: 384,
             channel_mult: vec![1, 2, 4, 4],
-            transformer_depth: vec![0, 4, 4, 0],
-            transformer_depth_middle: 4,
+            transformer_depth: vec![4],
+            transformer_depth_middle: None,
             adm_in_channels: Some(2560),
             context_dim: 1280,
             ..Self::sdxl()
         }
     }
 
+    /// Transformer blocks of level `level`'s `SpatialTransformer`s (0: none).
+    pub fn depth_at(&self, level: usize) -> usize {
+        match self.transformer_depth[..] {
+            [d] => d,
+            ref per_level => per_level.get(level).copied().unwrap_or(0),
+        }
+    }
+
+    /// Transformer blocks of the middle block.
+    pub fn middle_depth(&self) -> usize {
+        self.transformer_depth_middle
+            .unwrap_or_else(|| self.transformer_depth.last().copied().unwrap_or(0))
+    }
+
     /// Whether level `level` (downsampling factor `ds`) has `SpatialTransformer`s.
     fn has_attention(&self, level: usize, ds: usize) -> bool {
-        self.attention_resolutions.contains(&ds)
-            && self.transformer_depth.get(level).is_some_and(|&d| d > 0)
+        self.attention_resolutions.contains(&ds) && self.depth_at(level) > 0
     }
 
     /// Width of the time embedding (`4 * model_channels`).
@@ -173,8 +194,9 @@ impl UnetConfig {
         if self.channel_mult.is_empty()
             || self.model_channels == 0
             || self.num_res_blocks == 0
-            || self.transformer_depth.len() != self.channel_mult.len()
-            || self.transformer_depth_middle == 0
+            || !(self.transformer_depth.len() == 1
+                || self.transformer_depth.len() == self.channel_mult.len())
+            || self.middle_depth() == 0
             || self.adm_in_channels == Some(0)
             || self.norm_groups == 0
         {
@@ -182,6 +204,22 @@ impl UnetConfig {
         }
         Ok(())
     }
+}
+
+/// `transformer_depth` as LDM writes it: a number (every level) or a list (per level).
+fn one_or_many<'de, D: serde::Deserializer<'de>>(
+    d: D,
+) -> std::result::Result<Vec<usize>, D::Error> {
+    #[derive(serde::Deserialize)]
+    #[serde(untagged)]
+    enum OneOrMany {
+        One(usize),
+        Many(Vec<usize>),
+    }
+    Ok(match serde::Deserialize::deserialize(d)? {
+        OneOrMany::One(n) => vec![n],
+        OneOrMany::Many(v) => v,
+    })
 }
 
 /// GroupNorm epsilon of ResBlocks and the output (`GroupNorm32` default).
@@ -505,7 +543,7 @@ impl UnetModel {
                 let mut layers = vec![Layer::Res(ResBlock::new(&b.pp("0"), ch, mult * mc, cfg)?)];
                 ch = mult * mc;
                 if cfg.has_attention(level, ds) {
-                    let depth = cfg.transformer_depth[level];
+                    let depth = cfg.depth_at(level);
                     layers.push(Layer::Attn(SpatialTransformer::new(
                         &b.pp("1"),
                         ch,
@@ -537,7 +575,7 @@ impl UnetModel {
             Layer::Attn(SpatialTransformer::new(
                 &m.pp("1"),
                 ch,
-                cfg.transformer_depth_middle,
+                cfg.middle_depth(),
                 cfg,
             )?),
             Layer::Res(ResBlock::new(&m.pp("2"), ch, ch, cfg)?),
@@ -558,7 +596,7 @@ impl UnetModel {
                 )?)];
                 ch = mc * mult;
                 if cfg.has_attention(level, ds) {
-                    let depth = cfg.transformer_depth[level];
+                    let depth = cfg.depth_at(level);
                     layers.push(Layer::Attn(SpatialTransformer::new(
                         &b.pp("1"),
                         ch,

@@ -17,7 +17,10 @@ use crate::weights::ParamBuilder;
 use crate::{GraphCtx, ModelError, Result};
 
 /// Configuration of an AutoencoderKL (the `ddconfig` of LDM's `first_stage_config`).
-#[derive(Clone, Debug, PartialEq)]
+///
+/// Deserializes from the LDM `ddconfig` key names; missing keys keep the defaults.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct VaeConfig {
     /// Image channels (`in_channels`).
     pub in_channels: usize,
@@ -37,11 +40,14 @@ pub struct VaeConfig {
     pub eps: f32,
     /// Whether `quant_conv` / `post_quant_conv` exist (true for SD).
     pub use_quant_conv: bool,
-    /// Whether the encoder is declared (false for decode-only use).
+    /// Whether the encoder is declared (false for decode-only use; set by the loader).
+    #[serde(skip)]
     pub with_encoder: bool,
-    /// Whether the decoder is declared.
+    /// Whether the decoder is declared (set by the loader).
+    #[serde(skip)]
     pub with_decoder: bool,
-    /// Name prefix of the parameters.
+    /// Name prefix of the parameters (set by the loader, never read from a config).
+    #[serde(skip)]
     pub prefix: String,
 }
 

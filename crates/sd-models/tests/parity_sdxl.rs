@@ -88,7 +88,7 @@ fn unet_sdxl_reads_its_structure_from_the_tensors() {
     // diffusers' transformer_layers_per_block [1, 1, 2]: level 0 has no attention.
     assert_eq!(cfg.transformer_depth, [0, 1, 2]);
     assert_eq!(cfg.attention_resolutions, [4, 2]);
-    assert_eq!(cfg.transformer_depth_middle, 2);
+    assert_eq!(cfg.middle_depth(), 2);
     assert_eq!(cfg.context_dim, 20);
     assert_eq!(cfg.adm_in_channels, Some(16 + 6 * 8));
     assert!(cfg.use_linear_in_transformer);
@@ -134,7 +134,9 @@ fn unet_sdxl_refiner_matches_diffusers() {
     let cat = catalog_in(&sdxl_fixtures(), "unet_sdxl_refiner");
     let (cfg, got, want) = unet_forward(&cat, "unet_sdxl_refiner");
     assert_eq!(cfg.channel_mult, [1, 1, 2, 2]);
-    assert_eq!(cfg.transformer_depth, [0, 2, 2, 0]);
+    // Depth 2 at both attention levels and the middle: LDM's single number.
+    assert_eq!(cfg.transformer_depth, [2]);
+    assert_eq!(cfg.attention_resolutions, [4, 2]);
     assert_eq!(cfg.adm_in_channels, Some(16 + 5 * 8));
     check("unet_sdxl_refiner", &got, &want, 1e-4);
 }

@@ -42,7 +42,7 @@ fn tiny_config(name: &str) -> UnetConfig {
         num_res_blocks: c["layers_per_block"].as_u64().unwrap() as usize,
         attention_resolutions,
         heads,
-        transformer_depth: vec![1; chans.len()],
+        transformer_depth: vec![1],
         context_dim: c["cross_attention_dim"].as_u64().unwrap() as usize,
         use_linear_in_transformer: c["use_linear_projection"].as_bool().unwrap(),
         norm_groups: c["norm_num_groups"].as_u64().unwrap() as usize,

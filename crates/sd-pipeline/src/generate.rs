@@ -1,194 +1,43 @@
-//! Text-to-image generation with an SD1.x / SD2.x checkpoint.
+//! Image generation with a model of any family: one loop for all of them.
 //!
 //! Every model runs through the memory-budgeted execution engine of a [`Runtime`]
-//! (see [`crate::runtime`]): a [`Pipeline`] holds the runtime and the checkpoint's models.
+//! (see [`crate::runtime`]): a [`Pipeline`] holds the runtime and the model's networks.
 //!
-//! Steps: open the file and detect its configs ([`ModelConfig::detect`]), canonicalize the
-//! tensor names, add CLIP, UNet and the VAE to the runtime (their weights are read when first
-//! needed), encode prompt and negative prompt ([`encode_cfg`]), draw the initial noise with
-//! [`CpuRng`] and scale it to the first sigma, sample with classifier-free guidance (the UNet
-//! runs on the batch `[uncond, cond]`), and decode `latents / scaling_factor` with the VAE.
+//! Steps ([`Pipeline::generate`]): check the settings against the [`ModelSpec`], encode an
+//! init image (img2img), let the family condition on the prompts ([`Family::condition`]:
+//! tokenizers, text encoders, the `y` vector), take the sigmas of the schedule, and for each
+//! image draw the noise with the seed's RNG, sample with classifier-free guidance
+//! ([`Guided`]: the diffusion network on the batch `[uncond, cond]`) and decode
+//! (`latent / scale + shift` through the first stage). `on_step(step, total)` is called by
+//! the sampler before each step, `on_image(index, image)` after each image is decoded.
+//!
+//! [`Family::condition`]: crate::family::Family::condition
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
-use sd_models::unet::UnetModel;
 use sd_models::{HostData, ModelError};
-use sd_residency::files::{FileError, ModelLoader};
-use sd_tensor::host::{ImageError, PixelRange};
+use sd_residency::files::ModelLoader;
+use sd_tensor::host::PixelRange;
 use sd_tensor::{DType, Image, Tensor};
-use thiserror::Error;
 
-use crate::conditioning::{encode_cfg, CfgConditioning, ConditioningError};
-use crate::model_config::{ModelConfig, ModelConfigError};
+pub use crate::error::GenerateError;
+use crate::family::{Conditioning, ModelConfigError, ModelSpec, TextEncode};
+use crate::guidance::Guided;
+use crate::params::check_settings;
+pub use crate::params::Txt2Img;
 use crate::pipeline::runtime_err;
 pub use crate::pipeline::{LoadOptions, ModelFiles, Pipeline, PipelineModels};
-use crate::rng::RngKind;
-use crate::runtime::{BuiltGraph, ModelHandle, Runtime, RuntimeError, RuntimeOptions};
-use crate::sampling::{sample, Denoise, KDenoiser, SampleMethod, SamplingError};
-use crate::schedule::{NoiseSchedule, Scheduler};
-use crate::tokenizer::{ClipTokenizer, CHUNK_LEN};
+use crate::runtime::{BuiltGraph, Runtime, RuntimeError, RuntimeOptions};
+use crate::sampling::{sample_with_progress, KDenoiser};
+use crate::schedule::Schedule;
 use crate::vae_tiling::{decode_tiled, encode_tiled, VaeTiling};
 
-/// Descriptor and node capacity of one UNet graph.
-const UNET_GRAPH: usize = 16384;
-/// Descriptor and node capacity of one CLIP graph.
-const CLIP_GRAPH: usize = 4096;
-/// Descriptor and node capacity of one VAE decoder graph.
-const VAE_GRAPH: usize = 8192;
-
-/// The settings of a txt2img run (stable-diffusion.cpp's flags of the same names).
-#[derive(Clone, Debug, PartialEq)]
-pub struct Txt2Img {
-    /// The prompt (attention syntax `(word:1.2)` allowed).
-    pub prompt: String,
-    /// The negative prompt (empty: the unconditional embedding).
-    pub negative: String,
-    /// Image width in pixels.
-    pub width: usize,
-    /// Image height in pixels.
-    pub height: usize,
-    /// Sampling steps.
-    pub steps: usize,
-    /// Classifier-free guidance scale (1: no guidance, the UNet runs on the prompt only).
-    pub cfg_scale: f32,
-    /// Seed of the first image; image `i` of a batch uses `seed + i`.
-    pub seed: u64,
-    /// The sampler.
-    pub sampler: SampleMethod,
-    /// The sigma scheduler.
-    pub scheduler: Scheduler,
-    /// CPU threads.
-    pub threads: usize,
-    /// Number of images.
-    pub batch: usize,
-    /// The noise generator (`--rng`; stable-diffusion.cpp defaults to `cuda`, sd-rs to `cpu`,
-    /// torch's CPU generator).
-    pub rng: RngKind,
-    /// Decode the latents in tiles (`--vae-tiling`; `None`: whole).
-    pub vae_tiling: Option<VaeTiling>,
-}
-
-impl Default for Txt2Img {
-    fn default() -> Self {
-        Txt2Img {
-            prompt: String::new(),
-            negative: String::new(),
-            width: 512,
-            height: 512,
-            steps: 20,
-            cfg_scale: 7.0,
-            seed: 42,
-            sampler: SampleMethod::Euler,
-            scheduler: Scheduler::Discrete,
-            threads: std::thread::available_parallelism()
-                .map(|n| n.get())
-                .unwrap_or(1),
-            batch: 1,
-            rng: RngKind::Cpu,
-            vae_tiling: None,
-        }
-    }
-}
-
-/// An error of [`txt2img`].
-#[derive(Debug, Error)]
-pub enum GenerateError {
-    /// The model file cannot be opened or parsed (the message names it).
-    #[error(transparent)]
-    File(#[from] FileError),
-    /// The model file's configuration is invalid or unsupported.
-    #[error("{}: {source}", path.display())]
-    Config {
-        /// The model file.
-        path: PathBuf,
-        /// The problem.
-        #[source]
-        source: ModelConfigError,
-    },
-    /// The model file's tensors do not fit the detected configuration.
-    #[error("{}: {source}", path.display())]
-    Weights {
-        /// The model file.
-        path: PathBuf,
-        /// The problem.
-        #[source]
-        source: Box<ModelError>,
-    },
-    /// A setting is out of range; `flag` names it.
-    #[error("{flag}: {message}")]
-    InvalidSetting {
-        /// The setting (`width`, `height`, `steps`, ...).
-        flag: &'static str,
-        /// What is wrong.
-        message: String,
-    },
-    /// Running a model failed.
-    #[error("model evaluation failed: {0}")]
-    Model(#[source] Box<ModelError>),
-    /// Text conditioning failed.
-    #[error(transparent)]
-    Conditioning(#[from] ConditioningError),
-    /// Sampling failed.
-    #[error(transparent)]
-    Sampling(#[from] SamplingError),
-    /// The decoded image is invalid.
-    #[error(transparent)]
-    Image(#[from] ImageError),
-    /// The runtime failed (backend, residency, execution).
-    #[error(transparent)]
-    Runtime(Box<RuntimeError>),
-    /// A host tensor had an unexpected shape.
-    #[error(transparent)]
-    Shape(#[from] sd_tensor::host::ShapeError),
-}
-
-impl From<ModelError> for GenerateError {
-    fn from(e: ModelError) -> Self {
-        GenerateError::Model(Box::new(e))
-    }
-}
-
-fn check_settings(cfg: &ModelConfig, p: &Txt2Img) -> Result<(), GenerateError> {
-    let multiple = cfg.size_multiple();
-    for (flag, v) in [("width", p.width), ("height", p.height)] {
-        if v == 0 || v % multiple != 0 {
-            return Err(GenerateError::InvalidSetting {
-                flag,
-                message: format!(
-                    "{v} is not a positive multiple of {multiple} (the VAE factor {} x 2^{} UNet downsamplings)",
-                    cfg.vae.downsample_factor(),
-                    cfg.unet.channel_mult.len().saturating_sub(1)
-                ),
-            });
-        }
-    }
-    if p.steps == 0 {
-        return Err(GenerateError::InvalidSetting {
-            flag: "steps",
-            message: "must be at least 1".into(),
-        });
-    }
-    if !p.cfg_scale.is_finite() {
-        return Err(GenerateError::InvalidSetting {
-            flag: "cfg-scale",
-            message: format!("{} is not a finite number", p.cfg_scale),
-        });
-    }
-    if p.batch == 0 {
-        return Err(GenerateError::InvalidSetting {
-            flag: "batch-count",
-            message: "must be at least 1".into(),
-        });
-    }
-    Ok(())
-}
-
-/// Reads the detected configuration of a model file without loading its weights.
-pub fn model_config(path: impl AsRef<Path>) -> Result<ModelConfig, GenerateError> {
+/// Reads the detected family and configuration of a model file without loading its weights.
+pub fn model_spec(path: impl AsRef<Path>) -> Result<ModelSpec, GenerateError> {
     let path = path.as_ref();
     let mut loader = ModelLoader::new();
     loader.add_file(path, None)?;
-    ModelConfig::detect(&loader).map_err(|source| GenerateError::Config {
+    ModelSpec::detect(&loader).map_err(|source| GenerateError::Config {
         path: path.to_path_buf(),
         source,
     })
@@ -198,8 +47,8 @@ pub fn model_config(path: impl AsRef<Path>) -> Result<ModelConfig, GenerateError
 /// computing on the CPU with `params.threads` threads (see [`Pipeline`] for other devices
 /// and budgets).
 ///
-/// `progress(step, total)` is called before each model evaluation with the 1-based sampling
-/// step (`total` = `params.steps`; per image of a batch).
+/// `progress(step, total)` is called before each sampling step (1-based; per image of a
+/// batch).
 pub fn txt2img(
     model_path: impl AsRef<Path>,
     params: &Txt2Img,
@@ -220,35 +69,77 @@ pub fn img2img_sigmas(sigmas: &[f32], strength: f32) -> &[f32] {
     &sigmas[steps - t_enc..]
 }
 
+/// What a generation reports while it runs.
+pub struct Callbacks<'a> {
+    /// Called by the sampler before each step: `(step, total)`, `step` 1-based.
+    pub on_step: &'a mut dyn FnMut(usize, usize),
+    /// Called after each image is decoded: `(index in the batch, image)`.
+    pub on_image: &'a mut dyn FnMut(usize, &Image),
+}
+
+/// A runtime error inside a model callback (conditioning, sampling) as a [`ModelError`].
+fn runtime_to_model(e: RuntimeError) -> ModelError {
+    match e {
+        RuntimeError::Model(m) => m,
+        other => ModelError::Config(other.to_string()),
+    }
+}
+
+/// The text encoders of a pipeline, run through its runtime ([`TextEncode`]).
+struct RuntimeText<'a> {
+    runtime: &'a mut Runtime,
+    text: &'a [(
+        crate::runtime::ModelHandle,
+        sd_models::text_encoder::TextEncoder,
+    )],
+}
+
+impl TextEncode for RuntimeText<'_> {
+    fn encode(&mut self, index: usize, ids: &[i32]) -> Result<Tensor<f32>, ModelError> {
+        let (h, enc) = self.text.get(index).ok_or_else(|| ModelError::Input {
+            name: "text encoder",
+            detail: format!("index {index} of {}", self.text.len()),
+        })?;
+        let out = self
+            .runtime
+            .run(*h, "text encoder", enc.graph_size(), |g| {
+                let input = g.ctx.new_tensor(DType::I32, &[ids.len(), 1])?;
+                let output = enc.forward(g, &input)?;
+                Ok(BuiltGraph {
+                    output,
+                    inputs: vec![(input, HostData::I32(ids.to_vec()))],
+                })
+            })
+            .map_err(runtime_to_model)?;
+        let hidden = out.ne[0];
+        Tensor::new([ids.len(), hidden], out.data).map_err(|e| ModelError::Config(e.to_string()))
+    }
+}
+
 impl Pipeline {
     fn model_err(&self, e: RuntimeError) -> GenerateError {
         runtime_err(&self.path, e)
     }
 
-    /// Encodes prompt and negative prompt with the text encoder.
-    fn condition(&mut self, params: &Txt2Img) -> Result<CfgConditioning, GenerateError> {
-        let tokenizer = ClipTokenizer::sd1();
-        let (h, clip) = (self.clip.0, &self.clip.1);
-        let runtime = &mut self.runtime;
-        let encoder = |ids: &[i32]| -> Result<Tensor<f32>, ModelError> {
-            let out = runtime
-                .run(h, "text encoder", CLIP_GRAPH, |g| {
-                    let input = g.ctx.new_tensor(DType::I32, &[ids.len(), 1])?;
-                    let output = clip.forward(g, &input)?;
-                    Ok(BuiltGraph {
-                        output,
-                        inputs: vec![(input, HostData::I32(ids.to_vec()))],
-                    })
-                })
-                .map_err(runtime_to_model)?;
-            let hidden = out.ne[0];
-            Tensor::new([CHUNK_LEN, hidden], out.data)
-                .map_err(|e| ModelError::Config(e.to_string()))
+    /// Encodes prompt and negative prompt the family's way, then releases the encoders.
+    fn condition(&mut self, params: &Txt2Img) -> Result<Conditioning, GenerateError> {
+        let family = self.spec.family;
+        let mut text = RuntimeText {
+            runtime: &mut self.runtime,
+            text: &self.text,
         };
-        let cond = encode_cfg(&tokenizer, &params.prompt, &params.negative, encoder)?;
-        self.runtime
-            .release(self.clip.0)
-            .map_err(|e| self.model_err(e))?;
+        let cond = family.condition(
+            &self.spec,
+            &mut text,
+            &params.prompt,
+            &params.negative,
+            (params.width, params.height),
+        )?;
+        for (h, _) in &self.text {
+            self.runtime
+                .release(*h)
+                .map_err(|e| runtime_err(&self.path, e))?;
+        }
         Ok(cond)
     }
 
@@ -258,7 +149,14 @@ impl Pipeline {
         params: &Txt2Img,
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<Vec<Image>, GenerateError> {
-        self.generate(params, None, progress)
+        self.generate(
+            params,
+            None,
+            Callbacks {
+                on_step: progress,
+                on_image: &mut |_, _| {},
+            },
+        )
     }
 
     /// Generates `params.batch` images from `init` and `params.prompt`: the init image is
@@ -273,56 +171,61 @@ impl Pipeline {
         strength: f32,
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<Vec<Image>, GenerateError> {
-        if !(0.0..=1.0).contains(&strength) {
-            return Err(GenerateError::InvalidSetting {
-                flag: "strength",
-                message: format!("{strength} is not between 0 and 1"),
-            });
-        }
-        if (init.width(), init.height()) != (params.width, params.height) {
-            return Err(GenerateError::InvalidSetting {
-                flag: "init-img",
-                message: format!(
-                    "the init image is {}x{} but the output is {}x{}",
-                    init.width(),
-                    init.height(),
-                    params.width,
-                    params.height
-                ),
-            });
-        }
-        self.generate(params, Some((init, strength)), progress)
+        self.generate(
+            params,
+            Some((init, strength)),
+            Callbacks {
+                on_step: progress,
+                on_image: &mut |_, _| {},
+            },
+        )
     }
 
-    fn generate(
+    /// Generates `params.batch` images: txt2img, or img2img from `init` with its strength
+    /// (see [`Pipeline::img2img`]), reporting through `callbacks`.
+    pub fn generate(
         &mut self,
         params: &Txt2Img,
         init: Option<(&Image, f32)>,
-        progress: &mut dyn FnMut(usize, usize),
+        callbacks: Callbacks<'_>,
     ) -> Result<Vec<Image>, GenerateError> {
-        let _span = tracing::info_span!("generate", steps = params.steps, img2img = init.is_some())
-            .entered();
-        check_settings(&self.config, params)?;
+        let _span = tracing::info_span!(
+            "generate",
+            family = self.spec.family.id(),
+            steps = params.steps,
+            img2img = init.is_some()
+        )
+        .entered();
+        check_settings(&self.spec, params)?;
+        if let Some((image, strength)) = init {
+            check_init(params, image, strength)?;
+        }
+        let Schedule::Ddpm(schedule) = self.spec.schedule.clone() else {
+            return Err(GenerateError::Config {
+                path: self.path.clone(),
+                source: ModelConfigError::Unsupported(format!(
+                    "{}: flow-matching sampling is not implemented yet",
+                    self.spec.family.name()
+                )),
+            });
+        };
         let init_latents = match init {
             Some((image, _)) => Some(self.encode(image, params.vae_tiling)?),
             None => None,
         };
         let cond = self.condition(params)?;
 
-        let schedule = NoiseSchedule::scaled_linear();
         let all_sigmas = params.scheduler.sigmas(params.steps, &schedule)?;
         let sigmas = match init {
             Some((_, strength)) => img2img_sigmas(&all_sigmas, strength).to_vec(),
             None => all_sigmas,
         };
-        let f = self.config.vae.downsample_factor();
-        let (lw, lh) = (params.width / f, params.height / f);
-        let channels = self.config.unet.in_channels;
+        let shape = self.spec.latent_shape(params.width, params.height);
 
         let mut images = Vec::with_capacity(params.batch);
         for i in 0..params.batch {
             let mut rng = params.rng.create(params.seed.wrapping_add(i as u64));
-            let noise = rng.randn_tensor(&[1, channels, lh, lw])?;
+            let noise = rng.randn_tensor(&shape)?;
             let mut x = noise.scale(sigmas[0]);
             if let Some(init) = &init_latents {
                 for (v, z) in x.data_mut().iter_mut().zip(init.data()) {
@@ -332,17 +235,15 @@ impl Pipeline {
             let latents = if sigmas.len() < 2 {
                 x
             } else {
-                let model = CfgUnet {
+                let model = Guided {
                     runtime: &mut self.runtime,
-                    handle: self.unet.0,
-                    unet: &self.unet.1,
+                    handle: self.diffusion.0,
+                    net: &self.diffusion.1,
                     cond: &cond,
                     cfg_scale: params.cfg_scale,
-                    sigmas: &sigmas,
-                    progress: &mut *progress,
                 };
-                let mut denoiser = KDenoiser::new(model, self.config.prediction, &schedule);
-                sample(
+                let mut denoiser = KDenoiser::new(model, self.spec.prediction, &schedule);
+                sample_with_progress(
                     params.sampler,
                     &mut denoiser,
                     x,
@@ -350,51 +251,54 @@ impl Pipeline {
                     rng.as_mut(),
                     None,
                     &schedule,
+                    &mut *callbacks.on_step,
                 )?
             };
-            images.push(self.decode(&latents, params.vae_tiling)?);
+            let image = self.decode(&latents, params.vae_tiling)?;
+            (callbacks.on_image)(i, &image);
+            images.push(image);
         }
         self.runtime
-            .release(self.unet.0)
-            .and_then(|_| self.runtime.release(self.vae.0))
+            .release(self.diffusion.0)
+            .and_then(|_| self.runtime.release(self.first_stage.0))
             .map_err(|e| self.model_err(e))?;
         Ok(images)
     }
 
-    /// VAE-encodes an image to latents `[1, C, h, w]`: the mean of the latent distribution
-    /// times the scaling factor; whole or in tiles.
+    /// Encodes an image to diffusion latents `[1, C, h, w]`: the mean of the first stage's
+    /// latent distribution, in the family's latent format; whole or in tiles.
     pub fn encode(
         &mut self,
         image: &Image,
         tiling: Option<VaeTiling>,
     ) -> Result<Tensor<f32>, GenerateError> {
-        if self.vae.1.encoder.is_none() {
+        if !self.first_stage.1.has_encoder() {
             return Err(GenerateError::Config {
                 path: self.path.clone(),
-                source: crate::model_config::ModelConfigError::Unsupported(
-                    "the autoencoder has no encoder (img2img needs one; give a full VAE with --vae)"
-                        .into(),
-                ),
+                source: ModelConfigError::Unsupported(format!(
+                    "the autoencoder has no encoder (img2img needs one; give a full VAE with {})",
+                    self.spec.first_stage.0.flag
+                )),
             });
         }
         let x = image.to_rgb().to_tensor(PixelRange::MinusOneToOne);
-        let f = self.config.vae.downsample_factor();
+        let f = self.first_stage.1.downsample_factor();
         let moments = match tiling {
             Some(tiling) => encode_tiled(&x, tiling, f, |tile| self.encode_raw(tile))?,
             None => self.encode_raw(&x)?,
         };
         let z = moments.shape()[1] / 2;
-        Ok(moments.slice(1, 0, z)?.scale(self.config.scaling_factor))
+        Ok(self.spec.latent.to_diffusion(&moments.slice(1, 0, z)?))
     }
 
-    /// Runs the VAE encoder on `x` `[1, 3, H, W]` in [-1, 1]; returns the moments.
+    /// Runs the first stage's encoder on `x` `[1, 3, H, W]` in [-1, 1]; returns the moments.
     fn encode_raw(&mut self, x: &Tensor<f32>) -> Result<Tensor<f32>, GenerateError> {
         let ne: Vec<usize> = x.shape().iter().rev().copied().collect();
         let data = x.data().to_vec();
-        let (h, vae) = (self.vae.0, &self.vae.1);
+        let (h, vae) = (self.first_stage.0, &self.first_stage.1);
         let out = self
             .runtime
-            .run(h, "vae encode", VAE_GRAPH, |g| {
+            .run(h, "vae encode", vae.graph_size(), |g| {
                 let t = g.ctx.new_tensor(DType::F32, &ne)?;
                 let output = vae.encode(g, &t)?;
                 Ok(BuiltGraph {
@@ -407,14 +311,14 @@ impl Pipeline {
         Ok(Tensor::new([1, c2, lh, lw], out.data)?)
     }
 
-    /// VAE-decodes latents `[1, C, h, w]` (divided by the scaling factor first) to an image,
-    /// whole or in tiles.
+    /// Decodes diffusion latents `[1, C, h, w]` (brought to the first stage's format first)
+    /// to an image, whole or in tiles.
     pub fn decode(
         &mut self,
         latents: &Tensor<f32>,
         tiling: Option<VaeTiling>,
     ) -> Result<Image, GenerateError> {
-        let z = latents.scale(1.0 / self.config.scaling_factor);
+        let z = self.spec.latent.to_first_stage(latents);
         let t = match tiling {
             Some(tiling) => decode_tiled(&z, tiling, |tile| self.decode_raw(tile))?,
             None => self.decode_raw(&z)?,
@@ -422,14 +326,15 @@ impl Pipeline {
         Ok(Image::from_tensor(&t, PixelRange::MinusOneToOne)?)
     }
 
-    /// Runs the VAE decoder on `z` `[1, C, h, w]`; returns `[1, c, H, W]` in about [-1, 1].
+    /// Runs the first stage's decoder on `z` `[1, C, h, w]`; returns `[1, c, H, W]` in
+    /// about [-1, 1].
     fn decode_raw(&mut self, z: &Tensor<f32>) -> Result<Tensor<f32>, GenerateError> {
         let ne: Vec<usize> = z.shape().iter().rev().copied().collect();
         let data = z.data().to_vec();
-        let (h, vae) = (self.vae.0, &self.vae.1);
+        let (h, vae) = (self.first_stage.0, &self.first_stage.1);
         let out = self
             .runtime
-            .run(h, "vae decode", VAE_GRAPH, |g| {
+            .run(h, "vae decode", vae.graph_size(), |g| {
                 let z = g.ctx.new_tensor(DType::F32, &ne)?;
                 let output = vae.decode(g, &z)?;
                 Ok(BuiltGraph {
@@ -443,100 +348,25 @@ impl Pipeline {
     }
 }
 
-/// A runtime error inside a model callback (conditioning, sampling) as a [`ModelError`].
-fn runtime_to_model(e: RuntimeError) -> ModelError {
-    match e {
-        RuntimeError::Model(m) => m,
-        other => ModelError::Config(other.to_string()),
+/// Checks an img2img init image and strength against the settings.
+fn check_init(params: &Txt2Img, init: &Image, strength: f32) -> Result<(), GenerateError> {
+    if !(0.0..=1.0).contains(&strength) {
+        return Err(GenerateError::InvalidSetting {
+            flag: "strength",
+            message: format!("{strength} is not between 0 and 1"),
+        });
     }
-}
-
-/// The UNet with classifier-free guidance: runs on `[uncond, cond]` and returns
-/// `uncond + cfg_scale * (cond - uncond)` (the prompt only when `cfg_scale` is 1).
-struct CfgUnet<'a, 'p> {
-    runtime: &'a mut Runtime,
-    handle: ModelHandle,
-    unet: &'a UnetModel,
-    cond: &'a CfgConditioning,
-    cfg_scale: f32,
-    sigmas: &'a [f32],
-    progress: &'a mut (dyn FnMut(usize, usize) + 'p),
-}
-
-impl CfgUnet<'_, '_> {
-    fn run(&mut self, x_in: &Tensor<f32>, timestep: f32) -> Result<Vec<f32>, RuntimeError> {
-        let guided = self.cfg_scale != 1.0;
-        let batch = if guided { 2 } else { 1 };
-        let shape = x_in.shape();
-        let (c, h, w) = (shape[1], shape[2], shape[3]);
-        let context = if guided {
-            self.cond
-                .stacked()
-                .map_err(|e| ModelError::Config(e.to_string()))?
-        } else {
-            self.cond.cond.clone()
-        };
-        let (tokens, hidden) = {
-            let s = context.shape();
-            (s[s.len() - 2], s[s.len() - 1])
-        };
-        let mut xs = x_in.data().to_vec();
-        if guided {
-            xs.extend_from_slice(x_in.data());
-        }
-        let unet = self.unet;
-        let out = self.runtime.run(self.handle, "unet", UNET_GRAPH, |g| {
-            let x = g.ctx.new_tensor(DType::F32, &[w, h, c, batch])?;
-            let t = g.ctx.new_tensor(DType::F32, &[batch])?;
-            let ctx = g.ctx.new_tensor(DType::F32, &[hidden, tokens, batch])?;
-            let output = unet.forward(g, &x, &t, &ctx, None)?;
-            Ok(BuiltGraph {
-                output,
-                inputs: vec![
-                    (x, HostData::F32(xs)),
-                    (t, HostData::F32(vec![timestep; batch])),
-                    (ctx, HostData::F32(context.into_data())),
-                ],
-            })
-        })?;
-        Ok(out.data)
+    if (init.width(), init.height()) != (params.width, params.height) {
+        return Err(GenerateError::InvalidSetting {
+            flag: "init-img",
+            message: format!(
+                "the init image is {}x{} but the output is {}x{}",
+                init.width(),
+                init.height(),
+                params.width,
+                params.height
+            ),
+        });
     }
-}
-impl Denoise for CfgUnet<'_, '_> {
-    fn predict(
-        &mut self,
-        x_in: &Tensor<f32>,
-        sigma: f32,
-        timestep: f32,
-    ) -> Result<Tensor<f32>, SamplingError> {
-        let total = self.sigmas.len().saturating_sub(1);
-        let step = self
-            .sigmas
-            .iter()
-            .take(total)
-            .position(|&s| s <= sigma * (1.0 + 1e-6))
-            .map_or(total, |i| i + 1);
-        (self.progress)(step, total);
-        let out = self
-            .run(x_in, timestep)
-            .map_err(|e| SamplingError::Model(Box::new(e)))?;
-        let n = x_in.data().len();
-        let data = if self.cfg_scale != 1.0 {
-            if out.len() != 2 * n {
-                return Err(SamplingError::ModelShape {
-                    expected: x_in.shape().to_vec(),
-                    got: vec![out.len()],
-                });
-            }
-            let (uncond, cond) = out.split_at(n);
-            uncond
-                .iter()
-                .zip(cond)
-                .map(|(&u, &c)| u + self.cfg_scale * (c - u))
-                .collect()
-        } else {
-            out
-        };
-        Ok(Tensor::new(x_in.shape().to_vec(), data)?)
-    }
+    Ok(())
 }

@@ -67,7 +67,7 @@ pub fn hires_upscale(
     match &hires.upscaler {
         HiresUpscaler::Bilinear => Ok(image.resize_bilinear(w, h)?),
         HiresUpscaler::Latent | HiresUpscaler::LatentNearest => {
-            let f = p.config().vae.downsample_factor();
+            let f = p.spec().first_stage.1.downsample_factor();
             if !w.is_multiple_of(f) || !h.is_multiple_of(f) {
                 return Err(setting(
                     "hires-size",

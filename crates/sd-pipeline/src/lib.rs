@@ -1,9 +1,17 @@
-//! `sd-pipeline`: samplers, schedulers, text conditioning, generation and upscaling of sd-rs.
+//! `sd-pipeline`: model families, samplers, schedulers, text conditioning, generation and
+//! upscaling of sd-rs.
+//!
+//! A generation's data path: [`family`] detects the model and describes its networks,
+//! [`pipeline`] loads them into a [`runtime`], [`generate`] runs the one family-agnostic
+//! loop (conditioning by the family, sampling with [`guidance`], decoding).
 
 pub mod conditioning;
+pub mod error;
+pub mod family;
 pub mod generate;
+pub mod guidance;
 pub mod hires;
-pub mod model_config;
+pub mod params;
 pub mod pipeline;
 pub mod prompt;
 pub mod rng;

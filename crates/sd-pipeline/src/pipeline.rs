@@ -1,37 +1,33 @@
-//! [`Pipeline`]: an SD1.x / SD2.x model (one checkpoint, or component files) loaded into a
-//! [`Runtime`]: configuration, text encoder, UNet and VAE. Generation lives in
-//! [`crate::generate`].
+//! [`Pipeline`]: a model of any [`crate::family`] (one checkpoint, or component files)
+//! loaded into a [`Runtime`]: its [`ModelSpec`], text encoders, diffusion network and first
+//! stage. Generation lives in [`crate::generate`].
 //!
 //! Loading opens the files, brings their tensor names to the canonical layout, detects the
-//! configuration ([`ModelConfig::detect`]) and adds the three models to the runtime; it only
-//! declares and registers parameters (names, shapes and dtypes checked against the files):
-//! the residency manager reads the bytes when a graph first needs them.
+//! family and configuration ([`crate::family::detect`]) and adds the networks to the
+//! runtime; it only declares and registers parameters (names, shapes and dtypes checked
+//! against the files): the residency manager reads the bytes when a graph first needs them.
 
 use std::path::{Path, PathBuf};
 
-use sd_models::clip::ClipTextModel;
-use sd_models::unet::UnetModel;
-use sd_models::vae::AutoencoderKl;
+use sd_models::diffusion::DiffusionNet;
+use sd_models::first_stage::FirstStage;
+use sd_models::text_encoder::{TextEncoder, TextEncoderArch};
 use sd_residency::files::ModelLoader;
-use sd_residency::names::{CLIP_PREFIX, UNET_PREFIX, VAE_PREFIX};
 use sd_residency::{Component, SourceId};
 
-use crate::generate::GenerateError;
-use crate::model_config::ModelConfig;
+use crate::error::GenerateError;
+use crate::family::{all_slots, slot_by_name, ModelConfigError, ModelSpec, Slot, SlotKind};
 use crate::runtime::{ModelHandle, Runtime, RuntimeError, RuntimeOptions};
 
 /// The files of a model: a full checkpoint (`-m`) and/or component files that replace or
-/// supply its parts (stable-diffusion.cpp's `--diffusion-model`, `--vae`, `--clip_l`).
+/// supply its parts, each for a [`Slot`] named as the family files name them (`clip_l`,
+/// `vae`, `diffusion-model`: the CLI flag without its dashes).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ModelFiles {
     /// A full checkpoint.
     pub model: Option<PathBuf>,
-    /// The diffusion model (UNet) alone.
-    pub diffusion_model: Option<PathBuf>,
-    /// The autoencoder alone.
-    pub vae: Option<PathBuf>,
-    /// The CLIP-L text encoder alone.
-    pub clip_l: Option<PathBuf>,
+    /// Component files: `(slot name, path)`, in loading order.
+    pub components: Vec<(String, PathBuf)>,
 }
 
 impl ModelFiles {
@@ -39,40 +35,42 @@ impl ModelFiles {
     pub fn single(path: impl Into<PathBuf>) -> Self {
         ModelFiles {
             model: Some(path.into()),
-            ..ModelFiles::default()
+            components: Vec::new(),
         }
+    }
+
+    /// Adds a component file for the slot named `slot`.
+    pub fn with(mut self, slot: &str, path: impl Into<PathBuf>) -> Self {
+        self.components.push((slot.to_string(), path.into()));
+        self
+    }
+
+    /// The file given for the slot named `slot`.
+    pub fn component(&self, slot: &str) -> Option<&Path> {
+        self.components
+            .iter()
+            .rev()
+            .find(|(s, _)| s == slot)
+            .map(|(_, p)| p.as_path())
     }
 
     /// The file named in errors that concern the whole model: the checkpoint, else the
     /// diffusion model, else the first component given.
     pub fn primary(&self) -> Option<&Path> {
-        [&self.model, &self.diffusion_model, &self.clip_l, &self.vae]
-            .into_iter()
-            .find_map(|p| p.as_deref())
+        self.model
+            .as_deref()
+            .or_else(|| {
+                self.components
+                    .iter()
+                    .find(|(s, _)| slot_by_name(s).is_some_and(|s| s.kind == SlotKind::Diffusion))
+                    .map(|(_, p)| p.as_path())
+            })
+            .or_else(|| self.components.first().map(|(_, p)| p.as_path()))
     }
 
-    /// The component files with their flag and canonical prefix, in loading order.
-    fn components(&self) -> Vec<(&'static str, &'static str, &Path)> {
-        let mut v = Vec::new();
-        for (flag, prefix, p) in [
-            ("--diffusion-model", UNET_PREFIX, &self.diffusion_model),
-            ("--clip_l", CLIP_PREFIX, &self.clip_l),
-            ("--vae", VAE_PREFIX, &self.vae),
-        ] {
-            if let Some(p) = p {
-                v.push((flag, prefix, p.as_path()));
-            }
-        }
-        v
-    }
-
-    /// The file that supplies the component under `prefix`.
-    fn file_for(&self, prefix: &str) -> Option<&Path> {
-        self.components()
-            .into_iter()
-            .find(|(_, p, _)| *p == prefix)
-            .map(|(_, _, f)| f)
-            .or(self.model.as_deref())
+    /// The file that supplies `slot`: its component file, else the checkpoint.
+    fn file_for(&self, slot: &Slot) -> Option<&Path> {
+        self.component(slot.name).or(self.model.as_deref())
     }
 }
 
@@ -82,43 +80,54 @@ pub struct LoadOptions {
     /// The runtime (devices, residency, budget, weight type).
     pub runtime: RuntimeOptions,
     /// Use the hidden states of this layer from the end (`--clip-skip`; 1: the last; `None`:
-    /// the model's default, 1 for SD1 and 2 for SD2).
+    /// the family's default, 1 for SD1 and 2 for SD2), for every CLIP text encoder.
     pub clip_skip: Option<usize>,
-    /// What the UNet predicts (`--prediction`; `None`: the model's configuration, eps
-    /// unless the file's sd-rs metadata says otherwise). SD2.x 768-v checkpoints need `v`:
-    /// their weights do not tell.
+    /// What the diffusion network predicts (`--prediction`; `None`: the model's
+    /// configuration). SD2.x 768-v checkpoints need `v`: their weights do not tell.
     pub prediction: Option<crate::sampling::Prediction>,
 }
 
 /// A loaded model (see the module documentation).
 pub struct Pipeline {
-    pub(crate) config: ModelConfig,
+    pub(crate) spec: ModelSpec,
     pub(crate) path: PathBuf,
     pub(crate) runtime: Runtime,
-    pub(crate) clip: (ModelHandle, ClipTextModel),
-    pub(crate) unet: (ModelHandle, UnetModel),
-    pub(crate) vae: (ModelHandle, AutoencoderKl),
+    pub(crate) text: Vec<(ModelHandle, TextEncoder)>,
+    pub(crate) diffusion: (ModelHandle, DiffusionNet),
+    pub(crate) first_stage: (ModelHandle, FirstStage),
 }
 
 impl std::fmt::Debug for Pipeline {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Pipeline")
             .field("path", &self.path)
-            .field("version", &self.config.version)
+            .field("family", &self.spec.family.id())
             .field("runtime", &self.runtime)
             .finish()
     }
 }
 
 /// The runtime handles of a [`Pipeline`]'s models.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PipelineModels {
-    /// The text encoder.
+    /// The first text encoder (the diffusion network's handle for a family without one).
     pub text_encoder: ModelHandle,
-    /// The UNet.
+    /// Every text encoder, in the spec's order.
+    pub text_encoders: Vec<ModelHandle>,
+    /// The diffusion network (a UNet for SD1/SD2).
     pub unet: ModelHandle,
-    /// The VAE (encoder, when the files have one, and decoder).
+    /// The first stage (encoder, when the files have one, and decoder).
     pub vae: ModelHandle,
+}
+
+impl PipelineModels {
+    /// Every handle: text encoders, diffusion network, first stage.
+    pub fn all(&self) -> Vec<ModelHandle> {
+        let mut v = self.text_encoders.clone();
+        v.push(self.unet);
+        v.push(self.vae);
+        v
+    }
 }
 
 /// Maps a runtime error of loading or running to the file-naming variants.
@@ -132,12 +141,19 @@ pub(crate) fn runtime_err(path: &Path, e: RuntimeError) -> GenerateError {
     }
 }
 
+fn unsupported(path: &Path, message: String) -> GenerateError {
+    GenerateError::Config {
+        path: path.to_path_buf(),
+        source: ModelConfigError::Unsupported(message),
+    }
+}
+
 /// Opens `files` into one catalog with canonical names: the checkpoint first, then each
-/// component file, which replaces the checkpoint's tensors of that component.
+/// component file, which replaces the checkpoint's tensors of its slot.
 pub(crate) fn open_catalog(files: &ModelFiles) -> Result<ModelLoader, GenerateError> {
-    let primary = files.primary().ok_or(GenerateError::InvalidSetting {
+    files.primary().ok_or(GenerateError::InvalidSetting {
         flag: "model",
-        message: "no model file given (-m, or --diffusion-model with --vae and --clip_l)".into(),
+        message: "no model file given (-m, or --diffusion-model with the other components)".into(),
     })?;
     let weights = |path: &Path| {
         let path = path.to_path_buf();
@@ -151,34 +167,101 @@ pub(crate) fn open_catalog(files: &ModelFiles) -> Result<ModelLoader, GenerateEr
         loader.add_file(m, None)?;
         sd_models::weights::canonicalize(&mut loader, None).map_err(weights(m))?;
     }
-    for (_, prefix, path) in files.components() {
-        loader.remove_with_prefix(prefix);
+    for (name, path) in &files.components {
+        let slot = slot_by_name(name).ok_or_else(|| GenerateError::InvalidSetting {
+            flag: "model",
+            message: format!("no model family has a component slot named {name:?}"),
+        })?;
+        loader.remove_with_prefix(slot.prefix);
         loader.add_file(path, None)?;
         sd_models::weights::canonicalize(&mut loader, None).map_err(weights(path))?;
-        if loader.names_with_prefix(prefix).next().is_none() {
-            return Err(GenerateError::Config {
-                path: path.to_path_buf(),
-                source: crate::model_config::ModelConfigError::Unsupported(format!(
-                    "no tensors of this component (`{prefix}*` after name conversion)"
-                )),
-            });
-        }
-    }
-    for (prefix, what, flag) in [
-        (UNET_PREFIX, "diffusion model", "--diffusion-model"),
-        (CLIP_PREFIX, "text encoder", "--clip_l"),
-        (VAE_PREFIX, "autoencoder", "--vae"),
-    ] {
-        if loader.names_with_prefix(prefix).next().is_none() {
-            return Err(GenerateError::Config {
-                path: primary.to_path_buf(),
-                source: crate::model_config::ModelConfigError::Unsupported(format!(
-                    "the model files have no {what} (`{prefix}*`); give one with {flag}"
-                )),
-            });
+        if loader.names_with_prefix(slot.prefix).next().is_none() {
+            return Err(unsupported(
+                path,
+                format!(
+                    "no tensors of the {} given with {} (`{}*` after name conversion)",
+                    slot.what, slot.flag, slot.prefix
+                ),
+            ));
         }
     }
     Ok(loader)
+}
+
+/// Checks that every slot of `spec` has tensors and that every component file is for one.
+fn check_slots(
+    files: &ModelFiles,
+    spec: &ModelSpec,
+    loader: &ModelLoader,
+    primary: &Path,
+) -> Result<(), GenerateError> {
+    let slots = spec.slots();
+    for (name, path) in &files.components {
+        if !slots.iter().any(|s| s.name == name) {
+            let flags: Vec<&str> = slots.iter().map(|s| s.flag).collect();
+            return Err(unsupported(
+                path,
+                format!(
+                    "{} is not a component of {} models (their components: {})",
+                    slot_by_name(name).map_or(name.as_str(), |s| s.flag),
+                    spec.family.name(),
+                    flags.join(", ")
+                ),
+            ));
+        }
+    }
+    for slot in slots {
+        if loader.names_with_prefix(slot.prefix).next().is_none() {
+            return Err(unsupported(
+                primary,
+                format!(
+                    "the model files have no {} (`{}*`); give one with {}",
+                    slot.what, slot.prefix, slot.flag
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// An error naming the flags to use when the files have no component of some kind at all
+/// (no text encoder, diffusion network or first stage under any family's prefix).
+fn missing_kind(loader: &ModelLoader, primary: &Path) -> Result<(), GenerateError> {
+    let slots = all_slots();
+    for kind in [
+        SlotKind::Diffusion,
+        SlotKind::TextEncoder,
+        SlotKind::FirstStage,
+    ] {
+        let of_kind: Vec<&Slot> = slots.iter().filter(|s| s.kind == kind).collect();
+        if of_kind
+            .iter()
+            .all(|s| loader.names_with_prefix(s.prefix).next().is_none())
+        {
+            let flags: Vec<&str> = of_kind.iter().map(|s| s.flag).collect();
+            let what = match kind {
+                SlotKind::Diffusion => "diffusion model",
+                SlotKind::TextEncoder => "text encoder",
+                SlotKind::FirstStage => "autoencoder",
+            };
+            return Err(unsupported(
+                primary,
+                format!(
+                    "the model files have no {what}; give one with {}",
+                    flags.join(" or ")
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn component_of(kind: SlotKind) -> Component {
+    match kind {
+        SlotKind::Diffusion => Component::Diffusion,
+        SlotKind::TextEncoder => Component::TextEncoder,
+        SlotKind::FirstStage => Component::Vae,
+    }
 }
 
 impl Pipeline {
@@ -196,74 +279,93 @@ impl Pipeline {
         )
     }
 
-    /// Loads `files` (see [`ModelFiles`]) with `options`: detects the configuration and
-    /// adds the text encoder, the UNet and the VAE (its encoder too when the files have one)
-    /// to a new runtime.
+    /// Loads `files` (see [`ModelFiles`]) with `options`: detects the family and adds its
+    /// text encoders, diffusion network and first stage (its encoder too when the files
+    /// have one) to a new runtime.
     pub fn open(files: &ModelFiles, options: LoadOptions) -> Result<Pipeline, GenerateError> {
         let loader = open_catalog(files)?;
         let primary = files.primary().unwrap_or(Path::new("")).to_path_buf();
         let _span = tracing::info_span!("load_pipeline", path = %primary.display()).entered();
-        let mut config = ModelConfig::detect(&loader).map_err(|source| GenerateError::Config {
-            path: primary.clone(),
-            source,
-        })?;
-        if let Some(skip) = options.clip_skip {
-            if skip == 0 || skip > config.clip.num_hidden_layers {
-                return Err(GenerateError::InvalidSetting {
-                    flag: "clip-skip",
-                    message: format!(
-                        "{skip} is not between 1 and the text encoder's {} layers",
-                        config.clip.num_hidden_layers
-                    ),
+        let mut spec = match ModelSpec::detect(&loader) {
+            Ok(spec) => spec,
+            Err(source) => {
+                // A component no family could do without is the likelier cause.
+                missing_kind(&loader, &primary)?;
+                return Err(GenerateError::Config {
+                    path: primary,
+                    source,
                 });
             }
-            config.clip.clip_skip = skip;
+        };
+        check_slots(files, &spec, &loader, &primary)?;
+        if let Some(skip) = options.clip_skip {
+            for (_, arch) in &mut spec.text_encoders {
+                // Clip skip is a CLIP setting; other encoders will ignore it.
+                let TextEncoderArch::Clip(c) = arch;
+                if skip == 0 || skip > c.num_hidden_layers {
+                    return Err(GenerateError::InvalidSetting {
+                        flag: "clip-skip",
+                        message: format!(
+                            "{skip} is not between 1 and the text encoder's {} layers",
+                            c.num_hidden_layers
+                        ),
+                    });
+                }
+                c.clip_skip = skip;
+            }
         }
         if let Some(p) = options.prediction {
-            config.prediction = p;
+            spec.prediction = p;
         }
         let mut runtime =
             Runtime::new(options.runtime, loader).map_err(|e| runtime_err(&primary, e))?;
         let main = SourceId::MAIN;
-        let file_of = |prefix: &str| files.file_for(prefix).unwrap_or(&primary).to_path_buf();
-        let clip_cfg = config.clip.clone();
-        let clip = runtime
-            .add_model("text_encoder", Component::TextEncoder, main, |pb| {
-                ClipTextModel::new(pb, clip_cfg)
+        let file_of = |slot: &Slot| files.file_for(slot).unwrap_or(&primary).to_path_buf();
+
+        let mut text = Vec::with_capacity(spec.text_encoders.len());
+        for (i, (slot, arch)) in spec.text_encoders.iter().enumerate() {
+            let name = if i == 0 {
+                "text_encoder".to_string()
+            } else {
+                format!("text_encoder_{}", i + 1)
+            };
+            let m = runtime
+                .add_model(&name, component_of(slot.kind), main, |pb| {
+                    TextEncoder::new(pb, arch)
+                })
+                .map_err(|e| runtime_err(&file_of(slot), e))?;
+            text.push(m);
+        }
+        let (dslot, darch) = &spec.diffusion;
+        let diffusion = runtime
+            .add_model("unet", component_of(dslot.kind), main, |pb| {
+                DiffusionNet::new(pb, darch)
             })
-            .map_err(|e| runtime_err(&file_of(CLIP_PREFIX), e))?;
-        let unet_cfg = config.unet.clone();
-        let unet = runtime
-            .add_model("unet", Component::Diffusion, main, |pb| {
-                UnetModel::new(pb, unet_cfg)
+            .map_err(|e| runtime_err(&file_of(dslot), e))?;
+        let (fslot, mut farch) = spec.first_stage.clone();
+        let has_encoder = runtime
+            .catalog(main)
+            .is_some_and(|c| c.get(&farch.encoder_probe()).is_some());
+        farch.set_with_encoder(has_encoder);
+        let first_stage = runtime
+            .add_model("vae", component_of(fslot.kind), main, |pb| {
+                FirstStage::new(pb, &farch)
             })
-            .map_err(|e| runtime_err(&file_of(UNET_PREFIX), e))?;
-        let mut vae_cfg = config.vae.clone();
-        vae_cfg.with_encoder = {
-            let encoder = format!("{}.encoder.conv_in.weight", vae_cfg.prefix);
-            runtime
-                .catalog(main)
-                .is_some_and(|c| c.get(&encoder).is_some())
-        };
-        let vae = runtime
-            .add_model("vae", Component::Vae, main, |pb| {
-                AutoencoderKl::new(pb, vae_cfg)
-            })
-            .map_err(|e| runtime_err(&file_of(VAE_PREFIX), e))?;
+            .map_err(|e| runtime_err(&file_of(&fslot), e))?;
         Ok(Pipeline {
-            config,
+            spec,
             path: primary,
             runtime,
-            clip,
-            unet,
-            vae,
+            text,
+            diffusion,
+            first_stage,
         })
     }
 
     /// Loads the weights of every model now where they would stay in RAM anyway (see
     /// [`Runtime::preload`]); `progress(done, total)` counts parameters over all models.
     pub fn preload(&mut self, progress: &mut dyn FnMut(usize, usize)) -> Result<(), GenerateError> {
-        let models = [self.clip.0, self.unet.0, self.vae.0];
+        let models = self.handles().all();
         let total: usize = models
             .iter()
             .map(|h| self.runtime.param_ids(*h).map_or(0, <[_]>::len))
@@ -279,22 +381,24 @@ impl Pipeline {
         Ok(())
     }
 
-    /// The detected configuration.
-    pub fn config(&self) -> &ModelConfig {
-        &self.config
+    /// The detected family and configuration.
+    pub fn spec(&self) -> &ModelSpec {
+        &self.spec
     }
 
-    /// Whether the VAE encoder was loaded (img2img needs it).
+    /// Whether the first stage's encoder was loaded (img2img needs it).
     pub fn has_vae_encoder(&self) -> bool {
-        self.vae.1.encoder.is_some()
+        self.first_stage.1.has_encoder()
     }
 
-    /// The runtime handles of the text encoder, the UNet and the VAE.
+    /// The runtime handles of the text encoders, the diffusion network and the first stage.
     pub fn handles(&self) -> PipelineModels {
+        let text_encoders: Vec<ModelHandle> = self.text.iter().map(|(h, _)| *h).collect();
         PipelineModels {
-            text_encoder: self.clip.0,
-            unet: self.unet.0,
-            vae: self.vae.0,
+            text_encoder: text_encoders.first().copied().unwrap_or(self.diffusion.0),
+            text_encoders,
+            unet: self.diffusion.0,
+            vae: self.first_stage.0,
         }
     }
 

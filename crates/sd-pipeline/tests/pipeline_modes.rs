@@ -224,30 +224,22 @@ fn component_files_equal_the_checkpoint() {
     let unet = write_component("model.diffusion_model.", "unet.safetensors", true);
     let vae = write_component("first_stage_model.", "vae.safetensors", false);
     let clip = write_component("cond_stage_model.transformer.", "clip_l.safetensors", false);
-    let files = ModelFiles {
-        model: None,
-        diffusion_model: Some(unet.clone()),
-        vae: Some(vae.clone()),
-        clip_l: Some(clip),
-    };
+    let files = ModelFiles::default()
+        .with("diffusion-model", unet.clone())
+        .with("vae", vae.clone())
+        .with("clip_l", clip);
     let parts = one(&mut load(&files, cpu(), None), &prm);
     assert_eq!(parts.pixels(), whole.pixels());
 
     // --vae replaces the checkpoint's autoencoder (here with the same weights).
-    let files = ModelFiles {
-        model: Some(builtin()),
-        vae: Some(vae.clone()),
-        ..ModelFiles::default()
-    };
+    let files = ModelFiles::single(builtin()).with("vae", vae.clone());
     let replaced = one(&mut load(&files, cpu(), None), &prm);
     assert_eq!(replaced.pixels(), whole.pixels());
 
     // A missing component is an error naming the flag to use.
-    let files = ModelFiles {
-        diffusion_model: Some(unet),
-        vae: Some(vae),
-        ..ModelFiles::default()
-    };
+    let files = ModelFiles::default()
+        .with("diffusion-model", unet)
+        .with("vae", vae);
     let e = Pipeline::open(
         &files,
         LoadOptions {

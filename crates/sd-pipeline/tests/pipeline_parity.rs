@@ -2,7 +2,9 @@
 //! diffusers' `EulerDiscreteScheduler` / `DPMSolverMultistepScheduler`, configured to the
 //! k-diffusion / stable-diffusion.cpp conventions sd-rs follows (`discrete` sigmas, initial
 //! latent `noise * sigma_0`, first-order final DPM++ step), on a random-weight tiny SD1
-//! checkpoint with real key names and on the built-in model, from `torch.randn` noise.
+//! checkpoint with real key names and on the built-in model, from `torch.randn` noise; and
+//! (`runs_sd2.json`) on a random-weight tiny SD2 in the original OpenCLIP naming: prompts padded
+//! with 0, the penultimate text layer, v-prediction.
 //!
 //! * images: [`txt2img`] end to end (file, config detection, tokenizer, CLIP, CFG, sampler,
 //!   scheduler, VAE) against the diffusers image quantized the same way;
@@ -10,17 +12,16 @@
 
 use std::path::{Path, PathBuf};
 
-use sd_models::clip::ClipTextModel;
+use sd_models::diffusion::{DiffusionInputs, DiffusionNet};
 use sd_models::run::run_cpu;
-use sd_models::unet::UnetModel;
+use sd_models::text_encoder::TextEncoder;
 use sd_models::{load_all_to_cpu, ComputeOptions, GraphCtx, HostData, ModelError, ParamBuilder};
-use sd_pipeline::conditioning::{encode_cfg, CfgConditioning};
+use sd_pipeline::family::{Conditioning, ModelSpec, TextEncode};
 use sd_pipeline::generate::{txt2img, Txt2Img};
-use sd_pipeline::model_config::ModelConfig;
 use sd_pipeline::rng::{CpuRng, Rng, RngKind};
 use sd_pipeline::sampling::{sample, Denoise, KDenoiser, SampleMethod, SamplingError};
 use sd_pipeline::schedule::{NoiseSchedule, Scheduler};
-use sd_pipeline::tokenizer::{ClipTokenizer, CHUNK_LEN};
+use sd_pipeline::tokenizer::ClipTokenizer;
 use sd_residency::files::ModelLoader;
 use sd_tensor::host::PixelRange;
 use sd_tensor::{DType, Tensor};
@@ -35,23 +36,33 @@ fn fixtures() -> PathBuf {
 fn model_path(model: &str) -> PathBuf {
     match model {
         "tiny" => fixtures().join("tiny_sd1.safetensors"),
+        "tiny_sd2" => fixtures().join("tiny_sd2.safetensors"),
         "builtin" => PathBuf::from(env!("CARGO_MANIFEST_DIR"))
             .join("../../models/builtin/sd-rs-shapes.safetensors"),
         m => panic!("unknown model {m}"),
     }
 }
 
-/// One reference run of `runs.json`.
+/// One reference run of `runs.json` or `runs_sd2.json`.
 struct Run {
     name: String,
     model: String,
     params: Txt2Img,
     token_ids: Vec<i32>,
     sigmas: Vec<f32>,
+    /// The fixture file stem (`runs`, `runs_sd2`).
+    stem: String,
 }
 
+/// The runs of `runs.json` and `runs_sd2.json`.
 fn runs() -> Vec<Run> {
-    let text = std::fs::read_to_string(fixtures().join("runs.json")).unwrap();
+    let mut out = runs_of("runs");
+    out.extend(runs_of("runs_sd2"));
+    out
+}
+
+fn runs_of(stem: &str) -> Vec<Run> {
+    let text = std::fs::read_to_string(fixtures().join(format!("{stem}.json"))).unwrap();
     let v: Value = serde_json::from_str(&text).unwrap();
     v["runs"]
         .as_array()
@@ -93,16 +104,19 @@ fn runs() -> Vec<Run> {
                     .iter()
                     .map(|x| x.as_f64().unwrap() as f32)
                     .collect(),
+                stem: stem.to_string(),
             }
         })
         .collect()
 }
 
-/// A reference tensor of `runs.safetensors`: (shape, values).
-fn reference(name: &str) -> (Vec<u64>, Vec<f32>) {
+/// A reference tensor of the run's `.safetensors`: (shape, values).
+fn reference(run: &Run, what: &str) -> (Vec<u64>, Vec<f32>) {
+    let name = format!("{}.{what}", run.name);
+    let name = name.as_str();
     let mut loader = ModelLoader::new();
     loader
-        .add_file(fixtures().join("runs.safetensors"), None)
+        .add_file(fixtures().join(format!("{}.safetensors", run.stem)), None)
         .unwrap();
     let shape = loader.get(name).unwrap().shape.clone();
     let bytes = loader.read_converted(name, DType::F32).unwrap();
@@ -129,7 +143,7 @@ fn image_diff(run: &Run) -> (f64, f64, u8) {
     let images = txt2img(model_path(&run.model), &run.params, &mut |_, _| {}).unwrap();
     assert_eq!(images.len(), 1);
     let img = &images[0];
-    let (shape, want) = reference(&format!("{}.image", run.name));
+    let (shape, want) = reference(run, "image");
     let (h, w) = (shape[1] as usize, shape[2] as usize);
     assert_eq!((img.width(), img.height(), img.channels()), (w, h, 3));
     // Ours is interleaved RGB; the reference planar CHW.
@@ -155,12 +169,17 @@ fn image_diff(run: &Run) -> (f64, f64, u8) {
     (rel_l2(&ours, &theirs), mean, max as u8)
 }
 
-/// The tokenizer gives the ids open_clip gave the reference, and the scheduler its sigmas.
+/// The tokenizer gives the ids open_clip gave the reference (padded with EOS for SD1, 0 for
+/// SD2), and the scheduler its sigmas.
 #[test]
 fn tokens_and_sigmas_match_the_reference_runs() {
-    let tok = ClipTokenizer::sd1();
     let schedule = NoiseSchedule::scaled_linear();
     for run in runs() {
+        let tok = if run.model == "tiny_sd2" {
+            ClipTokenizer::sd2()
+        } else {
+            ClipTokenizer::sd1()
+        };
         let t = tok.tokenize_weighted(&run.params.prompt);
         assert_eq!(t.tokens(), run.token_ids.as_slice(), "{}", run.name);
         let ours = run
@@ -211,14 +230,14 @@ fn builtin_model_images_match_diffusers() {
     }
 }
 
-/// The UNet with classifier-free guidance on the CPU, as `generate.rs` runs it.
-struct CfgUnet<'a> {
-    unet: &'a UnetModel,
-    cond: &'a CfgConditioning,
+/// The diffusion network with classifier-free guidance on the CPU, as `guidance.rs` runs it.
+struct CfgNet<'a> {
+    net: &'a DiffusionNet,
+    cond: &'a Conditioning,
     cfg_scale: f32,
 }
 
-impl Denoise for CfgUnet<'_> {
+impl Denoise for CfgNet<'_> {
     fn predict(
         &mut self,
         x_in: &Tensor<f32>,
@@ -228,21 +247,26 @@ impl Denoise for CfgUnet<'_> {
         let err = |e: ModelError| SamplingError::Model(Box::new(e));
         let s = x_in.shape().to_vec();
         let (c, h, w) = (s[1], s[2], s[3]);
-        let context = self.cond.stacked().unwrap();
-        let (tokens, hidden) = (context.shape()[1], context.shape()[2]);
-        let mut g = GraphCtx::new(16384, 16384, ComputeOptions::default()).map_err(err)?;
+        let (uc, cc) = (&self.cond.uncond.context, &self.cond.cond.context);
+        let (tokens, hidden) = (cc.shape()[0], cc.shape()[1]);
+        let mut context = uc.data().to_vec();
+        context.extend_from_slice(cc.data());
+        let size = self.net.graph_size();
+        let mut g = GraphCtx::new(size, size, ComputeOptions::default()).map_err(err)?;
         let x = g.ctx.new_tensor(DType::F32, &[w, h, c, 2]).unwrap();
         let t = g.ctx.new_tensor(DType::F32, &[2]).unwrap();
         let ctx = g.ctx.new_tensor(DType::F32, &[hidden, tokens, 2]).unwrap();
-        let out = self.unet.forward(&mut g, &x, &t, &ctx, None).map_err(err)?;
+        let mut inputs = DiffusionInputs::new(&x, &t);
+        inputs.context = Some(&ctx);
+        let out = self.net.forward(&mut g, &inputs).map_err(err)?;
         let mut xs = x_in.data().to_vec();
         xs.extend_from_slice(x_in.data());
         let inputs = [
             (&x, HostData::F32(xs)),
             (&t, HostData::F32(vec![timestep; 2])),
-            (&ctx, HostData::F32(context.into_data())),
+            (&ctx, HostData::F32(context)),
         ];
-        let out = run_cpu(&g, &[&out], &inputs, 16384, THREADS).map_err(err)?;
+        let out = run_cpu(&g, &[&out], &inputs, size, THREADS).map_err(err)?;
         let out = &out[0];
         let n = x_in.data().len();
         let (u, c) = out.split_at(n);
@@ -255,47 +279,87 @@ impl Denoise for CfgUnet<'_> {
     }
 }
 
-/// The final latents of `run`, computed with the crate's pieces (conditioning, CPU RNG,
-/// scheduler, k-diffusion denoiser, sampler) and the sd-models CLIP and UNet.
-fn latents(path: &Path, run: &Run) -> Tensor<f32> {
-    let p = &run.params;
-    let mut loader = ModelLoader::new();
-    loader.add_file(path, None).unwrap();
-    let config = ModelConfig::detect(&loader).unwrap();
-    sd_models::weights::canonicalize(&mut loader, Some(config.version)).unwrap();
-    let pb = ParamBuilder::new(Some(&loader), 4096).unwrap();
-    let clip = ClipTextModel::new(&pb, config.clip.clone()).unwrap();
-    let unet = UnetModel::new(&pb, config.unet.clone()).unwrap();
-    let params = pb.finish();
-    let _buffer = load_all_to_cpu(&params, &loader).unwrap();
-    let encoder = |ids: &[i32]| -> Result<Tensor<f32>, ModelError> {
-        let mut g = GraphCtx::new(4096, 4096, ComputeOptions::default())?;
+/// The text encoders of a spec on the CPU.
+struct CpuText<'a>(&'a [TextEncoder]);
+
+impl TextEncode for CpuText<'_> {
+    fn encode(&mut self, index: usize, ids: &[i32]) -> Result<Tensor<f32>, ModelError> {
+        let enc = &self.0[index];
+        let size = enc.graph_size();
+        let mut g = GraphCtx::new(size, size, ComputeOptions::default())?;
         let input = g.ctx.new_tensor(DType::I32, &[ids.len(), 1])?;
-        let out = clip.forward(&mut g, &input)?;
+        let out = enc.forward(&mut g, &input)?;
         let hidden = out.ne()[0];
         let data = run_cpu(
             &g,
             &[&out],
             &[(&input, HostData::I32(ids.to_vec()))],
-            4096,
+            size,
             THREADS,
         )?;
-        Ok(Tensor::new([CHUNK_LEN, hidden], data[0].clone()).unwrap())
+        Ok(Tensor::new([ids.len(), hidden], data[0].clone()).unwrap())
+    }
+}
+
+/// The final latents of `run`, computed with the crate's pieces (the family's conditioning,
+/// CPU RNG, scheduler, k-diffusion denoiser, sampler) and the sd-models networks. With
+/// `conditioning`, that replaces the family's (to show the padding matters).
+fn latents(path: &Path, run: &Run, conditioning: Option<&ClipTokenizer>) -> Tensor<f32> {
+    let p = &run.params;
+    let mut loader = ModelLoader::new();
+    loader.add_file(path, None).unwrap();
+    sd_models::weights::canonicalize(&mut loader, None).unwrap();
+    let spec = ModelSpec::detect(&loader).unwrap();
+    let pb = ParamBuilder::new(Some(&loader), 4096).unwrap();
+    let text: Vec<TextEncoder> = spec
+        .text_encoders
+        .iter()
+        .map(|(_, arch)| TextEncoder::new(&pb, arch).unwrap())
+        .collect();
+    let net = DiffusionNet::new(&pb, &spec.diffusion.1).unwrap();
+    let params = pb.finish();
+    let _buffer = load_all_to_cpu(&params, &loader).unwrap();
+    let mut encoders = CpuText(&text);
+    let cond = match conditioning {
+        None => spec
+            .family
+            .condition(
+                &spec,
+                &mut encoders,
+                &p.prompt,
+                &p.negative,
+                (p.width, p.height),
+            )
+            .unwrap(),
+        Some(tok) => {
+            let c = sd_pipeline::conditioning::encode_cfg(tok, &p.prompt, &p.negative, |ids| {
+                encoders.encode(0, ids)
+            })
+            .unwrap();
+            Conditioning {
+                cond: sd_pipeline::family::TextCond {
+                    context: c.cond,
+                    y: None,
+                },
+                uncond: sd_pipeline::family::TextCond {
+                    context: c.uncond,
+                    y: None,
+                },
+            }
+        }
     };
-    let cond = encode_cfg(&ClipTokenizer::sd1(), &p.prompt, &p.negative, encoder).unwrap();
     let schedule = NoiseSchedule::scaled_linear();
     let sigmas = p.scheduler.sigmas(p.steps, &schedule).unwrap();
-    let f = config.vae.downsample_factor();
     let mut rng = CpuRng::new(p.seed);
     let noise = rng
-        .randn_tensor(&[1, config.unet.in_channels, p.height / f, p.width / f])
+        .randn_tensor(&spec.latent_shape(p.width, p.height))
         .unwrap();
-    let model = CfgUnet {
-        unet: &unet,
+    let model = CfgNet {
+        net: &net,
         cond: &cond,
         cfg_scale: p.cfg_scale,
     };
-    let mut denoiser = KDenoiser::new(model, config.prediction, &schedule);
+    let mut denoiser = KDenoiser::new(model, spec.prediction, &schedule);
     sample(
         p.sampler,
         &mut denoiser,
@@ -312,12 +376,39 @@ fn latents(path: &Path, run: &Run) -> Tensor<f32> {
 #[test]
 fn tiny_sd1_latents_match_diffusers() {
     for run in runs().iter().filter(|r| r.model == "tiny") {
-        let got = latents(&model_path(&run.model), run);
-        let (shape, want) = reference(&format!("{}.latents", run.name));
+        let got = latents(&model_path(&run.model), run, None);
+        let (shape, want) = reference(run, "latents");
         let shape: Vec<usize> = shape.iter().map(|&d| d as usize).collect();
         assert_eq!(got.shape(), shape.as_slice(), "{}", run.name);
         let e = rel_l2(got.data(), &want);
         println!("{}: latents relative L2 {e:.2e}", run.name);
         assert!(e <= 1e-3, "{}: latents relative L2 {e:.3e}", run.name);
+    }
+}
+
+/// The tiny SD2 (OpenCLIP names, 0-padding, penultimate layer, v-prediction) end to end:
+/// `txt2img` images within 1 level and relative L2 1e-3 of diffusers', latents within relative
+/// L2 1e-3; conditioned with SD1's EOS padding instead, the latents are far off.
+#[test]
+fn tiny_sd2_matches_diffusers() {
+    for run in runs().iter().filter(|r| r.model == "tiny_sd2") {
+        let path = model_path(&run.model);
+        let got = latents(&path, run, None);
+        let (shape, want) = reference(run, "latents");
+        let shape: Vec<usize> = shape.iter().map(|&d| d as usize).collect();
+        assert_eq!(got.shape(), shape.as_slice(), "{}", run.name);
+        let e = rel_l2(got.data(), &want);
+        let eos = latents(&path, run, Some(&ClipTokenizer::sd1()));
+        let e_eos = rel_l2(eos.data(), &want);
+        let (rel, mean, max) = image_diff(run);
+        println!(
+            "{}: latents relative L2 {e:.2e} (EOS padding: {e_eos:.2e}); image relative L2 \
+             {rel:.2e}, mean |diff| {mean:.4} levels, max {max}",
+            run.name
+        );
+        assert!(e <= 1e-3, "{}: latents relative L2 {e:.3e}", run.name);
+        assert!(e_eos > 1e-2, "{}: EOS padding gave {e_eos:.3e}", run.name);
+        assert!(rel <= 1e-3, "{}: image relative L2 {rel:.3e}", run.name);
+        assert!(max <= 1, "{}: a pixel differs by {max} levels", run.name);
     }
 }

@@ -5,11 +5,14 @@
 //! simulated device's peak stays within the budget. A graph run through the runtime equals
 //! [`sd_models::run::run_cpu`] bit for bit, and an impossible budget is a clear error.
 
+use sd_models::clip::ClipTextConfig;
 use sd_models::clip::ClipTextModel;
+use sd_models::first_stage::FirstStageArch;
 use sd_models::run::run_cpu;
+use sd_models::text_encoder::TextEncoderArch;
 use sd_models::{load_all_to_cpu, GraphCtx, HostData, ParamBuilder};
+use sd_pipeline::family::ModelSpec;
 use sd_pipeline::generate::{GenerateError, Pipeline, Txt2Img};
-use sd_pipeline::model_config::ModelConfig;
 use sd_pipeline::runtime::{
     BuiltGraph, ComputeDevice, ParamsLocation, Runtime, RuntimeError, RuntimeOptions,
 };
@@ -22,6 +25,12 @@ use sd_tensor::{DType, Image};
 fn builtin() -> std::path::PathBuf {
     std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../../models/builtin/sd-rs-shapes.safetensors")
+}
+
+/// The (only) CLIP text encoder's configuration of `spec`.
+fn clip_config(spec: &ModelSpec) -> ClipTextConfig {
+    let TextEncoderArch::Clip(c) = spec.text_encoders[0].1.clone();
+    c
 }
 
 fn params() -> Txt2Img {
@@ -109,15 +118,16 @@ fn an_impossible_budget_is_a_capacity_error() {
 fn a_runtime_graph_equals_run_cpu() {
     let mut loader = ModelLoader::new();
     loader.add_file(builtin(), None).unwrap();
-    let config = ModelConfig::detect(&loader).unwrap();
-    sd_models::weights::canonicalize(&mut loader, Some(config.version)).unwrap();
+    let spec = ModelSpec::detect(&loader).unwrap();
+    sd_models::weights::canonicalize(&mut loader, None).unwrap();
+    let clip_cfg = clip_config(&spec);
     let ids: Vec<i32> = (0..77)
         .map(|i| if i == 0 { 49406 } else { 49407 - (i % 3) })
         .collect();
 
     // Reference: the whole graph on the CPU backend with weights loaded by hand.
     let pb = ParamBuilder::new(Some(&loader), 4096).unwrap();
-    let clip = ClipTextModel::new(&pb, config.clip.clone()).unwrap();
+    let clip = ClipTextModel::new(&pb, clip_cfg.clone()).unwrap();
     let params = pb.finish();
     let _buf = load_all_to_cpu(&params, &loader).unwrap();
     let mut g = GraphCtx::new(4096, 4096, Default::default()).unwrap();
@@ -144,7 +154,7 @@ fn a_runtime_graph_equals_run_cpu() {
         loader,
     )
     .unwrap();
-    let cfg = config.clip.clone();
+    let cfg = clip_cfg.clone();
     let (h, clip) = rt
         .add_model("clip", Component::TextEncoder, SourceId::MAIN, |pb| {
             ClipTextModel::new(pb, cfg)
@@ -161,7 +171,7 @@ fn a_runtime_graph_equals_run_cpu() {
         })
         .unwrap();
     assert!(got.segmented && got.segments.len() > 1);
-    assert_eq!(got.ne, [config.clip.hidden_size, 77, 1, 1]);
+    assert_eq!(got.ne, [clip_cfg.hidden_size, 77, 1, 1]);
     assert_eq!(got.data, want);
 
     // A handle from elsewhere and a source the runtime lacks are errors, not panics.
@@ -180,7 +190,7 @@ fn a_second_model_source_runs_in_the_same_runtime() {
         loader
     };
     let main = open(&builtin());
-    let config = ModelConfig::detect(&main).unwrap();
+    let spec = ModelSpec::detect(&main).unwrap();
     let copy = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("second-source.safetensors");
     std::fs::copy(builtin(), &copy).unwrap();
     let mut rt = Runtime::new(
@@ -197,7 +207,7 @@ fn a_second_model_source_runs_in_the_same_runtime() {
     // The same file twice is refused; a copy is a new source.
     assert!(rt.add_source(open(&builtin())).is_err());
     let second = rt.add_source(open(&copy)).unwrap();
-    let mut vae_cfg = config.vae.clone();
+    let FirstStageArch::AutoencoderKl(mut vae_cfg) = spec.first_stage.1.clone();
     vae_cfg.with_encoder = false;
     let (a, vae_a) = rt
         .add_model("vae", Component::Vae, SourceId::MAIN, |pb| {

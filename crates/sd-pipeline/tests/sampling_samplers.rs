@@ -3,7 +3,8 @@
 
 use sd_pipeline::rng::{CpuRng, Rng};
 use sd_pipeline::sampling::{
-    sample, Denoise, Denoised, KDenoiser, Prediction, SampleMethod, SamplingError,
+    sample, sample_with_progress, Denoise, Denoised, KDenoiser, Prediction, SampleMethod,
+    SamplingError,
 };
 use sd_pipeline::schedule::{NoiseSchedule, Scheduler};
 use sd_tensor::Tensor;
@@ -209,4 +210,31 @@ fn heun_calls_the_model_twice_per_non_final_step() {
     )
     .unwrap();
     assert_eq!(model.model.calls, 9);
+}
+
+/// Every sampler reports each step once, in order: `(1, n) .. (n, n)`.
+#[test]
+fn samplers_report_every_step_in_order() {
+    let schedule = NoiseSchedule::scaled_linear();
+    let sigmas = Scheduler::Karras.sigmas(5, &schedule).unwrap();
+    for method in SampleMethod::ALL {
+        let mut rng = CpuRng::new(3);
+        let x = rng.randn_tensor(&SHAPE).unwrap().scale(sigmas[0]);
+        let mut model = KDenoiser::new(Toy::new(0.5, Prediction::Eps), Prediction::Eps, &schedule);
+        let mut seen = Vec::new();
+        sample_with_progress(
+            method,
+            &mut model,
+            x,
+            &sigmas,
+            &mut rng,
+            None,
+            &schedule,
+            &mut |step, total| seen.push((step, total)),
+        )
+        .unwrap();
+        let want: Vec<(usize, usize)> = (1..=5).map(|i| (i, 5)).collect();
+        assert_eq!(seen, want, "{}", method.name());
+        assert!(model.model.calls >= 5, "{}", method.name());
+    }
 }

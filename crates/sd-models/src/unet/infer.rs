@@ -151,6 +151,18 @@ impl UnetConfig {
             None => p.need("middle_block.1.proj_in.weight")?.len() == 2,
         };
         let adm_in_channels = p.shape("label_emb.0.0.weight").map(|s| s[1]);
+        // LDM's forms: one depth for every attention level when they agree with the middle
+        // block (SD1, SD2, the refiner), else one per level with the middle given only
+        // where it is not the last level's.
+        let attn_depths: Vec<usize> = depths.iter().copied().filter(|&d| d > 0).collect();
+        let (transformer_depth, transformer_depth_middle) =
+            if attn_depths.iter().all(|&d| d == transformer_depth_middle) {
+                (vec![transformer_depth_middle], None)
+            } else if depths.last() == Some(&transformer_depth_middle) {
+                (depths, None)
+            } else {
+                (depths, Some(transformer_depth_middle))
+            };
         let cfg = UnetConfig {
             in_channels,
             out_channels,
@@ -159,7 +171,7 @@ impl UnetConfig {
             num_res_blocks,
             attention_resolutions,
             heads: template.heads,
-            transformer_depth: depths,
+            transformer_depth,
             transformer_depth_middle,
             adm_in_channels,
             context_dim,

@@ -7,13 +7,19 @@ use super::SamplingError;
 use crate::schedule::NoiseSchedule;
 
 /// What the model predicts.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+#[derive(Clone, Copy, Debug, PartialEq, Default)]
 pub enum Prediction {
     /// The added noise `eps` (SD1.x, SD2.x base, SDXL).
     #[default]
     Eps,
     /// The velocity `v = alpha * eps - sigma_vp * x0` (SD2.x 768-v).
     V,
+    /// Rectified flow: `x_t = (1 - t) x0 + t eps` with `t = sigma`, the model predicting
+    /// `eps - x0` (SD3, Flux, Qwen-Image); `shift` is the timestep shift of its schedule.
+    Flow {
+        /// The sigma shift (`shift` of the scheduler config; 3 for SD3, 1.15 for Flux).
+        shift: f32,
+    },
 }
 
 /// The k-diffusion preconditioning of one sigma: `D(x) = c_skip * x + c_out * F(c_in * x, t)`.
@@ -32,6 +38,7 @@ impl Prediction {
     ///
     /// Eps: `c_skip = 1`, `c_out = -sigma`, `c_in = 1 / sqrt(sigma^2 + 1)`.
     /// V: `c_skip = 1 / (sigma^2 + 1)`, `c_out = -sigma / sqrt(sigma^2 + 1)`, same `c_in`.
+    /// Flow: `c_skip = 1`, `c_out = -sigma`, `c_in = 1` (the input is not rescaled).
     pub fn scalings(self, sigma: f32) -> Scalings {
         let norm = (sigma * sigma + 1.0).sqrt();
         let c_in = 1.0 / norm;
@@ -45,6 +52,11 @@ impl Prediction {
                 c_skip: 1.0 / (sigma * sigma + 1.0),
                 c_out: -sigma / norm,
                 c_in,
+            },
+            Prediction::Flow { .. } => Scalings {
+                c_skip: 1.0,
+                c_out: -sigma,
+                c_in: 1.0,
             },
         }
     }

@@ -10,6 +10,9 @@ use crate::schedule::NoiseSchedule;
 type Res = Result<Tensor<f32>, SamplingError>;
 
 /// `(x - denoised) / sigma`: the ODE derivative.
+/// The per-step callback: `(1-based step, total steps)`, called before each step.
+pub(crate) type OnStep<'a> = &'a mut dyn FnMut(usize, usize);
+
 fn deriv(x: &Tensor<f32>, denoised: &Tensor<f32>, sigma: f32) -> Res {
     Ok(x.zip_map(denoised, |a, b| (a - b) / sigma)?)
 }
@@ -42,8 +45,14 @@ pub(crate) fn ancestral_step(sigma_from: f32, sigma_to: f32, eta: f32) -> (f32, 
     (down, up)
 }
 
-pub(crate) fn euler(model: &mut dyn Denoised, mut x: Tensor<f32>, sigmas: &[f32]) -> Res {
-    for w in sigmas.windows(2) {
+pub(crate) fn euler(
+    model: &mut dyn Denoised,
+    on_step: OnStep<'_>,
+    mut x: Tensor<f32>,
+    sigmas: &[f32],
+) -> Res {
+    for (i, w) in sigmas.windows(2).enumerate() {
+        on_step(i + 1, sigmas.len() - 1);
         let (sigma, next) = (w[0], w[1]);
         let den = model.denoised(&x, sigma)?;
         let d = deriv(&x, &den, sigma)?;
@@ -54,12 +63,14 @@ pub(crate) fn euler(model: &mut dyn Denoised, mut x: Tensor<f32>, sigmas: &[f32]
 
 pub(crate) fn euler_ancestral(
     model: &mut dyn Denoised,
+    on_step: OnStep<'_>,
     mut x: Tensor<f32>,
     sigmas: &[f32],
     rng: &mut dyn Rng,
     eta: f32,
 ) -> Res {
-    for w in sigmas.windows(2) {
+    for (i, w) in sigmas.windows(2).enumerate() {
+        on_step(i + 1, sigmas.len() - 1);
         let (sigma, next) = (w[0], w[1]);
         let den = model.denoised(&x, sigma)?;
         if next == 0.0 {
@@ -79,8 +90,14 @@ pub(crate) fn euler_ancestral(
     Ok(x)
 }
 
-pub(crate) fn heun(model: &mut dyn Denoised, mut x: Tensor<f32>, sigmas: &[f32]) -> Res {
-    for w in sigmas.windows(2) {
+pub(crate) fn heun(
+    model: &mut dyn Denoised,
+    on_step: OnStep<'_>,
+    mut x: Tensor<f32>,
+    sigmas: &[f32],
+) -> Res {
+    for (i, w) in sigmas.windows(2).enumerate() {
+        on_step(i + 1, sigmas.len() - 1);
         let (sigma, next) = (w[0], w[1]);
         let den = model.denoised(&x, sigma)?;
         let d = deriv(&x, &den, sigma)?;
@@ -98,8 +115,14 @@ pub(crate) fn heun(model: &mut dyn Denoised, mut x: Tensor<f32>, sigmas: &[f32])
     Ok(x)
 }
 
-pub(crate) fn dpm2(model: &mut dyn Denoised, mut x: Tensor<f32>, sigmas: &[f32]) -> Res {
-    for w in sigmas.windows(2) {
+pub(crate) fn dpm2(
+    model: &mut dyn Denoised,
+    on_step: OnStep<'_>,
+    mut x: Tensor<f32>,
+    sigmas: &[f32],
+) -> Res {
+    for (i, w) in sigmas.windows(2).enumerate() {
+        on_step(i + 1, sigmas.len() - 1);
         let (sigma, next) = (w[0], w[1]);
         let den = model.denoised(&x, sigma)?;
         let d = deriv(&x, &den, sigma)?;
@@ -118,6 +141,7 @@ pub(crate) fn dpm2(model: &mut dyn Denoised, mut x: Tensor<f32>, sigmas: &[f32])
 
 pub(crate) fn dpmpp_2s_ancestral(
     model: &mut dyn Denoised,
+    on_step: OnStep<'_>,
     mut x: Tensor<f32>,
     sigmas: &[f32],
     rng: &mut dyn Rng,
@@ -125,7 +149,8 @@ pub(crate) fn dpmpp_2s_ancestral(
 ) -> Res {
     let t_fn = |s: f32| -s.ln();
     let sigma_fn = |t: f32| (-t).exp();
-    for w in sigmas.windows(2) {
+    for (i, w) in sigmas.windows(2).enumerate() {
+        on_step(i + 1, sigmas.len() - 1);
         let (sigma, next) = (w[0], w[1]);
         let den = model.denoised(&x, sigma)?;
         let (down, up) = ancestral_step(sigma, next, eta);
@@ -155,6 +180,7 @@ pub(crate) fn dpmpp_2s_ancestral(
 
 pub(crate) fn dpmpp_2m(
     model: &mut dyn Denoised,
+    on_step: OnStep<'_>,
     mut x: Tensor<f32>,
     sigmas: &[f32],
     v2: bool,
@@ -162,6 +188,7 @@ pub(crate) fn dpmpp_2m(
     let t_fn = |s: f32| -s.ln();
     let mut old_den: Option<Tensor<f32>> = None;
     for i in 0..sigmas.len() - 1 {
+        on_step(i + 1, sigmas.len() - 1);
         let (sigma, next) = (sigmas[i], sigmas[i + 1]);
         let den = model.denoised(&x, sigma)?;
         let t = t_fn(sigma);
@@ -193,6 +220,7 @@ pub(crate) fn dpmpp_2m(
 
 pub(crate) fn ipndm(
     model: &mut dyn Denoised,
+    on_step: OnStep<'_>,
     mut x: Tensor<f32>,
     sigmas: &[f32],
     variable: bool,
@@ -200,6 +228,7 @@ pub(crate) fn ipndm(
     const MAX_ORDER: usize = 4;
     let mut hist: Vec<Tensor<f32>> = Vec::with_capacity(MAX_ORDER);
     for i in 0..sigmas.len() - 1 {
+        on_step(i + 1, sigmas.len() - 1);
         let (sigma, next) = (sigmas[i], sigmas[i + 1]);
         let den = model.denoised(&x, sigma)?;
         let d = deriv(&x, &den, sigma)?;
@@ -239,11 +268,13 @@ pub(crate) fn ipndm(
 
 pub(crate) fn lcm(
     model: &mut dyn Denoised,
+    on_step: OnStep<'_>,
     mut x: Tensor<f32>,
     sigmas: &[f32],
     rng: &mut dyn Rng,
 ) -> Res {
-    for w in sigmas.windows(2) {
+    for (i, w) in sigmas.windows(2).enumerate() {
+        on_step(i + 1, sigmas.len() - 1);
         let (sigma, next) = (w[0], w[1]);
         x = model.denoised(&x, sigma)?;
         if next > 0.0 {
@@ -255,6 +286,7 @@ pub(crate) fn lcm(
 
 pub(crate) fn tcd(
     model: &mut dyn Denoised,
+    on_step: OnStep<'_>,
     mut x: Tensor<f32>,
     sigmas: &[f32],
     rng: &mut dyn Rng,
@@ -262,7 +294,8 @@ pub(crate) fn tcd(
     schedule: &NoiseSchedule,
 ) -> Res {
     let alphas = schedule.alphas_cumprod();
-    for w in sigmas.windows(2) {
+    for (i, w) in sigmas.windows(2).enumerate() {
+        on_step(i + 1, sigmas.len() - 1);
         let (sigma, next) = (w[0], w[1]);
         let prev_t = schedule.nearest_timestep(next);
         let t_s = (((1.0 - eta) * prev_t as f32).floor().max(0.0) as usize).min(alphas.len() - 1);

@@ -1,5 +1,5 @@
 //! Samplers of stable-diffusion.cpp (`--sampling-method`) for discrete (eps / v) models, the
-//! denoiser parameterisations they integrate, and their errors.
+//! denoiser parameterisations (flow prediction included) they integrate, and their errors.
 //!
 //! A sampler integrates the probability-flow ODE (or its ancestral SDE variants)
 //! `dx/dsigma = (x - D(x; sigma)) / sigma` over a descending sigma list from
@@ -165,15 +165,7 @@ impl FromStr for SampleMethod {
     }
 }
 
-/// Run `method` from `x` (already scaled to `sigmas[0]`) down the `sigmas` list.
-///
-/// `eta` of `None` uses [`SampleMethod::default_eta`]. `schedule` is the model's training
-/// schedule (TCD reads its `alphas_cumprod`). Noise comes from `rng`, one
-/// [`Rng::randn`] call per injection, as sd.cpp draws it.
-///
-/// Errors: fewer than 2 sigmas ([`SamplingError::ZeroSteps`]), non-finite, negative or
-/// increasing sigmas, a zero sigma before the last one, or a non-finite eta
-/// ([`SamplingError::InvalidSigmas`]), and any model or shape error.
+/// [`sample_with_progress`] without a progress callback.
 pub fn sample(
     method: SampleMethod,
     model: &mut dyn Denoised,
@@ -182,6 +174,30 @@ pub fn sample(
     rng: &mut dyn Rng,
     eta: Option<f32>,
     schedule: &NoiseSchedule,
+) -> Result<Tensor<f32>, SamplingError> {
+    sample_with_progress(method, model, x, sigmas, rng, eta, schedule, &mut |_, _| {})
+}
+
+/// Run `method` from `x` (already scaled to `sigmas[0]`) down the `sigmas` list, calling
+/// `on_step(step, total)` before each step (`step` 1-based, `total = sigmas.len() - 1`).
+///
+/// `eta` of `None` uses [`SampleMethod::default_eta`]. `schedule` is the model's training
+/// schedule (TCD reads its `alphas_cumprod`). Noise comes from `rng`, one
+/// [`Rng::randn`] call per injection, as sd.cpp draws it.
+///
+/// Errors: fewer than 2 sigmas ([`SamplingError::ZeroSteps`]), non-finite, negative or
+/// increasing sigmas, a zero sigma before the last one, or a non-finite eta
+/// ([`SamplingError::InvalidSigmas`]), and any model or shape error.
+#[allow(clippy::too_many_arguments)]
+pub fn sample_with_progress(
+    method: SampleMethod,
+    model: &mut dyn Denoised,
+    x: Tensor<f32>,
+    sigmas: &[f32],
+    rng: &mut dyn Rng,
+    eta: Option<f32>,
+    schedule: &NoiseSchedule,
+    on_step: &mut dyn FnMut(usize, usize),
 ) -> Result<Tensor<f32>, SamplingError> {
     validate_sigmas(sigmas)?;
     let eta = eta.unwrap_or_else(|| method.default_eta());
@@ -192,19 +208,19 @@ pub fn sample(
     }
     use methods as m;
     match method {
-        SampleMethod::Euler => m::euler(model, x, sigmas),
+        SampleMethod::Euler => m::euler(model, on_step, x, sigmas),
         SampleMethod::EulerA | SampleMethod::DdimTrailing => {
-            m::euler_ancestral(model, x, sigmas, rng, eta)
+            m::euler_ancestral(model, on_step, x, sigmas, rng, eta)
         }
-        SampleMethod::Heun => m::heun(model, x, sigmas),
-        SampleMethod::Dpm2 => m::dpm2(model, x, sigmas),
-        SampleMethod::Dpmpp2sA => m::dpmpp_2s_ancestral(model, x, sigmas, rng, eta),
-        SampleMethod::Dpmpp2m => m::dpmpp_2m(model, x, sigmas, false),
-        SampleMethod::Dpmpp2mV2 => m::dpmpp_2m(model, x, sigmas, true),
-        SampleMethod::Ipndm => m::ipndm(model, x, sigmas, false),
-        SampleMethod::IpndmV => m::ipndm(model, x, sigmas, true),
-        SampleMethod::Lcm => m::lcm(model, x, sigmas, rng),
-        SampleMethod::Tcd => m::tcd(model, x, sigmas, rng, eta, schedule),
+        SampleMethod::Heun => m::heun(model, on_step, x, sigmas),
+        SampleMethod::Dpm2 => m::dpm2(model, on_step, x, sigmas),
+        SampleMethod::Dpmpp2sA => m::dpmpp_2s_ancestral(model, on_step, x, sigmas, rng, eta),
+        SampleMethod::Dpmpp2m => m::dpmpp_2m(model, on_step, x, sigmas, false),
+        SampleMethod::Dpmpp2mV2 => m::dpmpp_2m(model, on_step, x, sigmas, true),
+        SampleMethod::Ipndm => m::ipndm(model, on_step, x, sigmas, false),
+        SampleMethod::IpndmV => m::ipndm(model, on_step, x, sigmas, true),
+        SampleMethod::Lcm => m::lcm(model, on_step, x, sigmas, rng),
+        SampleMethod::Tcd => m::tcd(model, on_step, x, sigmas, rng, eta, schedule),
     }
 }
 

@@ -12,6 +12,34 @@ pub use noise::{NoiseSchedule, SCALED_LINEAR_BETA_END, SCALED_LINEAR_BETA_START,
 
 use crate::sampling::SamplingError;
 
+/// A model's training noise schedule: what sigmas mean to it.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Schedule {
+    /// A discrete DDPM schedule (SD1.x, SD2.x, SDXL): sigmas map to training timesteps.
+    Ddpm(NoiseSchedule),
+    /// Rectified flow (SD3, Flux, Qwen-Image): `sigma` in `[0, 1]` is the time itself,
+    /// shifted by `shift` (`shift t / (1 + (shift - 1) t)`).
+    Flow {
+        /// The timestep shift.
+        shift: f32,
+    },
+}
+
+impl Schedule {
+    /// SD1.x / SD2.x / SDXL's `scaled_linear` DDPM schedule.
+    pub fn scaled_linear() -> Self {
+        Schedule::Ddpm(NoiseSchedule::scaled_linear())
+    }
+
+    /// The DDPM schedule, if this is one.
+    pub fn ddpm(&self) -> Option<&NoiseSchedule> {
+        match self {
+            Schedule::Ddpm(s) => Some(s),
+            Schedule::Flow { .. } => None,
+        }
+    }
+}
+
 /// A sigma scheduler (sd.cpp's `scheduler_t`, DDPM-model subset).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Scheduler {

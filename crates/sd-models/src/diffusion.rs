@@ -1,0 +1,143 @@
+//! The diffusion networks as one closed set: [`DiffusionArch`] (a configuration) builds a
+//! [`DiffusionNet`], which every pipeline feeds the same [`DiffusionInputs`].
+//!
+//! A network takes what it needs from the inputs and rejects what it cannot use (a `y` given
+//! to a UNet without `label_emb`, guidance given to a network that is not guidance
+//! distilled), so a family that wires its inputs wrongly fails with [`ModelError::Input`]
+//! instead of computing something else. Later networks (MMDiT, Flux, Qwen-Image) are new
+//! variants of both enums.
+
+use sd_tensor::ggml::GTensor;
+
+use crate::unet::{UnetConfig, UnetModel};
+use crate::weights::ParamBuilder;
+use crate::{GraphCtx, ModelError, Result};
+
+/// The inputs of one diffusion step, as graph tensors (ggml order, innermost first).
+#[derive(Clone, Copy, Debug)]
+pub struct DiffusionInputs<'a> {
+    /// Latents `[W, H, C, B]` (or packed tokens for transformer networks).
+    pub x: &'a GTensor,
+    /// Timesteps (or sigmas, for flow networks) f32 `[B]`.
+    pub timesteps: &'a GTensor,
+    /// Text tokens `[hidden, n_tokens, B]`.
+    pub context: Option<&'a GTensor>,
+    /// The class / ADM vector `[adm, B]` (SDXL's pooled text and size embeddings).
+    pub y: Option<&'a GTensor>,
+    /// Distilled guidance strength f32 `[B]` (Flux dev).
+    pub guidance: Option<&'a GTensor>,
+    /// Position ids of the tokens (RoPE networks).
+    pub pos_ids: Option<&'a GTensor>,
+}
+
+impl<'a> DiffusionInputs<'a> {
+    /// Inputs with latents and timesteps only; set the other fields as the network needs.
+    pub fn new(x: &'a GTensor, timesteps: &'a GTensor) -> Self {
+        DiffusionInputs {
+            x,
+            timesteps,
+            context: None,
+            y: None,
+            guidance: None,
+            pos_ids: None,
+        }
+    }
+}
+
+/// The configuration of a diffusion network.
+#[derive(Clone, Debug, PartialEq)]
+pub enum DiffusionArch {
+    /// An LDM UNet (SD1.x, SD2.x, SDXL).
+    Unet(UnetConfig),
+}
+
+impl DiffusionArch {
+    /// The latent channels the network reads.
+    pub fn in_channels(&self) -> usize {
+        match self {
+            DiffusionArch::Unet(c) => c.in_channels,
+        }
+    }
+
+    /// The factor latent sizes must be multiples of (a UNet halves them `levels - 1` times).
+    pub fn latent_multiple(&self) -> usize {
+        match self {
+            DiffusionArch::Unet(c) => 1 << c.channel_mult.len().saturating_sub(1),
+        }
+    }
+
+    /// Sets the name prefix of the parameters (the canonical prefix of the component slot).
+    pub fn set_prefix(&mut self, prefix: &str) {
+        match self {
+            DiffusionArch::Unet(c) => c.prefix = prefix.trim_end_matches('.').to_string(),
+        }
+    }
+}
+
+/// A diffusion network with its parameters declared.
+#[derive(Clone, Debug)]
+pub enum DiffusionNet {
+    /// An LDM UNet.
+    Unet(UnetModel),
+}
+
+/// Graph nodes of one UNet evaluation per transformer block, plus a base for the
+/// convolutional part (an SD1 UNet has 16 blocks: 16384).
+const UNET_NODES_BASE: usize = 8192;
+/// See [`UNET_NODES_BASE`].
+const UNET_NODES_PER_TRANSFORMER: usize = 512;
+
+impl DiffusionNet {
+    /// Declares the parameters of `arch` under its prefix in `pb`.
+    pub fn new(pb: &ParamBuilder<'_>, arch: &DiffusionArch) -> Result<Self> {
+        Ok(match arch {
+            DiffusionArch::Unet(c) => DiffusionNet::Unet(UnetModel::new(pb, c.clone())?),
+        })
+    }
+
+    /// Builds one evaluation; returns the prediction, shaped as `inputs.x`.
+    pub fn forward(&self, g: &mut GraphCtx, inputs: &DiffusionInputs<'_>) -> Result<GTensor> {
+        match self {
+            DiffusionNet::Unet(unet) => {
+                reject(inputs.guidance, "guidance", "a UNet")?;
+                reject(inputs.pos_ids, "pos_ids", "a UNet")?;
+                let context = inputs.context.ok_or_else(|| ModelError::Input {
+                    name: "context",
+                    detail: "a UNet needs text context".into(),
+                })?;
+                unet.forward(g, inputs.x, inputs.timesteps, context, inputs.y)
+            }
+        }
+    }
+
+    /// Descriptor and node capacity of one evaluation's graph.
+    pub fn graph_size(&self) -> usize {
+        match self {
+            DiffusionNet::Unet(unet) => {
+                let transformers: usize = unet
+                    .input_blocks
+                    .iter()
+                    .chain(std::iter::once(&unet.middle_block))
+                    .chain(&unet.output_blocks)
+                    .flatten()
+                    .map(|l| match l {
+                        crate::unet::Layer::Attn(st) => st.transformer_blocks.len(),
+                        _ => 0,
+                    })
+                    .sum();
+                (UNET_NODES_BASE + UNET_NODES_PER_TRANSFORMER * transformers).next_power_of_two()
+            }
+        }
+    }
+}
+
+/// An input the network cannot use is an error, not silently ignored.
+pub(crate) fn reject(t: Option<&GTensor>, name: &'static str, net: &str) -> Result<()> {
+    match t {
+        Some(t) => Err(ModelError::Input {
+            name,
+            detail: format!("{:?} given to {net}, which has no use for it", t.ne()),
+        }),
+        None => Ok(()),
+    }
+}

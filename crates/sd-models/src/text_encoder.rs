@@ -1,0 +1,80 @@
+//! The text encoders as one closed set: [`TextEncoderArch`] builds a [`TextEncoder`] that
+//! maps token ids to hidden states. Later encoders (T5-XXL, Qwen2.5-VL) are new variants.
+
+use sd_tensor::ggml::GTensor;
+
+use crate::clip::{ClipTextConfig, ClipTextModel};
+use crate::weights::ParamBuilder;
+use crate::{GraphCtx, Result};
+
+/// The configuration of a text encoder.
+#[derive(Clone, Debug, PartialEq)]
+pub enum TextEncoderArch {
+    /// A CLIP text transformer (CLIP-L, OpenCLIP-H, OpenCLIP-bigG).
+    Clip(ClipTextConfig),
+}
+
+impl TextEncoderArch {
+    /// The width of the hidden states the encoder returns.
+    pub fn hidden_size(&self) -> usize {
+        match self {
+            TextEncoderArch::Clip(c) => c.hidden_size,
+        }
+    }
+
+    /// The most tokens one evaluation takes.
+    pub fn max_tokens(&self) -> usize {
+        match self {
+            TextEncoderArch::Clip(c) => c.max_position_embeddings,
+        }
+    }
+
+    /// Sets the name prefix of the parameters (the canonical prefix of the component slot;
+    /// a CLIP's transformer lives under `PREFIX` + `text_model`).
+    pub fn set_prefix(&mut self, prefix: &str) {
+        match self {
+            TextEncoderArch::Clip(c) => c.prefix = format!("{prefix}text_model"),
+        }
+    }
+}
+
+/// A text encoder with its parameters declared.
+#[derive(Clone, Debug)]
+pub enum TextEncoder {
+    /// A CLIP text transformer.
+    Clip(ClipTextModel),
+}
+
+/// Descriptor and node capacity of one CLIP evaluation (about 40 nodes per layer).
+const CLIP_GRAPH: usize = 4096;
+
+impl TextEncoder {
+    /// Declares the parameters of `arch` under its prefix in `pb`.
+    pub fn new(pb: &ParamBuilder<'_>, arch: &TextEncoderArch) -> Result<Self> {
+        Ok(match arch {
+            TextEncoderArch::Clip(c) => TextEncoder::Clip(ClipTextModel::new(pb, c.clone())?),
+        })
+    }
+
+    /// Builds the forward pass of `input_ids` (I32 `[n_tokens, B]`); returns the hidden
+    /// states `[hidden, n_tokens, B]` the family conditions on.
+    pub fn forward(&self, g: &mut GraphCtx, input_ids: &GTensor) -> Result<GTensor> {
+        match self {
+            TextEncoder::Clip(m) => m.forward(g, input_ids),
+        }
+    }
+
+    /// Descriptor and node capacity of one evaluation's graph.
+    pub fn graph_size(&self) -> usize {
+        match self {
+            TextEncoder::Clip(m) => CLIP_GRAPH.max((64 * m.layers.len()).next_power_of_two()),
+        }
+    }
+
+    /// The width of the hidden states.
+    pub fn hidden_size(&self) -> usize {
+        match self {
+            TextEncoder::Clip(m) => m.config.hidden_size,
+        }
+    }
+}

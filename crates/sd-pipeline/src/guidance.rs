@@ -1,0 +1,142 @@
+//! Classifier-free guidance over any diffusion network: [`Guided`] runs the network on the
+//! batch `[uncond, cond]` (context and `y` stacked the same way) and returns
+//! `uncond + scale * (cond - uncond)`; with scale 1 it runs on the prompt alone.
+
+use sd_models::diffusion::{DiffusionInputs, DiffusionNet};
+use sd_models::{HostData, ModelError};
+use sd_tensor::{DType, Tensor};
+
+use crate::family::{Conditioning, TextCond};
+use crate::runtime::{BuiltGraph, ModelHandle, Runtime, RuntimeError};
+use crate::sampling::{Denoise, SamplingError};
+
+/// The diffusion network of a runtime with classifier-free guidance (a [`Denoise`] model).
+pub struct Guided<'a> {
+    /// The runtime the network runs in.
+    pub runtime: &'a mut Runtime,
+    /// The network's handle in the runtime.
+    pub handle: ModelHandle,
+    /// The network.
+    pub net: &'a DiffusionNet,
+    /// Prompt and negative prompt.
+    pub cond: &'a Conditioning,
+    /// The guidance scale (1: the prompt only, one evaluation per step).
+    pub cfg_scale: f32,
+}
+
+/// `[context, hidden]` rows of each part, concatenated (a batch along the outer axis).
+fn stack<'t>(parts: impl Iterator<Item = &'t Tensor<f32>>) -> Vec<f32> {
+    parts.flat_map(|t| t.data().iter().copied()).collect()
+}
+
+impl Guided<'_> {
+    /// Runs the network on `x_in` (`[1, C, h, w]`) at `timestep` for the parts in `conds`.
+    fn run(
+        &mut self,
+        x_in: &Tensor<f32>,
+        timestep: f32,
+        conds: &[&TextCond],
+    ) -> Result<Vec<f32>, RuntimeError> {
+        let batch = conds.len();
+        let shape = x_in.shape();
+        let (c, h, w) = (shape[1], shape[2], shape[3]);
+        let ctx_shape = conds[0].context.shape().to_vec();
+        if conds
+            .iter()
+            .any(|t| t.context.shape() != ctx_shape.as_slice())
+        {
+            return Err(ModelError::Input {
+                name: "context",
+                detail: "prompt and negative prompt contexts differ in shape".into(),
+            }
+            .into());
+        }
+        let (tokens, hidden) = (
+            ctx_shape[ctx_shape.len() - 2],
+            ctx_shape[ctx_shape.len() - 1],
+        );
+        let xs: Vec<f32> = std::iter::repeat_n(x_in.data(), batch)
+            .flatten()
+            .copied()
+            .collect();
+        let context = stack(conds.iter().map(|t| &t.context));
+        let y = match conds[0].y.as_ref() {
+            Some(y0) => {
+                let ys: Option<Vec<&Tensor<f32>>> = conds.iter().map(|t| t.y.as_ref()).collect();
+                let ys = ys.ok_or_else(|| ModelError::Input {
+                    name: "y",
+                    detail: "given for one prompt but not the other".into(),
+                })?;
+                Some((y0.data().len(), stack(ys.into_iter())))
+            }
+            None => None,
+        };
+        let net = self.net;
+        let out = self
+            .runtime
+            .run(self.handle, "diffusion", net.graph_size(), |g| {
+                let x = g.ctx.new_tensor(DType::F32, &[w, h, c, batch])?;
+                let t = g.ctx.new_tensor(DType::F32, &[batch])?;
+                let ctx = g.ctx.new_tensor(DType::F32, &[hidden, tokens, batch])?;
+                let yt = match &y {
+                    Some((adm, _)) => Some(g.ctx.new_tensor(DType::F32, &[*adm, batch])?),
+                    None => None,
+                };
+                let mut inputs = DiffusionInputs::new(&x, &t);
+                inputs.context = Some(&ctx);
+                inputs.y = yt.as_ref();
+                let output = net.forward(g, &inputs)?;
+                let mut data = vec![
+                    (x.clone(), HostData::F32(xs)),
+                    (t.clone(), HostData::F32(vec![timestep; batch])),
+                    (ctx.clone(), HostData::F32(context)),
+                ];
+                if let (Some(yt), Some((_, yd))) = (yt, y) {
+                    data.push((yt, HostData::F32(yd)));
+                }
+                Ok(BuiltGraph {
+                    output,
+                    inputs: data,
+                })
+            })?;
+        Ok(out.data)
+    }
+}
+
+impl Denoise for Guided<'_> {
+    fn predict(
+        &mut self,
+        x_in: &Tensor<f32>,
+        _sigma: f32,
+        timestep: f32,
+    ) -> Result<Tensor<f32>, SamplingError> {
+        let guided = self.cfg_scale != 1.0;
+        let cond = self.cond;
+        let parts: Vec<&TextCond> = if guided {
+            vec![&cond.uncond, &cond.cond]
+        } else {
+            vec![&cond.cond]
+        };
+        let out = self
+            .run(x_in, timestep, &parts)
+            .map_err(|e| SamplingError::Model(Box::new(e)))?;
+        let n = x_in.data().len();
+        if out.len() != parts.len() * n {
+            return Err(SamplingError::ModelShape {
+                expected: x_in.shape().to_vec(),
+                got: vec![out.len()],
+            });
+        }
+        let data = if guided {
+            let (uncond, cond) = out.split_at(n);
+            uncond
+                .iter()
+                .zip(cond)
+                .map(|(&u, &c)| u + self.cfg_scale * (c - u))
+                .collect()
+        } else {
+            out
+        };
+        Ok(Tensor::new(x_in.shape().to_vec(), data)?)
+    }
+}
