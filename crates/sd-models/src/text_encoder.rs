@@ -29,6 +29,13 @@ impl TextEncoderArch {
         }
     }
 
+    /// The width of the pooled output, for encoders that have one (SDXL's bigG).
+    pub fn pooled_size(&self) -> Option<usize> {
+        match self {
+            TextEncoderArch::Clip(c) => c.projection_dim,
+        }
+    }
+
     /// Sets the name prefix of the parameters (the canonical prefix of the component slot;
     /// a CLIP's transformer lives under `PREFIX` + `text_model`).
     pub fn set_prefix(&mut self, prefix: &str) {
@@ -61,6 +68,19 @@ impl TextEncoder {
     pub fn forward(&self, g: &mut GraphCtx, input_ids: &GTensor) -> Result<GTensor> {
         match self {
             TextEncoder::Clip(m) => m.forward(g, input_ids),
+        }
+    }
+
+    /// Like [`TextEncoder::forward`], and also the pooled output `[pooled, B]` taken at
+    /// token `pool_at[b]` of sequence `b` (end of text); an error for encoders without one.
+    pub fn forward_with_pooled(
+        &self,
+        g: &mut GraphCtx,
+        input_ids: &GTensor,
+        pool_at: &[usize],
+    ) -> Result<(GTensor, GTensor)> {
+        match self {
+            TextEncoder::Clip(m) => m.forward_with_pooled(g, input_ids, pool_at),
         }
     }
 

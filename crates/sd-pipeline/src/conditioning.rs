@@ -62,6 +62,10 @@ pub enum ConditioningError {
         shape: Vec<usize>,
     },
     /// A tensor shape operation failed.
+    /// A family's conditioning does not fit its networks (an encoder without the pooled
+    /// output the family needs, a `y` width the UNet does not take).
+    #[error("conditioning: {0}")]
+    Mismatch(String),
     #[error(transparent)]
     Shape(#[from] ShapeError),
 }

@@ -114,6 +114,49 @@ impl TextEncode for RuntimeText<'_> {
         let hidden = out.ne[0];
         Tensor::new([ids.len(), hidden], out.data).map_err(|e| ModelError::Config(e.to_string()))
     }
+
+    fn encode_pooled(
+        &mut self,
+        index: usize,
+        ids: &[i32],
+        pool_at: usize,
+    ) -> Result<(Tensor<f32>, Tensor<f32>), ModelError> {
+        let (h, enc) = self.text.get(index).ok_or_else(|| ModelError::Input {
+            name: "text encoder",
+            detail: format!("index {index} of {}", self.text.len()),
+        })?;
+        // One graph, one output: the hidden states and the pooled vector side by side.
+        let out = self
+            .runtime
+            .run(*h, "text encoder", enc.graph_size(), |g| {
+                let input = g.ctx.new_tensor(DType::I32, &[ids.len(), 1])?;
+                let (hidden, pooled) = enc.forward_with_pooled(g, &input, &[pool_at])?;
+                let [hs, n, _, _] = hidden.ne();
+                let flat = g.ctx.reshape(&g.ctx.cont(&hidden)?, &[hs * n, 1])?;
+                let output = g.ctx.concat(&flat, &pooled, 0)?;
+                Ok(BuiltGraph {
+                    output,
+                    inputs: vec![(input, HostData::I32(ids.to_vec()))],
+                })
+            })
+            .map_err(runtime_to_model)?;
+        let hidden = enc.hidden_size();
+        let split = ids.len() * hidden;
+        if out.data.len() <= split {
+            return Err(ModelError::Config(format!(
+                "pooled text encoder output of {} values, expected more than {split}",
+                out.data.len()
+            )));
+        }
+        let mut data = out.data;
+        let pooled = data.split_off(split);
+        let n = pooled.len();
+        Ok((
+            Tensor::new([ids.len(), hidden], data)
+                .map_err(|e| ModelError::Config(e.to_string()))?,
+            Tensor::new([n], pooled).map_err(|e| ModelError::Config(e.to_string()))?,
+        ))
+    }
 }
 
 impl Pipeline {

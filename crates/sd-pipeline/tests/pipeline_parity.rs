@@ -299,6 +299,31 @@ impl TextEncode for CpuText<'_> {
         )?;
         Ok(Tensor::new([ids.len(), hidden], data[0].clone()).unwrap())
     }
+
+    fn encode_pooled(
+        &mut self,
+        index: usize,
+        ids: &[i32],
+        pool_at: usize,
+    ) -> Result<(Tensor<f32>, Tensor<f32>), ModelError> {
+        let enc = &self.0[index];
+        let size = enc.graph_size();
+        let mut g = GraphCtx::new(size, size, ComputeOptions::default())?;
+        let input = g.ctx.new_tensor(DType::I32, &[ids.len(), 1])?;
+        let (out, pooled) = enc.forward_with_pooled(&mut g, &input, &[pool_at])?;
+        let (hidden, n) = (out.ne()[0], pooled.ne()[0]);
+        let data = run_cpu(
+            &g,
+            &[&out, &pooled],
+            &[(&input, HostData::I32(ids.to_vec()))],
+            size,
+            THREADS,
+        )?;
+        Ok((
+            Tensor::new([ids.len(), hidden], data[0].clone()).unwrap(),
+            Tensor::new([n], data[1].clone()).unwrap(),
+        ))
+    }
 }
 
 /// The final latents of `run`, computed with the crate's pieces (the family's conditioning,

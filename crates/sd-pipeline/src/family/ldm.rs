@@ -76,7 +76,7 @@ pub struct LdmConfig {
 }
 
 /// Overlays `over` onto `base`, objects key by key.
-fn merge(base: &mut Value, over: Value) {
+pub(crate) fn merge(base: &mut Value, over: Value) {
     match (base, over) {
         (Value::Object(b), Value::Object(o)) => {
             for (k, v) in o {

@@ -15,6 +15,7 @@
 pub mod ldm;
 pub mod sd1;
 pub mod sd2;
+pub mod sdxl;
 
 use std::fmt;
 
@@ -23,7 +24,9 @@ use sd_models::first_stage::FirstStageArch;
 use sd_models::text_encoder::TextEncoderArch;
 use sd_models::ModelError;
 use sd_residency::files::{FileMetadata, ModelLoader};
-use sd_residency::names::{detect_version, SdVersion, CLIP_PREFIX, UNET_PREFIX, VAE_PREFIX};
+use sd_residency::names::{
+    detect_version, SdVersion, CLIP_G_PREFIX, CLIP_PREFIX, UNET_PREFIX, VAE_PREFIX,
+};
 use sd_tensor::Tensor;
 use thiserror::Error;
 
@@ -35,7 +38,7 @@ use crate::schedule::{AysTable, Schedule, Scheduler};
 pub const CONFIG_KEY: &str = "sd-rs.config";
 
 /// Every family, in detection order.
-pub static FAMILIES: &[&dyn Family] = &[&sd1::Sd1, &sd2::Sd2];
+pub static FAMILIES: &[&dyn Family] = &[&sd1::Sd1, &sd2::Sd2, &sdxl::Sdxl, &sdxl::SdxlRefiner];
 
 /// An error of family detection or configuration.
 #[derive(Debug, Error)]
@@ -108,6 +111,15 @@ pub const CLIP_H_SLOT: Slot = Slot {
     flag: "--clip_h",
     prefix: CLIP_PREFIX,
     what: "OpenCLIP-H text encoder",
+};
+
+/// OpenCLIP's ViT-bigG/14 text encoder (SDXL's second encoder, the refiner's only one).
+pub const CLIP_G_SLOT: Slot = Slot {
+    kind: SlotKind::TextEncoder,
+    name: "clip_g",
+    flag: "--clip_g",
+    prefix: CLIP_G_PREFIX,
+    what: "OpenCLIP-bigG text encoder",
 };
 
 /// Every slot of every family, each name once (the CLI's component flags).
@@ -277,6 +289,15 @@ pub trait TextEncode {
     /// The hidden states `[tokens, hidden]` of text encoder `index` (the order of
     /// [`ModelSpec::text_encoders`]) for one chunk of token ids.
     fn encode(&mut self, index: usize, ids: &[i32]) -> Result<Tensor<f32>, ModelError>;
+
+    /// Like [`TextEncode::encode`], and also the pooled output `[pooled]` of encoders that
+    /// have one (SDXL's bigG), taken at token `pool_at` (end of text).
+    fn encode_pooled(
+        &mut self,
+        index: usize,
+        ids: &[i32],
+        pool_at: usize,
+    ) -> Result<(Tensor<f32>, Tensor<f32>), ModelError>;
 }
 
 /// A model family (see the module documentation).
