@@ -1,0 +1,120 @@
+//! SDXL through the pipeline's runtime: the tiny SDXL checkpoint
+//! (`scripts/fixtures/make_sdxl_fixtures.py pipeline`) under a `--max-vram` budget on the
+//! simulated device gives the unbudgeted image byte for byte with the device peak within the
+//! budget, and a checkpoint without its second text encoder is an error naming the slot and
+//! its flag.
+
+use std::path::{Path, PathBuf};
+
+use sd_pipeline::generate::{Pipeline, Txt2Img};
+use sd_pipeline::runtime::{ComputeDevice, ParamsLocation, RuntimeOptions};
+use sd_residency::capacity::MaxVram;
+use sd_tensor::Image;
+
+fn tiny_sdxl() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/pipeline/tiny_sdxl.safetensors")
+}
+
+fn params() -> Txt2Img {
+    Txt2Img {
+        prompt: "a lighthouse at dusk".into(),
+        negative: "blurry".into(),
+        width: 32,
+        height: 32,
+        steps: 2,
+        cfg_scale: 5.0,
+        seed: 11,
+        threads: 2,
+        ..Txt2Img::default()
+    }
+}
+
+fn options(max_vram: Option<u64>) -> RuntimeOptions {
+    RuntimeOptions {
+        compute: ComputeDevice::Sim { bytes: 256 << 20 },
+        params: ParamsLocation::Disk,
+        max_vram: max_vram
+            .map(|b| MaxVram::parse(&format!("{}", b as f64 / (1u64 << 30) as f64)).unwrap()),
+        threads: 2,
+        planning_headroom: Some(256 << 10),
+        ..RuntimeOptions::default()
+    }
+}
+
+fn generate(path: &Path, opts: RuntimeOptions) -> (Image, Pipeline) {
+    let mut p = Pipeline::load(path, opts).unwrap();
+    let mut images = p.txt2img(&params(), &mut |_, _| {}).unwrap();
+    (images.remove(0), p)
+}
+
+#[test]
+fn sdxl_under_a_budget_equals_the_whole_run() {
+    let (whole, p) = generate(&tiny_sdxl(), options(None));
+    let h = p.handles();
+    assert_eq!(h.text_encoders.len(), 2, "CLIP-L and bigG");
+    assert_eq!(p.runtime().last_segments(h.unet).len(), 1);
+
+    let budget = 3u64 << 19;
+    let (seg, p) = generate(&tiny_sdxl(), options(Some(budget)));
+    let unet = p.runtime().last_segments(h.unet).len();
+    let peak = p.runtime().sim_device().unwrap().peak_bytes();
+    println!("budget {budget}: unet in {unet} segments, peak {peak}");
+    assert!(unet > 2, "unet ran in {unet} segment(s)");
+    assert!(peak <= budget, "peak {peak} > budget {budget}");
+    assert_eq!(seg.pixels(), whole.pixels());
+}
+
+/// Rewrites the safetensors file `src` without the tensors whose names start with `drop`.
+fn without(src: &Path, drop: &str, dst: &Path) {
+    let bytes = std::fs::read(src).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let data = &bytes[8 + n..];
+    let mut out_header = serde_json::Map::new();
+    let mut out_data = Vec::new();
+    for (name, v) in header {
+        if name == "__metadata__" {
+            out_header.insert(name, v);
+            continue;
+        }
+        if name.starts_with(drop) {
+            continue;
+        }
+        let offs = v["data_offsets"].as_array().unwrap();
+        let (a, b) = (
+            offs[0].as_u64().unwrap() as usize,
+            offs[1].as_u64().unwrap() as usize,
+        );
+        let start = out_data.len();
+        out_data.extend_from_slice(&data[a..b]);
+        let mut v = v.clone();
+        v["data_offsets"] = serde_json::json!([start, out_data.len()]);
+        out_header.insert(name, v);
+    }
+    let mut h = serde_json::to_vec(&out_header).unwrap();
+    while h.len() % 8 != 0 {
+        h.push(b' ');
+    }
+    let mut out = (h.len() as u64).to_le_bytes().to_vec();
+    out.extend_from_slice(&h);
+    out.extend_from_slice(&out_data);
+    std::fs::write(dst, out).unwrap();
+}
+
+#[test]
+fn sdxl_without_its_second_text_encoder_names_the_slot_and_flag() {
+    let dir = std::env::temp_dir().join(format!("sd-rs-sdxl-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("no_clip_g.safetensors");
+    without(&tiny_sdxl(), "conditioner.embedders.1.", &path);
+    let Err(err) = Pipeline::load(&path, options(None)) else {
+        panic!("an SDXL checkpoint without bigG loaded");
+    };
+    let text = err.to_string();
+    std::fs::remove_dir_all(&dir).ok();
+    assert!(
+        text.contains("--clip_g") && text.contains("OpenCLIP-bigG"),
+        "{text}"
+    );
+}
