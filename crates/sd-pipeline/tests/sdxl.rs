@@ -93,7 +93,7 @@ fn without(src: &Path, drop: &str, dst: &Path) {
         out_header.insert(name, v);
     }
     let mut h = serde_json::to_vec(&out_header).unwrap();
-    while h.len() % 8 != 0 {
+    while !h.len().is_multiple_of(8) {
         h.push(b' ');
     }
     let mut out = (h.len() as u64).to_le_bytes().to_vec();

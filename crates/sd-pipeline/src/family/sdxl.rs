@@ -256,7 +256,7 @@ fn vector(
         ConditioningError::Mismatch("the UNet has no `label_emb` for SDXL's vector".into())
     })?;
     let p = pooled.data();
-    let rest = adm.checked_sub(p.len()).unwrap_or(0);
+    let rest = adm.saturating_sub(p.len());
     if rest == 0 || !rest.is_multiple_of(ids.len()) {
         return Err(ConditioningError::Mismatch(format!(
             "`label_emb` takes {adm} values: pooled text {} and {} embeddings do not fit",
