@@ -21,6 +21,7 @@ model files:
   --vae PATH                  autoencoder alone (replaces the checkpoint's)
   --clip_l PATH               CLIP-L text encoder alone (replaces the checkpoint's)
   --clip_h PATH               OpenCLIP-H text encoder alone (SD2.x)
+  --clip_g PATH               OpenCLIP-bigG text encoder alone (SDXL, the SDXL refiner)
   --type TYPE                 convert weights when loading: f32, f16, bf16, q8_0, q5_0,
                               q5_1, q4_0, q4_1, q2_K..q6_K (quantized types apply to linear
                               weights; default: the files' types)
