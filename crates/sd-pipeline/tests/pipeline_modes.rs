@@ -255,6 +255,32 @@ fn component_files_equal_the_checkpoint() {
     );
 }
 
+/// A component file for a slot the detected family does not have (SD2's `--clip_h` with an
+/// SD1 model) is an error naming the flag and the family's own flags; a model without the
+/// metadata's family is one too.
+#[test]
+fn a_component_of_another_family_is_an_error() {
+    let clip = write_component("cond_stage_model.transformer.", "clip_h.safetensors", false);
+    let open = |files: &ModelFiles| {
+        Pipeline::open(
+            files,
+            LoadOptions {
+                runtime: cpu(),
+                ..LoadOptions::default()
+            },
+        )
+        .unwrap_err()
+        .to_string()
+    };
+    let e = open(&ModelFiles::single(builtin()).with("clip_h", clip));
+    assert!(
+        e.contains("--clip_h") && e.contains("SD 1.x") && e.contains("--clip_l"),
+        "{e}"
+    );
+    let e = open(&ModelFiles::single(builtin()).with("clip_x", builtin()));
+    assert!(e.contains("clip_x"), "{e}");
+}
+
 #[test]
 fn tiled_decoding_batches_clip_skip_and_weight_types() {
     let mut p = load(&ModelFiles::single(builtin()), cpu(), None);
