@@ -153,6 +153,12 @@ fn vulkan_prereqs(cmake_extra: &[String]) -> Res<()> {
 /// `cargo xtask build-cuda` / `build-vulkan`.
 pub fn build(gpu: Gpu, args: &[String]) -> Res<()> {
     let o = parse(args)?;
+    let nvcc = match gpu {
+        Gpu::Cuda => Some(find_nvcc().ok_or(
+            "no CUDA compiler: nvcc is neither on PATH nor in $CUDA_HOME/bin (/usr/local/cuda)",
+        )?),
+        Gpu::Vulkan => None,
+    };
     if o.build_sd {
         let benv = setup()?;
         run(cargo(&benv).args(["build", "--release", "-p", "sd-cli"]))?;
@@ -193,11 +199,8 @@ pub fn build(gpu: Gpu, args: &[String]) -> Res<()> {
     ]);
     match gpu {
         Gpu::Cuda => {
-            let nvcc = find_nvcc().ok_or(
-                "no CUDA compiler: nvcc is neither on PATH nor in $CUDA_HOME/bin (/usr/local/cuda)",
-            )?;
-            if nvcc != Path::new("nvcc") {
-                cfg.env("CUDACXX", &nvcc);
+            if let Some(nvcc) = nvcc.filter(|n| n != Path::new("nvcc")) {
+                cfg.env("CUDACXX", nvcc);
             }
             cfg.arg(format!("-DCMAKE_CUDA_ARCHITECTURES={}", o.arch))
                 .args([
