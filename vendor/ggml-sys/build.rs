@@ -61,4 +61,6 @@ fn main() {
         .write_to_file(out.join("bindings.rs"))
         .expect("cannot write ggml bindings");
     println!("cargo:include={}", include.display());
+    // ggml-backend-impl.h's directory: dependents' tests compile stub backend modules with it.
+    println!("cargo:impl_include={}", impl_dir.display());
 }

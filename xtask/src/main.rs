@@ -8,6 +8,8 @@
 //! - `cargo xtask bench <name>`: benchmarks (`matmul`, `exec`, `unet`: one SD1.5 UNet step in
 //!   sd-rs and in diffusers, side by side, against the ggml matmul ceiling; `upscale`: tiled
 //!   Real-ESRGAN x4 in sd-rs and in spandrel).
+//! - `cargo xtask build-cuda [--arch 90]` / `cargo xtask build-vulkan`: `sd` plus ggml's CUDA or
+//!   Vulkan backend as a module next to it, which `sd` loads at start (see `gpu.rs`).
 //!
 //! xtask itself has no dependencies, so it builds before CMake or libclang exist and can
 //! install them: with apt-get when running as root, otherwise from PyPI with pip.
@@ -15,6 +17,8 @@
 use std::env;
 use std::path::{Path, PathBuf};
 use std::process::{exit, Command};
+
+mod gpu;
 
 fn main() {
     let args: Vec<String> = env::args().skip(1).collect();
@@ -25,8 +29,12 @@ fn main() {
         "demo" => demo(rest),
         "test" => test(rest),
         "bench" => bench(rest),
+        "build-cuda" => gpu::build(gpu::Gpu::Cuda, rest),
+        "build-vulkan" => gpu::build(gpu::Gpu::Vulkan, rest),
         _ => {
-            eprintln!("usage: cargo xtask <setup|demo|test|bench NAME>");
+            eprintln!(
+                "usage: cargo xtask <setup|demo|test|bench NAME|build-cuda [--arch 90]|build-vulkan>"
+            );
             exit(if cmd == "help" || cmd == "--help" {
                 0
             } else {

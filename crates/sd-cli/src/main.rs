@@ -8,6 +8,7 @@
 //! flags or values.
 
 mod args;
+mod devices;
 mod progress;
 mod upscale;
 
@@ -21,10 +22,11 @@ use sd_pipeline::rng::RngKind;
 use sd_pipeline::runtime::{ComputeDevice, RuntimeOptions};
 use sd_pipeline::schedule::Scheduler;
 use sd_pipeline::vae_tiling::VaeTiling;
-use sd_tensor::ggml::{Backend, BufferType, Context, Device, Gallocr, Graph};
+use sd_tensor::ggml::{Backend, BufferType, Context, Gallocr, Graph};
 use sd_tensor::{DType, Image};
 
 fn main() -> ExitCode {
+    devices::load_modules();
     let args: Vec<String> = std::env::args().skip(1).collect();
     let (args, up) = match upscale::take_flags(&args) {
         Ok(x) => x,
@@ -62,7 +64,7 @@ fn main() -> ExitCode {
     });
     let generating = a.generating();
     if a.list || (!a.check && !generating) {
-        list_devices();
+        devices::list();
     }
     if a.check {
         if let Err(e) = self_check(threads) {
@@ -385,25 +387,6 @@ fn parameters_text(p: &Txt2Img, model: &str) -> String {
         s.push_str(&format!(", Schedule type: {}", p.scheduler.name()));
     }
     s
-}
-
-fn list_devices() {
-    println!(
-        "ggml {}: {} device(s)",
-        sd_tensor::ggml::version(),
-        Device::all().len()
-    );
-    for d in Device::all() {
-        let m = d.memory();
-        println!(
-            "  {:<8} {:?}  {}  free {} MiB / total {} MiB",
-            d.name(),
-            d.kind(),
-            d.description(),
-            m.free >> 20,
-            m.total >> 20
-        );
-    }
 }
 
 /// Multiplies two small matrices on the CPU backend and checks the result.

@@ -28,7 +28,9 @@ use sd_residency::{
     BackendId, Component, DeviceResidencyManager, ModelManager, ParamId, ParamSpec, ResidencyError,
     ResidencyMode, SourceId,
 };
-use sd_tensor::ggml::{Backend, Device, GTensor, Graph, SimDevice, SimOptions};
+use sd_tensor::ggml::{
+    Backend, Context, Device, DeviceKind, GTensor, Graph, SimDevice, SimOptions,
+};
 use sd_tensor::{DType, GgmlError};
 use thiserror::Error;
 
@@ -169,6 +171,11 @@ pub struct RuntimeOptions {
     pub planning_headroom: Option<u64>,
     /// Numerical options of the graphs built by [`Runtime::run`].
     pub compute_options: ComputeOptions,
+    /// Flash attention (`flash_attn_ext`, K/V in f16) for unmasked attention, for the head
+    /// widths the compute backend (and every split device) supports. `None`: on for real
+    /// GPU devices (its attention workspace is what lets a 512x512 UNet run under a 1 GiB
+    /// budget), off on the CPU and simulated devices (exact numerics).
+    pub flash_attn: Option<bool>,
     /// Convert weights to this type when loading (`--type`; `None`: the files' types). See
     /// [`ParamBuilder::set_weight_type`] for which tensors it applies to.
     pub weight_type: Option<DType>,
@@ -191,6 +198,7 @@ impl Default for RuntimeOptions {
             prefetch: true,
             planning_headroom: None,
             compute_options: ComputeOptions::default(),
+            flash_attn: None,
             weight_type: None,
         }
     }
@@ -295,6 +303,8 @@ pub struct Runtime {
     options: RuntimeOptions,
     sim: Option<SimDevice>,
     split_sims: Vec<SimDevice>,
+    /// Head widths that use flash attention (`None`: off); see [`RuntimeOptions::flash_attn`].
+    flash_attn_dims: Option<Vec<usize>>,
 }
 
 impl std::fmt::Debug for Runtime {
@@ -387,7 +397,7 @@ impl Runtime {
                 budget = mm.device_budget(&d);
             }
         }
-        let split = split_backends
+        let split: Vec<_> = split_backends
             .into_iter()
             .zip(split_ids)
             .map(|(b, id)| {
@@ -403,7 +413,20 @@ impl Runtime {
                     .unwrap_or(DEFAULT_PLANNING_HEADROOM),
             },
         );
+        let on_gpu = !primary_sim
+            && split_sims.is_empty()
+            && compute
+                .device()
+                .is_some_and(|d| matches!(d.kind(), DeviceKind::Gpu | DeviceKind::IntegratedGpu));
+        let flash_attn_dims = if options.flash_attn.unwrap_or(on_gpu) {
+            let mut backends = vec![compute.as_ref()];
+            backends.extend(split.iter().map(|(b, _, _)| b.as_ref()));
+            Some(flash_attn_head_dims(&backends)?)
+        } else {
+            None
+        };
         Ok(Runtime {
+            flash_attn_dims,
             engine,
             models: Vec::new(),
             compute,
@@ -506,7 +529,14 @@ impl Runtime {
         graph_size: usize,
         build: impl FnOnce(&mut GraphCtx) -> std::result::Result<BuiltGraph, ModelError>,
     ) -> Result<RunOutput> {
-        let mut g = GraphCtx::new(graph_size, graph_size, self.options.compute_options)?;
+        let mut opts = self.options.compute_options;
+        if self.flash_attn_dims.is_some() {
+            opts.flash_attn = true;
+        }
+        let mut g = GraphCtx::new(graph_size, graph_size, opts)?;
+        if let Some(dims) = &self.flash_attn_dims {
+            g.flash_attn_head_dims = Some(dims.clone());
+        }
         let built = build(&mut g)?;
         let mut graph = Graph::new(&g.ctx, graph_size).map_err(ModelError::from)?;
         built.output.set_output();
@@ -672,4 +702,29 @@ fn host_bytes(t: &GTensor, data: &HostData) -> Result<Vec<u8>> {
         )));
     }
     Ok(bytes)
+}
+
+/// The attention head widths (multiples of 8 up to 256) whose `flash_attn_ext` (f32 Q, f16
+/// K/V, no mask) every one of `backends` runs; the others keep `mul_mat` attention.
+fn flash_attn_head_dims(backends: &[&Backend]) -> Result<Vec<usize>> {
+    let ctx = Context::new_descriptors(4 * 32, 1, 0).map_err(ModelError::from)?;
+    let mut dims = Vec::new();
+    for d in (8..=256).step_by(8) {
+        let heads = 8;
+        let q = ctx.new_tensor(DType::F32, &[d, 256, heads, 1]);
+        let k = ctx.new_tensor(DType::F16, &[d, 256, heads, 1]);
+        let v = ctx.new_tensor(DType::F16, &[d, 256, heads, 1]);
+        let (q, k, v) = (
+            q.map_err(ModelError::from)?,
+            k.map_err(ModelError::from)?,
+            v.map_err(ModelError::from)?,
+        );
+        let o = ctx
+            .flash_attn_ext(&q, &k, &v, None, 1.0 / (d as f32).sqrt())
+            .map_err(ModelError::from)?;
+        if backends.iter().all(|b| b.supports_op(&o)) {
+            dims.push(d);
+        }
+    }
+    Ok(dims)
 }

@@ -86,55 +86,6 @@ impl Device {
             .ok_or_else(|| GgmlError::NoSuchBackend(name.to_string()))
     }
 
-    /// Loads a ggml backend module (for example `libggml-cuda.so`, built from the same ggml
-    /// source with `GGML_BACKEND_DL=ON`, `BUILD_SHARED_LIBS=ON`) and registers its devices;
-    /// returns the names of the devices it added.
-    ///
-    /// The module's references to ggml's base library must resolve to this process's own
-    /// (statically linked) copy, so the executable has to export its symbols (link with
-    /// `-Wl,--export-dynamic`, as the `sd-bench` binary does), and the module's `NEEDED`
-    /// `libggml-base.so.0` must be found by the dynamic loader (`scripts/device/cuda_run.sh`
-    /// gives it an empty stub of that name, so a missing symbol is a load error rather than
-    /// a silent second copy of ggml). ggml opens modules with `RTLD_NOW`.
-    pub fn load_module(path: &std::path::Path) -> Result<Vec<String>> {
-        let err = |detail: &str| GgmlError::ModuleLoad {
-            path: path.display().to_string(),
-            detail: detail.to_string(),
-        };
-        if !path.is_file() {
-            return Err(err("no such file"));
-        }
-        let c = CString::new(path.as_os_str().to_string_lossy().as_bytes())
-            .map_err(|_| err("the path contains a NUL byte"))?;
-        let before: Vec<String> = Self::all().iter().map(Device::name).collect();
-        // SAFETY: NUL-terminated path; ggml returns NULL (and logs why) on failure.
-        let reg = unsafe { sys::ggml_backend_load(c.as_ptr()) };
-        if reg.is_null() {
-            return Err(err(
-                "ggml_backend_load failed (see ggml's log: missing library, undefined symbol, \
-                 or an incompatible backend API version)",
-            ));
-        }
-        Ok(Self::all()
-            .iter()
-            .map(Device::name)
-            .filter(|n| !before.contains(n))
-            .collect())
-    }
-
-    /// Loads every backend module named in the environment variable `SD_BACKEND_MODULES`
-    /// (paths separated by `:`); returns the device names they added. Unset: nothing.
-    pub fn load_modules_from_env() -> Result<Vec<String>> {
-        let Some(list) = std::env::var_os("SD_BACKEND_MODULES") else {
-            return Ok(Vec::new());
-        };
-        let mut added = Vec::new();
-        for p in std::env::split_paths(&list).filter(|p| !p.as_os_str().is_empty()) {
-            added.extend(Self::load_module(&p)?);
-        }
-        Ok(added)
-    }
-
     /// The CPU device.
     pub fn cpu() -> Result<Device> {
         // SAFETY: registry query.

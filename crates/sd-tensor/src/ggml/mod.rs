@@ -22,6 +22,7 @@ mod graph;
 pub mod graph_ext;
 mod host_io;
 mod mapped;
+pub mod modules;
 mod ops;
 #[cfg(feature = "rpc")]
 mod rpc;
@@ -35,6 +36,7 @@ pub use context::Context;
 pub use error::GgmlError;
 pub use graph::Graph;
 pub use mapped::SharedBytes;
+pub use modules::{load_backend_modules, ModuleOutcome, MODULES_ENV};
 pub use ops::{Interpolation, Precision};
 #[cfg(feature = "rpc")]
 pub use rpc::rpc_device_memory;
