@@ -50,6 +50,36 @@ pub enum ExecError {
         /// The session budget (`None`: only the device and the manager's budget apply).
         budget: Option<u64>,
     },
+    /// A segment does not fit the limit even at the finest cut granularity the model
+    /// marked; found while planning, before anything runs.
+    #[error(
+        "'{task}' does not fit a limit of {limit} B on {backend} at any cut granularity: segment \
+         '{segment}' needs {weight_bytes} B of weights + {compute_bytes} B of workspace + \
+         {live_cut_bytes} B of live cuts (its largest weight: '{largest}', {largest_bytes} B); \
+         minimum budget {minimum} B"
+    )]
+    BudgetTooSmall {
+        /// The task's description.
+        task: String,
+        /// The compute backend.
+        backend: String,
+        /// The segment that does not fit (the largest one).
+        segment: String,
+        /// Its weight bytes.
+        weight_bytes: u64,
+        /// Its compute buffer bytes.
+        compute_bytes: u64,
+        /// The bytes of the cuts live while it runs.
+        live_cut_bytes: u64,
+        /// Its largest weight (without weights: its largest computed node).
+        largest: String,
+        /// That tensor's bytes.
+        largest_bytes: u64,
+        /// The smallest limit under which every segment found over the limit would fit.
+        minimum: u64,
+        /// The limit (tightest of session budget, manager budget and device memory).
+        limit: u64,
+    },
     /// A device allocation failed although capacity was checked (reported as such).
     #[error("allocation failed while {context}: {source}")]
     Allocation {
@@ -98,7 +128,9 @@ impl ExecError {
     pub fn is_out_of_memory(&self) -> bool {
         matches!(
             self,
-            ExecError::Capacity { .. } | ExecError::Allocation { .. }
+            ExecError::Capacity { .. }
+                | ExecError::Allocation { .. }
+                | ExecError::BudgetTooSmall { .. }
         )
     }
 }

@@ -303,6 +303,7 @@ impl Pipeline {
         let _span = tracing::info_span!("generate", steps = params.steps, img2img = init.is_some())
             .entered();
         check_settings(&self.config, params)?;
+        let params = &self.preflight(params, init.map(|i| i.0))?.apply(params);
         let init_latents = match init {
             Some((image, _)) => Some(self.encode(image, params.vae_tiling)?),
             None => None,

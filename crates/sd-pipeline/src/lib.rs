@@ -5,6 +5,7 @@ pub mod generate;
 pub mod hires;
 pub mod model_config;
 pub mod pipeline;
+pub mod preflight;
 pub mod prompt;
 pub mod rng;
 pub mod runtime;

@@ -18,8 +18,8 @@ use std::str::FromStr;
 use std::sync::Arc;
 
 use sd_exec::{
-    ComputeResult, ComputeTask, EngineOptions, ExecError, ExecutionEngine, SegmentReport,
-    SegmentationPolicy, SessionConfig, SessionId, DEFAULT_PLANNING_HEADROOM,
+    ComputeResult, ComputeTask, EngineOptions, ExecError, ExecutionEngine, PlanSummary,
+    SegmentReport, SegmentationPolicy, SessionConfig, SessionId, DEFAULT_PLANNING_HEADROOM,
 };
 use sd_models::{ComputeOptions, GraphCtx, HostData, ModelError, ParamBuilder, Params};
 use sd_residency::capacity::{MaxVram, MaxVramError};
@@ -506,6 +506,47 @@ impl Runtime {
         graph_size: usize,
         build: impl FnOnce(&mut GraphCtx) -> std::result::Result<BuiltGraph, ModelError>,
     ) -> Result<RunOutput> {
+        let (task, output, _g) = self.build_task(description, graph_size, build)?;
+        let result = self.execute(h, &task)?;
+        let data = result
+            .output_f32()
+            .filter(|_| output.dtype() == Some(DType::F32));
+        let Some(data) = data else {
+            return Err(RuntimeError::Output {
+                model: self.slot(h)?.name.clone(),
+                task: description.to_string(),
+                detail: format!("has type {:?}, not f32", output.dtype()),
+            });
+        };
+        Ok(RunOutput {
+            data,
+            ne: result.ne,
+            segmented: result.segmented,
+            segments: result.segments,
+        })
+    }
+
+    /// Builds a graph like [`Runtime::run`] and plans it against model `h`'s budget
+    /// without running it ([`ExecutionEngine::plan`]): the preflight of a run.
+    pub fn plan(
+        &mut self,
+        h: ModelHandle,
+        description: &str,
+        graph_size: usize,
+        build: impl FnOnce(&mut GraphCtx) -> std::result::Result<BuiltGraph, ModelError>,
+    ) -> Result<PlanSummary> {
+        let (task, _, _g) = self.build_task(description, graph_size, build)?;
+        let session = self.slot(h)?.session;
+        Ok(self.engine.plan(session, &task)?)
+    }
+
+    /// The task of [`Runtime::run`]: the graph `build` makes, its marks and inputs.
+    fn build_task(
+        &self,
+        description: &str,
+        graph_size: usize,
+        build: impl FnOnce(&mut GraphCtx) -> std::result::Result<BuiltGraph, ModelError>,
+    ) -> Result<(ComputeTask, GTensor, GraphCtx)> {
         let mut g = GraphCtx::new(graph_size, graph_size, self.options.compute_options)?;
         let built = build(&mut g)?;
         let mut graph = Graph::new(&g.ctx, graph_size).map_err(ModelError::from)?;
@@ -521,23 +562,7 @@ impl Runtime {
             let bytes = host_bytes(&t, &data)?;
             task = task.with_input(&t, bytes);
         }
-        let result = self.execute(h, &task)?;
-        let data = result
-            .output_f32()
-            .filter(|_| built.output.dtype() == Some(DType::F32));
-        let Some(data) = data else {
-            return Err(RuntimeError::Output {
-                model: self.slot(h)?.name.clone(),
-                task: description.to_string(),
-                detail: format!("has type {:?}, not f32", built.output.dtype()),
-            });
-        };
-        Ok(RunOutput {
-            data,
-            ne: result.ne,
-            segmented: result.segmented,
-            segments: result.segments,
-        })
+        Ok((task, built.output, g))
     }
 
     /// Executes a ready task in model `h`'s session.
