@@ -316,19 +316,10 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
     /// (`--max-vram`) and the device's memory, if any.
     pub(crate) fn segment_limit(&self) -> Option<u64> {
         let cfg = &self.session.config;
-        let device_total = cfg
-            .backend
-            .device()
-            .map(|d| d.memory().total)
-            .filter(|t| *t > 0);
-        [
-            cfg.budget,
-            self.manager.backend_budget(cfg.backend_id),
-            device_total,
-        ]
-        .into_iter()
-        .flatten()
-        .min()
+        crate::limit::device_limit(
+            &[cfg.budget, self.manager.backend_budget(cfg.backend_id)],
+            &cfg.backend,
+        )
     }
 
     /// Runs consecutive cut groups of `fine` as one segment while the merged segment's
@@ -437,17 +428,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
             .session
             .slots
             .iter()
-            .map(|s| {
-                let total = s
-                    .backend
-                    .device()
-                    .map(|d| d.memory().total)
-                    .filter(|t| *t > 0);
-                match (s.budget, total) {
-                    (Some(a), Some(b)) => a.min(b),
-                    (a, b) => a.or(b).unwrap_or(u64::MAX),
-                }
-            })
+            .map(|s| crate::limit::device_limit(&[s.budget], &s.backend).unwrap_or(u64::MAX))
             .collect();
         let mut used = vec![0u64; n];
         let mut workspace = vec![0u64; n];

@@ -19,7 +19,7 @@ use sd_graphcut::{InputKind, TensorRef};
 use sd_residency::DeviceResidencyManager;
 use sd_tensor::ggml::TensorId;
 
-use crate::error::{ExecError, Result};
+use crate::error::{BudgetShortfall, ExecError, Result};
 use crate::execution::{Exec, Prepared};
 use crate::task::ComputeTask;
 
@@ -143,7 +143,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
                 .max_by_key(|(_, b)| *b)
                 .unwrap_or_default()
         };
-        ExecError::BudgetTooSmall {
+        ExecError::BudgetTooSmall(Box::new(BudgetShortfall {
             task: task.description.clone(),
             backend: self.session.config.backend.name().to_string(),
             segment: seg.name.clone(),
@@ -154,6 +154,6 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
             largest_bytes,
             minimum,
             limit,
-        }
+        }))
     }
 }

@@ -431,10 +431,10 @@ fn impossible_budget_fails_naming_segment_and_session_stays_usable() {
     let msg = err.to_string();
     // Found while planning, before anything ran: no granularity fits, and the error
     // names the segment and the minimum budget.
-    let ExecError::BudgetTooSmall { minimum, .. } = &err else {
+    let ExecError::BudgetTooSmall(short) = &err else {
         panic!("not a planning error: {msg}");
     };
-    assert!(*minimum > largest / 2, "{msg}");
+    assert!(short.minimum > largest / 2, "{msg}");
     assert!(
         msg.contains("segment") && msg.contains("minimum budget"),
         "{msg}"

@@ -52,7 +52,7 @@ impl Preflight {
 }
 
 fn is_budget(e: &RuntimeError) -> bool {
-    matches!(e, RuntimeError::Exec(ExecError::BudgetTooSmall { .. }))
+    matches!(e, RuntimeError::Exec(ExecError::BudgetTooSmall(_)))
 }
 
 impl Pipeline {

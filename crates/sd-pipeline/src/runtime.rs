@@ -47,53 +47,7 @@ pub enum ComputeDevice {
     },
 }
 
-/// Error parsing a size (`512M`, `1.5G`, `65536K`, `1048576B`).
-#[derive(Debug, Error, PartialEq, Eq)]
-#[error("'{text}' is not a size (a number with an optional unit B, K, M or G; default unit {default_unit})")]
-pub struct SizeError {
-    /// The text given.
-    pub text: String,
-    /// The unit assumed without one.
-    pub default_unit: &'static str,
-}
-
-/// Parses a byte size: a non-negative number followed by an optional unit `B`, `K`/`KiB`,
-/// `M`/`MiB`, `G`/`GiB` (binary units, case-insensitive); `default_shift` (10, 20 or 30)
-/// applies without a unit.
-pub fn parse_size(text: &str, default_shift: u32) -> std::result::Result<u64, SizeError> {
-    let unit_name = match default_shift {
-        0 => "B",
-        10 => "KiB",
-        20 => "MiB",
-        _ => "GiB",
-    };
-    let err = || SizeError {
-        text: text.to_string(),
-        default_unit: unit_name,
-    };
-    let t = text.trim();
-    let split = t
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(t.len());
-    let (num, unit) = t.split_at(split);
-    let shift = match unit.trim().to_ascii_lowercase().as_str() {
-        "" => default_shift,
-        "b" => 0,
-        "k" | "kb" | "kib" => 10,
-        "m" | "mb" | "mib" => 20,
-        "g" | "gb" | "gib" => 30,
-        _ => return Err(err()),
-    };
-    let v: f64 = num.parse().map_err(|_| err())?;
-    if !v.is_finite() || v < 0.0 {
-        return Err(err());
-    }
-    let bytes = v * (1u64 << shift) as f64;
-    if bytes > u64::MAX as f64 {
-        return Err(err());
-    }
-    Ok(bytes as u64)
-}
+pub use sd_residency::capacity::{parse_size, SizeError};
 
 impl FromStr for ComputeDevice {
     type Err = String;

@@ -49,7 +49,7 @@ fn load(budget: u64) -> Pipeline {
 
 fn minimum(e: &RuntimeError) -> u64 {
     match e {
-        RuntimeError::Exec(ExecError::BudgetTooSmall { minimum, .. }) => *minimum,
+        RuntimeError::Exec(ExecError::BudgetTooSmall(short)) => short.minimum,
         other => panic!("not a budget error: {other}"),
     }
 }
