@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use sd_pipeline::family;
 use sd_pipeline::rng::RngKind;
-use sd_pipeline::runtime::{parse_size, ComputeDevice, ParamsLocation};
+use sd_pipeline::runtime::{ComputeDevice, ParamsLocation};
 use sd_pipeline::sampling::{Prediction, SampleMethod};
 use sd_pipeline::schedule::{AysTable, Scheduler};
 use sd_residency::capacity::MaxVram;
@@ -140,34 +140,9 @@ fn positive(text: &str, flag: &str) -> Result<usize, Usage> {
     }
 }
 
-/// `--max-vram`: GiB numbers as [`MaxVram::parse`] reads them, where each value may also
-/// carry a unit (`512M`, `6G`, `1.5GiB`).
+/// `--max-vram` ([`MaxVram::parse`]: GiB numbers or sizes with units).
 pub fn parse_max_vram(text: &str) -> Result<MaxVram, Usage> {
-    let err = |detail: String| Usage(format!("--max-vram: {detail}"));
-    let mut items = Vec::new();
-    for item in text.split(',') {
-        let (key, val) = match item.split_once('=') {
-            Some((k, v)) => (Some(k.trim()), v.trim()),
-            None => (None, item.trim()),
-        };
-        let has_unit = val.ends_with(|c: char| c.is_ascii_alphabetic());
-        let val = if has_unit {
-            let (neg, mag) = match val.strip_prefix('-') {
-                Some(m) => (true, m),
-                None => (false, val),
-            };
-            let bytes = parse_size(mag, 30).map_err(|e| err(e.to_string()))?;
-            let gib = bytes as f64 / (1u64 << 30) as f64;
-            format!("{}{gib}", if neg { "-" } else { "" })
-        } else {
-            val.to_string()
-        };
-        items.push(match key {
-            Some(k) => format!("{k}={val}"),
-            None => val,
-        });
-    }
-    MaxVram::parse(&items.join(",")).map_err(|e| Usage(e.to_string()))
+    MaxVram::parse(text).map_err(|e| Usage(e.to_string()))
 }
 
 /// Parses the arguments (without the program name).

@@ -9,7 +9,7 @@ use crate::error::{ExecError, Result};
 use crate::eviction::ReclaimEvent;
 use crate::execution::Exec;
 use crate::session::{ExecutionSession, SessionConfig, SessionId};
-use crate::task::{ComputeResult, ComputeTask};
+use crate::task::{ComputeResult, ComputeTask, PlanSummary};
 
 /// The seed's planning headroom: a graph runs whole only if its weights, measured
 /// workspace and this much more fit the budget.
@@ -130,10 +130,11 @@ impl<M: DeviceResidencyManager> ExecutionEngine<M> {
             .ok_or(ExecError::UnknownSession(id))?;
         s.release_all();
         s.clear_runner_cache();
+        s.choices.clear();
         s.planner = sd_graphcut::GraphPlanner::new(
             s.config.backend.buffer_type(),
             sd_graphcut::PlanOptions::default(),
-            8,
+            crate::session::PLAN_CACHE_PLANS,
         );
         let used: Vec<_> = s.params_used.iter().copied().collect();
         s.params_used.clear();
@@ -178,10 +179,11 @@ impl<M: DeviceResidencyManager> ExecutionEngine<M> {
             .ok_or(ExecError::UnknownSession(id))?;
         s.clear_runner_cache();
         s.sync(&mut self.manager);
+        s.choices.clear();
         s.planner = sd_graphcut::GraphPlanner::new(
             s.config.backend.buffer_type(),
             sd_graphcut::PlanOptions::default(),
-            8,
+            crate::session::PLAN_CACHE_PLANS,
         );
         Ok(())
     }
@@ -312,6 +314,43 @@ impl<M: DeviceResidencyManager> ExecutionEngine<M> {
             }
         }
         session.sync(&mut self.manager);
+        self.sessions.insert(id, session);
+        result
+    }
+
+    /// Chooses the plan `task` would run with in session `id` (whole, in segments, with
+    /// cuts inside blocks where blocks do not fit) against the session's limit, without
+    /// running it or holding device memory for it: the preflight of a run. A task that fits
+    /// at no granularity is [`ExecError::BudgetTooSmall`] naming the minimum budget. Plans
+    /// are cached, so the run that follows does not plan again.
+    pub fn plan(&mut self, id: SessionId, task: &ComputeTask) -> Result<PlanSummary> {
+        let mut session = self
+            .sessions
+            .remove(&id)
+            .ok_or(ExecError::UnknownSession(id))?;
+        let _span = tracing::debug_span!("plan_task", task = %task.description).entered();
+        let result = {
+            let mut exec = Exec {
+                manager: &mut self.manager,
+                others: &mut self.sessions,
+                options: &self.options,
+                log: &mut self.log,
+                session: &mut session,
+            };
+            exec.choose(task).map(|(p, segmented)| PlanSummary {
+                segmented,
+                segments: (0..p.plan.segments.len())
+                    .map(|k| {
+                        (
+                            p.plan.segments[k].name.clone(),
+                            crate::refine::segment_need(&p, k),
+                        )
+                    })
+                    .collect(),
+                limit: exec.segment_limit(),
+                fine_cuts: p.marks.iter().filter(|m| m.level > 0).count(),
+            })
+        };
         self.sessions.insert(id, session);
         result
     }

@@ -50,6 +50,10 @@ pub enum ExecError {
         /// The session budget (`None`: only the device and the manager's budget apply).
         budget: Option<u64>,
     },
+    /// A segment does not fit the limit even at the finest cut granularity the model
+    /// marked; found while planning, before anything runs.
+    #[error("{0}")]
+    BudgetTooSmall(Box<BudgetShortfall>),
     /// A device allocation failed although capacity was checked (reported as such).
     #[error("allocation failed while {context}: {source}")]
     Allocation {
@@ -98,7 +102,56 @@ impl ExecError {
     pub fn is_out_of_memory(&self) -> bool {
         matches!(
             self,
-            ExecError::Capacity { .. } | ExecError::Allocation { .. }
+            ExecError::Capacity { .. }
+                | ExecError::Allocation { .. }
+                | ExecError::BudgetTooSmall(_)
+        )
+    }
+}
+
+/// What [`ExecError::BudgetTooSmall`] reports: the segment that fits the limit at no cut
+/// granularity, what it needs, and the minimum budget.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BudgetShortfall {
+    /// The task's description.
+    pub task: String,
+    /// The compute backend.
+    pub backend: String,
+    /// The segment that does not fit (the largest one).
+    pub segment: String,
+    /// Its weight bytes.
+    pub weight_bytes: u64,
+    /// The compute buffer bytes (the session's workspace: the largest segment's buffer).
+    pub compute_bytes: u64,
+    /// The bytes of the cuts live while it runs.
+    pub live_cut_bytes: u64,
+    /// Its largest weight (without weights: its largest computed node).
+    pub largest: String,
+    /// That tensor's bytes.
+    pub largest_bytes: u64,
+    /// The smallest limit under which every segment found over the limit would fit.
+    pub minimum: u64,
+    /// The limit (tightest of session budget, manager budget and device memory).
+    pub limit: u64,
+}
+
+impl std::fmt::Display for BudgetShortfall {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "'{}' does not fit a limit of {} B on {} at any cut granularity: segment '{}' \
+             needs {} B of weights + {} B of workspace + {} B of live cuts (its largest \
+             weight: '{}', {} B); minimum budget {} B",
+            self.task,
+            self.limit,
+            self.backend,
+            self.segment,
+            self.weight_bytes,
+            self.compute_bytes,
+            self.live_cut_bytes,
+            self.largest,
+            self.largest_bytes,
+            self.minimum
         )
     }
 }

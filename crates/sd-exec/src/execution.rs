@@ -57,21 +57,48 @@ fn device_bytes(buft: BufferType, t: &GTensor) -> u64 {
 }
 
 /// A plan with its captured graph, and the parameters of each segment.
-struct Prepared {
-    graph: CapturedGraph,
-    plan: Arc<Plan>,
-    segment_params: Vec<Vec<ParamId>>,
+pub(crate) struct Prepared {
+    pub(crate) graph: CapturedGraph,
+    pub(crate) plan: Arc<Plan>,
+    /// The marks the plan was made with.
+    pub(crate) marks: CutMarks,
+    /// How the task's marks were regrouped into merged segments (group -> merged group),
+    /// if they were.
+    pub(crate) regroup: Option<HashMap<String, String>>,
+    pub(crate) segment_params: Vec<Vec<ParamId>>,
     /// Per segment, its parameters grouped by the set of segments that use them: each
     /// group is prepared (and prefetched) in a call of its own, so the manager's staging
     /// blocks never mix weights needed by different sets of segments (a block holding a
     /// weight a later segment requires would otherwise keep its other members resident).
-    segment_groups: Vec<Vec<Vec<ParamId>>>,
-    segment_weight_bytes: Vec<u64>,
+    pub(crate) segment_groups: Vec<Vec<Vec<ParamId>>>,
+    pub(crate) segment_weight_bytes: Vec<u64>,
     /// The device (session slot) each segment runs on: all 0 without layer split.
-    segment_device: Vec<usize>,
+    pub(crate) segment_device: Vec<usize>,
     /// Device bytes of each parameter (primary device's buffer type).
-    param_bytes: HashMap<ParamId, u64>,
+    pub(crate) param_bytes: HashMap<ParamId, u64>,
 }
+
+/// What a session remembers of a plan choice: the graph (structure, without marks), the
+/// limit it was chosen for and the number of marks the task had.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct ChoiceKey {
+    graph: sd_graphcut::Fingerprint,
+    limit: Option<u64>,
+    marks: usize,
+}
+
+/// A remembered plan choice: whole, or the task's marks selected by name and regrouped.
+#[derive(Clone, Debug)]
+pub(crate) enum Choice {
+    Whole,
+    Marks {
+        names: HashSet<CutName>,
+        regroup: Option<HashMap<String, String>>,
+    },
+}
+
+/// Choices a session remembers (cleared when full).
+const MAX_CHOICES: usize = 16;
 
 /// Splits each segment's parameters by the set of segments using them (groups in order
 /// of first member, members in segment order).
@@ -106,7 +133,11 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         }
     }
 
-    fn prepare_plan(&mut self, task: &ComputeTask, marks: &CutMarks) -> Result<Prepared> {
+    pub(crate) fn prepare_plan(
+        &mut self,
+        task: &ComputeTask,
+        marks: &CutMarks,
+    ) -> Result<Prepared> {
         let weights: HashSet<TensorId> = task.weights.iter().map(|t| t.id()).collect();
         let manager = &*self.manager;
         let is_param = |id: TensorId| weights.contains(&id) || manager.resolve_param(id).is_some();
@@ -139,6 +170,8 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         Ok(Prepared {
             graph,
             plan,
+            marks: marks.clone(),
+            regroup: None,
             segment_params,
             segment_groups,
             segment_weight_bytes,
@@ -152,9 +185,17 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         let _span =
             tracing::info_span!("execute", task = %task.description, session = %self.session.id)
                 .entered();
+        let (prepared, segmented) = self.choose(task)?;
+        self.run_plan(task, &prepared, segmented)
+    }
+
+    /// Chooses the plan `task` runs with (whole, block segments, refined inside blocks,
+    /// merged, or layer split) without running anything; returns it and whether it is
+    /// segmented. What fits at no granularity is [`ExecError::BudgetTooSmall`].
+    pub(crate) fn choose(&mut self, task: &ComputeTask) -> Result<(Prepared, bool)> {
         let whole = self.prepare_plan(task, &CutMarks::new())?;
         if self.session.is_layer_split() && !task.marks.is_empty() {
-            let mut p = self.prepare_plan(task, &task.marks)?;
+            let mut p = self.prepare_plan(task, &task.marks.coarse())?;
             if p.plan.segments.len() > 1 {
                 self.assign_layer_split(task, &mut p)?;
                 let one_device = p.segment_device.iter().all(|d| *d == 0);
@@ -164,13 +205,39 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
                         devices = ?p.segment_device,
                         "layer split plan"
                     );
-                    return self.run_plan(task, &p, true);
+                    return Ok((p, true));
                 }
             }
         }
+        // The choice made for this graph under this limit before (every step of a sampling
+        // loop): planned once per run, not once per step.
+        let key = ChoiceKey {
+            graph: whole.plan.fingerprint,
+            limit: self.segment_limit(),
+            marks: task.marks.len(),
+        };
+        if let Some(choice) = self.session.choices.get(&key).cloned() {
+            let prepared = match choice {
+                Choice::Whole => whole,
+                Choice::Marks { names, regroup } => {
+                    let marks = task.marks.select(|m| names.contains(&m.name));
+                    let marks = match &regroup {
+                        Some(map) => marks
+                            .regrouped(|g| map.get(g).cloned().unwrap_or_else(|| g.to_string()))?,
+                        None => marks,
+                    };
+                    let mut p = self.prepare_plan(task, &marks)?;
+                    p.regroup = regroup;
+                    p
+                }
+            };
+            let segmented = prepared.plan.segments.len() > 1;
+            return Ok((prepared, segmented));
+        }
         let segmented = self.should_segment(task, &whole)?;
         let prepared = if segmented {
-            let p = self.prepare_plan(task, &task.marks)?;
+            let p = self.prepare_plan(task, &task.marks.coarse())?;
+            let p = self.refine(task, p)?;
             if p.plan.segments.len() > 1 {
                 self.merge_segments(task, p)?
             } else {
@@ -185,7 +252,30 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
             segmented,
             "plan chosen"
         );
-        self.run_plan(task, &prepared, segmented)
+        let choice = if segmented {
+            let names = prepared
+                .marks
+                .iter()
+                .map(|m| match &prepared.regroup {
+                    // Regrouped marks are found again by their original names.
+                    Some(_) => task.marks.get(m.tensor).map(|o| o.name.clone()),
+                    None => Some(m.name.clone()),
+                })
+                .collect::<Option<HashSet<CutName>>>();
+            names.map(|names| Choice::Marks {
+                names,
+                regroup: prepared.regroup.clone(),
+            })
+        } else {
+            Some(Choice::Whole)
+        };
+        if let Some(choice) = choice {
+            if self.session.choices.len() >= MAX_CHOICES {
+                self.session.choices.clear();
+            }
+            self.session.choices.insert(key, choice);
+        }
+        Ok((prepared, segmented))
     }
 
     /// The seed's rule: segment when the graph has cuts, the manager allows it, and its
@@ -224,21 +314,12 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
 
     /// The tightest of the session budget, the device's budget in the manager
     /// (`--max-vram`) and the device's memory, if any.
-    fn segment_limit(&self) -> Option<u64> {
+    pub(crate) fn segment_limit(&self) -> Option<u64> {
         let cfg = &self.session.config;
-        let device_total = cfg
-            .backend
-            .device()
-            .map(|d| d.memory().total)
-            .filter(|t| *t > 0);
-        [
-            cfg.budget,
-            self.manager.backend_budget(cfg.backend_id),
-            device_total,
-        ]
-        .into_iter()
-        .flatten()
-        .min()
+        crate::limit::device_limit(
+            &[cfg.budget, self.manager.backend_budget(cfg.backend_id)],
+            &cfg.backend,
+        )
     }
 
     /// Runs consecutive cut groups of `fine` as one segment while the merged segment's
@@ -300,15 +381,17 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
                 group_of.insert(seg.name.clone(), name.clone());
             }
         }
-        let marks = task
+        let marks = fine
             .marks
             .regrouped(|g| group_of.get(g).cloned().unwrap_or_else(|| g.to_string()))?;
-        let merged = self.prepare_plan(task, &marks)?;
-        let too_big = merged.plan.segments.iter().enumerate().find(|(k, seg)| {
-            merged.segment_weight_bytes[*k]
-                + (seg.bytes.compute_buffer + seg.bytes.live_cuts) as u64
-                > limit
-        });
+        let mut merged = self.prepare_plan(task, &marks)?;
+        merged.regroup = Some(group_of);
+        let too_big = merged
+            .plan
+            .segments
+            .iter()
+            .enumerate()
+            .find(|(k, _)| crate::refine::segment_need(&merged, *k) > limit);
         if let Some((k, seg)) = too_big {
             tracing::debug!(segment = k, name = %seg.name, limit, "merged segment too large: fine plan");
             return Ok(fine);
@@ -345,17 +428,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
             .session
             .slots
             .iter()
-            .map(|s| {
-                let total = s
-                    .backend
-                    .device()
-                    .map(|d| d.memory().total)
-                    .filter(|t| *t > 0);
-                match (s.budget, total) {
-                    (Some(a), Some(b)) => a.min(b),
-                    (a, b) => a.or(b).unwrap_or(u64::MAX),
-                }
-            })
+            .map(|s| crate::limit::device_limit(&[s.budget], &s.backend).unwrap_or(u64::MAX))
             .collect();
         let mut used = vec![0u64; n];
         let mut workspace = vec![0u64; n];

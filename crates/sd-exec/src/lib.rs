@@ -13,7 +13,7 @@
 //!
 //! Layout: [`engine`] (sessions, `execute`, `end`), [`session`] (per-runner state),
 //! [`task`] (what to compute and what came out), [`workspace`] (the compute buffer),
-//! [`execution`] (the per-graph algorithm), [`eviction`] (`ensure_capacity`), [`error`].
+//! [`execution`] (the per-graph algorithm), `refine` (cut granularity), [`eviction`] (`ensure_capacity`), [`error`].
 
 #![warn(missing_docs)]
 
@@ -21,13 +21,16 @@ pub mod engine;
 pub mod error;
 pub mod eviction;
 pub mod execution;
+pub mod limit;
+mod refine;
 pub mod session;
 pub mod task;
 pub mod workspace;
 
 pub use engine::{EngineOptions, ExecutionEngine, DEFAULT_PLANNING_HEADROOM};
-pub use error::{ExecError, Result};
+pub use error::{BudgetShortfall, ExecError, Result};
 pub use eviction::ReclaimEvent;
+pub use limit::device_limit;
 pub use session::{ExecutionSession, SegmentationPolicy, SessionConfig, SessionId, SplitDevice};
-pub use task::{ComputeResult, ComputeTask, SegmentReport};
+pub use task::{ComputeResult, ComputeTask, PlanSummary, SegmentReport};
 pub use workspace::ComputeWorkspace;

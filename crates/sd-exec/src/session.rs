@@ -11,6 +11,10 @@ use sd_tensor::ggml::Backend;
 use crate::task::SegmentReport;
 use crate::workspace::ComputeWorkspace;
 
+/// Plans a session caches: one graph's whole, block, refined (one per refinement round)
+/// and merged plans, for a few graphs (a UNet at two sizes, a VAE's tiles and edges).
+pub(crate) const PLAN_CACHE_PLANS: usize = 24;
+
 /// A session's id in its engine (also its residency owner id).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct SessionId(pub u64);
@@ -147,6 +151,9 @@ pub struct ExecutionSession {
     /// graph that uses a parameter decides).
     pub(crate) split_assignment: HashMap<ParamId, usize>,
     pub(crate) planner: GraphPlanner,
+    /// Plan choices by graph and limit (see `execution::Choice`), so that a graph run again
+    /// under the same limit is planned once.
+    pub(crate) choices: HashMap<crate::execution::ChoiceKey, crate::execution::Choice>,
     /// The parameters pinned by the segment now running (unpinned after a panic).
     pub(crate) pinned_now: Vec<ParamId>,
     pub(crate) params_used: BTreeSet<ParamId>,
@@ -184,7 +191,8 @@ impl ExecutionSession {
             slots,
             split_assignment: HashMap::new(),
             pinned_now: Vec::new(),
-            planner: GraphPlanner::new(buft, PlanOptions::default(), 8),
+            planner: GraphPlanner::new(buft, PlanOptions::default(), PLAN_CACHE_PLANS),
+            choices: HashMap::new(),
             params_used: BTreeSet::new(),
             started: false,
             last_reports: Vec::new(),

@@ -137,3 +137,25 @@ impl ComputeResult {
             .unwrap_or(0)
     }
 }
+
+/// What [`ExecutionEngine::plan`](crate::ExecutionEngine::plan) chose for a task, without
+/// running it: the segments it would run and the device bytes each needs at its peak.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PlanSummary {
+    /// Whether it would run in segments.
+    pub segmented: bool,
+    /// Per segment: its name and its planned peak bytes (weights, compute buffer, live cuts
+    /// and graph outputs).
+    pub segments: Vec<(String, u64)>,
+    /// The tightest limit the plan was made for (`None`: no budget and no device size).
+    pub limit: Option<u64>,
+    /// Cuts inside blocks the plan uses (fine marks, see `CutMarks::mark_fine`).
+    pub fine_cuts: usize,
+}
+
+impl PlanSummary {
+    /// The largest planned peak of one segment.
+    pub fn peak(&self) -> u64 {
+        self.segments.iter().map(|s| s.1).max().unwrap_or(0)
+    }
+}

@@ -2,7 +2,8 @@
 //! transformer stack give bit-identical output whole and segmented under a tight budget
 //! (with and without prefetch); the SimDevice's own high-water mark never exceeds the
 //! budget; a second session reclaims the first's idle workspace before its weights; an
-//! impossible budget fails naming the segment and the bytes, and the session stays usable.
+//! impossible budget fails before running, naming the segment and the minimum budget, and
+//! the session stays usable.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -428,8 +429,17 @@ fn impossible_budget_fails_naming_segment_and_session_stays_usable() {
     let err = r.engine.execute(id, &unet(&r.w)).unwrap_err();
     assert!(err.is_out_of_memory(), "{err}");
     let msg = err.to_string();
-    assert!(matches!(err, ExecError::Capacity { .. }), "{msg}");
-    assert!(msg.contains("segment") && msg.contains(" B"), "{msg}");
+    // Found while planning, before anything ran: no granularity fits, and the error
+    // names the segment and the minimum budget.
+    let ExecError::BudgetTooSmall(short) = &err else {
+        panic!("not a planning error: {msg}");
+    };
+    assert!(short.minimum > largest / 2, "{msg}");
+    assert!(
+        msg.contains("segment") && msg.contains("minimum budget"),
+        "{msg}"
+    );
+    assert_eq!(r.sim.stats().graph_computes, 0, "{msg}");
     assert!(
         r.sim.peak_bytes() <= largest / 2,
         "peak {} > {}",

@@ -35,7 +35,7 @@ pub use cut_cache::CutCache;
 pub use error::{GraphCutError, MarkConflict, Result};
 pub use fingerprint::Fingerprint;
 pub use graph_planner::GraphPlanner;
-pub use marks::{CutMark, CutMarks, CutName, FINAL_GROUP};
+pub use marks::{CutMark, CutMarks, CutName, FINAL_GROUP, LEVEL_LAYER, LEVEL_SUBLAYER};
 pub use plan::{
     Diagnostic, DiagnosticKind, InputKind, InputRef, Plan, Recomputation, Segment, SegmentBytes,
     SegmentKind, SegmentOutput,

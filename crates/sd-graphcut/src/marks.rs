@@ -87,6 +87,10 @@ pub struct CutMark {
     pub name: CutName,
     /// Where `mark` was called.
     pub location: &'static Location<'static>,
+    /// Granularity: 0 for a block boundary ([`CutMarks::mark`]), higher for finer cuts
+    /// inside a block ([`CutMarks::mark_fine`]) that the engine uses only where a coarser
+    /// segment does not fit its budget.
+    pub level: u8,
 }
 
 /// The cut marks of one graph build. Model code calls [`CutMarks::mark`] while building the
@@ -96,7 +100,16 @@ pub struct CutMarks {
     marks: Vec<CutMark>,
     by_tensor: HashMap<TensorId, usize>,
     by_name: HashMap<CutName, usize>,
+    /// Prefix of the group names of fine marks (see [`CutMarks::set_scope`]).
+    scope: String,
 }
+
+/// Granularity of a fine mark between the layers of a block (a resnet, a transformer,
+/// an up/down sampling convolution).
+pub const LEVEL_LAYER: u8 = 1;
+/// Granularity of a fine mark inside a layer (after a transformer's self-attention,
+/// cross-attention or feed-forward; after the first half of a residual block).
+pub const LEVEL_SUBLAYER: u8 = 2;
 
 impl CutMarks {
     /// No marks.
@@ -109,7 +122,47 @@ impl CutMarks {
     /// the tensor is a leaf, or the name is unusable (see [`CutName::new`]).
     #[track_caller]
     pub fn mark(&mut self, tensor: &GTensor, group: &str, output: &str) -> Result<()> {
+        self.mark_level(tensor, group, output, 0, Location::caller())
+    }
+
+    /// Sets the prefix of the group names of the fine marks that follow (model code sets
+    /// it to the block it is building, for example `input_blocks.4`).
+    pub fn set_scope(&mut self, scope: &str) {
+        self.scope = scope.to_string();
+    }
+
+    /// Marks `tensor` as a fine cut of granularity `level` (at least 1, see
+    /// [`LEVEL_LAYER`] and [`LEVEL_SUBLAYER`]) in group `<scope>/<label>` (output `h`).
+    /// Fine cuts lie inside a block: the engine plans with block boundaries (level 0) and
+    /// uses the fine cuts inside a block only when a segment there does not fit its budget.
+    /// The same errors as [`CutMarks::mark`]; a level of 0 is an invalid name.
+    #[track_caller]
+    pub fn mark_fine(&mut self, tensor: &GTensor, level: u8, label: &str) -> Result<()> {
         let at = Location::caller();
+        let group = if self.scope.is_empty() {
+            label.to_string()
+        } else {
+            format!("{}/{label}", self.scope)
+        };
+        if level == 0 {
+            return Err(GraphCutError::InvalidCutName {
+                group,
+                output: "h".into(),
+                reason: "a fine mark needs a level of at least 1".into(),
+                at: at.to_string(),
+            });
+        }
+        self.mark_level(tensor, &group, "h", level, at)
+    }
+
+    fn mark_level(
+        &mut self,
+        tensor: &GTensor,
+        group: &str,
+        output: &str,
+        level: u8,
+        at: &'static Location<'static>,
+    ) -> Result<()> {
         let name = CutName::new(group, output).map_err(|reason| GraphCutError::InvalidCutName {
             group: group.to_string(),
             output: output.to_string(),
@@ -156,6 +209,7 @@ impl CutMarks {
             tensor_name: tensor.name(),
             name,
             location: at,
+            level,
         });
         tracing::trace!(cut = %self.marks[i].name, tensor = %self.marks[i].tensor_name, "cut marked");
         Ok(())
@@ -236,9 +290,37 @@ impl CutMarks {
                 tensor_name: m.tensor_name.clone(),
                 name,
                 location: m.location,
+                level: m.level,
             });
         }
         Ok(out)
+    }
+
+    /// The marks `keep` accepts (same names, levels and locations).
+    pub fn select(&self, keep: impl Fn(&CutMark) -> bool) -> CutMarks {
+        let mut out = CutMarks::new();
+        for m in self.marks.iter().filter(|m| keep(m)) {
+            let i = out.marks.len();
+            out.by_tensor.insert(m.tensor, i);
+            out.by_name.insert(m.name.clone(), i);
+            out.marks.push(m.clone());
+        }
+        out
+    }
+
+    /// The block boundaries only (level 0).
+    pub fn coarse(&self) -> CutMarks {
+        self.select(|m| m.level == 0)
+    }
+
+    /// The finest level among the marks (0 without fine marks).
+    pub fn max_level(&self) -> u8 {
+        self.marks.iter().map(|m| m.level).max().unwrap_or(0)
+    }
+
+    /// Number of block boundaries (level-0 marks).
+    pub fn coarse_len(&self) -> usize {
+        self.marks.iter().filter(|m| m.level == 0).count()
     }
 
     /// Removes all marks (before building the next graph).
@@ -246,5 +328,6 @@ impl CutMarks {
         self.marks.clear();
         self.by_tensor.clear();
         self.by_name.clear();
+        self.scope.clear();
     }
 }

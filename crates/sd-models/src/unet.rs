@@ -17,6 +17,7 @@
 //! input block (`input_blocks.N|h`), of the middle block (`middle_block|h`) and of every
 //! output block (`output_blocks.N|h`); skip connections cross cuts.
 
+use sd_graphcut::{LEVEL_LAYER, LEVEL_SUBLAYER};
 use sd_residency::names::UNET_PREFIX;
 use sd_tensor::ggml::{Context, GTensor};
 use sd_tensor::DType;
@@ -263,13 +264,14 @@ impl ResBlock {
     }
 
     /// `x` `[W, H, Cin, B]`, `emb` `[time_embed_dim, B]`.
-    fn forward(&self, g: &GraphCtx, x: &GTensor, emb: &GTensor) -> Result<GTensor> {
+    fn forward(&self, g: &mut GraphCtx, x: &GTensor, emb: &GTensor) -> Result<GTensor> {
         let ctx = &g.ctx;
         let h = ctx.silu(&self.in_norm.forward(ctx, x)?)?;
         let h = self.in_conv.forward(g, &h)?;
         let e = self.emb_proj.forward(ctx, &ctx.silu(emb)?)?; // [Cout, B]
         let [cout, b, _, _] = e.ne();
         let h = ctx.add(&h, &ctx.reshape(&e, &[1, 1, cout, b])?)?;
+        g.marks.mark_fine(&h, LEVEL_SUBLAYER, "in_layers")?;
         let h = ctx.silu(&self.out_norm.forward(ctx, &h)?)?;
         let h = self.out_conv.forward(g, &h)?;
         let skip = match &self.skip_connection {
@@ -354,13 +356,26 @@ impl BasicTransformerBlock {
         })
     }
 
-    /// `x` `[dim, n, B]`, `context` `[context_dim, n_ctx, B]`.
-    fn forward(&self, g: &GraphCtx, x: &GTensor, context: &GTensor) -> Result<GTensor> {
+    /// `x` `[dim, n, B]`, `context` `[context_dim, n_ctx, B]`; `label` names its fine
+    /// cuts (after `attn1`, `attn2` and `ff`).
+    fn forward(
+        &self,
+        g: &mut GraphCtx,
+        x: &GTensor,
+        context: &GTensor,
+        label: &str,
+    ) -> Result<GTensor> {
         let ctx = &g.ctx;
         let n = self.norm1.forward(ctx, x)?;
         let x = ctx.add(x, &self.attn1.forward(g, &n, &n)?)?;
+        g.marks
+            .mark_fine(&x, LEVEL_SUBLAYER, &format!("{label}.attn1"))?;
+        let ctx = &g.ctx;
         let n = self.norm2.forward(ctx, &x)?;
         let x = ctx.add(&x, &self.attn2.forward(g, &n, context)?)?;
+        g.marks
+            .mark_fine(&x, LEVEL_SUBLAYER, &format!("{label}.attn2"))?;
+        let ctx = &g.ctx;
         let n = self.norm3.forward(ctx, &x)?;
         // GEGLU: value * gelu(gate), value the first half of the projection.
         let p = self.ff_proj.forward(ctx, &n)?;
@@ -377,7 +392,10 @@ impl BasicTransformerBlock {
         )?)?;
         let gate = Activation::Gelu.forward(ctx, &gate, g.opts)?;
         let f = self.ff_out.forward(ctx, &ctx.mul(&value, &gate)?)?;
-        Ok(ctx.add(&x, &f)?)
+        let out = ctx.add(&x, &f)?;
+        g.marks
+            .mark_fine(&out, LEVEL_SUBLAYER, &format!("{label}.ff"))?;
+        Ok(out)
     }
 }
 
@@ -430,8 +448,9 @@ impl SpatialTransformer {
         })
     }
 
-    fn forward(&self, g: &GraphCtx, x: &GTensor, context: &GTensor) -> Result<GTensor> {
-        let ctx = &g.ctx;
+    fn forward(&self, g: &mut GraphCtx, x: &GTensor, context: &GTensor) -> Result<GTensor> {
+        let ctx = g.ctx.clone();
+        let ctx = &ctx;
         let [w, h, c, b] = x.ne();
         let to_tokens = |t: &GTensor| -> Result<GTensor> {
             let t = ctx.reshape(t, &[w * h, c, b])?;
@@ -446,8 +465,8 @@ impl SpatialTransformer {
             Projection::Conv(conv) => to_tokens(&conv.forward(g, &t)?)?,
             Projection::Linear(lin) => lin.forward(ctx, &to_tokens(&t)?)?,
         };
-        for block in &self.transformer_blocks {
-            t = block.forward(g, &t, context)?;
+        for (k, block) in self.transformer_blocks.iter().enumerate() {
+            t = block.forward(g, &t, context, &format!("transformer_blocks.{k}"))?;
         }
         let t = match &self.proj_out {
             Projection::Conv(conv) => conv.forward(g, &from_tokens(&t)?)?,
@@ -475,7 +494,7 @@ pub enum Layer {
 impl Layer {
     fn forward(
         &self,
-        g: &GraphCtx,
+        g: &mut GraphCtx,
         x: &GTensor,
         emb: &GTensor,
         context: &GTensor,
@@ -510,6 +529,29 @@ pub struct UnetModel {
     pub out_norm: GroupNorm,
     /// `out.2`.
     pub out_conv: Conv2d,
+}
+
+/// Runs the layers of block `name`, marking a fine cut between layers (level
+/// [`LEVEL_LAYER`]) and letting each layer mark cuts inside it (scope `name.i`). The block's
+/// own boundary is marked by the caller.
+fn forward_block(
+    g: &mut GraphCtx,
+    layers: &[Layer],
+    name: &str,
+    x: &GTensor,
+    emb: &GTensor,
+    context: &GTensor,
+) -> Result<GTensor> {
+    let mut hs = x.clone();
+    for (i, layer) in layers.iter().enumerate() {
+        g.marks.set_scope(&format!("{name}.{i}"));
+        hs = layer.forward(g, &hs, emb, context)?;
+        if i + 1 < layers.len() {
+            g.marks.mark_fine(&hs, LEVEL_LAYER, "out")?;
+        }
+    }
+    g.marks.set_scope("");
+    Ok(hs)
 }
 
 fn silu_norm(ctx: &Context, n: &GroupNorm, x: &GTensor) -> Result<GTensor> {
@@ -731,17 +773,13 @@ impl UnetModel {
         let mut skips = Vec::with_capacity(self.input_blocks.len());
         let mut hs = x.clone();
         for (n, block) in self.input_blocks.iter().enumerate() {
-            for layer in block {
-                hs = layer.forward(g, &hs, &emb, context)?;
-            }
+            hs = forward_block(g, block, &format!("input_blocks.{n}"), &hs, &emb, context)?;
             g.marks.mark(&hs, &format!("input_blocks.{n}"), "h")?;
             skips.push(hs.clone());
         }
 
         // 3. Middle block.
-        for layer in &self.middle_block {
-            hs = layer.forward(g, &hs, &emb, context)?;
-        }
+        hs = forward_block(g, &self.middle_block, "middle_block", &hs, &emb, context)?;
         g.marks.mark(&hs, "middle_block", "h")?;
 
         // 4. Output blocks, each on the concatenation with the matching skip.
@@ -750,9 +788,8 @@ impl UnetModel {
                 .pop()
                 .ok_or_else(|| ModelError::Config("skip connections exhausted".into()))?;
             hs = ctx.concat(&hs, &skip, 2)?;
-            for layer in block {
-                hs = layer.forward(g, &hs, &emb, context)?;
-            }
+            let name = format!("output_blocks.{n}");
+            hs = forward_block(g, block, &name, &hs, &emb, context)?;
             g.marks.mark(&hs, &format!("output_blocks.{n}"), "h")?;
         }
 

@@ -252,6 +252,7 @@ impl Pipeline {
                 )),
             });
         };
+        let params = &self.preflight(params, init.map(|i| i.0))?.apply(params);
         let init_latents = match init {
             Some((image, _)) => Some(self.encode(image, params.vae_tiling)?),
             None => None,

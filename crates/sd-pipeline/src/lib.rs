@@ -13,6 +13,7 @@ pub mod guidance;
 pub mod hires;
 pub mod params;
 pub mod pipeline;
+pub mod preflight;
 pub mod prompt;
 pub mod rng;
 pub mod runtime;

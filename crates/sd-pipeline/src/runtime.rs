@@ -18,8 +18,8 @@ use std::str::FromStr;
 use std::sync::Arc;
 
 use sd_exec::{
-    ComputeResult, ComputeTask, EngineOptions, ExecError, ExecutionEngine, SegmentReport,
-    SegmentationPolicy, SessionConfig, SessionId, DEFAULT_PLANNING_HEADROOM,
+    ComputeResult, ComputeTask, EngineOptions, ExecError, ExecutionEngine, PlanSummary,
+    SegmentReport, SegmentationPolicy, SessionConfig, SessionId, DEFAULT_PLANNING_HEADROOM,
 };
 use sd_models::{ComputeOptions, GraphCtx, HostData, ModelError, ParamBuilder, Params};
 use sd_residency::capacity::{MaxVram, MaxVramError};
@@ -49,53 +49,7 @@ pub enum ComputeDevice {
     },
 }
 
-/// Error parsing a size (`512M`, `1.5G`, `65536K`, `1048576B`).
-#[derive(Debug, Error, PartialEq, Eq)]
-#[error("'{text}' is not a size (a number with an optional unit B, K, M or G; default unit {default_unit})")]
-pub struct SizeError {
-    /// The text given.
-    pub text: String,
-    /// The unit assumed without one.
-    pub default_unit: &'static str,
-}
-
-/// Parses a byte size: a non-negative number followed by an optional unit `B`, `K`/`KiB`,
-/// `M`/`MiB`, `G`/`GiB` (binary units, case-insensitive); `default_shift` (10, 20 or 30)
-/// applies without a unit.
-pub fn parse_size(text: &str, default_shift: u32) -> std::result::Result<u64, SizeError> {
-    let unit_name = match default_shift {
-        0 => "B",
-        10 => "KiB",
-        20 => "MiB",
-        _ => "GiB",
-    };
-    let err = || SizeError {
-        text: text.to_string(),
-        default_unit: unit_name,
-    };
-    let t = text.trim();
-    let split = t
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(t.len());
-    let (num, unit) = t.split_at(split);
-    let shift = match unit.trim().to_ascii_lowercase().as_str() {
-        "" => default_shift,
-        "b" => 0,
-        "k" | "kb" | "kib" => 10,
-        "m" | "mb" | "mib" => 20,
-        "g" | "gb" | "gib" => 30,
-        _ => return Err(err()),
-    };
-    let v: f64 = num.parse().map_err(|_| err())?;
-    if !v.is_finite() || v < 0.0 {
-        return Err(err());
-    }
-    let bytes = v * (1u64 << shift) as f64;
-    if bytes > u64::MAX as f64 {
-        return Err(err());
-    }
-    Ok(bytes as u64)
-}
+pub use sd_residency::capacity::{parse_size, SizeError};
 
 impl FromStr for ComputeDevice {
     type Err = String;
@@ -529,6 +483,47 @@ impl Runtime {
         graph_size: usize,
         build: impl FnOnce(&mut GraphCtx) -> std::result::Result<BuiltGraph, ModelError>,
     ) -> Result<RunOutput> {
+        let (task, output, _g) = self.build_task(description, graph_size, build)?;
+        let result = self.execute(h, &task)?;
+        let data = result
+            .output_f32()
+            .filter(|_| output.dtype() == Some(DType::F32));
+        let Some(data) = data else {
+            return Err(RuntimeError::Output {
+                model: self.slot(h)?.name.clone(),
+                task: description.to_string(),
+                detail: format!("has type {:?}, not f32", output.dtype()),
+            });
+        };
+        Ok(RunOutput {
+            data,
+            ne: result.ne,
+            segmented: result.segmented,
+            segments: result.segments,
+        })
+    }
+
+    /// Builds a graph like [`Runtime::run`] and plans it against model `h`'s budget
+    /// without running it ([`ExecutionEngine::plan`]): the preflight of a run.
+    pub fn plan(
+        &mut self,
+        h: ModelHandle,
+        description: &str,
+        graph_size: usize,
+        build: impl FnOnce(&mut GraphCtx) -> std::result::Result<BuiltGraph, ModelError>,
+    ) -> Result<PlanSummary> {
+        let (task, _, _g) = self.build_task(description, graph_size, build)?;
+        let session = self.slot(h)?.session;
+        Ok(self.engine.plan(session, &task)?)
+    }
+
+    /// The task of [`Runtime::run`]: the graph `build` makes, its marks and inputs.
+    fn build_task(
+        &self,
+        description: &str,
+        graph_size: usize,
+        build: impl FnOnce(&mut GraphCtx) -> std::result::Result<BuiltGraph, ModelError>,
+    ) -> Result<(ComputeTask, GTensor, GraphCtx)> {
         let mut opts = self.options.compute_options;
         if self.flash_attn_dims.is_some() {
             opts.flash_attn = true;
@@ -551,23 +546,7 @@ impl Runtime {
             let bytes = host_bytes(&t, &data)?;
             task = task.with_input(&t, bytes);
         }
-        let result = self.execute(h, &task)?;
-        let data = result
-            .output_f32()
-            .filter(|_| built.output.dtype() == Some(DType::F32));
-        let Some(data) = data else {
-            return Err(RuntimeError::Output {
-                model: self.slot(h)?.name.clone(),
-                task: description.to_string(),
-                detail: format!("has type {:?}, not f32", built.output.dtype()),
-            });
-        };
-        Ok(RunOutput {
-            data,
-            ne: result.ne,
-            segmented: result.segmented,
-            segments: result.segments,
-        })
+        Ok((task, built.output, g))
     }
 
     /// Executes a ready task in model `h`'s session.

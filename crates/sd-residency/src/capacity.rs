@@ -199,7 +199,7 @@ pub fn inspect_capacity(
 #[derive(Debug, thiserror::Error, PartialEq)]
 pub enum MaxVramError {
     /// A value that is not a finite number.
-    #[error("--max-vram: '{0}' is not a finite number of GiB")]
+    #[error("--max-vram: '{0}' is not a finite number of GiB or a size with a unit")]
     BadNumber(String),
     /// An empty key or item.
     #[error("--max-vram: empty item in '{0}'")]
@@ -231,8 +231,56 @@ impl BudgetSpec {
     }
 }
 
-/// `--max-vram`: a default budget and per-device budgets, in GiB (`4`, `cuda0=6,cuda1=8`,
-/// `all=-1`).
+/// Error parsing a size (`512M`, `1.5G`, `65536K`, `1048576B`).
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error("'{text}' is not a size (a number with an optional unit B, K, M or G; default unit {default_unit})")]
+pub struct SizeError {
+    /// The text given.
+    pub text: String,
+    /// The unit assumed without one.
+    pub default_unit: &'static str,
+}
+
+/// Parses a byte size: a non-negative number followed by an optional unit `B`, `K`/`KiB`,
+/// `M`/`MiB`, `G`/`GiB` (binary units, case-insensitive); `default_shift` (10, 20 or 30)
+/// applies without a unit.
+pub fn parse_size(text: &str, default_shift: u32) -> std::result::Result<u64, SizeError> {
+    let unit_name = match default_shift {
+        0 => "B",
+        10 => "KiB",
+        20 => "MiB",
+        _ => "GiB",
+    };
+    let err = || SizeError {
+        text: text.to_string(),
+        default_unit: unit_name,
+    };
+    let t = text.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let shift = match unit.trim().to_ascii_lowercase().as_str() {
+        "" => default_shift,
+        "b" => 0,
+        "k" | "kb" | "kib" => 10,
+        "m" | "mb" | "mib" => 20,
+        "g" | "gb" | "gib" => 30,
+        _ => return Err(err()),
+    };
+    let v: f64 = num.parse().map_err(|_| err())?;
+    if !v.is_finite() || v < 0.0 {
+        return Err(err());
+    }
+    let bytes = v * (1u64 << shift) as f64;
+    if bytes > u64::MAX as f64 {
+        return Err(err());
+    }
+    Ok(bytes as u64)
+}
+
+/// `--max-vram`: a default budget and per-device budgets, in GiB or with a unit (`4`,
+/// `512M`, `cuda0=6,cuda1=8G`, `all=-1`, `-512M`).
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct MaxVram {
     /// Budget for devices without their own entry.
@@ -256,7 +304,9 @@ fn gib_to_spec(text: &str, v: f64) -> Result<BudgetSpec, MaxVramError> {
 }
 
 impl MaxVram {
-    /// Parses the flag's value.
+    /// Parses the flag's value: comma-separated `[device=]value` items, each value a number
+    /// of GiB or a size with a unit ([`parse_size`]); negative: free memory minus that; 0:
+    /// no budget.
     pub fn parse(s: &str) -> Result<MaxVram, MaxVramError> {
         let mut out = MaxVram::default();
         for item in s.split(',') {
@@ -268,10 +318,24 @@ impl MaxVram {
                 Some((k, v)) => (Some(k.trim().to_ascii_lowercase()), v.trim()),
                 None => (None, item),
             };
-            let v: f64 = val
-                .parse()
-                .map_err(|_| MaxVramError::BadNumber(val.to_string()))?;
-            let spec = gib_to_spec(val, v)?;
+            let spec = if val.ends_with(|c: char| c.is_ascii_alphabetic()) {
+                let (neg, mag) = match val.strip_prefix('-') {
+                    Some(m) => (true, m),
+                    None => (false, val),
+                };
+                let bytes =
+                    parse_size(mag, 30).map_err(|e| MaxVramError::BadNumber(e.to_string()))?;
+                match (bytes, neg) {
+                    (0, _) => BudgetSpec::Disabled,
+                    (b, false) => BudgetSpec::Bytes(b),
+                    (b, true) => BudgetSpec::FreeMinus(b),
+                }
+            } else {
+                let v: f64 = val
+                    .parse()
+                    .map_err(|_| MaxVramError::BadNumber(val.to_string()))?;
+                gib_to_spec(val, v)?
+            };
             match key.as_deref() {
                 None | Some("all") | Some("default") | Some("*") => {
                     if out.default.is_some() {
@@ -305,6 +369,17 @@ impl MaxVram {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn max_vram_takes_units() {
+        let m = MaxVram::parse("512M,cuda1=6,cuda0=-1.5G,x=0B").unwrap();
+        assert_eq!(m.default, Some(BudgetSpec::Bytes(512 << 20)));
+        assert_eq!(m.for_device("CUDA1"), Some(BudgetSpec::Bytes(6 << 30)));
+        assert_eq!(m.for_device("cuda0"), Some(BudgetSpec::FreeMinus(3 << 29)));
+        assert_eq!(m.for_device("x"), Some(BudgetSpec::Disabled));
+        assert!(MaxVram::parse("5Q").is_err());
+        assert_eq!(parse_size("65536K", 20), Ok(64 << 20));
+    }
 
     const MIB: u64 = 1 << 20;
 

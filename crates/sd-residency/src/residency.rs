@@ -259,17 +259,6 @@ pub trait DeviceResidencyManager {
         request: &BackendMemoryRequest,
         params: &[ParamId],
     ) -> Result<DeviceMemoryCapacity>;
-    /// Evicts weight blocks until the request fits: blocks holding `preferred_eviction_order`
-    /// groups first (in order), then least recently used blocks, demotions last, never a
-    /// block of `required`, `protected`, pinned or prefetching parameters. Returns whether it
-    /// fits in the end.
-    fn ensure_compute_backend_capacity(
-        &mut self,
-        request: &BackendMemoryRequest,
-        required: &[ParamId],
-        preferred_eviction_order: &[Vec<ParamId>],
-        protected: &[ParamId],
-    ) -> Result<bool>;
     /// Blocks on `backend`'s device that could be evicted now (see
     /// [`WeightResidencyBlock`]).
     fn evictable_compute_backend_blocks(

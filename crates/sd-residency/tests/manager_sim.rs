@@ -88,6 +88,63 @@ fn rig(
     }
 }
 
+/// Makes room for `request` with the manager's eviction primitives (the engine's policy,
+/// `sd-exec`'s `ensure_capacity`, owns the ranking; this is the order it uses for weights:
+/// the `preferred` groups first, then least recently used, demotions last), never evicting
+/// `required` or `protected` parameters. Returns whether it fits in the end.
+trait MakeRoom {
+    fn make_room_for(
+        &mut self,
+        request: &BackendMemoryRequest,
+        required: &[ParamId],
+        preferred: &[Vec<ParamId>],
+        protected: &[ParamId],
+    ) -> Result<bool, sd_residency::ResidencyError>;
+}
+
+impl MakeRoom for ModelManager {
+    fn make_room_for(
+        &mut self,
+        request: &BackendMemoryRequest,
+        required: &[ParamId],
+        preferred: &[Vec<ParamId>],
+        protected: &[ParamId],
+    ) -> Result<bool, sd_residency::ResidencyError> {
+        if self
+            .inspect_compute_backend_capacity(request, required)?
+            .fits(false)
+        {
+            return Ok(true);
+        }
+        let keep: Vec<ParamId> = required.iter().chain(protected).copied().collect();
+        loop {
+            let rank = |b: &sd_residency::WeightResidencyBlock| {
+                let pref = preferred
+                    .iter()
+                    .position(|g| g.iter().any(|p| b.params.contains(p)))
+                    .unwrap_or(preferred.len());
+                (b.requires_demotion, pref, b.last_use_epoch, b.id)
+            };
+            let candidates = self.evictable_compute_backend_blocks(request.backend, &keep);
+            let Some(best) = candidates.iter().min_by_key(|b| rank(b)).cloned() else {
+                break;
+            };
+            if !self.evict_compute_backend_block(&best) {
+                break;
+            }
+            if self
+                .inspect_compute_backend_capacity(request, required)?
+                .fits(true)
+            {
+                return Ok(true);
+            }
+        }
+        Ok(self
+            .inspect_compute_backend_capacity(request, required)?
+            .fits(true))
+    }
+}
+
 impl Rig {
     fn req(&self) -> BackendMemoryRequest {
         BackendMemoryRequest::new(self.gpu, OwnerId(1))
@@ -110,10 +167,7 @@ impl Rig {
     /// Ensure capacity for `ids`, prepare them, check them, unpin.
     fn run(&mut self, ids: &[ParamId], preferred: &[Vec<ParamId>]) {
         let req = self.req();
-        assert!(self
-            .mm
-            .ensure_compute_backend_capacity(&req, ids, preferred, &[])
-            .unwrap());
+        assert!(self.mm.make_room_for(&req, ids, preferred, &[]).unwrap());
         self.mm.prepare_params(ids).unwrap();
         self.assert_on_device_identical(ids);
         self.mm.unpin_params(ids).unwrap();
@@ -154,16 +208,10 @@ fn staged_weights_evict_and_reload_identically_under_budget() {
 
     // Protected or pinned weights are not evicted: B cannot be made to fit.
     let req = r.req();
-    assert!(!r
-        .mm
-        .ensure_compute_backend_capacity(&req, &b, &[], &a)
-        .unwrap());
+    assert!(!r.mm.make_room_for(&req, &b, &[], &a).unwrap());
     assert!(a.iter().all(|p| r.mm.param_info(*p).unwrap().staged));
     r.mm.pin_params(&a).unwrap();
-    assert!(!r
-        .mm
-        .ensure_compute_backend_capacity(&req, &b, &[], &[])
-        .unwrap());
+    assert!(!r.mm.make_room_for(&req, &b, &[], &[]).unwrap());
     assert!(r.mm.evictable_compute_backend_blocks(r.gpu, &[]).is_empty());
     r.mm.unpin_params(&a).unwrap();
     assert_eq!(r.mm.evictable_compute_backend_blocks(r.gpu, &[]).len(), 2);
@@ -191,15 +239,9 @@ fn other_owners_runtime_residency_counts_against_the_budget() {
     let cap = r.mm.inspect_compute_backend_capacity(&own, &a).unwrap();
     assert_eq!(cap.available_budget_bytes, BUDGET);
     // Nothing of ours to evict: it cannot fit until the other owner goes.
-    assert!(!r
-        .mm
-        .ensure_compute_backend_capacity(&req, &a, &[], &[])
-        .unwrap());
+    assert!(!r.mm.make_room_for(&req, &a, &[], &[]).unwrap());
     r.mm.remove_runtime_owner(OwnerId(2));
-    assert!(r
-        .mm
-        .ensure_compute_backend_capacity(&req, &a, &[], &[])
-        .unwrap());
+    assert!(r.mm.make_room_for(&req, &a, &[], &[]).unwrap());
 }
 
 #[test]

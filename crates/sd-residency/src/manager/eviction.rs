@@ -1,4 +1,6 @@
-//! Eviction candidates and the manager's simple reclamation policy.
+//! Eviction candidates and evicting one block. The ranking of candidates (which block goes
+//! first) is the execution engine's policy (`sd-exec`'s `ensure_capacity`), not the
+//! manager's.
 //!
 //! The candidate rules are a pure function of [`BlockFacts`] ([`evictable_blocks`]), so that
 //! they can be tested over arbitrary states and reused by the execution engine:
@@ -16,10 +18,7 @@ use std::collections::HashSet;
 
 use super::state::ResidencyMode;
 use super::ModelManager;
-use crate::capacity::DeviceMemoryCapacity;
-use crate::residency::{
-    BackendId, BackendMemoryRequest, BlockId, ParamId, Result, WeightResidencyBlock,
-};
+use crate::residency::{BackendId, BlockId, ParamId, WeightResidencyBlock};
 
 /// Kind of a residency block.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -233,55 +232,5 @@ impl ModelManager {
         }
         self.drop_storage_block(block.id);
         true
-    }
-
-    pub(crate) fn ensure_inner(
-        &mut self,
-        request: &BackendMemoryRequest,
-        required: &[ParamId],
-        preferred: &[Vec<ParamId>],
-        protected: &[ParamId],
-    ) -> Result<bool> {
-        let _span = tracing::debug_span!("ensure_capacity", backend = request.backend.0).entered();
-        let check = |m: &ModelManager| -> Result<DeviceMemoryCapacity> {
-            m.inspect_inner(request, required)
-        };
-        let cap = check(self)?;
-        if cap.fits(false) {
-            return Ok(true);
-        }
-        let mut keep: HashSet<ParamId> = protected.iter().copied().collect();
-        keep.extend(required.iter().copied());
-        loop {
-            let candidates = self.evictable_inner(request.backend, &keep);
-            let rank = |b: &WeightResidencyBlock| {
-                let pref = preferred
-                    .iter()
-                    .position(|g| g.iter().any(|p| b.params.contains(p)))
-                    .unwrap_or(preferred.len());
-                (b.requires_demotion, pref, b.last_use_epoch, b.id)
-            };
-            let Some(best) = candidates.iter().min_by_key(|b| rank(b)).cloned() else {
-                break;
-            };
-            if !self.evict_block_inner(&best) {
-                break;
-            }
-            if check(self)?.fits(true) {
-                return Ok(true);
-            }
-        }
-        let cap = check(self)?;
-        if !cap.fits(true) {
-            tracing::warn!(
-                backend = request.backend.0,
-                required_device = cap.required_device_bytes,
-                required_budget = cap.required_budget_bytes,
-                available_device = cap.available_device_bytes,
-                available_budget = cap.available_budget_bytes,
-                "cannot make enough memory available"
-            );
-        }
-        Ok(cap.fits(true))
     }
 }

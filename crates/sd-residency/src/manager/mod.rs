@@ -730,16 +730,6 @@ impl DeviceResidencyManager for ModelManager {
         self.inspect_inner(request, params)
     }
 
-    fn ensure_compute_backend_capacity(
-        &mut self,
-        request: &BackendMemoryRequest,
-        required: &[ParamId],
-        preferred_eviction_order: &[Vec<ParamId>],
-        protected: &[ParamId],
-    ) -> Result<bool> {
-        self.ensure_inner(request, required, preferred_eviction_order, protected)
-    }
-
     fn evictable_compute_backend_blocks(
         &self,
         backend: BackendId,

@@ -1,0 +1,159 @@
+//! Cut granularity: a segmented plan starts at the block boundaries (level-0 marks) and
+//! is refined only where a segment does not fit the limit.
+//!
+//! Model code marks fine cuts inside blocks ([`CutMarks::mark_fine`]: between layers, then
+//! inside layers). For every segment whose footprint (its weights, compute buffer, live
+//! cuts and graph outputs) exceeds the limit, the next finer level of marks lying inside
+//! that segment is turned on and the graph is planned again, until every segment fits or
+//! no finer mark is left. The memory floor is therefore one layer (or one attention /
+//! feed-forward) instead of one block, while segments that fit keep their block size.
+//! What fits at no granularity fails here, before anything runs, with
+//! [`ExecError::BudgetTooSmall`] naming the segment, its largest tensor and the minimum
+//! budget.
+//!
+//! [`CutMarks::mark_fine`]: sd_graphcut::CutMarks::mark_fine
+
+use std::collections::{HashMap, HashSet};
+
+use sd_graphcut::{InputKind, TensorRef};
+use sd_residency::DeviceResidencyManager;
+use sd_tensor::ggml::TensorId;
+
+use crate::error::{BudgetShortfall, ExecError, Result};
+use crate::execution::{Exec, Prepared};
+use crate::task::ComputeTask;
+
+/// The device bytes segment `k` of `p` holds at its peak, as planned: its weights, the
+/// compute buffer (the session's one workspace, which keeps the size of the largest
+/// segment's buffer), the cuts live while it runs and the graph outputs it produces.
+pub(crate) fn segment_need(p: &Prepared, k: usize) -> u64 {
+    let seg = &p.plan.segments[k];
+    let outputs: usize = seg
+        .outputs
+        .iter()
+        .filter(|o| o.graph_output && !o.is_cut)
+        .map(|o| o.bytes)
+        .sum();
+    p.segment_weight_bytes[k] + (p.plan.max_compute_buffer() + seg.bytes.live_cuts + outputs) as u64
+}
+
+impl<M: DeviceResidencyManager> Exec<'_, M> {
+    /// Refines `coarse` (planned with the task's level-0 marks) with finer marks inside
+    /// every segment over the limit (see the module documentation). Without a limit, or
+    /// when every segment fits, returns it unchanged.
+    pub(crate) fn refine(&mut self, task: &ComputeTask, coarse: Prepared) -> Result<Prepared> {
+        let Some(limit) = self.segment_limit() else {
+            return Ok(coarse);
+        };
+        let mut enabled: HashSet<TensorId> = coarse.marks.iter().map(|m| m.tensor).collect();
+        let node_of: HashMap<TensorId, usize> = coarse
+            .graph
+            .node_tensors()
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.id(), i))
+            .collect();
+        let mut p = coarse;
+        let mut rounds = 0usize;
+        loop {
+            let over: Vec<usize> = (0..p.plan.segments.len())
+                .filter(|&k| segment_need(&p, k) > limit)
+                .collect();
+            if over.is_empty() {
+                if rounds > 0 {
+                    tracing::debug!(
+                        segments = p.plan.segments.len(),
+                        rounds,
+                        "plan refined with cuts inside blocks"
+                    );
+                }
+                return Ok(p);
+            }
+            // The workspace is sized by the largest compute buffer: refine its segment too.
+            let mut targets = over.clone();
+            if let Some(k) =
+                (0..p.plan.segments.len()).max_by_key(|&k| p.plan.segments[k].bytes.compute_buffer)
+            {
+                if !targets.contains(&k) {
+                    targets.push(k);
+                }
+            }
+            let mut added = false;
+            for &k in &targets {
+                let inside: HashSet<usize> =
+                    p.plan.segments[k].internal_nodes.iter().copied().collect();
+                let candidates: Vec<_> = task
+                    .marks
+                    .iter()
+                    .filter(|m| !enabled.contains(&m.tensor))
+                    .filter(|m| node_of.get(&m.tensor).is_some_and(|n| inside.contains(n)))
+                    .collect();
+                if let Some(level) = candidates.iter().map(|m| m.level).min() {
+                    for m in candidates.iter().filter(|m| m.level == level) {
+                        enabled.insert(m.tensor);
+                    }
+                    added = true;
+                }
+            }
+            if !added {
+                return Err(self.too_small(task, &p, &over, limit));
+            }
+            rounds += 1;
+            let marks = task.marks.select(|m| enabled.contains(&m.tensor));
+            p = self.prepare_plan(task, &marks)?;
+        }
+    }
+
+    /// The error for segments `over` of `p` that fit the limit at no granularity.
+    fn too_small(&self, task: &ComputeTask, p: &Prepared, over: &[usize], limit: u64) -> ExecError {
+        let need = |k: usize| segment_need(p, k);
+        let worst = over.iter().copied().max_by_key(|&k| need(k)).unwrap_or(0);
+        let minimum = over.iter().map(|&k| need(k)).max().unwrap_or(0);
+        let seg = &p.plan.segments[worst];
+        // The largest weight of the segment (or, without weights, its largest node).
+        let weights: Vec<(String, u64)> = seg
+            .inputs
+            .iter()
+            .filter(|i| i.kind == InputKind::Param)
+            .map(|i| {
+                let b = match i.tensor {
+                    TensorRef::Leaf(l) => p
+                        .graph
+                        .leaf_tensors()
+                        .get(l)
+                        .and_then(|t| self.manager.resolve_param(t.id()))
+                        .and_then(|id| p.param_bytes.get(&id).copied())
+                        .unwrap_or(i.bytes as u64),
+                    TensorRef::Node(_) => i.bytes as u64,
+                };
+                (i.name.clone(), b)
+            })
+            .collect();
+        let nodes = || {
+            seg.internal_nodes.iter().map(|&n| {
+                let t = &p.graph.node_tensors()[n];
+                (format!("{} ({})", t.name(), t.op_name()), t.nbytes() as u64)
+            })
+        };
+        let (largest, largest_bytes) = if weights.is_empty() {
+            nodes().max_by_key(|(_, b)| *b).unwrap_or_default()
+        } else {
+            weights
+                .into_iter()
+                .max_by_key(|(_, b)| *b)
+                .unwrap_or_default()
+        };
+        ExecError::BudgetTooSmall(Box::new(BudgetShortfall {
+            task: task.description.clone(),
+            backend: self.session.config.backend.name().to_string(),
+            segment: seg.name.clone(),
+            weight_bytes: p.segment_weight_bytes[worst],
+            compute_bytes: p.plan.max_compute_buffer() as u64,
+            live_cut_bytes: seg.bytes.live_cuts as u64,
+            largest,
+            largest_bytes,
+            minimum,
+            limit,
+        }))
+    }
+}

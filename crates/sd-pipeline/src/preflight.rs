@@ -1,0 +1,226 @@
+//! Preflight: every model of a generation is planned against its budget before the first
+//! sampling step ([`Runtime::plan`]: the graphs are built and planned, nothing runs and no
+//! device memory is held).
+//!
+//! - the text encoders (one chunk each), the diffusion network at the latent size and CFG batch, the
+//!   VAE encoder at the init image's size (img2img) and the VAE decoder at the final size;
+//! - a VAE decode (or encode) that fits at no cut granularity is switched to tiles
+//!   automatically (32-latent tiles, then 16 and 8), and the switch is logged; a tile
+//!   geometry the caller chose is kept;
+//! - what fits at no granularity (nor in tiles, for the VAE) fails here, before sampling,
+//!   with the engine's error naming the segment, its largest tensor and the minimum budget.
+//!
+//! The plans are cached by the engine, so the runs that follow do not plan again.
+
+use sd_exec::{ExecError, PlanSummary};
+use sd_models::diffusion::{DiffusionArch, DiffusionInputs};
+use sd_models::HostData;
+use sd_tensor::{DType, Image};
+
+use crate::error::GenerateError;
+use crate::params::Txt2Img;
+use crate::pipeline::{runtime_err, Pipeline};
+use crate::runtime::{BuiltGraph, RuntimeError};
+use crate::vae_tiling::VaeTiling;
+
+/// Tile sides tried, in latent pixels, when a whole VAE pass does not fit.
+const AUTO_TILES: [usize; 3] = [32, 16, 8];
+
+/// What preflight found: the plan of every model, and the VAE tiling it chose.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Preflight {
+    /// `(model task, plan)` for every graph planned, in order.
+    pub plans: Vec<(String, PlanSummary)>,
+    /// The VAE tiling to use (the caller's, or the one chosen because the whole pass does
+    /// not fit; `None`: whole).
+    pub vae_tiling: Option<VaeTiling>,
+    /// Whether the VAE tiling was switched on here.
+    pub auto_tiled: bool,
+}
+
+impl Preflight {
+    /// `params` with the VAE tiling preflight chose.
+    pub fn apply(&self, params: &Txt2Img) -> Txt2Img {
+        Txt2Img {
+            vae_tiling: self.vae_tiling,
+            ..params.clone()
+        }
+    }
+}
+
+fn is_budget(e: &RuntimeError) -> bool {
+    matches!(e, RuntimeError::Exec(ExecError::BudgetTooSmall(_)))
+}
+
+impl Pipeline {
+    /// Plans every model of generating `params` (with `init` for img2img) against the
+    /// budget; returns the plans and the VAE tiling to use (see the module
+    /// documentation). Errors before anything is sampled when a model fits at no
+    /// granularity.
+    pub fn preflight(
+        &mut self,
+        params: &Txt2Img,
+        init: Option<&Image>,
+    ) -> Result<Preflight, GenerateError> {
+        let _span = tracing::info_span!("preflight", width = params.width, height = params.height)
+            .entered();
+        let mut out = Preflight {
+            vae_tiling: params.vae_tiling,
+            ..Preflight::default()
+        };
+        let path = self.path.clone();
+        let err = |e: RuntimeError| runtime_err(&path, e);
+
+        // Text encoders: one chunk of their maximum token count each.
+        for i in 0..self.text.len() {
+            let tokens = self.spec.text_encoders[i].1.max_tokens();
+            let (h, enc) = (self.text[i].0, &self.text[i].1);
+            let plan = self
+                .runtime
+                .plan(h, "text encoder", enc.graph_size(), |g| {
+                    let input = g.ctx.new_tensor(DType::I32, &[tokens, 1])?;
+                    let output = enc.forward(g, &input)?;
+                    Ok(BuiltGraph {
+                        output,
+                        inputs: vec![(input, HostData::I32(vec![0; tokens]))],
+                    })
+                })
+                .map_err(err)?;
+            out.plans.push((format!("text encoder {i}"), plan));
+        }
+
+        // Diffusion network at the latent size, cond and uncond in one batch under guidance.
+        let f = self.first_stage.1.downsample_factor().max(1);
+        let (lw, lh) = (params.width / f, params.height / f);
+        let DiffusionArch::Unet(ucfg) = &self.spec.diffusion.1;
+        let c = ucfg.in_channels;
+        let ctx_dim = ucfg.context_dim;
+        let adm = ucfg.adm_in_channels;
+        let tokens = self
+            .spec
+            .text_encoders
+            .first()
+            .map_or(77, |t| t.1.max_tokens());
+        let batch = if params.cfg_scale != 1.0 { 2 } else { 1 };
+        let net = &self.diffusion.1;
+        let plan = self
+            .runtime
+            .plan(self.diffusion.0, "diffusion", net.graph_size(), |g| {
+                let x = g.ctx.new_tensor(DType::F32, &[lw, lh, c, batch])?;
+                let t = g.ctx.new_tensor(DType::F32, &[batch])?;
+                let ctx = g.ctx.new_tensor(DType::F32, &[ctx_dim, tokens, batch])?;
+                let y = match adm {
+                    Some(n) => Some(g.ctx.new_tensor(DType::F32, &[n, batch])?),
+                    None => None,
+                };
+                let mut inputs = DiffusionInputs::new(&x, &t);
+                inputs.context = Some(&ctx);
+                inputs.y = y.as_ref();
+                let output = net.forward(g, &inputs)?;
+                let mut data = vec![
+                    (x.clone(), HostData::F32(vec![0.0; lw * lh * c * batch])),
+                    (t.clone(), HostData::F32(vec![0.0; batch])),
+                    (ctx.clone(), HostData::F32(vec![0.0; ctx_dim * tokens * batch])),
+                ];
+                if let (Some(y), Some(n)) = (y, adm) {
+                    data.push((y, HostData::F32(vec![0.0; n * batch])));
+                }
+                Ok(BuiltGraph {
+                    output,
+                    inputs: data,
+                })
+            })
+            .map_err(err)?;
+        out.plans.push(("diffusion".into(), plan));
+
+        // VAE: encoder at the init image's size, decoder at the final size; tiles when the
+        // whole pass fits at no granularity.
+        let passes: Vec<(bool, usize, usize)> = init
+            .filter(|_| self.first_stage.1.has_encoder())
+            .map(|i| (true, i.width() / f, i.height() / f))
+            .into_iter()
+            .chain([(false, lw, lh)])
+            .collect();
+        for (encode, w, h) in passes {
+            let what = if encode { "vae encode" } else { "vae decode" };
+            let side = |t: Option<VaeTiling>, n: usize| t.map_or(n, |t| t.tile.min(n));
+            let tiling = out.vae_tiling;
+            match self.plan_vae(encode, side(tiling, w), side(tiling, h)) {
+                Ok(plan) => out.plans.push((what.into(), plan)),
+                Err(e) if is_budget(&e) && tiling.is_none() => {
+                    let whole = e;
+                    let mut chosen = None;
+                    for tile in AUTO_TILES.into_iter().filter(|&t| t < w.max(h)) {
+                        match self.plan_vae(encode, tile.min(w), tile.min(h)) {
+                            Ok(plan) => {
+                                chosen = Some((tile, plan));
+                                break;
+                            }
+                            Err(e) if is_budget(&e) => continue,
+                            Err(e) => return Err(err(e)),
+                        }
+                    }
+                    let Some((tile, plan)) = chosen else {
+                        return Err(err(whole));
+                    };
+                    let t = VaeTiling {
+                        tile,
+                        overlap: tile / 2,
+                    };
+                    tracing::info!(
+                        tile,
+                        overlap = t.overlap,
+                        "{what} at {w}x{h} latents does not fit the budget: tiling it automatically"
+                    );
+                    out.vae_tiling = Some(t);
+                    out.auto_tiled = true;
+                    out.plans.push((format!("{what} (tiles of {tile})"), plan));
+                }
+                Err(e) => return Err(err(e)),
+            }
+        }
+        for (what, plan) in &out.plans {
+            tracing::debug!(
+                model = %what,
+                segments = plan.segments.len(),
+                fine_cuts = plan.fine_cuts,
+                peak = plan.peak(),
+                limit = ?plan.limit,
+                "preflight plan"
+            );
+        }
+        Ok(out)
+    }
+
+    /// Plans a VAE encode (`encode`) or decode of `w` x `h` latent pixels against the
+    /// budget (see [`Runtime::plan`](crate::runtime::Runtime::plan)).
+    pub fn plan_vae(
+        &mut self,
+        encode: bool,
+        w: usize,
+        h: usize,
+    ) -> Result<PlanSummary, RuntimeError> {
+        let f = self.first_stage.1.downsample_factor().max(1);
+        let zc = self.spec.first_stage.1.latent_channels();
+        let (handle, vae) = (self.first_stage.0, &self.first_stage.1);
+        let graph_size = vae.graph_size();
+        let what = if encode { "vae encode" } else { "vae decode" };
+        self.runtime.plan(handle, what, graph_size, |g| {
+            let (ne, n) = if encode {
+                ([w * f, h * f, 3, 1], w * f * h * f * 3)
+            } else {
+                ([w, h, zc, 1], w * h * zc)
+            };
+            let t = g.ctx.new_tensor(DType::F32, &ne)?;
+            let output = if encode {
+                vae.encode(g, &t)?
+            } else {
+                vae.decode(g, &t)?
+            };
+            Ok(BuiltGraph {
+                output,
+                inputs: vec![(t, HostData::F32(vec![0.0; n]))],
+            })
+        })
+    }
+}
