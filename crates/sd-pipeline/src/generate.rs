@@ -140,6 +140,17 @@ pub enum GenerateError {
     /// A host tensor had an unexpected shape.
     #[error(transparent)]
     Shape(#[from] sd_tensor::host::ShapeError),
+    /// The VAE decoder returned NaN or infinite values (no image is made of them).
+    #[error("the VAE decoder returned {count} NaN or infinite values (corrupt VAE weights?)")]
+    NonFiniteDecode {
+        /// How many values are not finite.
+        count: usize,
+    },
+}
+
+/// How many values of `data` are NaN or infinite.
+fn non_finite(data: &[f32]) -> usize {
+    data.iter().filter(|v| !v.is_finite()).count()
 }
 
 impl From<ModelError> for GenerateError {
@@ -438,6 +449,10 @@ impl Pipeline {
                 })
             })
             .map_err(|e| runtime_err(&self.path, e))?;
+        let count = non_finite(&out.data);
+        if count > 0 {
+            return Err(GenerateError::NonFiniteDecode { count });
+        }
         let [_, c, h, w] = out.shape();
         Ok(Tensor::new([1, c, h, w], out.data)?)
     }
@@ -537,6 +552,15 @@ impl Denoise for CfgUnet<'_, '_> {
         } else {
             out
         };
+        let count = non_finite(&data);
+        if count > 0 {
+            return Err(SamplingError::NonFinite {
+                model: "UNet",
+                step,
+                total,
+                count,
+            });
+        }
         Ok(Tensor::new(x_in.shape().to_vec(), data)?)
     }
 }

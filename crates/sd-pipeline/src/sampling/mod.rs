@@ -53,6 +53,21 @@ pub enum SamplingError {
     /// The model failed.
     #[error("model evaluation failed: {0}")]
     Model(#[source] Box<dyn std::error::Error + Send + Sync>),
+    /// The model returned NaN or infinite values.
+    #[error(
+        "the {model} returned {count} NaN or infinite values at step {step}/{total} \
+         (corrupt weights, or a --cfg-scale too large)"
+    )]
+    NonFinite {
+        /// The model (`UNet`).
+        model: &'static str,
+        /// The 1-based step.
+        step: usize,
+        /// The steps of the run.
+        total: usize,
+        /// How many values are not finite.
+        count: usize,
+    },
 }
 
 /// A sampling method, named as stable-diffusion.cpp's `--sampling-method`.
