@@ -116,6 +116,7 @@ fn init_logging(verbose: u8) {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(level));
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr)
         .try_init();
 }
@@ -341,8 +342,6 @@ fn generate(cli: &Cli, threads: usize) -> Result<(), Fail> {
         }
         pipeline
             .runtime_mut()
-            .engine_mut()
-            .manager_mut()
             .set_loras(loras)
             .map_err(|e| Fail::Run(format!("LoRA: {e}")))?;
     }

@@ -118,7 +118,7 @@ pub fn check(path: &Path, count: usize) -> Result<Target, OutputError> {
         Some(e) if matches!(e.as_str(), "jpg" | "jpeg" | "webp") => {
             return Err(invalid(format!(
                 "{shown}: {} output is not supported yet; sd writes PNG (name the file .png)",
-                e.to_ascii_uppercase()
+                if e == "webp" { "WebP" } else { "JPEG" }
             )))
         }
         _ => {
