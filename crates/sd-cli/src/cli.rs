@@ -115,21 +115,40 @@ pub struct Cli {
     #[arg(long = "type", value_name = "TYPE", value_parser = parse_weight_type, help_heading = "Model files")]
     pub weight_type: Option<DType>,
     /// Directory of LoRA files named by <lora:NAME:WEIGHT> in the prompt
-    #[arg(long = "lora-model-dir", value_name = "DIR", help_heading = "Model files")]
+    #[arg(
+        long = "lora-model-dir",
+        value_name = "DIR",
+        help_heading = "Model files"
+    )]
     pub lora_model_dir: Option<PathBuf>,
     /// Upscaler (ESRGAN / Real-ESRGAN / Compact / MoSR; .pth, .safetensors); with -m it
     /// upscales the generated images in the same runtime and budget
-    #[arg(long = "upscale-model", value_name = "PATH", help_heading = "Model files")]
+    #[arg(
+        long = "upscale-model",
+        value_name = "PATH",
+        help_heading = "Model files"
+    )]
     pub upscale_model: Option<PathBuf>,
 
     /// Prompt ((word:1.2) attention syntax)
     #[arg(short = 'p', long = "prompt", help_heading = "Generation")]
     pub prompt: Option<String>,
     /// Negative prompt
-    #[arg(short = 'n', long = "negative-prompt", default_value = "", hide_default_value = true, help_heading = "Generation")]
+    #[arg(
+        short = 'n',
+        long = "negative-prompt",
+        default_value = "",
+        hide_default_value = true,
+        help_heading = "Generation"
+    )]
     pub negative: String,
     /// Output PNG ('-': standard output; a batch writes OUT, then NAME_2.png, ...)
-    #[arg(short = 'o', long = "output", default_value = "output.png", help_heading = "Generation")]
+    #[arg(
+        short = 'o',
+        long = "output",
+        default_value = "output.png",
+        help_heading = "Generation"
+    )]
     pub output: PathBuf,
     /// Width in pixels (default: the model's, or the init image's)
     #[arg(short = 'W', long = "width", value_parser = clap::value_parser!(u32).range(1..=MAX_SIZE as i64), help_heading = "Generation")]
@@ -144,7 +163,13 @@ pub struct Cli {
     #[arg(long = "cfg-scale", value_parser = parse_cfg_scale, help_heading = "Generation")]
     pub cfg_scale: Option<f32>,
     /// Seed; negative: a random seed, printed (image i of a batch uses SEED+i)
-    #[arg(short = 's', long = "seed", default_value_t = 42, allow_negative_numbers = true, help_heading = "Generation")]
+    #[arg(
+        short = 's',
+        long = "seed",
+        default_value_t = 42,
+        allow_negative_numbers = true,
+        help_heading = "Generation"
+    )]
     pub seed: i64,
     /// Number of images
     #[arg(short = 'b', long = "batch-count", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=MAX_BATCH as i64), help_heading = "Generation")]
@@ -158,10 +183,19 @@ pub struct Cli {
     #[arg(long = "scheduler", value_name = "NAME", value_parser = parse_scheduler, help_heading = "Generation")]
     pub scheduler: Option<Scheduler>,
     /// Noise generator
-    #[arg(long = "rng", value_enum, default_value = "cuda", help_heading = "Generation")]
+    #[arg(
+        long = "rng",
+        value_enum,
+        default_value = "cuda",
+        help_heading = "Generation"
+    )]
     pub rng: RngArg,
     /// Use the text encoder layer N from the end (<= 0: the model's)
-    #[arg(long = "clip-skip", allow_negative_numbers = true, help_heading = "Generation")]
+    #[arg(
+        long = "clip-skip",
+        allow_negative_numbers = true,
+        help_heading = "Generation"
+    )]
     pub clip_skip: Option<i64>,
     /// What the UNet predicts: eps or v (default: the model's)
     #[arg(long = "prediction", value_parser = parse_prediction, help_heading = "Generation")]
@@ -185,10 +219,18 @@ pub struct Cli {
     /// Compute device: cpu (default), a device from --list-devices (cuda0, Vulkan0...),
     /// sim:SIZE (a simulated GPU), A&B (the diffusion model layer-split across A and B), or
     /// module assignments as stable-diffusion.cpp takes them (diffusion=cuda0,te=cuda0)
-    #[arg(long = "backend", value_name = "SPEC", help_heading = "Devices and memory")]
+    #[arg(
+        long = "backend",
+        value_name = "SPEC",
+        help_heading = "Devices and memory"
+    )]
     pub backend: Option<String>,
     /// Where weights live between uses: cpu/ram (loaded once) or disk (read at each use)
-    #[arg(long = "params-backend", value_name = "WHERE", help_heading = "Devices and memory")]
+    #[arg(
+        long = "params-backend",
+        value_name = "WHERE",
+        help_heading = "Devices and memory"
+    )]
     pub params_backend: Option<String>,
     /// Device budget: GiB (4, 3.5) or with a unit (512M, 6G); 0: none; negative: free
     /// memory minus that much; per device: cuda0=6,cuda1=8
@@ -642,7 +684,10 @@ mod tests {
         assert!(cli(&["--steps", "1000000000"]).is_err());
         assert!(cli(&["--upscale-repeats", "6"]).is_err());
         assert!(cli(&["--type", "bf16"]).is_err());
-        assert_eq!(cli(&["--type", "q8_0"]).unwrap().weight_type, Some(DType::Q8_0));
+        assert_eq!(
+            cli(&["--type", "q8_0"]).unwrap().weight_type,
+            Some(DType::Q8_0)
+        );
         assert_eq!(cli(&["upscale"]).unwrap().mode, Mode::Upscale);
         assert_eq!(cli(&["-M", "img_gen"]).unwrap().mode, Mode::ImgGen);
         assert_eq!(cli(&[]).unwrap().rng, RngArg::Cuda);

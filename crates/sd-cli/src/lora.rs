@@ -22,9 +22,9 @@ pub fn extract(prompt: &str) -> Result<(String, Vec<(String, f32)>), String> {
             .find('>')
             .ok_or_else(|| format!("unclosed LoRA tag '{}'", &rest[start..]))?;
         let body = &tag[..end];
-        let (name, weight) = body
-            .rsplit_once(':')
-            .ok_or_else(|| format!("LoRA tag '<lora:{body}>' needs a weight: <lora:NAME:WEIGHT>"))?;
+        let (name, weight) = body.rsplit_once(':').ok_or_else(|| {
+            format!("LoRA tag '<lora:{body}>' needs a weight: <lora:NAME:WEIGHT>")
+        })?;
         let w: f32 = weight
             .trim()
             .parse()
@@ -83,9 +83,13 @@ mod tests {
 
     #[test]
     fn tags_are_taken_out() {
-        let (p, l) = extract("a cat <lora:styleA:0.8>, <lora:sub/b:1> and <lora:styleA:0.2>").unwrap();
+        let (p, l) =
+            extract("a cat <lora:styleA:0.8>, <lora:sub/b:1> and <lora:styleA:0.2>").unwrap();
         assert_eq!(p, "a cat ,  and ");
-        assert_eq!(l, vec![("styleA".to_string(), 1.0), ("sub/b".to_string(), 1.0)]);
+        assert_eq!(
+            l,
+            vec![("styleA".to_string(), 1.0), ("sub/b".to_string(), 1.0)]
+        );
         assert_eq!(extract("plain").unwrap(), ("plain".to_string(), vec![]));
         assert!(extract("<lora:x>").is_err());
         assert!(extract("<lora:x:abc>").is_err());

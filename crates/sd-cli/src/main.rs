@@ -165,8 +165,7 @@ fn run(cli: &Cli) -> Result<(), Fail> {
         return Ok(());
     }
     Err(Fail::Usage(
-        "nothing to generate: give -m/--model (or --diffusion-model) and -p/--prompt"
-            .to_string(),
+        "nothing to generate: give -m/--model (or --diffusion-model) and -p/--prompt".to_string(),
     ))
 }
 
@@ -239,7 +238,11 @@ fn memory_preflight(
     };
     let f = cfg.vae.downsample_factor().max(1) as f64;
     let tokens = (w as f64 / f) * (h as f64 / f);
-    let attention = if flash { 0.0 } else { tokens * tokens * 8.0 * 2.0 * 4.0 };
+    let attention = if flash {
+        0.0
+    } else {
+        tokens * tokens * 8.0 * 2.0 * 4.0
+    };
     let decode = if tiled {
         0.0
     } else {

@@ -113,7 +113,11 @@ pub fn check(path: &Path, count: usize) -> Result<Target, OutputError> {
     let Some(name) = path.file_name() else {
         return Err(invalid(format!("{shown} names no file")));
     };
-    match path.extension().and_then(|e| e.to_str()).map(str::to_ascii_lowercase) {
+    match path
+        .extension()
+        .and_then(|e| e.to_str())
+        .map(str::to_ascii_lowercase)
+    {
         Some(e) if e == "png" => {}
         Some(e) if matches!(e.as_str(), "jpg" | "jpeg" | "webp") => {
             return Err(invalid(format!(

@@ -63,7 +63,7 @@ impl Progress {
                 bar.set_position(done as u64);
             }
             None => {
-                let decile = if total == 0 { 10 } else { done * 10 / total };
+                let decile = (done * 10).checked_div(total).unwrap_or(10);
                 if decile > self.last_decile && done < total {
                     self.last_decile = decile;
                     eprintln!(

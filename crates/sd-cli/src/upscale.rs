@@ -30,8 +30,8 @@ pub struct Attached {
 
 impl Attached {
     fn open(rt: &mut Runtime, path: &Path, cli: &Cli) -> Result<Attached, Fail> {
-        let model = UpscalerModel::add(rt, path)
-            .map_err(|e| Fail::Run(format!("--upscale-model: {e}")))?;
+        let model =
+            UpscalerModel::add(rt, path).map_err(|e| Fail::Run(format!("--upscale-model: {e}")))?;
         tracing::info!(
             path = %path.display(),
             arch = model.arch.id(),

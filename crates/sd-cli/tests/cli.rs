@@ -54,7 +54,9 @@ fn generates_a_red_circle_with_the_builtin_model() {
         .arg("-m")
         .arg(builtin_model())
         .args(["-p", "a red circle on a white background", "--steps", "12"])
-        .args(["-W", "64", "-H", "64", "-s", "0", "--rng", "cpu", "-t", "2", "-o"])
+        .args([
+            "-W", "64", "-H", "64", "-s", "0", "--rng", "cpu", "-t", "2", "-o",
+        ])
         .arg(&out_path)
         .output()
         .unwrap();

@@ -17,7 +17,18 @@ const PNG: &[u8] = b"\x89PNG\r\n\x1a\n";
 /// Arguments of a quick generation writing `out`.
 fn gen(out: impl AsRef<OsStr>) -> Vec<OsString> {
     let mut v: Vec<OsString> = vec!["-m".into(), model().into()];
-    for a in ["-p", "a red circle", "--steps", "1", "-W", "64", "-H", "64", "-t", "2"] {
+    for a in [
+        "-p",
+        "a red circle",
+        "--steps",
+        "1",
+        "-W",
+        "64",
+        "-H",
+        "64",
+        "-t",
+        "2",
+    ] {
         v.push(a.into());
     }
     v.push("-o".into());
@@ -285,7 +296,10 @@ fn cases() -> Vec<Case> {
                 let base = d.join("base.png");
                 let mut args = gen(&base);
                 args[3] = "a red circle ".into();
-                let out = Command::new(env!("CARGO_BIN_EXE_sd")).args(args).output().unwrap();
+                let out = Command::new(env!("CARGO_BIN_EXE_sd"))
+                    .args(args)
+                    .output()
+                    .unwrap();
                 assert!(out.status.success());
                 let a = sd_tensor::Image::load_png(d.join("o.png")).unwrap();
                 let b = sd_tensor::Image::load_png(&base).unwrap();
@@ -492,7 +506,8 @@ fn cases() -> Vec<Case> {
             name: "img2img from a JPEG",
             setup: none,
             args: |d| {
-                let jpg = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/red_circle.jpg");
+                let jpg =
+                    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/red_circle.jpg");
                 let mut v = with(gen(d.join("o.png")), &["--strength", "0.5", "--steps", "2"]);
                 v.push("-i".into());
                 v.push(jpg.into());
@@ -541,7 +556,10 @@ fn write_nan_model(path: &Path) {
         })
         .unwrap();
     let off = info["data_offsets"].as_array().unwrap();
-    let (a, b) = (off[0].as_u64().unwrap() as usize, off[1].as_u64().unwrap() as usize);
+    let (a, b) = (
+        off[0].as_u64().unwrap() as usize,
+        off[1].as_u64().unwrap() as usize,
+    );
     // All-ones bytes are NaN in f32, f16 and bf16.
     bytes[8 + n + a..8 + n + b].fill(0xFF);
     std::fs::write(path, bytes).unwrap();
@@ -582,7 +600,7 @@ fn write_lora(path: &Path, stem: &str) {
         );
     }
     let mut head = serde_json::to_vec(&meta).unwrap();
-    while head.len() % 8 != 0 {
+    while !head.len().is_multiple_of(8) {
         head.push(b' ');
     }
     let mut file = (head.len() as u64).to_le_bytes().to_vec();
@@ -656,9 +674,8 @@ fn every_case() {
             problems.push(format!("files {got:?}, want {:?}", case.files));
         }
         if problems.is_empty() {
-            let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                (case.check)(&dir, &out)
-            }));
+            let run =
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| (case.check)(&dir, &out)));
             if run.is_err() {
                 problems.push("check failed".into());
             }
