@@ -12,6 +12,11 @@ fn model() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/builtin/sd-rs-shapes.safetensors")
 }
 
+fn upscaler() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../sd-models/tests/fixtures/upscalers/compact_x2.safetensors")
+}
+
 const PNG: &[u8] = b"\x89PNG\r\n\x1a\n";
 
 /// Arguments of a quick generation writing `out`.
@@ -303,7 +308,7 @@ fn cases() -> Vec<Case> {
                 assert!(out.status.success());
                 let a = sd_tensor::Image::load_png(d.join("o.png")).unwrap();
                 let b = sd_tensor::Image::load_png(&base).unwrap();
-                assert_ne!(a.pixels(), b.pixels());
+                assert!(a.pixels() != b.pixels(), "the LoRA changed nothing");
             },
         },
         Case {
@@ -500,6 +505,78 @@ fn cases() -> Vec<Case> {
             stderr: &["notice", "40x24", "64x64"],
             stdout: &["saved"],
             files: &["init.png", "o.png"],
+            check: no_check,
+        },
+        Case {
+            name: "upscale mode runs through the runtime: --backend and --max-vram apply",
+            setup: |d| {
+                let img = sd_tensor::Image::filled(24, 20, &[10, 200, 90]).unwrap();
+                img.save_png(d.join("in.png"), &[]).unwrap();
+                let out = Command::new(env!("CARGO_BIN_EXE_sd"))
+                    .args(["upscale", "-t", "2", "--upscale-tile-size", "8"])
+                    .arg("--upscale-model")
+                    .arg(upscaler())
+                    .arg("-i")
+                    .arg(d.join("in.png"))
+                    .arg("-o")
+                    .arg(d.join("cpu.png"))
+                    .output()
+                    .unwrap();
+                assert!(out.status.success());
+            },
+            args: |d| {
+                let mut v: Vec<OsString> = ["upscale", "-t", "2", "--upscale-tile-size", "8"]
+                    .iter()
+                    .map(OsString::from)
+                    .collect();
+                for (flag, value) in [
+                    ("--upscale-model", upscaler().into_os_string()),
+                    ("-i", d.join("in.png").into()),
+                    ("-o", d.join("sim.png").into()),
+                    ("--backend", "sim:64".into()),
+                    ("--max-vram", "24M".into()),
+                ] {
+                    v.push(flag.into());
+                    v.push(value);
+                }
+                v
+            },
+            code: 0,
+            stderr: &[],
+            stdout: &["saved", "48x40"],
+            files: &["cpu.png", "in.png", "sim.png"],
+            check: |d, _| {
+                let a = sd_tensor::Image::load_png(d.join("cpu.png")).unwrap();
+                let b = sd_tensor::Image::load_png(d.join("sim.png")).unwrap();
+                assert!(a.pixels() == b.pixels(), "the sim and CPU upscales differ");
+            },
+        },
+        Case {
+            name: "upscale mode: an impossible budget is an error, nothing written",
+            setup: |d| {
+                let img = sd_tensor::Image::filled(24, 20, &[10, 200, 90]).unwrap();
+                img.save_png(d.join("in.png"), &[]).unwrap();
+            },
+            args: |d| {
+                let mut v: Vec<OsString> = ["upscale", "-t", "2", "--backend", "sim:64"]
+                    .iter()
+                    .map(OsString::from)
+                    .collect();
+                for (flag, value) in [
+                    ("--upscale-model", upscaler().into_os_string()),
+                    ("-i", d.join("in.png").into()),
+                    ("-o", d.join("sim.png").into()),
+                    ("--max-vram", "1K".into()),
+                ] {
+                    v.push(flag.into());
+                    v.push(value);
+                }
+                v
+            },
+            code: 1,
+            stderr: &["budget"],
+            stdout: &[],
+            files: &["in.png"],
             check: no_check,
         },
         Case {
