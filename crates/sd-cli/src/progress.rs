@@ -1,5 +1,5 @@
 //! Progress on stderr: an `indicatif` bar when stderr is a terminal, otherwise a plain line
-//! at the end of each phase (and every 10% of it).
+//! at the end of each phase (and every 10% of the sampling steps).
 
 use std::io::IsTerminal;
 use std::time::Instant;
@@ -64,7 +64,8 @@ impl Progress {
             }
             None => {
                 let decile = (done * 10).checked_div(total).unwrap_or(10);
-                if decile > self.last_decile && done < total {
+                // Sampling steps are slow enough to report every 10%; the rest at the end.
+                if decile > self.last_decile && done < total && self.unit == "steps" {
                     self.last_decile = decile;
                     eprintln!(
                         "{}: {done}/{total} {} ({:.1} s)",
