@@ -1,31 +1,31 @@
-//! Progress on stderr: a bar redrawn in place when stderr is a terminal, nothing otherwise
-//! (with `-v`, one line per event instead).
+//! Progress on stderr: an `indicatif` bar when stderr is a terminal, otherwise a plain line
+//! at the end of each phase (and every 10% of the sampling steps).
 
-use std::io::{IsTerminal, Write};
+use std::io::IsTerminal;
 use std::time::Instant;
 
-/// Progress of one phase (`loading`, `image 1/2`...).
+use indicatif::{ProgressBar, ProgressStyle};
+
+/// Progress of one phase at a time (`loading`, `image 1/2`, `upscaling`...).
 pub struct Progress {
     tty: bool,
-    verbose: bool,
     start: Instant,
-    phase_start: Instant,
+    bar: Option<ProgressBar>,
     label: String,
-    drawn: bool,
+    unit: String,
+    last_decile: usize,
 }
 
-const WIDTH: usize = 30;
-
 impl Progress {
-    /// A reporter: a bar when stderr is a terminal, lines when `verbose`.
-    pub fn new(verbose: bool) -> Progress {
+    /// A reporter on stderr.
+    pub fn new() -> Progress {
         Progress {
             tty: std::io::stderr().is_terminal(),
-            verbose,
             start: Instant::now(),
-            phase_start: Instant::now(),
+            bar: None,
             label: String::new(),
-            drawn: false,
+            unit: String::new(),
+            last_decile: 0,
         }
     }
 
@@ -34,58 +34,76 @@ impl Progress {
         self.start.elapsed().as_secs_f64()
     }
 
-    /// Starts a phase named `label`.
-    pub fn phase(&mut self, label: impl Into<String>) {
-        self.finish_line();
+    /// Starts a phase named `label` counting `unit`s.
+    pub fn phase(&mut self, label: impl Into<String>, unit: &str) {
+        self.finish();
         self.label = label.into();
-        self.phase_start = Instant::now();
-        if self.verbose {
-            eprintln!("{} ({:.1} s)", self.label, self.elapsed());
+        self.unit = unit.to_string();
+        self.last_decile = 0;
+        tracing::info!(phase = %self.label, "start");
+        if self.tty {
+            let bar = ProgressBar::new(0);
+            let style = ProgressStyle::with_template(
+                "{msg:<12} [{bar:30}] {pos}/{len} {prefix} {elapsed_precise} eta {eta}",
+            )
+            .unwrap_or_else(|_| ProgressStyle::default_bar())
+            .progress_chars("=> ");
+            bar.set_style(style);
+            bar.set_message(self.label.clone());
+            bar.set_prefix(self.unit.clone());
+            self.bar = Some(bar);
         }
     }
 
     /// Reports `done` of `total` units of the current phase.
-    pub fn update(&mut self, done: usize, total: usize, unit: &str) {
-        if self.verbose {
-            eprintln!(
-                "{} {unit} {done}/{total} ({:.1} s)",
-                self.label,
-                self.elapsed()
-            );
-            return;
+    pub fn update(&mut self, done: usize, total: usize) {
+        match &self.bar {
+            Some(bar) => {
+                bar.set_length(total as u64);
+                bar.set_position(done as u64);
+            }
+            None => {
+                let decile = (done * 10).checked_div(total).unwrap_or(10);
+                // Sampling steps are slow enough to report every 10%; the rest at the end.
+                if decile > self.last_decile && done < total && self.unit == "steps" {
+                    self.last_decile = decile;
+                    eprintln!(
+                        "{}: {done}/{total} {} ({:.1} s)",
+                        self.label,
+                        self.unit,
+                        self.elapsed()
+                    );
+                }
+                if done >= total && self.last_decile < 10 {
+                    self.last_decile = 10;
+                    eprintln!(
+                        "{}: {done}/{total} {} done ({:.1} s)",
+                        self.label,
+                        self.unit,
+                        self.elapsed()
+                    );
+                }
+            }
         }
-        if !self.tty {
-            return;
-        }
-        let total_n = total.max(1);
-        let filled = (done.min(total_n) * WIDTH) / total_n;
-        let secs = self.phase_start.elapsed().as_secs_f64();
-        let rate = if done > 0 {
-            format!("{:.2} s/{}", secs / done as f64, unit.trim_end_matches('s'))
-        } else {
-            String::new()
-        };
-        eprint!(
-            "\r{:<12} [{}{}] {done}/{total} {unit} {rate}   ",
-            self.label,
-            "=".repeat(filled),
-            " ".repeat(WIDTH - filled)
-        );
-        let _ = std::io::stderr().flush();
-        self.drawn = true;
     }
 
-    /// Ends the bar's line, if one is drawn.
-    pub fn finish_line(&mut self) {
-        if self.drawn {
-            eprintln!();
-            self.drawn = false;
+    /// Ends the current phase's bar.
+    pub fn finish(&mut self) {
+        if let Some(bar) = self.bar.take() {
+            bar.finish();
+        }
+    }
+
+    /// Removes the current bar (on errors, before the message).
+    pub fn abandon(&mut self) {
+        if let Some(bar) = self.bar.take() {
+            bar.abandon();
         }
     }
 }
 
 impl Drop for Progress {
     fn drop(&mut self) {
-        self.finish_line();
+        self.finish();
     }
 }

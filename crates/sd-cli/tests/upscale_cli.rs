@@ -126,10 +126,10 @@ fn upscale_flag_errors() {
                 model.clone().into(),
                 "-i".into(),
                 input.clone().into(),
-                "--steps".into(),
-                "3".into(),
+                "-M".into(),
+                "vid_gen".into(),
             ],
-            "--steps",
+            "not supported yet",
         ),
     ];
     for (args, needle) in cases {

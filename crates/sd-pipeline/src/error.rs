@@ -62,6 +62,17 @@ pub enum GenerateError {
     /// A host tensor had an unexpected shape.
     #[error(transparent)]
     Shape(#[from] sd_tensor::host::ShapeError),
+    /// The VAE decoder returned NaN or infinite values (no image is made of them).
+    #[error("the VAE decoder returned {count} NaN or infinite values (corrupt VAE weights?)")]
+    NonFiniteDecode {
+        /// How many values are not finite.
+        count: usize,
+    },
+}
+
+/// How many values of `data` are NaN or infinite.
+pub(crate) fn non_finite(data: &[f32]) -> usize {
+    data.iter().filter(|v| !v.is_finite()).count()
 }
 
 impl From<ModelError> for GenerateError {

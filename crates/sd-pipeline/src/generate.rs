@@ -388,6 +388,10 @@ impl Pipeline {
             })
             .map_err(|e| runtime_err(&self.path, e))?;
         let [_, c, h, w] = out.shape();
+        let count = crate::error::non_finite(&out.data);
+        if count > 0 {
+            return Err(GenerateError::NonFiniteDecode { count });
+        }
         Ok(Tensor::new([1, c, h, w], out.data)?)
     }
 }

@@ -107,7 +107,7 @@ impl Denoise for Guided<'_> {
     fn predict(
         &mut self,
         x_in: &Tensor<f32>,
-        _sigma: f32,
+        sigma: f32,
         timestep: f32,
     ) -> Result<Tensor<f32>, SamplingError> {
         let guided = self.cfg_scale != 1.0;
@@ -137,6 +137,14 @@ impl Denoise for Guided<'_> {
         } else {
             out
         };
+        let count = crate::error::non_finite(&data);
+        if count > 0 {
+            return Err(SamplingError::NonFinite {
+                model: "diffusion network",
+                sigma,
+                count,
+            });
+        }
         Ok(Tensor::new(x_in.shape().to_vec(), data)?)
     }
 }

@@ -120,7 +120,10 @@ impl Pipeline {
                 let mut data = vec![
                     (x.clone(), HostData::F32(vec![0.0; lw * lh * c * batch])),
                     (t.clone(), HostData::F32(vec![0.0; batch])),
-                    (ctx.clone(), HostData::F32(vec![0.0; ctx_dim * tokens * batch])),
+                    (
+                        ctx.clone(),
+                        HostData::F32(vec![0.0; ctx_dim * tokens * batch]),
+                    ),
                 ];
                 if let (Some(y), Some(n)) = (y, adm) {
                     data.push((y, HostData::F32(vec![0.0; n * batch])));

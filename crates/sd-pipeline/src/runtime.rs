@@ -564,6 +564,21 @@ impl Runtime {
         Ok(())
     }
 
+    /// Replaces the LoRAs applied to the main source's weights (the residency manager's
+    /// `set_loras`, with its epochs): every model's session is ended first, so that no weight
+    /// is in use, and started again after, whether or not the change succeeded.
+    pub fn set_loras(&mut self, specs: Vec<sd_residency::LoraSpec>) -> Result<()> {
+        let sessions: Vec<SessionId> = self.models.iter().map(|m| m.session).collect();
+        for s in &sessions {
+            self.engine.end(*s)?;
+        }
+        let result = self.engine.manager_mut().set_loras(specs);
+        for s in &sessions {
+            self.engine.start(*s)?;
+        }
+        Ok(result?)
+    }
+
     /// Loads model `h`'s weights now instead of at their first use, when that is where they
     /// would stay: parameters kept in RAM and computed on the CPU. Reports
     /// `progress(done, total)` in parameters; returns whether anything was loaded (other

@@ -6,9 +6,10 @@
 //! budget no granularity can meet fails before anything runs, naming the minimum budget.
 
 use sd_exec::ExecError;
+use sd_models::diffusion::DiffusionArch;
 use sd_models::unet::UnetModel;
 use sd_models::HostData;
-use sd_pipeline::model_config::ModelConfig;
+use sd_pipeline::family::ModelSpec;
 use sd_pipeline::runtime::{BuiltGraph, ComputeDevice, Runtime, RuntimeError, RuntimeOptions};
 use sd_residency::capacity::MaxVram;
 use sd_residency::files::ModelLoader;
@@ -33,8 +34,9 @@ struct Step {
 fn step(budget: Option<u64>) -> Result<Step, RuntimeError> {
     let mut loader = ModelLoader::new();
     loader.add_file(builtin(), None).unwrap();
-    let config = ModelConfig::detect(&loader).unwrap();
-    sd_models::weights::canonicalize(&mut loader, Some(config.version)).unwrap();
+    let spec = ModelSpec::detect(&loader).unwrap();
+    sd_models::weights::canonicalize(&mut loader, None).unwrap();
+    let DiffusionArch::Unet(ucfg) = spec.diffusion.1.clone();
     let mut rt = Runtime::new(
         RuntimeOptions {
             compute: ComputeDevice::Sim { bytes: 64 << 20 },
@@ -47,11 +49,11 @@ fn step(budget: Option<u64>) -> Result<Step, RuntimeError> {
         },
         loader,
     )?;
-    let cfg = config.unet.clone();
+    let cfg = ucfg.clone();
     let (h, unet) = rt.add_model("unet", Component::Diffusion, SourceId::MAIN, |pb| {
         UnetModel::new(pb, cfg)
     })?;
-    let ctx_dim = config.unet.context_dim;
+    let ctx_dim = ucfg.context_dim;
     let x: Vec<f32> = (0..8 * 8 * 4)
         .map(|i| ((i * 29 % 23) as f32 - 11.0) / 7.0)
         .collect();
@@ -62,7 +64,7 @@ fn step(budget: Option<u64>) -> Result<Step, RuntimeError> {
         let xt = g.ctx.new_tensor(DType::F32, &[8, 8, 4, 1])?;
         let tt = g.ctx.new_tensor(DType::F32, &[1])?;
         let ct = g.ctx.new_tensor(DType::F32, &[ctx_dim, 77, 1])?;
-        let output = unet.forward(g, &xt, &tt, &ct)?;
+        let output = unet.forward(g, &xt, &tt, &ct, None)?;
         Ok(BuiltGraph {
             output,
             inputs: vec![

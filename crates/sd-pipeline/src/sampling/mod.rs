@@ -53,6 +53,19 @@ pub enum SamplingError {
     /// The model failed.
     #[error("model evaluation failed: {0}")]
     Model(#[source] Box<dyn std::error::Error + Send + Sync>),
+    /// The model returned NaN or infinite values.
+    #[error(
+        "the {model} returned {count} NaN or infinite values at sigma {sigma} \
+         (corrupt weights, or a --cfg-scale too large)"
+    )]
+    NonFinite {
+        /// The model (`diffusion network`).
+        model: &'static str,
+        /// The noise level of the evaluation.
+        sigma: f32,
+        /// How many values are not finite.
+        count: usize,
+    },
 }
 
 /// A sampling method, named as stable-diffusion.cpp's `--sampling-method`.

@@ -1,0 +1,729 @@
+//! The command line (clap derive), with stable-diffusion.cpp's flag names and spellings.
+//!
+//! The flags of stable-diffusion.cpp's `sd-cli` that sd-rs has a meaning for are accepted
+//! with that meaning; the others are answered "not supported yet" ([`UNSUPPORTED`]).
+
+use std::ffi::OsString;
+use std::path::PathBuf;
+
+use clap::{ArgAction, Parser, ValueEnum};
+use sd_pipeline::generate::ModelFiles;
+use sd_pipeline::rng::RngKind;
+use sd_pipeline::runtime::{parse_size, ComputeDevice, ParamsLocation};
+use sd_pipeline::sampling::{Prediction, SampleMethod};
+use sd_pipeline::schedule::{AysTable, Scheduler};
+use sd_residency::capacity::MaxVram;
+use sd_tensor::DType;
+
+/// Largest `-W`/`-H` (pixels).
+pub const MAX_SIZE: u32 = 16384;
+/// Most `--steps`.
+pub const MAX_STEPS: u32 = 1000;
+/// Most images in a batch (`-b`).
+pub const MAX_BATCH: u32 = 1000;
+/// Most `-t` threads.
+pub const MAX_THREADS: i64 = 1024;
+/// Most `--upscale-repeats`.
+pub const MAX_UPSCALE_REPEATS: u32 = 4;
+
+const AFTER_HELP: &str = "\
+Flags of stable-diffusion.cpp's sd-cli that sd-rs does not implement yet are refused with a
+message naming them. RUST_LOG (e.g. RUST_LOG=sd_exec=debug) overrides -v.
+
+Exit codes: 0 success; 1 a missing or corrupt model or image file, or a failed run;
+2 bad flags or values (checked before any work).";
+
+/// The run mode (`-M/--mode`, or `sd upscale`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Mode {
+    /// Text to image, or image to image with -i.
+    #[value(name = "img_gen")]
+    ImgGen,
+    /// Upscale -i with --upscale-model.
+    #[value(name = "upscale")]
+    Upscale,
+    /// stable-diffusion.cpp's model conversion (not supported yet).
+    #[value(name = "convert")]
+    Convert,
+    /// Video generation (not supported yet).
+    #[value(name = "vid_gen")]
+    VidGen,
+    /// ADetailer (not supported yet).
+    #[value(name = "adetailer")]
+    Adetailer,
+    /// PNG metadata inspection (not supported yet).
+    #[value(name = "metadata")]
+    Metadata,
+}
+
+/// `--rng` (stable-diffusion.cpp's names).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum RngArg {
+    /// torch CUDA Philox randn (the A1111 web UI; stable-diffusion.cpp's default).
+    #[value(name = "cuda")]
+    Cuda,
+    /// torch CPU randn (ComfyUI).
+    #[value(name = "cpu")]
+    Cpu,
+    /// C++ std::default_random_engine (not supported yet).
+    #[value(name = "std_default")]
+    StdDefault,
+}
+
+/// The `sd` command line.
+#[derive(Debug, Parser)]
+#[command(
+    name = "sd",
+    about = "Generates and upscales images with diffusion models within a memory budget.",
+    override_usage = "sd -m MODEL -p PROMPT [options]            text to image (-i INIT for image to image)\n       \
+                      sd upscale --upscale-model MODEL -i IMAGE [-o OUT.png]   (also -M upscale)\n       \
+                      sd --list-devices | --self-check | --version",
+    disable_version_flag = true,
+    args_override_self = true,
+    after_help = AFTER_HELP,
+    max_term_width = 100
+)]
+pub struct Cli {
+    /// Run mode: img_gen (default) or upscale; convert, vid_gen, adetailer and metadata
+    /// are not supported yet
+    #[arg(short = 'M', long = "mode", value_enum, default_value = "img_gen")]
+    pub mode: Mode,
+
+    /// Full checkpoint (safetensors, GGUF, .ckpt)
+    #[arg(short = 'm', long = "model", help_heading = "Model files")]
+    pub model: Option<PathBuf>,
+    /// Diffusion model (UNet) alone, replacing the checkpoint's
+    #[arg(long = "diffusion-model", help_heading = "Model files")]
+    pub diffusion_model: Option<PathBuf>,
+    /// Autoencoder alone, replacing the checkpoint's
+    #[arg(long = "vae", help_heading = "Model files")]
+    pub vae: Option<PathBuf>,
+    /// CLIP-L text encoder alone, replacing the checkpoint's
+    #[arg(long = "clip_l", help_heading = "Model files")]
+    pub clip_l: Option<PathBuf>,
+    /// OpenCLIP-bigG text encoder alone (SDXL base and refiner)
+    #[arg(long = "clip_g", help_heading = "Model files")]
+    pub clip_g: Option<PathBuf>,
+    /// OpenCLIP-H text encoder alone (SD2.x)
+    #[arg(long = "clip_h", help_heading = "Model files")]
+    pub clip_h: Option<PathBuf>,
+    /// T5-XXL text encoder (SD3, Flux; not supported yet)
+    #[arg(long = "t5xxl", help_heading = "Model files")]
+    pub t5xxl: Option<PathBuf>,
+    /// LLM text encoder (Qwen-Image...; not supported yet)
+    #[arg(long = "llm", help_heading = "Model files")]
+    pub llm: Option<PathBuf>,
+    /// Convert weights when loading: f32, f16, q8_0, q5_0, q5_1, q4_0, q4_1, q2_K..q6_K
+    /// (quantized types apply to linear weights; default: the files' types)
+    #[arg(long = "type", value_name = "TYPE", value_parser = parse_weight_type, help_heading = "Model files")]
+    pub weight_type: Option<DType>,
+    /// Directory of LoRA files named by <lora:NAME:WEIGHT> in the prompt
+    #[arg(
+        long = "lora-model-dir",
+        value_name = "DIR",
+        help_heading = "Model files"
+    )]
+    pub lora_model_dir: Option<PathBuf>,
+    /// Upscaler (ESRGAN / Real-ESRGAN / Compact / MoSR; .pth, .safetensors); with -m it
+    /// upscales the generated images in the same runtime and budget
+    #[arg(
+        long = "upscale-model",
+        value_name = "PATH",
+        help_heading = "Model files"
+    )]
+    pub upscale_model: Option<PathBuf>,
+
+    /// Prompt ((word:1.2) attention syntax)
+    #[arg(short = 'p', long = "prompt", help_heading = "Generation")]
+    pub prompt: Option<String>,
+    /// Negative prompt
+    #[arg(
+        short = 'n',
+        long = "negative-prompt",
+        default_value = "",
+        hide_default_value = true,
+        help_heading = "Generation"
+    )]
+    pub negative: String,
+    /// Output PNG ('-': standard output; a batch writes OUT, then NAME_2.png, ...)
+    #[arg(
+        short = 'o',
+        long = "output",
+        default_value = "output.png",
+        help_heading = "Generation"
+    )]
+    pub output: PathBuf,
+    /// Width in pixels (default: the model's, or the init image's)
+    #[arg(short = 'W', long = "width", value_parser = clap::value_parser!(u32).range(1..=MAX_SIZE as i64), help_heading = "Generation")]
+    pub width: Option<u32>,
+    /// Height in pixels (default: the model's, or the init image's)
+    #[arg(short = 'H', long = "height", value_parser = clap::value_parser!(u32).range(1..=MAX_SIZE as i64), help_heading = "Generation")]
+    pub height: Option<u32>,
+    /// Sampling steps
+    #[arg(long = "steps", default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..=MAX_STEPS as i64), help_heading = "Generation")]
+    pub steps: u32,
+    /// Guidance scale (default: the model's, else 7)
+    #[arg(long = "cfg-scale", value_parser = parse_cfg_scale, help_heading = "Generation")]
+    pub cfg_scale: Option<f32>,
+    /// Seed; negative: a random seed, printed (image i of a batch uses SEED+i)
+    #[arg(
+        short = 's',
+        long = "seed",
+        default_value_t = 42,
+        allow_negative_numbers = true,
+        help_heading = "Generation"
+    )]
+    pub seed: i64,
+    /// Number of images
+    #[arg(short = 'b', long = "batch-count", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=MAX_BATCH as i64), help_heading = "Generation")]
+    pub batch: u32,
+    /// Sampler: euler, euler_a, heun, dpm2, dpm++2s_a, dpm++2m, dpm++2mv2, ipndm, ipndm_v,
+    /// lcm, ddim_trailing, tcd (default euler)
+    #[arg(long = "sampling-method", value_name = "NAME", value_parser = parse_sampler, help_heading = "Generation")]
+    pub sampler: Option<SampleMethod>,
+    /// Scheduler: discrete, karras, exponential, ays, sgm_uniform, simple, lcm (default: the
+    /// sampler's)
+    #[arg(long = "scheduler", value_name = "NAME", value_parser = parse_scheduler, help_heading = "Generation")]
+    pub scheduler: Option<Scheduler>,
+    /// Noise generator
+    #[arg(
+        long = "rng",
+        value_enum,
+        default_value = "cuda",
+        help_heading = "Generation"
+    )]
+    pub rng: RngArg,
+    /// Use the text encoder layer N from the end (<= 0: the model's)
+    #[arg(
+        long = "clip-skip",
+        allow_negative_numbers = true,
+        help_heading = "Generation"
+    )]
+    pub clip_skip: Option<i64>,
+    /// What the UNet predicts: eps or v (default: the model's)
+    #[arg(long = "prediction", value_parser = parse_prediction, help_heading = "Generation")]
+    pub prediction: Option<Prediction>,
+    /// Init image (PNG or JPEG) for image to image, or the image to upscale
+    #[arg(short = 'i', long = "init-img", help_heading = "Generation")]
+    pub init: Option<PathBuf>,
+    /// Image-to-image noise strength in [0, 1] (default 0.75)
+    #[arg(long = "strength", value_parser = parse_strength, help_heading = "Generation")]
+    pub strength: Option<f32>,
+    /// VAE-decode (and encode) in overlapping tiles
+    #[arg(long = "vae-tiling", help_heading = "Generation")]
+    pub vae_tiling: bool,
+    /// Apply the upscaler N times (default 1)
+    #[arg(long = "upscale-repeats", value_name = "N", value_parser = clap::value_parser!(u32).range(1..=MAX_UPSCALE_REPEATS as i64), help_heading = "Generation")]
+    pub upscale_repeats: Option<u32>,
+    /// Upscaler tile size in input pixels (default 128; 0: the whole image)
+    #[arg(long = "upscale-tile-size", value_name = "N", value_parser = clap::value_parser!(u32).range(0..=4096), help_heading = "Generation")]
+    pub upscale_tile_size: Option<u32>,
+
+    /// Compute device: cpu (default), a device from --list-devices (cuda0, Vulkan0...),
+    /// sim:SIZE (a simulated GPU), A&B (the diffusion model layer-split across A and B), or
+    /// module assignments as stable-diffusion.cpp takes them (diffusion=cuda0,te=cuda0)
+    #[arg(
+        long = "backend",
+        value_name = "SPEC",
+        help_heading = "Devices and memory"
+    )]
+    pub backend: Option<String>,
+    /// Where weights live between uses: cpu/ram (loaded once) or disk (read at each use)
+    #[arg(
+        long = "params-backend",
+        value_name = "WHERE",
+        help_heading = "Devices and memory"
+    )]
+    pub params_backend: Option<String>,
+    /// Device budget: GiB (4, 3.5) or with a unit (512M, 6G); 0: none; negative: free
+    /// memory minus that much; per device: cuda0=6,cuda1=8
+    #[arg(long = "max-vram", value_name = "SIZE", allow_hyphen_values = true, value_parser = parse_max_vram, help_heading = "Devices and memory")]
+    pub max_vram: Option<MaxVram>,
+    /// Map weights from the files instead of copying them
+    #[arg(long = "mmap", help_heading = "Devices and memory")]
+    pub mmap: bool,
+    /// Weights in RAM, loaded into VRAM when needed (sd-rs's default: same as
+    /// --params-backend cpu)
+    #[arg(long = "offload-to-cpu", help_heading = "Devices and memory")]
+    pub offload_to_cpu: bool,
+    /// Run the VAE on the CPU (same as --backend vae=cpu)
+    #[arg(long = "vae-on-cpu", help_heading = "Devices and memory")]
+    pub vae_on_cpu: bool,
+    /// Run the text encoder on the CPU (same as --backend te=cpu)
+    #[arg(long = "clip-on-cpu", help_heading = "Devices and memory")]
+    pub clip_on_cpu: bool,
+    /// Flash attention in the diffusion model
+    #[arg(long = "diffusion-fa", help_heading = "Devices and memory")]
+    pub diffusion_fa: bool,
+    /// Flash attention (sd-rs applies it to the diffusion model)
+    #[arg(long = "fa", help_heading = "Devices and memory")]
+    pub fa: bool,
+    /// Read all weights at load time (sd-rs always does)
+    #[arg(long = "eager-load", help_heading = "Devices and memory")]
+    pub eager_load: bool,
+    /// Stream weights per segment within --max-vram (sd-rs always does when a model does
+    /// not fit)
+    #[arg(long = "stream-layers", help_heading = "Devices and memory")]
+    pub stream_layers: bool,
+    /// CPU threads (<= 0: all cores)
+    #[arg(short = 't', long = "threads", default_value_t = -1, allow_negative_numbers = true, value_parser = clap::value_parser!(i64).range(..=MAX_THREADS), help_heading = "Devices and memory")]
+    pub threads: i64,
+
+    /// More log output: -v info, -vv debug (default: warnings)
+    #[arg(short = 'v', long = "verbose", action = ArgAction::Count, help_heading = "Other")]
+    pub verbose: u8,
+    /// List the ggml compute devices
+    #[arg(long = "list-devices", help_heading = "Other")]
+    pub list_devices: bool,
+    /// Run a small matmul on the CPU backend
+    #[arg(long = "self-check", help_heading = "Other")]
+    pub self_check: bool,
+    /// Print the version
+    #[arg(long = "version", help_heading = "Other")]
+    pub version: bool,
+}
+
+/// stable-diffusion.cpp flags sd-rs does not implement yet: `(flag, takes a value)`.
+pub const UNSUPPORTED: &[(&str, bool)] = &[
+    ("--clip_vision", true),
+    ("--llm_vision", true),
+    ("--qwen2vl", true),
+    ("--qwen2vl_vision", true),
+    ("--high-noise-diffusion-model", true),
+    ("--uncond-diffusion-model", true),
+    ("--vae-format", true),
+    ("--taesd", true),
+    ("--tae", true),
+    ("--control-net", true),
+    ("--control-net-cpu", false),
+    ("--control-image", true),
+    ("--control-strength", true),
+    ("--ip-adapter", true),
+    ("--motion-module", true),
+    ("--embd-dir", true),
+    ("--hires-upscalers-dir", true),
+    ("--tensor-type-rules", true),
+    ("--photo-maker", true),
+    ("--split-mode", true),
+    ("--rpc-servers", true),
+    ("--auto-fit", false),
+    ("--diffusion-conv-direct", false),
+    ("--vae-conv-direct", false),
+    ("--sampler-rng", true),
+    ("--lora-apply-mode", true),
+    ("--mask", true),
+    ("--end-img", true),
+    ("--ref-image", true),
+    ("--hires", false),
+    ("--hires-width", true),
+    ("--hires-height", true),
+    ("--hires-steps", true),
+    ("--hires-scale", true),
+    ("--hires-denoising-strength", true),
+    ("--hires-upscaler", true),
+    ("--img-cfg-scale", true),
+    ("--guidance", true),
+    ("--slg-scale", true),
+    ("--eta", true),
+    ("--flow-shift", true),
+    ("--sigmas", true),
+    ("--vae-tile-size", true),
+    ("--vae-tile-overlap", true),
+    ("--vae-relative-tile-size", true),
+    ("--prompt-file", true),
+    ("--negative-prompt-file", true),
+    ("--cache-mode", true),
+    ("--circular", false),
+    ("--disable-image-metadata", false),
+    ("--preview", true),
+    ("--preview-path", true),
+    ("--color", false),
+    ("--canny", false),
+    ("--video-frames", true),
+];
+
+/// Parses `args` (without the program name); `sd upscale ...` is `sd -M upscale ...`.
+pub fn parse(args: Vec<OsString>) -> Result<Cli, clap::Error> {
+    let mut argv = vec![OsString::from("sd")];
+    let mut rest = args.into_iter().peekable();
+    if rest.peek().is_some_and(|a| a == "upscale") {
+        rest.next();
+        argv.extend(["-M".into(), "upscale".into()]);
+    }
+    argv.extend(rest);
+    Cli::try_parse_from(argv)
+}
+
+/// The model files of the command line (the one place the model-file flags map onto the
+/// pipeline's [`ModelFiles`]); a usage error for the components sd-rs cannot use yet.
+pub fn model_files(cli: &Cli) -> Result<ModelFiles, String> {
+    for (flag, path) in [("--t5xxl", &cli.t5xxl), ("--llm", &cli.llm)] {
+        if path.is_some() {
+            return Err(format!(
+                "{flag}: not supported yet (sd-rs runs SD1.x, SD2.x and SDXL models, whose text \
+                 encoders are CLIP-L (--clip_l), OpenCLIP-H (--clip_h) and OpenCLIP-bigG (--clip_g))"
+            ));
+        }
+    }
+    let mut files = ModelFiles {
+        model: cli.model.clone(),
+        ..ModelFiles::default()
+    };
+    // Slot names of the model families (`sd_pipeline::family`): the flag without its dashes.
+    for (slot, path) in [
+        ("diffusion-model", &cli.diffusion_model),
+        ("vae", &cli.vae),
+        ("clip_l", &cli.clip_l),
+        ("clip_h", &cli.clip_h),
+        ("clip_g", &cli.clip_g),
+    ] {
+        if let Some(p) = path {
+            files = files.with(slot, p.clone());
+        }
+    }
+    Ok(files)
+}
+
+/// The noise generator of `--rng`.
+pub fn rng_kind(rng: RngArg) -> Result<RngKind, String> {
+    match rng {
+        RngArg::Cuda => Ok(RngKind::Cuda),
+        RngArg::Cpu => Ok(RngKind::Cpu),
+        RngArg::StdDefault => {
+            Err("--rng std_default: not supported yet (use cuda, the default, or cpu)".into())
+        }
+    }
+}
+
+/// The threads of `-t` (<= 0: all cores).
+pub fn threads(t: i64) -> usize {
+    if t > 0 {
+        t as usize
+    } else {
+        std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1)
+    }
+}
+
+/// A model of stable-diffusion.cpp's `--backend` module assignments.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Module {
+    Diffusion,
+    TextEncoder,
+    Vae,
+    Upscaler,
+}
+
+fn module(name: &str) -> Result<Module, String> {
+    let n: String = name
+        .chars()
+        .filter(|c| *c != '-' && *c != '_')
+        .collect::<String>()
+        .to_ascii_lowercase();
+    Ok(match n.as_str() {
+        "diffusion" | "model" | "unet" | "dit" => Module::Diffusion,
+        "te" | "clip" | "text" | "textencoder" | "textencoders" | "conditioner" | "cond"
+        | "llm" | "t5" | "t5xxl" => Module::TextEncoder,
+        "vae" | "firststage" | "autoencoder" | "tae" => Module::Vae,
+        "upscaler" | "esrgan" | "hires" => Module::Upscaler,
+        "controlnet" | "control" | "clipvision" | "vision" | "photomaker" | "photomakerid"
+        | "pmid" | "photo" => {
+            return Err(format!(
+                "module '{name}': not supported yet (sd-rs has no such model)"
+            ))
+        }
+        _ => {
+            return Err(format!(
+                "unknown module '{name}' (known: diffusion, te, vae, upscaler)"
+            ))
+        }
+    })
+}
+
+fn device(text: &str) -> Result<ComputeDevice, String> {
+    // Device names match case-insensitively (sd.cpp's cuda0 is ggml's CUDA0).
+    text.parse()
+}
+
+/// Where the models run: one compute device (plus devices the diffusion model is
+/// layer-split across).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Placement {
+    /// The compute device of every model.
+    pub compute: ComputeDevice,
+    /// Further devices of the diffusion model's layer split.
+    pub split: Vec<ComputeDevice>,
+}
+
+/// Resolves `--backend` (a device, `A&B`, or `module=device,...` assignments) together with
+/// `--vae-on-cpu` and `--clip-on-cpu`. sd-rs runs every model on one compute device, so
+/// assignments that put models on different devices are refused.
+pub fn placement(cli: &Cli) -> Result<Placement, String> {
+    let mut default: Option<Vec<ComputeDevice>> = None;
+    let mut assigned: Vec<(Module, String, Vec<ComputeDevice>)> = Vec::new();
+    if let Some(spec) = &cli.backend {
+        for item in spec.split(',') {
+            let item = item.trim();
+            let (m, devs) = match item.split_once('=') {
+                Some((m, d)) => (Some((module(m)?, m.trim().to_string())), d),
+                None => (None, item),
+            };
+            let mut list = Vec::new();
+            for d in devs.split('&') {
+                list.push(device(d)?);
+            }
+            match m {
+                Some((m, name)) => assigned.push((m, name, list)),
+                None if default.is_none() => default = Some(list),
+                None => return Err(format!("two default devices in '{spec}'")),
+            }
+        }
+    }
+    if cli.vae_on_cpu {
+        assigned.push((Module::Vae, "--vae-on-cpu".into(), vec![ComputeDevice::Cpu]));
+    }
+    if cli.clip_on_cpu {
+        assigned.push((
+            Module::TextEncoder,
+            "--clip-on-cpu".into(),
+            vec![ComputeDevice::Cpu],
+        ));
+    }
+    let diffusion = assigned
+        .iter()
+        .find(|(m, _, _)| *m == Module::Diffusion)
+        .map(|(_, _, l)| l.clone())
+        .or(default)
+        .unwrap_or_else(|| vec![ComputeDevice::Cpu]);
+    let compute = diffusion[0].clone();
+    for (m, name, list) in &assigned {
+        if *m == Module::Diffusion {
+            continue;
+        }
+        if list.len() > 1 {
+            return Err(format!(
+                "{name}: a layer split is for the diffusion model only"
+            ));
+        }
+        if list[0] != compute {
+            return Err(format!(
+                "{name}: running it on {} while the diffusion model runs on {} is not \
+                 supported yet (sd-rs runs every model on one compute device; --max-vram \
+                 keeps them within budget)",
+                label(&list[0]),
+                label(&compute)
+            ));
+        }
+    }
+    Ok(Placement {
+        compute,
+        split: diffusion[1..].to_vec(),
+    })
+}
+
+fn label(d: &ComputeDevice) -> String {
+    match d {
+        ComputeDevice::Cpu => "cpu".into(),
+        ComputeDevice::Named(n) => n.clone(),
+        ComputeDevice::Sim { bytes } => format!("sim:{}M", bytes >> 20),
+    }
+}
+
+/// `--params-backend`: `cpu`/`ram`/`disk`, or sd.cpp's `module=where` assignments when every
+/// module names the same place.
+pub fn params_location(cli: &Cli) -> Result<ParamsLocation, String> {
+    let Some(spec) = &cli.params_backend else {
+        return Ok(ParamsLocation::default());
+    };
+    let mut found: Option<ParamsLocation> = None;
+    for item in spec.split(',') {
+        let place = match item.split_once('=') {
+            Some((m, p)) => {
+                module(m)?;
+                p
+            }
+            None => item,
+        };
+        let p: ParamsLocation = place.parse()?;
+        if found.is_some_and(|f| f != p) {
+            return Err(format!(
+                "'{spec}': different places per module are not supported yet"
+            ));
+        }
+        found = Some(p);
+    }
+    Ok(found.unwrap_or_default())
+}
+
+fn parse_weight_type(text: &str) -> Result<DType, String> {
+    let t = DType::parse(text).filter(|d| (d.is_float() && *d != DType::F64) || d.is_quantized());
+    match t {
+        // ggml has no bf16 kernels for every operation the models use: it aborts.
+        Some(DType::BF16) => Err("bf16 cannot run yet (ggml aborts on it); use f16 or f32".into()),
+        Some(d) => Ok(d),
+        None => Err(format!(
+            "unknown weight type '{text}' (known: f32, f16, q8_0, q5_0, q5_1, q4_0, q4_1, q2_K, \
+             q3_K, q4_K, q5_K, q6_K)"
+        )),
+    }
+}
+
+fn parse_cfg_scale(text: &str) -> Result<f32, String> {
+    match text.parse::<f32>() {
+        Ok(s) if s.is_finite() && (0.0..=100.0).contains(&s) => Ok(s),
+        _ => Err(format!("needs a number in [0, 100], got '{text}'")),
+    }
+}
+
+fn parse_strength(text: &str) -> Result<f32, String> {
+    match text.parse::<f32>() {
+        Ok(s) if (0.0..=1.0).contains(&s) => Ok(s),
+        _ => Err(format!("needs a number between 0 and 1, got '{text}'")),
+    }
+}
+
+fn parse_prediction(text: &str) -> Result<Prediction, String> {
+    match text {
+        "eps" => Ok(Prediction::Eps),
+        "v" => Ok(Prediction::V),
+        "edm_v" | "sd3_flow" | "flux_flow" | "sefi_flow" => {
+            Err(format!("'{text}' is not supported yet (eps, v)"))
+        }
+        _ => Err(format!("needs eps or v, got '{text}'")),
+    }
+}
+
+fn parse_sampler(text: &str) -> Result<SampleMethod, String> {
+    text.parse().map_err(|_| {
+        let names: Vec<&str> = SampleMethod::ALL.iter().map(|m| m.name()).collect();
+        format!("unknown method '{text}' (known: {})", names.join(", "))
+    })
+}
+
+fn parse_scheduler(text: &str) -> Result<Scheduler, String> {
+    let name = if text == "normal" { "discrete" } else { text };
+    Scheduler::from_name(name, AysTable::Sd15).map_err(|_| {
+        format!(
+            "unknown scheduler '{text}' (known: discrete, karras, exponential, ays, \
+             sgm_uniform, simple, lcm)"
+        )
+    })
+}
+
+/// `--max-vram`: GiB numbers as [`MaxVram::parse`] reads them, where each value may also
+/// carry a unit (`512M`, `6G`, `1.5GiB`).
+pub fn parse_max_vram(text: &str) -> Result<MaxVram, String> {
+    let mut items = Vec::new();
+    for item in text.split(',') {
+        let (key, val) = match item.split_once('=') {
+            Some((k, v)) => (Some(k.trim()), v.trim()),
+            None => (None, item.trim()),
+        };
+        let has_unit = val.ends_with(|c: char| c.is_ascii_alphabetic());
+        let val = if has_unit {
+            let (neg, mag) = match val.strip_prefix('-') {
+                Some(m) => (true, m),
+                None => (false, val),
+            };
+            let bytes = parse_size(mag, 30).map_err(|e| e.to_string())?;
+            let gib = bytes as f64 / (1u64 << 30) as f64;
+            format!("{}{gib}", if neg { "-" } else { "" })
+        } else {
+            val.to_string()
+        };
+        items.push(match key {
+            Some(k) => format!("{k}={val}"),
+            None => val,
+        });
+    }
+    MaxVram::parse(&items.join(",")).map_err(|e| e.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sd_residency::capacity::BudgetSpec;
+
+    fn cli(args: &[&str]) -> Result<Cli, clap::Error> {
+        parse(args.iter().map(OsString::from).collect())
+    }
+
+    #[test]
+    fn clap_definition_is_consistent() {
+        use clap::CommandFactory;
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn backend_module_assignments() {
+        let p = |a: &[&str]| placement(&cli(a).unwrap());
+        assert_eq!(
+            p(&["--backend", "diffusion=sim:64&sim:32"]).unwrap(),
+            Placement {
+                compute: ComputeDevice::Sim { bytes: 64 << 20 },
+                split: vec![ComputeDevice::Sim { bytes: 32 << 20 }]
+            }
+        );
+        assert_eq!(
+            p(&["--backend", "te=cuda0,vae=cuda0,diffusion=cuda0"])
+                .unwrap()
+                .compute,
+            ComputeDevice::Named("cuda0".into())
+        );
+        assert_eq!(
+            p(&["--backend", "cpu", "--vae-on-cpu", "--clip-on-cpu"])
+                .unwrap()
+                .compute,
+            ComputeDevice::Cpu
+        );
+        let e = p(&["--backend", "te=cpu,vae=cuda0,diffusion=cuda0"]).unwrap_err();
+        assert!(e.contains("te") && e.contains("not supported yet"), "{e}");
+        let e = p(&["--backend", "sim:64", "--vae-on-cpu"]).unwrap_err();
+        assert!(e.contains("--vae-on-cpu"), "{e}");
+        assert!(p(&["--backend", "warp=cpu"]).is_err());
+        assert!(p(&["--backend", "sim:64&"]).is_err());
+    }
+
+    #[test]
+    fn values() {
+        assert_eq!(cli(&["-s", "-1"]).unwrap().seed, -1);
+        assert_eq!(cli(&["-t", "-1"]).unwrap().threads, -1);
+        assert!(cli(&["-t", "100000"]).is_err());
+        assert!(cli(&["-W", "100000"]).is_err());
+        assert!(cli(&["--steps", "1000000000"]).is_err());
+        assert!(cli(&["--upscale-repeats", "6"]).is_err());
+        assert!(cli(&["--type", "bf16"]).is_err());
+        assert_eq!(
+            cli(&["--type", "q8_0"]).unwrap().weight_type,
+            Some(DType::Q8_0)
+        );
+        assert_eq!(cli(&["upscale"]).unwrap().mode, Mode::Upscale);
+        assert_eq!(cli(&["-M", "img_gen"]).unwrap().mode, Mode::ImgGen);
+        assert_eq!(cli(&[]).unwrap().rng, RngArg::Cuda);
+        assert!(rng_kind(cli(&["--rng", "std_default"]).unwrap().rng).is_err());
+        assert_eq!(
+            cli(&["--scheduler", "normal"]).unwrap().scheduler,
+            Some(Scheduler::Discrete)
+        );
+    }
+
+    #[test]
+    fn max_vram_takes_gib_and_units() {
+        let gib = 1u64 << 30;
+        let m = parse_max_vram("4").unwrap();
+        assert_eq!(m.default, Some(BudgetSpec::Bytes(4 * gib)));
+        let m = parse_max_vram("512M").unwrap();
+        assert_eq!(m.default, Some(BudgetSpec::Bytes(512 << 20)));
+        let m = parse_max_vram("cuda0=1.5G,sim0=-256M").unwrap();
+        assert_eq!(m.for_device("CUDA0"), Some(BudgetSpec::Bytes(3 * gib / 2)));
+        assert_eq!(m.for_device("SIM0"), Some(BudgetSpec::FreeMinus(256 << 20)));
+        assert_eq!(
+            parse_max_vram("0").unwrap().default,
+            Some(BudgetSpec::Disabled)
+        );
+        for bad in ["", "x", "4Q", "nan", "1,2"] {
+            assert!(parse_max_vram(bad).is_err(), "{bad}");
+        }
+    }
+}

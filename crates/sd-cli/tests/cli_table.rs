@@ -1,0 +1,769 @@
+//! The `sd` command line, one row per case: the exit code, words of the message, and the
+//! files in the case's own directory afterwards (nothing written where it must not be).
+//! Generation rows use the built-in tiny model at 64x64 with 1-2 steps.
+
+use std::ffi::{OsStr, OsString};
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+
+fn model() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/builtin/sd-rs-shapes.safetensors")
+}
+
+fn upscaler() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../sd-models/tests/fixtures/upscalers/compact_x2.safetensors")
+}
+
+const PNG: &[u8] = b"\x89PNG\r\n\x1a\n";
+
+/// Arguments of a quick generation writing `out`.
+fn gen(out: impl AsRef<OsStr>) -> Vec<OsString> {
+    let mut v: Vec<OsString> = vec!["-m".into(), model().into()];
+    for a in [
+        "-p",
+        "a red circle",
+        "--steps",
+        "1",
+        "-W",
+        "64",
+        "-H",
+        "64",
+        "-t",
+        "2",
+    ] {
+        v.push(a.into());
+    }
+    v.push("-o".into());
+    v.push(out.as_ref().to_owned());
+    v
+}
+
+fn with(mut v: Vec<OsString>, extra: &[&str]) -> Vec<OsString> {
+    v.extend(extra.iter().map(OsString::from));
+    v
+}
+
+/// One case.
+struct Case {
+    name: &'static str,
+    /// Prepares the directory (files, links, FIFOs).
+    setup: fn(&Path),
+    /// The arguments, given the directory.
+    args: fn(&Path) -> Vec<OsString>,
+    /// The exit code.
+    code: i32,
+    /// Words that must all be in stderr.
+    stderr: &'static [&'static str],
+    /// Words that must all be in stdout.
+    stdout: &'static [&'static str],
+    /// The file names in the directory afterwards (sorted).
+    files: &'static [&'static str],
+    /// Further checks.
+    check: fn(&Path, &Output),
+}
+
+fn none(_: &Path) {}
+fn no_check(_: &Path, _: &Output) {}
+
+fn is_png(path: &Path) -> bool {
+    std::fs::read(path).is_ok_and(|b| b.starts_with(PNG))
+}
+
+fn cases() -> Vec<Case> {
+    vec![
+        Case {
+            name: "no arguments: usage, exit 2",
+            setup: none,
+            args: |_| vec![],
+            code: 2,
+            stderr: &["Usage:", "sd --help"],
+            stdout: &[],
+            files: &[],
+            check: no_check,
+        },
+        Case {
+            name: "unknown flag: one line and a hint",
+            setup: none,
+            args: |_| vec!["--no-such-flag".into()],
+            code: 2,
+            stderr: &["error:", "--no-such-flag", "hint:"],
+            stdout: &[],
+            files: &[],
+            check: |_, o| {
+                let lines = String::from_utf8_lossy(&o.stderr).lines().count();
+                assert!(lines <= 3, "{lines} lines");
+            },
+        },
+        Case {
+            name: "bad value: names the flag",
+            setup: none,
+            args: |d| with(gen(d.join("o.png")), &["--sampling-method", "nope"]),
+            code: 2,
+            stderr: &["--sampling-method", "euler_a"],
+            stdout: &[],
+            files: &[],
+            check: no_check,
+        },
+        Case {
+            name: "sd.cpp flag not supported yet",
+            setup: none,
+            args: |d| with(gen(d.join("o.png")), &["--control-net", "cn.safetensors"]),
+            code: 2,
+            stderr: &["--control-net", "does not support yet"],
+            stdout: &[],
+            files: &[],
+            check: no_check,
+        },
+        Case {
+            name: "-M convert not supported yet",
+            setup: none,
+            args: |d| with(gen(d.join("o.png")), &["-M", "convert"]),
+            code: 2,
+            stderr: &["convert", "not supported yet"],
+            stdout: &[],
+            files: &[],
+            check: no_check,
+        },
+        Case {
+            name: "--clip_g not supported yet",
+            setup: none,
+            args: |d| with(gen(d.join("o.png")), &["--clip_g", "g.safetensors"]),
+            code: 2,
+            stderr: &["--clip_g", "not supported yet"],
+            stdout: &[],
+            files: &[],
+            check: no_check,
+        },
+        Case {
+            name: "--rng std_default not supported yet",
+            setup: none,
+            args: |d| with(gen(d.join("o.png")), &["--rng", "std_default"]),
+            code: 2,
+            stderr: &["std_default", "not supported yet"],
+            stdout: &[],
+            files: &[],
+            check: no_check,
+        },
+        Case {
+            name: "models on different devices not supported yet",
+            setup: none,
+            args: |d| {
+                with(
+                    gen(d.join("o.png")),
+                    &["--backend", "te=cpu,diffusion=sim:64"],
+                )
+            },
+            code: 2,
+            stderr: &["--backend", "te", "not supported yet"],
+            stdout: &[],
+            files: &[],
+            check: no_check,
+        },
+        Case {
+            name: "non-UTF-8 prompt",
+            setup: none,
+            args: |d| {
+                let mut v = gen(d.join("o.png"));
+                v.push("-p".into());
+                v.push(OsStr::from_bytes(b"a \xff circle").to_owned());
+                v
+            },
+            code: 2,
+            stderr: &["UTF-8"],
+            stdout: &[],
+            files: &[],
+            check: no_check,
+        },
+        Case {
+            name: "huge size refused at parse time",
+            setup: none,
+            args: |d| with(gen(d.join("o.png")), &["-W", "100000", "-H", "100000"]),
+            code: 2,
+            stderr: &["--width", "100000"],
+            stdout: &[],
+            files: &[],
+            check: no_check,
+        },
+        Case {
+            name: "size beyond memory refused before the steps",
+            setup: none,
+            args: |d| with(gen(d.join("o.png")), &["-W", "16384", "-H", "16384"]),
+            code: 2,
+            stderr: &["16384x16384", "GiB"],
+            stdout: &[],
+            files: &[],
+            check: no_check,
+        },
+        Case {
+            name: "huge steps",
+            setup: none,
+            args: |d| with(gen(d.join("o.png")), &["--steps", "1000000000"]),
+            code: 2,
+            stderr: &["--steps"],
+            stdout: &[],
+            files: &[],
+            check: no_check,
+        },
+        Case {
+            name: "huge threads",
+            setup: none,
+            args: |d| with(gen(d.join("o.png")), &["-t", "100000"]),
+            code: 2,
+            stderr: &["--threads"],
+            stdout: &[],
+            files: &[],
+            check: no_check,
+        },
+        Case {
+            name: "huge upscale repeats",
+            setup: none,
+            args: |d| with(gen(d.join("o.png")), &["--upscale-repeats", "6"]),
+            code: 2,
+            stderr: &["--upscale-repeats"],
+            stdout: &[],
+            files: &[],
+            check: no_check,
+        },
+        Case {
+            name: "--type bf16 refused at parse time",
+            setup: none,
+            args: |d| with(gen(d.join("o.png")), &["--type", "bf16"]),
+            code: 2,
+            stderr: &["--type", "bf16"],
+            stdout: &[],
+            files: &[],
+            check: no_check,
+        },
+        Case {
+            name: "LoRA tag without --lora-model-dir",
+            setup: none,
+            args: |d| with(gen(d.join("o.png")), &["-p", "a circle <lora:x:0.5>"]),
+            code: 2,
+            stderr: &["--lora-model-dir"],
+            stdout: &[],
+            files: &[],
+            check: no_check,
+        },
+        Case {
+            name: "LoRA file missing: exit 1 naming it",
+            setup: none,
+            args: |d| {
+                let mut v = with(gen(d.join("o.png")), &["-p", "a circle <lora:nope:0.5>"]);
+                v.push("--lora-model-dir".into());
+                v.push(d.into());
+                v
+            },
+            code: 1,
+            stderr: &["LoRA 'nope'"],
+            stdout: &[],
+            files: &[],
+            check: no_check,
+        },
+        Case {
+            name: "LoRA whose target is missing: exit 1 naming the tensor",
+            setup: |d| write_lora(&d.join("bad.safetensors"), "lora_unet_no_such_layer"),
+            args: |d| {
+                let mut v = with(gen(d.join("o.png")), &["-p", "a circle <lora:bad:1>"]);
+                v.push("--lora-model-dir".into());
+                v.push(d.into());
+                v
+            },
+            code: 1,
+            stderr: &["bad.safetensors", "no_such_layer"],
+            stdout: &[],
+            files: &["bad.safetensors"],
+            check: no_check,
+        },
+        Case {
+            name: "LoRA tag applied (kohya keys), stripped from the prompt",
+            setup: |d| write_lora(&d.join("style.safetensors"), "lora_unet_out_2"),
+            args: |d| {
+                let mut v = with(
+                    gen(d.join("o.png")),
+                    &["-p", "a red circle <lora:style:0.7>", "-v"],
+                );
+                v.push("--lora-model-dir".into());
+                v.push(d.into());
+                v
+            },
+            code: 0,
+            stderr: &["LoRA", "style.safetensors"],
+            stdout: &["saved"],
+            files: &["o.png", "style.safetensors"],
+            check: |d, _| {
+                let (_, text) = sd_tensor::Image::load_png_with_text(d.join("o.png")).unwrap();
+                let params = &text.iter().find(|(k, _)| k == "parameters").unwrap().1;
+                assert!(params.starts_with("a red circle \nSteps"), "{params}");
+                // The same run without the LoRA gives other pixels.
+                let base = d.join("base.png");
+                let mut args = gen(&base);
+                args[3] = "a red circle ".into();
+                let out = Command::new(env!("CARGO_BIN_EXE_sd"))
+                    .args(args)
+                    .output()
+                    .unwrap();
+                assert!(out.status.success());
+                let a = sd_tensor::Image::load_png(d.join("o.png")).unwrap();
+                let b = sd_tensor::Image::load_png(&base).unwrap();
+                assert!(a.pixels() != b.pixels(), "the LoRA changed nothing");
+            },
+        },
+        Case {
+            name: "JPEG output refused",
+            setup: none,
+            args: |d| gen(d.join("o.jpg")),
+            code: 2,
+            stderr: &["-o/--output", "JPEG", "not supported yet"],
+            stdout: &[],
+            files: &[],
+            check: no_check,
+        },
+        Case {
+            name: "file name too long",
+            setup: none,
+            args: |d| gen(d.join("a".repeat(300) + ".png")),
+            code: 2,
+            stderr: &["-o/--output", "255"],
+            stdout: &[],
+            files: &[],
+            check: no_check,
+        },
+        Case {
+            name: "output directory missing",
+            setup: none,
+            args: |d| gen(d.join("missing/o.png")),
+            code: 2,
+            stderr: &["-o/--output", "does not exist"],
+            stdout: &[],
+            files: &[],
+            check: no_check,
+        },
+        Case {
+            name: "NaN weights: exit 1, no image",
+            setup: |d| write_nan_model(&d.join("nan.safetensors")),
+            args: |d| {
+                let mut v = gen(d.join("o.png"));
+                v[1] = d.join("nan.safetensors").into();
+                v
+            },
+            code: 1,
+            stderr: &["NaN or infinite"],
+            stdout: &[],
+            files: &["nan.safetensors"],
+            check: no_check,
+        },
+        Case {
+            name: "symlinks at the output and the old temporary name are not followed",
+            setup: |d| {
+                std::fs::write(d.join("victim"), b"keep").unwrap();
+                std::fs::write(d.join("target"), b"keep").unwrap();
+                std::os::unix::fs::symlink(d.join("victim"), d.join("o.png.tmp")).unwrap();
+                std::os::unix::fs::symlink(d.join("target"), d.join("o.png")).unwrap();
+            },
+            args: |d| gen(d.join("o.png")),
+            code: 0,
+            stderr: &[],
+            stdout: &["saved"],
+            files: &["o.png", "o.png.tmp", "target", "victim"],
+            check: |d, _| {
+                assert_eq!(std::fs::read(d.join("victim")).unwrap(), b"keep");
+                assert_eq!(std::fs::read(d.join("target")).unwrap(), b"keep");
+                let m = std::fs::symlink_metadata(d.join("o.png")).unwrap();
+                assert!(m.file_type().is_file());
+                assert!(is_png(&d.join("o.png")));
+            },
+        },
+        Case {
+            name: "an existing output keeps its mode",
+            setup: |d| {
+                std::fs::write(d.join("o.png"), b"old").unwrap();
+                let p = std::fs::Permissions::from_mode(0o640);
+                std::fs::set_permissions(d.join("o.png"), p).unwrap();
+            },
+            args: |d| gen(d.join("o.png")),
+            code: 0,
+            stderr: &[],
+            stdout: &["saved"],
+            files: &["o.png"],
+            check: |d, _| {
+                let m = std::fs::metadata(d.join("o.png")).unwrap();
+                assert_eq!(m.permissions().mode() & 0o777, 0o640);
+                assert!(is_png(&d.join("o.png")));
+            },
+        },
+        Case {
+            name: "a FIFO as -o is written in place",
+            setup: |d| {
+                let ok = Command::new("mkfifo").arg(d.join("pipe")).status().unwrap();
+                assert!(ok.success());
+            },
+            args: |d| gen(d.join("pipe")),
+            code: 0,
+            stderr: &[],
+            stdout: &["saved"],
+            files: &["pipe", "read.png"],
+            check: |d, _| {
+                let m = std::fs::symlink_metadata(d.join("pipe")).unwrap();
+                assert!(m.file_type().is_fifo());
+                assert!(is_png(&d.join("read.png")));
+            },
+        },
+        Case {
+            name: "-o - writes the PNG to stdout",
+            setup: none,
+            args: |_| gen("-"),
+            code: 0,
+            stderr: &["saved <stdout>"],
+            stdout: &[],
+            files: &[],
+            check: |_, o| assert!(o.stdout.starts_with(PNG)),
+        },
+        Case {
+            name: "non-UTF-8 output name",
+            setup: none,
+            args: |d| {
+                let mut name = d.as_os_str().to_owned();
+                name.push(OsStr::from_bytes(b"/caf\xe9.png"));
+                gen(name)
+            },
+            code: 0,
+            stderr: &[],
+            stdout: &["saved"],
+            files: &["caf\u{fffd}.png"],
+            check: no_check,
+        },
+        Case {
+            name: "-s -1 picks and prints a random seed; -t -1 is auto",
+            setup: none,
+            args: |d| with(gen(d.join("o.png")), &["-s", "-1", "-t", "-1"]),
+            code: 0,
+            stderr: &[],
+            stdout: &["(random)", "saved"],
+            files: &["o.png"],
+            check: no_check,
+        },
+        Case {
+            name: "stable-diffusion.cpp spellings",
+            setup: none,
+            args: |d| {
+                with(
+                    gen(d.join("o.png")),
+                    &[
+                        "-M",
+                        "img_gen",
+                        "--cfg-scale",
+                        "5",
+                        "--sampling-method",
+                        "euler_a",
+                        "--scheduler",
+                        "normal",
+                        "--rng",
+                        "cuda",
+                        "--diffusion-fa",
+                        "--fa",
+                        "--offload-to-cpu",
+                        "--clip-on-cpu",
+                        "--vae-on-cpu",
+                        "--eager-load",
+                        "--stream-layers",
+                        "--mmap",
+                        "--clip-skip",
+                        "-1",
+                        "--backend",
+                        "te=cpu,vae=cpu,diffusion=cpu",
+                        "--params-backend",
+                        "diffusion=cpu,te=ram",
+                        "-n",
+                        "blurry",
+                        "-b",
+                        "2",
+                    ],
+                )
+            },
+            code: 0,
+            stderr: &[],
+            stdout: &["saved", "o_2.png"],
+            files: &["o.png", "o_2.png"],
+            check: no_check,
+        },
+        Case {
+            name: "img2img resizes the init image with a notice",
+            setup: |d| {
+                let img = sd_tensor::Image::filled(40, 24, &[200, 30, 30]).unwrap();
+                img.save_png(d.join("init.png"), &[]).unwrap();
+            },
+            args: |d| {
+                let mut v = with(gen(d.join("o.png")), &["--strength", "0.5", "--steps", "2"]);
+                v.push("-i".into());
+                v.push(d.join("init.png").into());
+                v
+            },
+            code: 0,
+            stderr: &["notice", "40x24", "64x64"],
+            stdout: &["saved"],
+            files: &["init.png", "o.png"],
+            check: no_check,
+        },
+        Case {
+            name: "upscale mode runs through the runtime: --backend and --max-vram apply",
+            setup: |d| {
+                let img = sd_tensor::Image::filled(24, 20, &[10, 200, 90]).unwrap();
+                img.save_png(d.join("in.png"), &[]).unwrap();
+                let out = Command::new(env!("CARGO_BIN_EXE_sd"))
+                    .args(["upscale", "-t", "2", "--upscale-tile-size", "8"])
+                    .arg("--upscale-model")
+                    .arg(upscaler())
+                    .arg("-i")
+                    .arg(d.join("in.png"))
+                    .arg("-o")
+                    .arg(d.join("cpu.png"))
+                    .output()
+                    .unwrap();
+                assert!(out.status.success());
+            },
+            args: |d| {
+                let mut v: Vec<OsString> = ["upscale", "-t", "2", "--upscale-tile-size", "8"]
+                    .iter()
+                    .map(OsString::from)
+                    .collect();
+                for (flag, value) in [
+                    ("--upscale-model", upscaler().into_os_string()),
+                    ("-i", d.join("in.png").into()),
+                    ("-o", d.join("sim.png").into()),
+                    ("--backend", "sim:64".into()),
+                    ("--max-vram", "24M".into()),
+                ] {
+                    v.push(flag.into());
+                    v.push(value);
+                }
+                v
+            },
+            code: 0,
+            stderr: &[],
+            stdout: &["saved", "48x40"],
+            files: &["cpu.png", "in.png", "sim.png"],
+            check: |d, _| {
+                let a = sd_tensor::Image::load_png(d.join("cpu.png")).unwrap();
+                let b = sd_tensor::Image::load_png(d.join("sim.png")).unwrap();
+                assert!(a.pixels() == b.pixels(), "the sim and CPU upscales differ");
+            },
+        },
+        Case {
+            name: "upscale mode: an impossible budget is an error, nothing written",
+            setup: |d| {
+                let img = sd_tensor::Image::filled(24, 20, &[10, 200, 90]).unwrap();
+                img.save_png(d.join("in.png"), &[]).unwrap();
+            },
+            args: |d| {
+                let mut v: Vec<OsString> = ["upscale", "-t", "2", "--backend", "sim:64"]
+                    .iter()
+                    .map(OsString::from)
+                    .collect();
+                for (flag, value) in [
+                    ("--upscale-model", upscaler().into_os_string()),
+                    ("-i", d.join("in.png").into()),
+                    ("-o", d.join("sim.png").into()),
+                    ("--max-vram", "1K".into()),
+                ] {
+                    v.push(flag.into());
+                    v.push(value);
+                }
+                v
+            },
+            code: 1,
+            stderr: &["budget"],
+            stdout: &[],
+            files: &["in.png"],
+            check: no_check,
+        },
+        Case {
+            name: "img2img from a JPEG",
+            setup: none,
+            args: |d| {
+                let jpg =
+                    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/red_circle.jpg");
+                let mut v = with(gen(d.join("o.png")), &["--strength", "0.5", "--steps", "2"]);
+                v.push("-i".into());
+                v.push(jpg.into());
+                v
+            },
+            code: 0,
+            stderr: &["notice", "48x40"],
+            stdout: &["saved"],
+            files: &["o.png"],
+            check: no_check,
+        },
+        Case {
+            name: "an init image that is neither PNG nor JPEG: exit 1 naming it",
+            setup: |d| std::fs::write(d.join("init.gif"), b"GIF89a....").unwrap(),
+            args: |d| {
+                let mut v = gen(d.join("o.png"));
+                v.push("-i".into());
+                v.push(d.join("init.gif").into());
+                v
+            },
+            code: 1,
+            stderr: &["init.gif", "not a PNG or JPEG"],
+            stdout: &[],
+            files: &["init.gif"],
+            check: no_check,
+        },
+    ]
+}
+
+/// The built-in model with every UNet weight of one tensor set to NaN.
+fn write_nan_model(path: &Path) {
+    let mut bytes = std::fs::read(model()).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let (_, info) = header
+        .as_object()
+        .unwrap()
+        .iter()
+        .find(|(k, _)| k.contains("diffusion_model") && k.contains("out.2.weight"))
+        .or_else(|| {
+            header
+                .as_object()
+                .unwrap()
+                .iter()
+                .find(|(k, _)| k.contains("diffusion_model") && k.ends_with("weight"))
+        })
+        .unwrap();
+    let off = info["data_offsets"].as_array().unwrap();
+    let (a, b) = (
+        off[0].as_u64().unwrap() as usize,
+        off[1].as_u64().unwrap() as usize,
+    );
+    // All-ones bytes are NaN in f32, f16 and bf16.
+    bytes[8 + n + a..8 + n + b].fill(0xFF);
+    std::fs::write(path, bytes).unwrap();
+}
+
+/// A rank-1 kohya LoRA for the UNet weight of kohya stem `stem` (`lora_unet_out_2` is the
+/// output convolution `[4, C, 3, 3]` of the built-in model: C read from the model).
+fn write_lora(path: &Path, stem: &str) {
+    let bytes = std::fs::read(model()).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let shape: Vec<usize> = header["model.diffusion_model.out.2.weight"]["shape"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap() as usize)
+        .collect();
+    let (out, inner): (usize, usize) = (shape[0], shape[1..].iter().product());
+    let down: Vec<f32> = (0..inner).map(|i| ((i % 7) as f32 - 3.0) * 0.01).collect();
+    let up: Vec<f32> = (0..out).map(|i| 0.5 - i as f32 * 0.2).collect();
+    let mut down_shape = vec![1usize];
+    down_shape.extend(&shape[1..]);
+    let tensors = [
+        (format!("{stem}.lora_down.weight"), down_shape, down),
+        (format!("{stem}.lora_up.weight"), vec![out, 1, 1, 1], up),
+        (format!("{stem}.alpha"), vec![], vec![1.0]),
+    ];
+    let mut meta = serde_json::Map::new();
+    let mut data = Vec::new();
+    for (name, shape, values) in &tensors {
+        let start = data.len();
+        for v in values {
+            data.extend_from_slice(&v.to_le_bytes());
+        }
+        meta.insert(
+            name.clone(),
+            serde_json::json!({"dtype": "F32", "shape": shape, "data_offsets": [start, data.len()]}),
+        );
+    }
+    let mut head = serde_json::to_vec(&meta).unwrap();
+    while !head.len().is_multiple_of(8) {
+        head.push(b' ');
+    }
+    let mut file = (head.len() as u64).to_le_bytes().to_vec();
+    file.extend(head);
+    file.extend(data);
+    std::fs::write(path, file).unwrap();
+}
+
+fn names(dir: &Path) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    v.sort();
+    v
+}
+
+#[test]
+fn every_case() {
+    let root = Path::new(env!("CARGO_TARGET_TMPDIR")).join("sd-cli-table");
+    let _ = std::fs::remove_dir_all(&root);
+    let mut failures = Vec::new();
+    for (i, case) in cases().into_iter().enumerate() {
+        let dir = root.join(format!("case{i:02}"));
+        std::fs::create_dir_all(&dir).unwrap();
+        (case.setup)(&dir);
+        // A FIFO needs a reader while sd writes it.
+        let reader = (dir.join("pipe").exists()).then(|| {
+            let (pipe, out) = (dir.join("pipe"), dir.join("read.png"));
+            std::thread::spawn(move || {
+                let bytes = std::fs::read(&pipe).unwrap();
+                std::fs::write(out, bytes).unwrap();
+            })
+        });
+        let start = std::time::Instant::now();
+        let out = Command::new(env!("CARGO_BIN_EXE_sd"))
+            .args((case.args)(&dir))
+            .current_dir(&dir)
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        if let Some(r) = reader {
+            r.join().unwrap();
+        }
+        let err = String::from_utf8_lossy(&out.stderr);
+        let text = String::from_utf8_lossy(&out.stdout);
+        println!(
+            "{:<72} exit {:?} ({:.1} s)",
+            case.name,
+            out.status.code(),
+            start.elapsed().as_secs_f64()
+        );
+        let mut problems = Vec::new();
+        if out.status.code() != Some(case.code) {
+            problems.push(format!("exit {:?}, want {}", out.status.code(), case.code));
+        }
+        for w in case.stderr {
+            if !err.contains(w) {
+                problems.push(format!("stderr lacks '{w}'"));
+            }
+        }
+        if !case.stdout.is_empty() {
+            for w in case.stdout {
+                if !text.contains(w) {
+                    problems.push(format!("stdout lacks '{w}'"));
+                }
+            }
+        }
+        let got = names(&dir);
+        if got != case.files {
+            problems.push(format!("files {got:?}, want {:?}", case.files));
+        }
+        if problems.is_empty() {
+            let run =
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| (case.check)(&dir, &out)));
+            if run.is_err() {
+                problems.push("check failed".into());
+            }
+        }
+        if !problems.is_empty() {
+            failures.push(format!(
+                "{}: {}\n--- stderr:\n{err}",
+                case.name,
+                problems.join("; ")
+            ));
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
