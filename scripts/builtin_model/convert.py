@@ -19,7 +19,7 @@ hard-codes SD1's 4 levels x 2 resnets; this generalises its index arithmetic:
 * CLIP (`cond_stage_model.transformer.`): the transformers names, `text_model.` included.
 
 `python3 convert.py --check` checks the mapping against the SD1.5 / SD VAE name fixtures of
-`crates/sd-residency/tests/fixtures/names/` (made by diffusers' own script).
+`crates/sd-formats/tests/fixtures/names/` (made by diffusers' own script).
 """
 
 import re
@@ -207,7 +207,7 @@ def _check():
 
     d = os.path.join(
         os.path.dirname(os.path.abspath(__file__)),
-        "..", "..", "crates", "sd-residency", "tests", "fixtures", "names",
+        "..", "..", "crates", "sd-formats", "tests", "fixtures", "names",
     )
     unet_d = _read_fixture(os.path.join(d, "sd15_unet_diffusers.txt"))
     unet_o = _read_fixture(os.path.join(d, "sd15_unet_original.txt"))

@@ -2,7 +2,7 @@
 """Writes a random full-size SD1.5 checkpoint in the original (LDM / stable-diffusion.cpp)
 single-file layout, f16, for end-to-end runs where no real weights can be fetched.
 
-The tensor names and shapes are the name fixtures of `crates/sd-residency/tests/fixtures/names/`
+The tensor names and shapes are the name fixtures of `crates/sd-formats/tests/fixtures/names/`
 (`sd15_unet_original`, `sd15_clip_original`, `sd_vae_original`, made from the real diffusers /
 transformers models by `scripts/fixtures/make_name_fixtures.py`). Values: weights normal with
 std 1/sqrt(fan_in) (so activations stay in f16 range), norm scales 1, biases 0; seeded.
@@ -19,7 +19,7 @@ from safetensors.numpy import save_file
 
 NAMES = os.path.join(
     os.path.dirname(os.path.abspath(__file__)),
-    "../../crates/sd-residency/tests/fixtures/names",
+    "../../crates/sd-formats/tests/fixtures/names",
 )
 FIXTURES = ["sd15_unet_original", "sd15_clip_original", "sd_vae_original"]
 

@@ -118,7 +118,7 @@ fi
 CK=/tmp/sd15-random.safetensors
 gen() {
     phase "$1" || return 0
-    [[ -f $CK ]] || { say "== random SD1.5 checkpoint"; python3 random_sd15.py $CK --names ../crates/sd-residency/tests/fixtures/names; }
+    [[ -f $CK ]] || { say "== random SD1.5 checkpoint"; python3 random_sd15.py $CK --names ../crates/sd-formats/tests/fixtures/names; }
     local dev=$2 tag=$3
     local common=(-m $CK -p "a photograph of an astronaut riding a horse" -W 512 -H 512
         --cfg-scale 7 --steps 12 -s 42 --backend "$dev")

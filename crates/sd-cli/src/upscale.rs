@@ -8,10 +8,10 @@
 
 use std::path::Path;
 
+use sd_formats::files::TensorCatalog;
 use sd_pipeline::generate::Pipeline;
 use sd_pipeline::runtime::{Runtime, RuntimeOptions};
 use sd_pipeline::upscale::{upscale_image, RuntimeTiles, UpscaleOptions, UpscalerModel};
-use sd_residency::files::ModelLoader;
 use sd_tensor::Image;
 
 use crate::cli::{self, Cli};
@@ -154,7 +154,7 @@ pub fn run(cli: &Cli, threads: usize) -> Result<(), Fail> {
         threads,
         ..RuntimeOptions::default()
     };
-    let mut rt = Runtime::new(options, ModelLoader::new())
+    let mut rt = Runtime::new(options, TensorCatalog::new())
         .map_err(|e| Fail::Run(format!("--backend: {e}")))?;
     let up = Attached::open(&mut rt, model_path, cli)?;
     let (w, h) = (loaded.image.width(), loaded.image.height());

@@ -9,6 +9,8 @@
 //! `cargo bench -p sd-exec --bench exec` (or `cargo xtask bench exec`); set
 //! `SD_BENCH_THREADS` (default 1) for the SimDevice's arithmetic threads: on a loaded
 //! machine, ggml's spinning thread barriers dominate the short segment graphs.
+// `criterion_group!` defines public functions without docs.
+#![allow(missing_docs)]
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -19,11 +21,16 @@ use criterion::{criterion_group, criterion_main, Criterion};
 use sd_exec::{
     ComputeTask, EngineOptions, ExecutionEngine, SegmentationPolicy, SessionConfig, SessionId,
 };
+use sd_formats::files::TensorCatalog;
 use sd_graphcut::CutMarks;
-use sd_residency::files::ModelLoader;
 use sd_residency::{Component, ModelManager, ParamSpec, ResidencyMode, SourceId};
 use sd_tensor::ggml::{Backend, Context, GTensor, Graph, SimDevice, SimOptions};
 use sd_tensor::DType;
+use sd_testutil::{f32_bytes as bytes_of, SafetensorsWriter, StTensor};
+
+fn rnd(n: usize, seed: u64) -> Vec<f32> {
+    sd_testutil::rnd_scaled(n, seed, 0.06)
+}
 
 /// Model width (every linear is `D x D` f32: 256 KiB).
 const D: usize = 256;
@@ -40,22 +47,6 @@ fn env_usize(name: &str, default: usize) -> usize {
         .unwrap_or(default)
 }
 
-fn rnd(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(6364136223846793005) | 1;
-    (0..n)
-        .map(|_| {
-            s = s
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            (((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0) * 0.06
-        })
-        .collect()
-}
-
-fn bytes_of(v: &[f32]) -> Vec<u8> {
-    v.iter().flat_map(|x| x.to_le_bytes()).collect()
-}
-
 fn weight_names() -> Vec<String> {
     (0..LAYERS)
         .flat_map(|l| LINEARS.iter().map(move |w| format!("tf.{l}.{w}")))
@@ -67,28 +58,23 @@ fn write_model() -> (PathBuf, u64) {
     let dir = std::env::temp_dir().join(format!("sd-exec-bench-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("model.safetensors");
-    let mut header = String::from("{");
-    let mut data = Vec::new();
-    for (i, name) in weight_names().iter().enumerate() {
-        if i > 0 {
-            header.push(',');
-        }
-        let start = data.len();
-        data.extend_from_slice(&bytes_of(&rnd(D * D, 1000 + i as u64)));
-        header.push_str(&format!(
-            "\"model.diffusion_model.{name}.weight\":{{\"dtype\":\"F32\",\"shape\":[{D},{D}],\"data_offsets\":[{start},{}]}}",
-            data.len()
-        ));
-    }
-    header.push('}');
-    while (8 + header.len()) % 64 != 0 {
-        header.push(' ');
-    }
-    let mut out = (header.len() as u64).to_le_bytes().to_vec();
-    out.extend_from_slice(header.as_bytes());
-    out.extend_from_slice(&data);
-    std::fs::write(&path, &out).unwrap();
-    (path, data.len() as u64)
+    let tensors: Vec<StTensor> = weight_names()
+        .iter()
+        .enumerate()
+        .map(|(i, name)| {
+            StTensor::f32(
+                &format!("model.diffusion_model.{name}.weight"),
+                &[D as u64, D as u64],
+                &rnd(D * D, 1000 + i as u64),
+            )
+        })
+        .collect();
+    let bytes = tensors.iter().map(|t| t.bytes.len() as u64).sum();
+    SafetensorsWriter::new()
+        .tensors(tensors)
+        .write(&path)
+        .unwrap();
+    (path, bytes)
 }
 
 /// One engine over a fresh SimDevice with the model registered (params on the CPU).
@@ -111,7 +97,7 @@ fn rig(path: &PathBuf, (budget, policy, prefetch): Config, threads: usize) -> Ri
         },
     )
     .unwrap();
-    let mut loader = ModelLoader::new();
+    let mut loader = TensorCatalog::new();
     loader.add_file(path, None).unwrap();
     let mut mm = ModelManager::new(loader);
     mm.set_device_reserve(0);

@@ -11,7 +11,7 @@ use crate::execution::Exec;
 use crate::session::{ExecutionSession, SessionConfig, SessionId};
 use crate::task::{ComputeResult, ComputeTask, PlanSummary};
 
-/// The seed's planning headroom: a graph runs whole only if its weights, measured
+/// stable-diffusion.cpp's planning headroom: a graph runs whole only if its weights, measured
 /// workspace and this much more fit the budget.
 pub const DEFAULT_PLANNING_HEADROOM: u64 = 128 << 20;
 

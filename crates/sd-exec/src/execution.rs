@@ -278,7 +278,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         Ok((prepared, segmented))
     }
 
-    /// The seed's rule: segment when the graph has cuts, the manager allows it, and its
+    /// stable-diffusion.cpp's rule: segment when the graph has cuts, the manager allows it, and its
     /// weights + measured workspace + planning headroom exceed the budget.
     fn should_segment(&self, task: &ComputeTask, whole: &Prepared) -> Result<bool> {
         let cfg = &self.session.config;

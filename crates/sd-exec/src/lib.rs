@@ -8,8 +8,7 @@
 //! weights on the manager's transfer thread while the current one computes, best effort),
 //! and layer split across several devices ([`SessionConfig::with_split_device`]). Model
 //! code only builds graphs and
-//! calls [`ExecutionEngine::execute`]; the engine never knows a model. See the issue
-//! "Execution engine (`sd-exec`)".
+//! calls [`ExecutionEngine::execute`]; the engine never knows a model.
 //!
 //! Layout: [`engine`] (sessions, `execute`, `end`), [`session`] (per-runner state),
 //! [`task`] (what to compute and what came out), [`workspace`] (the compute buffer),

@@ -36,7 +36,7 @@ impl SessionId {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum SegmentationPolicy {
     /// Segment only when weights + measured workspace + planning headroom exceed the
-    /// budget (the seed's rule).
+    /// budget (stable-diffusion.cpp's rule).
     #[default]
     Auto,
     /// Segment every graph that has cuts (tests, benchmarks).

@@ -14,36 +14,23 @@ use sd_exec::{
     ComputeResult, ComputeTask, EngineOptions, ExecError, ExecutionEngine, ReclaimEvent,
     SegmentationPolicy, SessionConfig, SessionId,
 };
+use sd_formats::files::TensorCatalog;
 use sd_graphcut::CutMarks;
-use sd_residency::files::ModelLoader;
 use sd_residency::{
     BackendId, Component, DeviceResidencyManager, ModelManager, ParamSpec, ResidencyMode, SourceId,
 };
 use sd_tensor::ggml::{Backend, Context, GTensor, Graph, SimDevice, SimOptions};
 use sd_tensor::DType;
+use sd_testutil::{f32_bytes as bytes_of, SafetensorsWriter, StTensor};
+
+fn rnd(n: usize, seed: u64) -> Vec<f32> {
+    sd_testutil::rnd_scaled(n, seed, 0.3)
+}
 
 const C: usize = 16;
 const D: usize = 32;
 const T: usize = 16;
 const LAYERS: usize = 6;
-
-fn rnd(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed
-        .wrapping_mul(6364136223846793005)
-        .wrapping_add(1442695040888963407);
-    (0..n)
-        .map(|_| {
-            s = s
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            (((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0) * 0.3
-        })
-        .collect()
-}
-
-fn bytes_of(v: &[f32]) -> Vec<u8> {
-    v.iter().flat_map(|x| x.to_le_bytes()).collect()
-}
 
 /// (name, ne) of every weight of both models.
 fn weight_specs() -> Vec<(String, Vec<usize>)> {
@@ -83,29 +70,18 @@ fn write_model() -> PathBuf {
         "m{}.safetensors",
         N.fetch_add(1, Ordering::Relaxed)
     ));
-    let mut header = String::from("{");
-    let mut data = Vec::new();
-    for (i, (name, ne)) in weight_specs().iter().enumerate() {
-        if i > 0 {
-            header.push(',');
-        }
-        let n: usize = ne.iter().product();
-        let start = data.len();
-        data.extend_from_slice(&bytes_of(&rnd(n, 1000 + i as u64)));
-        let shape: Vec<usize> = ne.iter().rev().copied().collect();
-        header.push_str(&format!(
-            "\"{name}\":{{\"dtype\":\"F32\",\"shape\":{shape:?},\"data_offsets\":[{start},{}]}}",
-            data.len()
-        ));
-    }
-    header.push('}');
-    while (8 + header.len()) % 64 != 0 {
-        header.push(' ');
-    }
-    let mut out = (header.len() as u64).to_le_bytes().to_vec();
-    out.extend_from_slice(header.as_bytes());
-    out.extend_from_slice(&data);
-    std::fs::write(&path, &out).unwrap();
+    let tensors = weight_specs()
+        .into_iter()
+        .enumerate()
+        .map(|(i, (name, ne))| {
+            let n: usize = ne.iter().product();
+            let shape: Vec<u64> = ne.iter().rev().map(|&d| d as u64).collect();
+            StTensor::f32(&name, &shape, &rnd(n, 1000 + i as u64))
+        });
+    SafetensorsWriter::new()
+        .tensors(tensors)
+        .write(&path)
+        .unwrap();
     path
 }
 
@@ -120,7 +96,7 @@ struct Rig {
 
 fn rig(name: &str, prefetch: bool) -> Rig {
     let sim = SimDevice::new(name, 64 << 20, SimOptions::default()).unwrap();
-    let mut loader = ModelLoader::new();
+    let mut loader = TensorCatalog::new();
     loader.add_file(write_model(), None).unwrap();
     let mut mm = ModelManager::new(loader);
     mm.set_device_reserve(0);

@@ -4,6 +4,8 @@
 //! (27 × mul_mat → silu → add(embedding), a residual add and a skip add from two blocks
 //! back), each block's output a cut, then an 18-node head: 5,000 nodes, 60 cuts, 61
 //! segments. Tensors are descriptors only; nothing is allocated.
+// `criterion_group!` defines public functions without docs.
+#![allow(missing_docs)]
 
 use std::collections::HashSet;
 use std::hint::black_box;

@@ -14,24 +14,7 @@ use sd_graphcut::{
 };
 use sd_tensor::ggml::{Backend, Buffer, BufferType, Context, GTensor, Gallocr, Graph, TensorId};
 use sd_tensor::DType;
-
-fn rnd(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed
-        .wrapping_mul(6364136223846793005)
-        .wrapping_add(1442695040888963407);
-    (0..n)
-        .map(|_| {
-            s = s
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        })
-        .collect()
-}
-
-fn f32_bytes(v: &[f32]) -> Vec<u8> {
-    v.iter().flat_map(|x| x.to_le_bytes()).collect()
-}
+use sd_testutil::{f32_bytes, rnd};
 
 /// A built graph with its marks, weights and inputs.
 struct Net {

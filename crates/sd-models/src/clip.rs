@@ -2,7 +2,7 @@
 //! SDXL (CLIP-L and OpenCLIP-bigG).
 //!
 //! Parameters live under `cond_stage_model.transformer.text_model.` (canonical names; SD2's
-//! and SDXL's OpenCLIP checkpoints are converted to this layout by `sd_residency::names`;
+//! and SDXL's OpenCLIP checkpoints are converted to this layout by `sd_formats::names`;
 //! bigG lives under `cond_stage_model.1.transformer.text_model.`):
 //! `embeddings.{token,position}_embedding.weight`, `encoder.layers.N.{layer_norm1,
 //! self_attn.{q,k,v,out}_proj, layer_norm2, mlp.fc1, mlp.fc2}`, `final_layer_norm`.
@@ -12,9 +12,9 @@
 //! end-of-text token, final layer norm, then the text projection, stored either as
 //! transformers' `text_projection.weight` (`[proj, width]`, next to `text_model`) or as
 //! OpenCLIP's `text_model.text_projection` (`[width, proj]`, transposed here); see
-//! [`sd_residency::names::TEXT_PROJECTION_LINEAR`].
+//! [`sd_formats::names::TEXT_PROJECTION_LINEAR`].
 
-use sd_residency::names::{
+use sd_formats::names::{
     CLIP_G_PREFIX, CLIP_PREFIX, TEXT_PROJECTION_LINEAR, TEXT_PROJECTION_OPENCLIP,
 };
 use sd_tensor::ggml::GTensor;

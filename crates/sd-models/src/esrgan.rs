@@ -12,7 +12,7 @@
 //! input channels for 3 output channels; the network then upsamples 4x, so the image scale
 //! is 4 / shuffle factor (spandrel's rule).
 
-use sd_residency::files::ModelLoader;
+use sd_formats::files::TensorCatalog;
 use sd_tensor::ggml::GTensor;
 
 use crate::nn::{pixel_unshuffle, Conv2d};
@@ -77,7 +77,7 @@ impl EsrganConfig {
     /// Reads the configuration from a catalog in canonical names (spandrel's `ESRGANArch`
     /// rules: widths from `conv_first`, blocks and upsamplers counted, unshuffling when the
     /// input has 4 or 16 times the output channels).
-    pub fn detect(catalog: &ModelLoader) -> Result<Self> {
+    pub fn detect(catalog: &TensorCatalog) -> Result<Self> {
         let shape = |name: &str| -> Result<Vec<u64>> {
             catalog
                 .get(name)
@@ -124,7 +124,7 @@ impl EsrganConfig {
 }
 
 /// Number of entries `prefix<i><sep>...` (1 + the largest `i`), as spandrel's `get_seq_len`.
-pub(crate) fn seq_len(catalog: &ModelLoader, prefix: &str, sep: &str) -> usize {
+pub(crate) fn seq_len(catalog: &TensorCatalog, prefix: &str, sep: &str) -> usize {
     catalog
         .names_with_prefix(prefix)
         .filter_map(|n| {
@@ -142,7 +142,7 @@ pub(crate) fn seq_len(catalog: &ModelLoader, prefix: &str, sep: &str) -> usize {
 
 /// Renames an original-ESRGAN (`model.N...`) or BSRGAN (`RRDB_trunk...`) catalog to the
 /// Real-ESRGAN names this module uses. Catalogs already in those names are left alone.
-pub fn to_canonical_names(catalog: &mut ModelLoader) -> Result<()> {
+pub fn to_canonical_names(catalog: &mut TensorCatalog) -> Result<()> {
     if catalog.get("model.0.weight").is_some() {
         // Old arch: model.0 conv, model.1 shortcut (RRDBs then the trunk conv), then per 2x
         // step [upsample, conv, lrelu], then conv_hr, lrelu, conv_last.

@@ -2,7 +2,7 @@
 //!
 //! Each architecture lives in one file, in the style of candle's model files: a config
 //! struct whose defaults cite the upstream configuration, module structs whose field paths
-//! equal the checkpoint keys (canonical names, see [`sd_residency::names`]), and a forward
+//! equal the checkpoint keys (canonical names, see [`sd_formats::names`]), and a forward
 //! pass in numbered stages that only *builds* a ggml graph:
 //!
 //! - [`clip`]: the CLIP text encoder (SD1 CLIP-L, SD2 OpenCLIP-H in the transformers layout).
@@ -89,13 +89,13 @@ pub enum ModelError {
     Ggml(#[from] GgmlError),
     /// A model file could not be read.
     #[error(transparent)]
-    File(#[from] sd_residency::files::FileError),
+    File(#[from] sd_formats::files::FileError),
     /// A graph-cut mark was rejected.
     #[error(transparent)]
     Cut(#[from] sd_graphcut::GraphCutError),
     /// Name conversion failed.
     #[error(transparent)]
-    Names(#[from] sd_residency::names::NameError),
+    Names(#[from] sd_formats::names::NameError),
 }
 
 /// Convenience alias.

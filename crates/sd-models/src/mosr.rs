@@ -9,7 +9,7 @@
 //! over 8 groups + pixel shuffle (`gps`). The DySample upsampler (`dys`, `grid_sample`) is not
 //! supported.
 
-use sd_residency::files::ModelLoader;
+use sd_formats::files::TensorCatalog;
 use sd_tensor::ggml::{Context, GTensor};
 use sd_tensor::DType;
 
@@ -74,7 +74,7 @@ impl Default for MosrConfig {
     }
 }
 
-fn shape(catalog: &ModelLoader, name: &str, dims: usize) -> Result<Vec<usize>> {
+fn shape(catalog: &TensorCatalog, name: &str, dims: usize) -> Result<Vec<usize>> {
     let t = catalog.get(name).ok_or_else(|| ModelError::MissingTensor {
         name: name.to_string(),
     })?;
@@ -89,7 +89,7 @@ fn shape(catalog: &ModelLoader, name: &str, dims: usize) -> Result<Vec<usize>> {
 
 impl MosrConfig {
     /// Reads the configuration from a catalog (spandrel's `MoSRArch` rules).
-    pub fn detect(catalog: &ModelLoader) -> Result<Self> {
+    pub fn detect(catalog: &TensorCatalog) -> Result<Self> {
         let n_block = seq_len(catalog, "gblocks.", ".")
             .checked_sub(6)
             .ok_or_else(|| ModelError::Config("MoSR: fewer than 6 `gblocks` layers".into()))?;

@@ -6,7 +6,7 @@
 //! `body.{2 num_conv + 2}` to `out * scale^2` channels, pixel-shuffled; the nearest-upsampled
 //! input is added (the network learns the residual).
 
-use sd_residency::files::ModelLoader;
+use sd_formats::files::TensorCatalog;
 use sd_tensor::ggml::{GTensor, Interpolation};
 
 use crate::esrgan::seq_len;
@@ -47,7 +47,7 @@ impl CompactConfig {
     /// Reads the configuration from a catalog (spandrel's `CompactArch` rules; the scale and
     /// output channels solve `scale^2 * out = channels of the last convolution`, trying the
     /// input channels, then 3, 4, 1).
-    pub fn detect(catalog: &ModelLoader) -> Result<Self> {
+    pub fn detect(catalog: &TensorCatalog) -> Result<Self> {
         let first = catalog
             .get("body.0.weight")
             .ok_or_else(|| ModelError::MissingTensor {

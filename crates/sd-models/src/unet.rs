@@ -17,8 +17,8 @@
 //! input block (`input_blocks.N|h`), of the middle block (`middle_block|h`) and of every
 //! output block (`output_blocks.N|h`); skip connections cross cuts.
 
+use sd_formats::names::UNET_PREFIX;
 use sd_graphcut::{LEVEL_LAYER, LEVEL_SUBLAYER};
-use sd_residency::names::UNET_PREFIX;
 use sd_tensor::ggml::{Context, GTensor};
 use sd_tensor::DType;
 

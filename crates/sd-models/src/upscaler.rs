@@ -18,7 +18,7 @@
 
 use std::path::Path;
 
-use sd_residency::files::ModelLoader;
+use sd_formats::files::TensorCatalog;
 use sd_tensor::ggml::GTensor;
 
 use crate::esrgan::{self, Esrgan, EsrganConfig};
@@ -107,12 +107,12 @@ impl UpscalerArch {
     }
 }
 
-fn has_all(catalog: &ModelLoader, names: &[&str]) -> bool {
+fn has_all(catalog: &TensorCatalog, names: &[&str]) -> bool {
     names.iter().all(|n| catalog.get(n).is_some())
 }
 
 /// Removes a `module.` or `netG.` prefix common to every tensor name.
-fn strip_common_prefix(catalog: &mut ModelLoader) -> Result<()> {
+fn strip_common_prefix(catalog: &mut TensorCatalog) -> Result<()> {
     for prefix in ["module.", "netG."] {
         if !catalog.is_empty() && catalog.tensors().all(|t| t.name.starts_with(prefix)) {
             catalog.strip_prefix(prefix)?;
@@ -123,7 +123,7 @@ fn strip_common_prefix(catalog: &mut ModelLoader) -> Result<()> {
 
 /// Detects the architecture of the upscaler in `catalog` and renames its tensors to the
 /// names the model code uses (see [`esrgan::to_canonical_names`]).
-pub fn detect(catalog: &mut ModelLoader) -> Result<UpscalerArch> {
+pub fn detect(catalog: &mut TensorCatalog) -> Result<UpscalerArch> {
     strip_common_prefix(catalog)?;
     if has_all(catalog, &["body.0.weight", "body.1.weight"]) {
         return Ok(UpscalerArch::Compact(CompactConfig::detect(catalog)?));
@@ -172,8 +172,8 @@ pub fn detect(catalog: &mut ModelLoader) -> Result<UpscalerArch> {
 }
 
 /// Opens an upscaler file (`.pth`, `.safetensors`, ...) and detects its architecture.
-pub fn open(path: impl AsRef<Path>) -> Result<(ModelLoader, UpscalerArch)> {
-    let mut catalog = ModelLoader::new();
+pub fn open(path: impl AsRef<Path>) -> Result<(TensorCatalog, UpscalerArch)> {
+    let mut catalog = TensorCatalog::new();
     catalog.add_file(path.as_ref(), None)?;
     let arch = detect(&mut catalog)?;
     Ok((catalog, arch))

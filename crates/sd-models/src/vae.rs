@@ -9,7 +9,7 @@
 //! `proj_out` are `[C, C, 1, 1]` 1x1 convolutions (a file's `[C, C]` linear form is
 //! accepted). The latent scaling factor (0.18215 for SD1/SD2) is the caller's business.
 
-use sd_residency::names::VAE_PREFIX;
+use sd_formats::names::VAE_PREFIX;
 use sd_tensor::ggml::{Context, GTensor};
 
 use crate::nn::{attention, Conv2d, GroupNorm};

@@ -9,9 +9,9 @@ use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::rc::Rc;
 
-use sd_residency::files::ModelLoader;
-use sd_residency::names::{convert_to_canonical_report, SdVersion};
-use sd_residency::TensorStorage;
+use sd_formats::files::TensorCatalog;
+use sd_formats::names::{convert_to_canonical_report, SdVersion};
+use sd_formats::TensorStorage;
 use sd_tensor::ggml::{Buffer, BufferType, Context, GTensor};
 use sd_tensor::DType;
 
@@ -23,7 +23,7 @@ pub const DEFAULT_PARAM_CAPACITY: usize = 4096;
 
 struct Inner<'a> {
     ctx: Context,
-    catalog: Option<&'a ModelLoader>,
+    catalog: Option<&'a TensorCatalog>,
     weight_type: Option<DType>,
     /// Storage type of synthetic (catalog-less) parameters.
     synthetic: DType,
@@ -105,7 +105,7 @@ fn override_dtype(from_file: DType, t: DType, expected: &[usize], force_f32: boo
 impl<'a> ParamBuilder<'a> {
     /// A builder over `catalog` (`None`: synthetic f32 parameters) with room for
     /// `capacity` parameter descriptors.
-    pub fn new(catalog: Option<&'a ModelLoader>, capacity: usize) -> Result<Self> {
+    pub fn new(catalog: Option<&'a TensorCatalog>, capacity: usize) -> Result<Self> {
         Self::with_synthetic_dtype(catalog, capacity, DType::F32)
     }
 
@@ -114,7 +114,7 @@ impl<'a> ParamBuilder<'a> {
     /// fit `dtype`'s blocks, not declared with [`ParamBuilder::tensor_f32`]); the rest stay
     /// f32. For synthetic full-size models (benchmarks).
     pub fn with_synthetic_dtype(
-        catalog: Option<&'a ModelLoader>,
+        catalog: Option<&'a TensorCatalog>,
         capacity: usize,
         dtype: DType,
     ) -> Result<Self> {
@@ -270,7 +270,7 @@ impl Params {
 /// Allocates one CPU buffer for every parameter of `params` and fills it from `catalog`
 /// (converting each tensor to its declared dtype). The returned buffer must outlive every
 /// use of the parameters.
-pub fn load_all_to_cpu(params: &Params, catalog: &ModelLoader) -> Result<Buffer> {
+pub fn load_all_to_cpu(params: &Params, catalog: &TensorCatalog) -> Result<Buffer> {
     let buffer = BufferType::cpu().alloc_context_tensors(&params.ctx)?;
     for (name, t) in &params.tensors {
         let dtype = t
@@ -300,9 +300,9 @@ pub fn fill_with(params: &Params, mut f: impl FnMut(&str, usize) -> Vec<f32>) ->
 }
 
 /// Renames every tensor of `catalog` to its canonical name with
-/// [`sd_residency::names::convert_to_canonical_report`] (diffusers and OpenCLIP layouts;
+/// [`sd_formats::names::convert_to_canonical_report`] (diffusers and OpenCLIP layouts;
 /// fused q/k/v split).
-pub fn canonicalize(catalog: &mut ModelLoader, version: Option<SdVersion>) -> Result<()> {
+pub fn canonicalize(catalog: &mut TensorCatalog, version: Option<SdVersion>) -> Result<()> {
     let inputs: Vec<TensorStorage> = catalog.tensors().cloned().collect();
     let report = convert_to_canonical_report(inputs.clone(), version)?;
     let split: std::collections::HashSet<&str> = report.split.iter().map(String::as_str).collect();

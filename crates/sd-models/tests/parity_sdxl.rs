@@ -7,12 +7,12 @@
 mod common;
 
 use common::{catalog_in, check, io_in, ne, rel_l2, sdxl_fixtures, Ref};
+use sd_formats::files::TensorCatalog;
 use sd_models::clip::{ClipTextConfig, ClipTextModel, TextProjection};
 use sd_models::nn::{sinusoidal_embedding, Activation};
 use sd_models::run::run_cpu;
 use sd_models::unet::{HeadSpec, UnetConfig, UnetModel};
 use sd_models::{load_all_to_cpu, ComputeOptions, GraphCtx, HostData, ModelError, ParamBuilder};
-use sd_residency::files::ModelLoader;
 use sd_tensor::DType;
 
 fn config(name: &str) -> serde_json::Value {
@@ -46,7 +46,7 @@ fn sdxl_y(refs: &std::collections::HashMap<String, Ref>, dim: usize) -> Vec<f32>
     y
 }
 
-fn unet_forward(cat: &ModelLoader, fixture: &str) -> (UnetConfig, Vec<f32>, Vec<f32>) {
+fn unet_forward(cat: &TensorCatalog, fixture: &str) -> (UnetConfig, Vec<f32>, Vec<f32>) {
     let cfg = UnetConfig::from_catalog(cat, &template()).unwrap();
     let pb = ParamBuilder::new(Some(cat), 2048).unwrap();
     let unet = UnetModel::new(&pb, cfg.clone()).unwrap();
@@ -119,7 +119,7 @@ fn unet_sdxl_original_single_file_names_match_diffusers() {
     // fixture script) converts to the same canonical tensors and gives the same output.
     let original = catalog_in(&sdxl_fixtures(), "unet_sdxl_original");
     let diffusers = catalog_in(&sdxl_fixtures(), "unet_sdxl");
-    let names = |c: &ModelLoader| {
+    let names = |c: &TensorCatalog| {
         let mut v: Vec<String> = c.tensors().map(|t| t.name.clone()).collect();
         v.sort();
         v

@@ -292,7 +292,7 @@ fn corrupt_and_foreign_files_are_clear_errors() {
     assert!(matches!(e, ModelError::Config(_)), "{e}");
     assert!(e.to_string().contains("not a supported upscaler"), "{e}");
     // An ESRGAN whose conv_last is missing.
-    let mut cat = sd_residency::files::ModelLoader::new();
+    let mut cat = sd_formats::files::TensorCatalog::new();
     cat.add_file(dir().join("esrgan_old.pth"), None).unwrap();
     cat.retain(|t| t.name != "model.10.weight");
     let e = upscaler::detect(&mut cat).unwrap_err();

@@ -1,5 +1,5 @@
 //! The real SD1.x / SD2.x configs declare exactly the tensors (names and shapes) of the
-//! real checkpoints, as listed by sd-residency's name fixtures (generated from the real
+//! real checkpoints, as listed by sd-formats' name fixtures (generated from the real
 //! diffusers / transformers models and diffusers' conversion scripts).
 
 use std::collections::BTreeMap;
@@ -13,7 +13,7 @@ use sd_models::{ParamBuilder, Params};
 /// `name -> shape` (outermost first) of a name fixture, names prefixed with `prefix`.
 fn fixture(name: &str, prefix: &str) -> BTreeMap<String, Vec<usize>> {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../sd-residency/tests/fixtures/names")
+        .join("../sd-formats/tests/fixtures/names")
         .join(format!("{name}.txt"));
     std::fs::read_to_string(&path)
         .unwrap_or_else(|e| panic!("{}: {e}", path.display()))

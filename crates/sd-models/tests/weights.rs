@@ -4,8 +4,8 @@ use std::collections::HashMap;
 
 use safetensors::tensor::TensorView;
 use safetensors::Dtype;
+use sd_formats::files::TensorCatalog;
 use sd_models::{load_all_to_cpu, ModelError, ParamBuilder};
-use sd_residency::files::ModelLoader;
 use sd_tensor::DType;
 
 fn f16_bytes(v: &[f32]) -> Vec<u8> {
@@ -20,7 +20,7 @@ fn f32_bytes(v: &[f32]) -> Vec<u8> {
 
 /// A safetensors file with an f16 `[4, 2]` linear weight, an f16 bias `[4]` and an f32
 /// `[3, 3]` matrix stored as a `[3, 3, 1, 1]` convolution.
-fn catalog(dir: &std::path::Path) -> ModelLoader {
+fn catalog(dir: &std::path::Path) -> TensorCatalog {
     let w: Vec<f32> = (0..8).map(|i| i as f32 * 0.5).collect();
     let b = [1.0f32, -2.0, 3.0, -4.0];
     let c: Vec<f32> = (0..9).map(|i| i as f32).collect();
@@ -40,7 +40,7 @@ fn catalog(dir: &std::path::Path) -> ModelLoader {
     );
     let path = dir.join("w.safetensors");
     safetensors::serialize_to_file(&tensors, &None, &path).unwrap();
-    let mut loader = ModelLoader::new();
+    let mut loader = TensorCatalog::new();
     loader.add_file(&path, None).unwrap();
     loader
 }

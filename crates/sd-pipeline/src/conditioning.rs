@@ -61,11 +61,11 @@ pub enum ConditioningError {
         /// Hidden states shape.
         shape: Vec<usize>,
     },
-    /// A tensor shape operation failed.
     /// A family's conditioning does not fit its networks (an encoder without the pooled
     /// output the family needs, a `y` width the UNet does not take).
     #[error("conditioning: {0}")]
     Mismatch(String),
+    /// A tensor shape operation failed.
     #[error(transparent)]
     Shape(#[from] ShapeError),
 }

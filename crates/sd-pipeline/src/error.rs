@@ -2,8 +2,8 @@
 
 use std::path::PathBuf;
 
+use sd_formats::files::FileError;
 use sd_models::ModelError;
-use sd_residency::files::FileError;
 use sd_tensor::host::ImageError;
 use thiserror::Error;
 

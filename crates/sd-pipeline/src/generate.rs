@@ -15,8 +15,8 @@
 
 use std::path::Path;
 
+use sd_formats::files::TensorCatalog;
 use sd_models::{HostData, ModelError};
-use sd_residency::files::ModelLoader;
 use sd_tensor::host::PixelRange;
 use sd_tensor::{DType, Image, Tensor};
 
@@ -35,7 +35,7 @@ use crate::vae_tiling::{decode_tiled, encode_tiled, VaeTiling};
 /// Reads the detected family and configuration of a model file without loading its weights.
 pub fn model_spec(path: impl AsRef<Path>) -> Result<ModelSpec, GenerateError> {
     let path = path.as_ref();
-    let mut loader = ModelLoader::new();
+    let mut loader = TensorCatalog::new();
     loader.add_file(path, None)?;
     ModelSpec::detect(&loader).map_err(|source| GenerateError::Config {
         path: path.to_path_buf(),

@@ -9,10 +9,10 @@
 
 use std::path::{Path, PathBuf};
 
+use sd_formats::files::TensorCatalog;
 use sd_models::diffusion::DiffusionNet;
 use sd_models::first_stage::FirstStage;
 use sd_models::text_encoder::{TextEncoder, TextEncoderArch};
-use sd_residency::files::ModelLoader;
 use sd_residency::{Component, SourceId};
 
 use crate::error::GenerateError;
@@ -150,7 +150,7 @@ fn unsupported(path: &Path, message: String) -> GenerateError {
 
 /// Opens `files` into one catalog with canonical names: the checkpoint first, then each
 /// component file, which replaces the checkpoint's tensors of its slot.
-pub(crate) fn open_catalog(files: &ModelFiles) -> Result<ModelLoader, GenerateError> {
+pub(crate) fn open_catalog(files: &ModelFiles) -> Result<TensorCatalog, GenerateError> {
     files.primary().ok_or(GenerateError::InvalidSetting {
         flag: "model",
         message: "no model file given (-m, or --diffusion-model with the other components)".into(),
@@ -162,7 +162,7 @@ pub(crate) fn open_catalog(files: &ModelFiles) -> Result<ModelLoader, GenerateEr
             source: Box::new(source),
         }
     };
-    let mut loader = ModelLoader::new();
+    let mut loader = TensorCatalog::new();
     if let Some(m) = &files.model {
         loader.add_file(m, None)?;
         sd_models::weights::canonicalize(&mut loader, None).map_err(weights(m))?;
@@ -192,7 +192,7 @@ pub(crate) fn open_catalog(files: &ModelFiles) -> Result<ModelLoader, GenerateEr
 fn check_slots(
     files: &ModelFiles,
     spec: &ModelSpec,
-    loader: &ModelLoader,
+    loader: &TensorCatalog,
     primary: &Path,
 ) -> Result<(), GenerateError> {
     let slots = spec.slots();
@@ -226,7 +226,7 @@ fn check_slots(
 
 /// An error naming the flags to use when the files have no component of some kind at all
 /// (no text encoder, diffusion network or first stage under any family's prefix).
-fn missing_kind(loader: &ModelLoader, primary: &Path) -> Result<(), GenerateError> {
+fn missing_kind(loader: &TensorCatalog, primary: &Path) -> Result<(), GenerateError> {
     let slots = all_slots();
     for kind in [
         SlotKind::Diffusion,

@@ -21,9 +21,9 @@ use sd_exec::{
     ComputeResult, ComputeTask, EngineOptions, ExecError, ExecutionEngine, PlanSummary,
     SegmentReport, SegmentationPolicy, SessionConfig, SessionId, DEFAULT_PLANNING_HEADROOM,
 };
+use sd_formats::files::TensorCatalog;
 use sd_models::{ComputeOptions, GraphCtx, HostData, ModelError, ParamBuilder, Params};
 use sd_residency::capacity::{MaxVram, MaxVramError};
-use sd_residency::files::ModelLoader;
 use sd_residency::{
     BackendId, Component, DeviceResidencyManager, ModelManager, ParamId, ParamSpec, ResidencyError,
     ResidencyMode, SourceId,
@@ -275,7 +275,7 @@ impl std::fmt::Debug for Runtime {
 impl Runtime {
     /// A runtime whose main model source is `main` (the checkpoint and component files,
     /// already canonicalized).
-    pub fn new(options: RuntimeOptions, main: ModelLoader) -> Result<Runtime> {
+    pub fn new(options: RuntimeOptions, main: TensorCatalog) -> Result<Runtime> {
         let threads = options.threads.max(1);
         let backend_err = |name: &str| {
             let name = name.to_string();
@@ -396,12 +396,12 @@ impl Runtime {
 
     /// Adds another model's files (an upscaler, a LoRA-free auxiliary model) as a model
     /// source; its models are added with [`Runtime::add_model`] and that source.
-    pub fn add_source(&mut self, loader: ModelLoader) -> Result<SourceId> {
+    pub fn add_source(&mut self, loader: TensorCatalog) -> Result<SourceId> {
         Ok(self.engine.manager_mut().register_model_source(loader)?)
     }
 
     /// The catalog of a model source ([`SourceId::MAIN`]: the one given to [`Runtime::new`]).
-    pub fn catalog(&self, source: SourceId) -> Option<&ModelLoader> {
+    pub fn catalog(&self, source: SourceId) -> Option<&TensorCatalog> {
         self.engine.manager().source(source)
     }
 

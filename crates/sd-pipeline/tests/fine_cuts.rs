@@ -6,13 +6,13 @@
 //! budget no granularity can meet fails before anything runs, naming the minimum budget.
 
 use sd_exec::ExecError;
+use sd_formats::files::TensorCatalog;
 use sd_models::diffusion::DiffusionArch;
 use sd_models::unet::UnetModel;
 use sd_models::HostData;
 use sd_pipeline::family::ModelSpec;
 use sd_pipeline::runtime::{BuiltGraph, ComputeDevice, Runtime, RuntimeError, RuntimeOptions};
 use sd_residency::capacity::MaxVram;
-use sd_residency::files::ModelLoader;
 use sd_residency::{Component, SourceId};
 use sd_tensor::DType;
 
@@ -32,7 +32,7 @@ struct Step {
 /// One UNet step (8x8 latents, batch 1) on a 64 MiB simulated device with `budget`
 /// (bytes; `None`: no budget).
 fn step(budget: Option<u64>) -> Result<Step, RuntimeError> {
-    let mut loader = ModelLoader::new();
+    let mut loader = TensorCatalog::new();
     loader.add_file(builtin(), None).unwrap();
     let spec = ModelSpec::detect(&loader).unwrap();
     sd_models::weights::canonicalize(&mut loader, None).unwrap();

@@ -12,6 +12,7 @@
 
 use std::path::{Path, PathBuf};
 
+use sd_formats::files::TensorCatalog;
 use sd_models::diffusion::{DiffusionInputs, DiffusionNet};
 use sd_models::run::run_cpu;
 use sd_models::text_encoder::TextEncoder;
@@ -22,9 +23,9 @@ use sd_pipeline::rng::{CpuRng, Rng, RngKind};
 use sd_pipeline::sampling::{sample, Denoise, KDenoiser, SampleMethod, SamplingError};
 use sd_pipeline::schedule::{NoiseSchedule, Scheduler};
 use sd_pipeline::tokenizer::ClipTokenizer;
-use sd_residency::files::ModelLoader;
 use sd_tensor::host::PixelRange;
 use sd_tensor::{DType, Tensor};
+use sd_testutil::rel_l2;
 use serde_json::Value;
 
 const THREADS: usize = 2;
@@ -116,7 +117,7 @@ fn runs_of(stem: &str) -> Vec<Run> {
 fn reference(run: &Run, what: &str) -> (Vec<u64>, Vec<f32>) {
     let name = format!("{}.{what}", run.name);
     let name = name.as_str();
-    let mut loader = ModelLoader::new();
+    let mut loader = TensorCatalog::new();
     loader
         .add_file(fixtures().join(format!("{}.safetensors", run.stem)), None)
         .unwrap();
@@ -127,16 +128,6 @@ fn reference(run: &Run, what: &str) -> (Vec<u64>, Vec<f32>) {
         .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
         .collect();
     (shape, data)
-}
-
-fn rel_l2(got: &[f32], want: &[f32]) -> f64 {
-    assert_eq!(got.len(), want.len(), "element counts");
-    let (mut num, mut den) = (0f64, 0f64);
-    for (&a, &b) in got.iter().zip(want) {
-        num += (a as f64 - b as f64).powi(2);
-        den += (b as f64).powi(2);
-    }
-    (num / den.max(1e-30)).sqrt()
 }
 
 /// Pixel statistics of our image against the diffusers image `[3, H, W]` in [-1, 1], both
@@ -347,7 +338,7 @@ impl TextEncode for CpuText<'_> {
 /// `conditioning`, that replaces the family's (to show the padding matters).
 fn latents(path: &Path, run: &Run, conditioning: Option<&ClipTokenizer>) -> Tensor<f32> {
     let p = &run.params;
-    let mut loader = ModelLoader::new();
+    let mut loader = TensorCatalog::new();
     loader.add_file(path, None).unwrap();
     sd_models::weights::canonicalize(&mut loader, None).unwrap();
     let spec = ModelSpec::detect(&loader).unwrap();

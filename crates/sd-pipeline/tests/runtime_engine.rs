@@ -5,6 +5,7 @@
 //! simulated device's peak stays within the budget. A graph run through the runtime equals
 //! [`sd_models::run::run_cpu`] bit for bit, and an impossible budget is a clear error.
 
+use sd_formats::files::TensorCatalog;
 use sd_models::clip::ClipTextConfig;
 use sd_models::clip::ClipTextModel;
 use sd_models::first_stage::FirstStageArch;
@@ -18,7 +19,6 @@ use sd_pipeline::runtime::{
 };
 use sd_pipeline::vae_tiling::VaeTiling;
 use sd_residency::capacity::MaxVram;
-use sd_residency::files::ModelLoader;
 use sd_residency::{Component, SourceId};
 use sd_tensor::{DType, Image};
 
@@ -116,7 +116,7 @@ fn an_impossible_budget_is_a_capacity_error() {
 
 #[test]
 fn a_runtime_graph_equals_run_cpu() {
-    let mut loader = ModelLoader::new();
+    let mut loader = TensorCatalog::new();
     loader.add_file(builtin(), None).unwrap();
     let spec = ModelSpec::detect(&loader).unwrap();
     sd_models::weights::canonicalize(&mut loader, None).unwrap();
@@ -184,7 +184,7 @@ fn a_runtime_graph_equals_run_cpu() {
 #[test]
 fn a_second_model_source_runs_in_the_same_runtime() {
     let open = |path: &std::path::Path| {
-        let mut loader = ModelLoader::new();
+        let mut loader = TensorCatalog::new();
         loader.add_file(path, None).unwrap();
         sd_models::weights::canonicalize(&mut loader, None).unwrap();
         loader

@@ -1,6 +1,6 @@
 //! Capacity arithmetic: does a piece of work fit a device, under its free memory and budget?
 //!
-//! The rules follow stable-diffusion.cpp's runtime (the seed's `docs/backend.md`):
+//! The rules follow stable-diffusion.cpp's runtime (its `docs/backend.md`):
 //! - a reserve of currently free device memory (512 MiB) is left for backend scratch buffers
 //!   and pipelines;
 //! - a free-memory report is capped at the device's total minus the bytes the manager tracks
@@ -86,7 +86,7 @@ impl DeviceState {
     }
 }
 
-/// The answer to a capacity question (the seed's `DeviceMemoryCapacity`).
+/// The answer to a capacity question (stable-diffusion.cpp's `DeviceMemoryCapacity`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DeviceMemoryCapacity {
     /// Bytes the request needs from the device's free memory.

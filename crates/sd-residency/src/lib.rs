@@ -1,18 +1,11 @@
 //! `sd-residency`: where every model weight lives.
 //!
-//! It owns model files (the [`files`] catalog: safetensors, GGUF, PyTorch pickles), the
-//! canonical tensor names and model version detection ([`names`]), the
-//! [`residency::DeviceResidencyManager`] trait and its implementation [`ModelManager`]
+//! It owns the [`residency::DeviceResidencyManager`] trait and its implementation [`ModelManager`]
 //! (parameter states, storage and staging blocks, loading, eviction candidates, LoRA, model
 //! sources), and the [`capacity`] arithmetic that answers whether a piece of work fits a
 //! device under its free memory and budget.
 
 pub mod capacity;
-pub mod files;
-pub mod names;
-pub mod storage;
-
-pub use storage::{FileId, TensorStorage};
 pub mod manager;
 pub mod residency;
 

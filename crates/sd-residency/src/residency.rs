@@ -1,8 +1,8 @@
 //! The [`DeviceResidencyManager`] trait: what the execution layer asks of the weight
 //! residency layer, and the ids, requests and results it speaks in.
 //!
-//! The method set follows stable-diffusion.cpp's `DeviceResidencyManager` (research notes
-//! 1.4 and 1.7): segmented-compute and prefetch switches, runtime owners, capacity checks,
+//! The method set follows stable-diffusion.cpp's `DeviceResidencyManager`
+//! (`src/device_residency_manager.h`): segmented-compute and prefetch switches, runtime owners, capacity checks,
 //! eviction candidates, prefetch, prepare/pin/release of parameters, compute backend
 //! assignment and runtime residency of owners. Where upstream passes `ggml_tensor*` and
 //! owner addresses, sd-rs passes [`ParamId`] and [`OwnerId`] newtypes; a graph refers to a
@@ -17,7 +17,7 @@ use sd_tensor::GgmlError;
 use thiserror::Error;
 
 use crate::capacity::DeviceMemoryCapacity;
-use crate::files::FileError;
+use sd_formats::files::FileError;
 
 /// A registered parameter (weight) of the manager. Ids are never reused.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -78,7 +78,7 @@ pub enum WeightPrefetchResult {
     Failed,
 }
 
-/// One evictable weight buffer on a compute backend's device (the seed's
+/// One evictable weight buffer on a compute backend's device (stable-diffusion.cpp's
 /// `WeightResidencyBlock`).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct WeightResidencyBlock {
@@ -97,7 +97,7 @@ pub struct WeightResidencyBlock {
     pub requires_demotion: bool,
 }
 
-/// A capacity question about one compute backend (the seed's `DeviceMemoryRequest`).
+/// A capacity question about one compute backend (stable-diffusion.cpp's `DeviceMemoryRequest`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct BackendMemoryRequest {
     /// The compute backend.

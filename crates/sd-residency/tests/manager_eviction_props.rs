@@ -2,14 +2,14 @@
 //! demotion candidates satisfy every condition. Checked on the pure rules over arbitrary
 //! states, and on a real manager over random pins, protections, modes and prefetches.
 
-#[path = "support/manager.rs"]
+#[path = "common/manager.rs"]
 mod support;
 
 use std::collections::HashSet;
 use std::sync::{Arc, OnceLock};
 
 use proptest::prelude::*;
-use sd_residency::files::ModelLoader;
+use sd_formats::files::TensorCatalog;
 use sd_residency::manager::eviction::{
     demotable, evictable_blocks, BlockFacts, BlockKind, MemberFacts,
 };
@@ -182,7 +182,7 @@ proptest! {
     ) {
         let (path, tensors) = model();
         let sim = SimDevice::new("SIM_PROPS", 1 << 20, SimOptions::default()).unwrap();
-        let mut loader = ModelLoader::new();
+        let mut loader = TensorCatalog::new();
         loader.add_file(path, None).unwrap();
         let mut mm = ModelManager::new(loader);
         mm.set_device_reserve(0);

@@ -2,13 +2,13 @@
 //! unknown weights) gives clear errors and leaves nothing half-loaded; dtype conversion;
 //! LoRA application in kohya and diffusers forms; mmap accounting; model sources.
 
-#[path = "support/manager.rs"]
+#[path = "common/manager.rs"]
 mod support;
 
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use sd_residency::files::ModelLoader;
+use sd_formats::files::TensorCatalog;
 use sd_residency::{
     BackendId, Component, DeviceResidencyManager, LoraSpec, ModelManager, OwnerId, ParamSpec,
     ResidencyError, ResidencyMode, SourceId,
@@ -18,7 +18,7 @@ use sd_tensor::DType;
 use support::*;
 
 fn manager(files: &[&PathBuf]) -> (ModelManager, BackendId) {
-    let mut loader = ModelLoader::new();
+    let mut loader = TensorCatalog::new();
     for f in files {
         loader.add_file(f, None).unwrap();
     }
@@ -316,11 +316,11 @@ fn model_sources_are_separate_catalogs() {
     let up = vec![f32_tensor("conv_first.weight", &[4, 16], 2.0)];
     let up_path = temp_path("upscaler");
     write_safetensors(&up_path, &up);
-    let mut aux = ModelLoader::new();
+    let mut aux = TensorCatalog::new();
     aux.add_file(&up_path, None).unwrap();
     let src = mm.register_model_source(aux).unwrap();
     // The same file again is refused.
-    let mut again = ModelLoader::new();
+    let mut again = TensorCatalog::new();
     again.add_file(&up_path, None).unwrap();
     assert!(mm.register_model_source(again).is_err());
     let c = ctx(2);

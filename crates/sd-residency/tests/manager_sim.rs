@@ -3,12 +3,12 @@
 //! prefetch; allocation failures leave nothing half-loaded; the budget is never exceeded
 //! (asserted on the device's own high-water mark).
 
-#[path = "support/manager.rs"]
+#[path = "common/manager.rs"]
 mod support;
 
 use std::sync::Arc;
 
-use sd_residency::files::ModelLoader;
+use sd_formats::files::TensorCatalog;
 use sd_residency::{
     BackendId, BackendMemoryRequest, Component, DeviceResidencyManager, ModelManager, OwnerId,
     ParamId, ParamSpec, ResidencyMode, SourceId, WeightPrefetchResult,
@@ -54,7 +54,7 @@ fn rig(
 ) -> Rig {
     let sim = SimDevice::new(name, total, SimOptions::default()).unwrap();
     let (path, tensors) = model();
-    let mut loader = ModelLoader::new();
+    let mut loader = TensorCatalog::new();
     loader.add_file(&path, None).unwrap();
     let mut mm = ModelManager::new(loader);
     mm.set_device_reserve(0);

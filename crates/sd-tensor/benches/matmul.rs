@@ -4,6 +4,8 @@
 //!
 //! `cargo bench -p sd-tensor --bench matmul` (or `cargo xtask bench matmul`); set
 //! `SD_BENCH_THREADS` (default 2) and `SD_BENCH_N` (default 2048).
+// `criterion_group!` defines public functions without docs.
+#![allow(missing_docs)]
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use sd_tensor::ggml::{Backend, BufferType, Context, Gallocr, Graph};

@@ -16,20 +16,38 @@ use ggml_sys as sys;
 pub enum ConvertError {
     /// The byte count is not a whole number of elements or blocks of the dtype.
     #[error("{bytes} bytes are not a whole number of {dtype} elements")]
-    RaggedBytes { dtype: DType, bytes: usize },
+    RaggedBytes {
+        /// The dtype.
+        dtype: DType,
+        /// The byte count.
+        bytes: usize,
+    },
     /// A row length that is not a multiple of the target's block size.
     #[error("rows of {row} elements cannot be stored as {dtype} (block size {block})")]
     RaggedRow {
+        /// The target dtype.
         dtype: DType,
+        /// The row length in elements.
         row: usize,
+        /// The dtype's block size.
         block: usize,
     },
     /// The element count is not a multiple of the row length.
     #[error("{elements} elements do not split into rows of {row}")]
-    RaggedRows { elements: usize, row: usize },
+    RaggedRows {
+        /// The element count.
+        elements: usize,
+        /// The row length.
+        row: usize,
+    },
     /// No conversion exists between these types (for example integer to quantized).
     #[error("no conversion from {from} to {to}")]
-    Unsupported { from: DType, to: DType },
+    Unsupported {
+        /// The source dtype.
+        from: DType,
+        /// The target dtype.
+        to: DType,
+    },
 }
 
 /// Number of elements held by `bytes` bytes of `dtype`.

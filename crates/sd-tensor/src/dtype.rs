@@ -10,23 +10,41 @@ use ggml_sys as sys;
 /// (a row of `n` elements takes [`DType::row_size`] bytes).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum DType {
+    /// 32-bit IEEE float.
     F32,
+    /// 16-bit IEEE float (half).
     F16,
+    /// bfloat16: the top 16 bits of an f32.
     BF16,
+    /// 64-bit IEEE float.
     F64,
+    /// Signed 8-bit integer.
     I8,
+    /// Signed 16-bit integer.
     I16,
+    /// Signed 32-bit integer.
     I32,
+    /// Signed 64-bit integer.
     I64,
+    /// ggml 4-bit blocks of 32 with one f16 scale.
     Q4_0,
+    /// ggml 4-bit blocks of 32 with an f16 scale and minimum.
     Q4_1,
+    /// ggml 5-bit blocks of 32 with one f16 scale.
     Q5_0,
+    /// ggml 5-bit blocks of 32 with an f16 scale and minimum.
     Q5_1,
+    /// ggml 8-bit blocks of 32 with one f16 scale.
     Q8_0,
+    /// ggml k-quant, 2 bits (super-blocks of 256).
     Q2K,
+    /// ggml k-quant, 3 bits (super-blocks of 256).
     Q3K,
+    /// ggml k-quant, 4 bits (super-blocks of 256).
     Q4K,
+    /// ggml k-quant, 5 bits (super-blocks of 256).
     Q5K,
+    /// ggml k-quant, 6 bits (super-blocks of 256).
     Q6K,
 }
 

@@ -4,29 +4,7 @@
 
 use sd_tensor::ggml::{Backend, BufferType, Context, Gallocr, Graph, Interpolation, Scheduler};
 use sd_tensor::DType;
-
-/// Deterministic pseudo-random values in [-1, 1).
-fn rnd(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed
-        .wrapping_mul(6364136223846793005)
-        .wrapping_add(1442695040888963407);
-    (0..n)
-        .map(|_| {
-            s = s
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        })
-        .collect()
-}
-
-fn max_abs(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
-}
+use sd_testutil::{f16_round, max_abs, rnd};
 
 /// x: [C, H, W], k: [OC, C, KH, KW] -> [OC, OH, OW]
 #[allow(clippy::too_many_arguments)]
@@ -135,10 +113,6 @@ fn attention_ref(
         }
     }
     out
-}
-
-fn f16_round(v: &[f32]) -> Vec<f32> {
-    v.iter().map(|&x| half::f16::from_f32(x).to_f32()).collect()
 }
 
 struct Case {

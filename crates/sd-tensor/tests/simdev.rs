@@ -8,29 +8,7 @@ use sd_tensor::ggml::{
     Interpolation, Scheduler, SimDevice, SimOptions,
 };
 use sd_tensor::{DType, GgmlError};
-
-/// Deterministic pseudo-random values in [-1, 1).
-fn rnd(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed
-        .wrapping_mul(6364136223846793005)
-        .wrapping_add(1442695040888963407);
-    (0..n)
-        .map(|_| {
-            s = s
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        })
-        .collect()
-}
-
-fn f16_round(v: &[f32]) -> Vec<f32> {
-    v.iter().map(|&x| half::f16::from_f32(x).to_f32()).collect()
-}
-
-fn bits(v: &[f32]) -> Vec<u32> {
-    v.iter().map(|x| x.to_bits()).collect()
-}
+use sd_testutil::{bits, f16_round, rnd};
 
 fn sim(name: &str, total: u64) -> SimDevice {
     SimDevice::new(name, total, SimOptions::default()).unwrap()

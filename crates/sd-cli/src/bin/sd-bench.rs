@@ -46,10 +46,10 @@ use sd_exec::{
     ComputeTask, EngineOptions, ExecError, ExecutionEngine, SegmentationPolicy, SessionConfig,
     SessionId,
 };
+use sd_formats::files::{FileError, TensorCatalog};
 use sd_models::unet::{HeadSpec, UnetConfig, UnetModel};
 use sd_models::weights::DEFAULT_PARAM_CAPACITY;
 use sd_models::{ComputeOptions, GraphCtx, HostData, ModelError, ParamBuilder, Params};
-use sd_residency::files::{FileError, ModelLoader};
 use sd_residency::{Component, ModelManager, ParamSpec, ResidencyError, ResidencyMode, SourceId};
 use sd_tensor::ggml::{Backend, BufferType, Context, Device, GTensor, GgmlError};
 use sd_tensor::DType;
@@ -282,7 +282,7 @@ fn tiny_config() -> UnetConfig {
 }
 
 /// Declares the UNet's parameters (from `catalog`, or synthetic f32 without one).
-fn declare(cfg: &UnetConfig, catalog: Option<&ModelLoader>) -> Result<(UnetModel, Params)> {
+fn declare(cfg: &UnetConfig, catalog: Option<&TensorCatalog>) -> Result<(UnetModel, Params)> {
     let pb = ParamBuilder::new(catalog, DEFAULT_PARAM_CAPACITY)?;
     let model = UnetModel::new(&pb, cfg.clone())?;
     Ok((model, pb.finish()))
@@ -455,7 +455,7 @@ struct RigOptions<'a> {
 }
 
 fn build_rig(o: RigOptions<'_>, inputs: &Inputs) -> Result<Rig> {
-    let mut loader = ModelLoader::new();
+    let mut loader = TensorCatalog::new();
     loader.add_file(o.weights, None)?;
     let (model, params) = declare(o.cfg, Some(&loader))?;
     let mut mm = ModelManager::new(loader);
@@ -593,7 +593,7 @@ fn direct_step_ms(
     flash_attn: &[usize],
     steps: usize,
 ) -> Result<Vec<f64>> {
-    let mut loader = ModelLoader::new();
+    let mut loader = TensorCatalog::new();
     loader.add_file(weights, None)?;
     let (model, params) = declare(cfg, Some(&loader))?;
     let _wbuf = backend.buffer_type().alloc_context_tensors(&params.ctx)?;
@@ -694,7 +694,7 @@ fn cmd_unet(flags: &Flags) -> Result<()> {
         .device()
         .ok_or_else(|| BenchError::Usage(format!("backend {backend_name} has no device")))?;
     let weight_bytes = {
-        let mut l = ModelLoader::new();
+        let mut l = TensorCatalog::new();
         l.add_file(&weights, None)?;
         let (_, p) = declare(&cfg, Some(&l))?;
         p.nbytes() as u64

@@ -8,7 +8,7 @@
 //! projections), `label_emb.0.0.weight` `[time_embed_dim, adm_in_channels]`. What is not in
 //! the tensors (head sizing, group count, prefix) comes from the caller's template.
 
-use sd_residency::files::ModelLoader;
+use sd_formats::files::TensorCatalog;
 
 use super::UnetConfig;
 use crate::{ModelError, Result};
@@ -51,7 +51,7 @@ impl UnetConfig {
     /// levels and per-level transformer depth, middle depth, context width, projection kind
     /// and `label_emb` width are read from the tensors; `heads`, `norm_groups` and `prefix`
     /// are kept from `template` (the family's defaults).
-    pub fn from_catalog(loader: &ModelLoader, template: &UnetConfig) -> Result<UnetConfig> {
+    pub fn from_catalog(loader: &TensorCatalog, template: &UnetConfig) -> Result<UnetConfig> {
         Self::from_shapes(
             |name| {
                 let s = loader.get(name)?;

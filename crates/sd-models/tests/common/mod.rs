@@ -5,8 +5,10 @@
 use std::collections::HashMap;
 use std::path::PathBuf;
 
+use sd_formats::files::TensorCatalog;
 use sd_models::weights::canonicalize;
-use sd_residency::files::ModelLoader;
+#[allow(unused_imports)]
+pub use sd_testutil::{check_close as check, rel_l2};
 
 /// The folder of the model fixtures.
 pub fn fixtures() -> PathBuf {
@@ -19,13 +21,13 @@ pub fn sdxl_fixtures() -> PathBuf {
 }
 
 /// The catalog of fixture `name` (diffusers names), converted to canonical names.
-pub fn catalog(name: &str) -> ModelLoader {
+pub fn catalog(name: &str) -> TensorCatalog {
     catalog_in(&fixtures(), name)
 }
 
 /// The catalog of `<dir>/<name>.safetensors`, converted to canonical names.
-pub fn catalog_in(dir: &std::path::Path, name: &str) -> ModelLoader {
-    let mut loader = ModelLoader::new();
+pub fn catalog_in(dir: &std::path::Path, name: &str) -> TensorCatalog {
+    let mut loader = TensorCatalog::new();
     loader
         .add_file(dir.join(format!("{name}.safetensors")), None)
         .expect("open fixture weights");
@@ -73,28 +75,6 @@ pub fn config(name: &str) -> serde_json::Value {
     let text = std::fs::read_to_string(fixtures().join("models.json")).unwrap();
     let v: serde_json::Value = serde_json::from_str(&text).unwrap();
     v[name].clone()
-}
-
-/// `|a - b|_2 / |b|_2`.
-pub fn rel_l2(got: &[f32], want: &[f32]) -> f64 {
-    assert_eq!(got.len(), want.len(), "element counts");
-    let (mut num, mut den) = (0f64, 0f64);
-    for (&a, &b) in got.iter().zip(want) {
-        num += (a as f64 - b as f64).powi(2);
-        den += (b as f64).powi(2);
-    }
-    (num / den.max(1e-30)).sqrt()
-}
-
-/// Asserts parity within `tol` and prints the error.
-pub fn check(what: &str, got: &[f32], want: &[f32], tol: f64) {
-    assert!(
-        got.iter().all(|v| v.is_finite()),
-        "{what}: non-finite output"
-    );
-    let e = rel_l2(got, want);
-    println!("{what}: relative L2 error {e:.3e}");
-    assert!(e <= tol, "{what}: relative L2 error {e:.3e} > {tol:e}");
 }
 
 /// PyTorch dims to ggml `ne` (reversed).

@@ -19,14 +19,14 @@ pub mod sdxl;
 
 use std::fmt;
 
+use sd_formats::files::{FileMetadata, TensorCatalog};
+use sd_formats::names::{
+    detect_version, SdVersion, CLIP_G_PREFIX, CLIP_PREFIX, UNET_PREFIX, VAE_PREFIX,
+};
 use sd_models::diffusion::DiffusionArch;
 use sd_models::first_stage::FirstStageArch;
 use sd_models::text_encoder::TextEncoderArch;
 use sd_models::ModelError;
-use sd_residency::files::{FileMetadata, ModelLoader};
-use sd_residency::names::{
-    detect_version, SdVersion, CLIP_G_PREFIX, CLIP_PREFIX, UNET_PREFIX, VAE_PREFIX,
-};
 use sd_tensor::Tensor;
 use thiserror::Error;
 
@@ -260,7 +260,7 @@ impl ModelSpec {
     }
 
     /// Detects the family and configuration of the tensors in `loader` (see [`detect`]).
-    pub fn detect(loader: &ModelLoader) -> Result<Self, ModelConfigError> {
+    pub fn detect(loader: &TensorCatalog) -> Result<Self, ModelConfigError> {
         detect(loader)
     }
 }
@@ -361,7 +361,7 @@ fn known_ids() -> String {
 /// Detects the family and configuration of the files in `loader` (canonical names): from the
 /// sd-rs metadata ([`CONFIG_KEY`]) when a file has one, else from the tensors with
 /// [`detect_version`].
-pub fn detect(loader: &ModelLoader) -> Result<ModelSpec, ModelConfigError> {
+pub fn detect(loader: &TensorCatalog) -> Result<ModelSpec, ModelConfigError> {
     for f in loader.files() {
         if let FileMetadata::Safetensors(map) = &f.metadata {
             if let Some(text) = map.get(CONFIG_KEY) {

@@ -1,10 +1,10 @@
 //! Stable Diffusion 1.x: CLIP ViT-L/14 (last layer), the SD1 UNet, AutoencoderKL; eps
 //! prediction on the `scaled_linear` DDPM schedule. Prompts are padded with EOS.
 
+use sd_formats::names::SdVersion;
 use sd_models::clip::ClipTextConfig;
 use sd_models::unet::UnetConfig;
 use sd_models::vae::VaeConfig;
-use sd_residency::names::SdVersion;
 
 use super::ldm::{clip_condition, ldm_spec, LdmConfig, PredictionName};
 use super::{

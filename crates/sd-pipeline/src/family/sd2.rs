@@ -4,10 +4,10 @@
 //! do. The 768-v checkpoints predict v; the weights do not tell, so eps is the default and
 //! `--prediction v` (or `"prediction": "v"` in the metadata) selects it.
 
+use sd_formats::names::SdVersion;
 use sd_models::clip::ClipTextConfig;
 use sd_models::unet::UnetConfig;
 use sd_models::vae::VaeConfig;
-use sd_residency::names::SdVersion;
 
 use super::ldm::{clip_condition, ldm_spec, LdmConfig, PredictionName};
 use super::{

@@ -17,6 +17,7 @@
 //! The sd-rs metadata ([`super::CONFIG_KEY`]) of such a file has the keys of
 //! [`SdxlConfig`]; those given replace the family's defaults.
 
+use sd_formats::names::SdVersion;
 use sd_models::clip::ClipTextConfig;
 use sd_models::diffusion::DiffusionArch;
 use sd_models::first_stage::FirstStageArch;
@@ -24,7 +25,6 @@ use sd_models::nn::sinusoidal_embedding;
 use sd_models::text_encoder::TextEncoderArch;
 use sd_models::unet::UnetConfig;
 use sd_models::vae::VaeConfig;
-use sd_residency::names::SdVersion;
 use sd_tensor::Tensor;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;

@@ -4,7 +4,7 @@
 use sd_tensor::ggml::Buffer;
 
 use crate::residency::{BackendId, BlockId, OwnerId, ParamId, SourceId};
-use crate::FileId;
+use sd_formats::FileId;
 
 /// Largest device buffer the manager allocates for weights (upstream's
 /// `MAX_RESIDENCY_BLOCK_BYTES`); a single larger tensor gets a buffer of its own.

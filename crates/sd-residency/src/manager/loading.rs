@@ -9,12 +9,12 @@ use sd_tensor::{DType, GgmlError};
 use super::blocks::{plan_chunks, StorageBlock};
 use super::state::{ParamState, ResidencyMode, StorageLoc};
 use super::ModelManager;
-use crate::files::{LoadError, ModelLoader};
 use crate::residency::{BackendId, BlockId, ParamId, ResidencyError, Result, SourceId};
+use sd_formats::files::{LoadError, TensorCatalog};
 
 /// Checks that `name` is in the catalog with `shape` (outermost first).
 pub(crate) fn validate_against_file(
-    loader: &ModelLoader,
+    loader: &TensorCatalog,
     source: SourceId,
     name: &str,
     shape: &[u64],

@@ -9,7 +9,7 @@
 //!   `.lora_down.weight`, `.lora_up.weight`, `.alpha`;
 //! - diffusers / PEFT: `B.lora_A.weight` (down), `B.lora_B.weight` (up), or
 //!   `B.lora.down.weight` / `B.lora.up.weight`, with `B.alpha`. Diffusers layouts are first
-//!   brought to canonical names (see [`crate::names`]).
+//!   brought to canonical names (see [`sd_formats::names`]).
 //!
 //! Deltas are computed on the host in f32 and written into the memory the registered tensor
 //! uses now (its staging copy, or its params copy when bound); a state remembers the epoch of
@@ -23,8 +23,8 @@ use sd_tensor::{convert, DType};
 
 use super::state::ParamState;
 use super::ModelManager;
-use crate::files::ModelLoader;
 use crate::residency::{ParamId, ResidencyError, Result, SourceId};
+use sd_formats::files::TensorCatalog;
 
 /// One LoRA to apply.
 #[derive(Clone, Debug, PartialEq)]
@@ -48,7 +48,7 @@ pub(crate) struct Patch {
 pub(crate) struct LoraState {
     pub epoch: u64,
     specs: Vec<LoraSpec>,
-    loaders: Vec<ModelLoader>,
+    loaders: Vec<TensorCatalog>,
     patches: HashMap<ParamId, Vec<Patch>>,
     targeted: HashSet<String>,
 }
@@ -103,7 +103,7 @@ struct Pair {
     alpha: Option<String>,
 }
 
-fn to_f32(loader: &ModelLoader, name: &str) -> Result<Vec<f32>> {
+fn to_f32(loader: &TensorCatalog, name: &str) -> Result<Vec<f32>> {
     let bytes = loader.read_converted(name, DType::F32)?;
     convert::to_f32(DType::F32, &bytes).map_err(|e| ResidencyError::LoraTensor {
         path: PathBuf::new(),
@@ -113,9 +113,9 @@ fn to_f32(loader: &ModelLoader, name: &str) -> Result<Vec<f32>> {
 }
 
 /// Brings diffusers-layout LoRA names to canonical names (best effort).
-fn canonicalize(loader: &mut ModelLoader) {
+fn canonicalize(loader: &mut TensorCatalog) {
     let before: Vec<_> = loader.tensors().cloned().collect();
-    let Ok(after) = crate::names::convert_to_canonical(before.clone(), None) else {
+    let Ok(after) = sd_formats::names::convert_to_canonical(before.clone(), None) else {
         return;
     };
     if after.len() != before.len() {
@@ -176,7 +176,7 @@ impl ModelManager {
         let mut loaders = Vec::with_capacity(specs.len());
         let mut patches: HashMap<ParamId, Vec<Patch>> = HashMap::new();
         for (li, spec) in specs.iter().enumerate() {
-            let mut loader = ModelLoader::new();
+            let mut loader = TensorCatalog::new();
             loader.add_file(&spec.path, None)?;
             canonicalize(&mut loader);
             let bad = |name: &str, detail: String| ResidencyError::LoraTensor {

@@ -49,12 +49,12 @@ use crate::capacity::{
     inspect_capacity, DeviceClass, DeviceMemoryCapacity, DeviceMemoryRequest, DeviceState, MaxVram,
     CUDA_RUNTIME_RESERVE_BYTES, DEVICE_RESERVE_BYTES,
 };
-use crate::files::ModelLoader;
 use crate::residency::{
     BackendId, BackendMemoryRequest, BlockId, DeviceResidencyManager, OwnerId, ParamId,
     ResidencyError, Result, SourceId, WeightPrefetchResult, WeightResidencyBlock,
 };
 use blocks::{AnyBlock, StagingBlock, StorageBlock};
+use sd_formats::files::TensorCatalog;
 use state::ParamState;
 
 /// Whether a buffer lives on `device` (host buffers for the CPU device).
@@ -107,7 +107,7 @@ pub struct ModelManager {
     /// Prefetch copies in flight. First field: dropped (joined) before any buffer.
     pub(crate) transfers: Vec<transfer::TransferJob>,
     backends: Vec<(Arc<Backend>, Device)>,
-    pub(crate) sources: BTreeMap<SourceId, ModelLoader>,
+    pub(crate) sources: BTreeMap<SourceId, TensorCatalog>,
     next_source: u32,
     pub(crate) states: BTreeMap<ParamId, ParamState>,
     by_tensor: HashMap<TensorId, ParamId>,
@@ -147,7 +147,7 @@ impl std::fmt::Debug for ModelManager {
 
 impl ModelManager {
     /// A manager reading weights from `loader` (the main catalog, [`SourceId::MAIN`]).
-    pub fn new(loader: ModelLoader) -> Self {
+    pub fn new(loader: TensorCatalog) -> Self {
         let mut sources = BTreeMap::new();
         sources.insert(SourceId::MAIN, loader);
         ModelManager {

@@ -1,13 +1,13 @@
 //! Model sources: auxiliary catalogs (an upscaler loaded after the main model).
 
 use super::ModelManager;
-use crate::files::ModelLoader;
 use crate::residency::{ResidencyError, Result, SourceId};
+use sd_formats::files::TensorCatalog;
 
 impl ModelManager {
     /// Registers an auxiliary model's catalog (its own files and names). Weights registered
     /// from it are never LoRA-patched and are grouped apart from the main model's.
-    pub fn register_model_source(&mut self, loader: ModelLoader) -> Result<SourceId> {
+    pub fn register_model_source(&mut self, loader: TensorCatalog) -> Result<SourceId> {
         let id = SourceId(self.next_source);
         if loader.files().is_empty() {
             return Err(ResidencyError::Source {
@@ -15,7 +15,7 @@ impl ModelManager {
                 detail: "a model source needs at least one model file".into(),
             });
         }
-        let known = |l: &ModelLoader| -> Vec<std::path::PathBuf> {
+        let known = |l: &TensorCatalog| -> Vec<std::path::PathBuf> {
             l.files().iter().map(|f| f.path.clone()).collect()
         };
         let new_paths = known(&loader);
@@ -49,7 +49,7 @@ impl ModelManager {
     }
 
     /// The catalog of a source.
-    pub fn source(&self, source: SourceId) -> Option<&ModelLoader> {
+    pub fn source(&self, source: SourceId) -> Option<&TensorCatalog> {
         self.sources.get(&source)
     }
 }

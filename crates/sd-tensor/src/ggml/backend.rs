@@ -347,7 +347,9 @@ impl Buffer {
                 bytes: size,
             });
         }
-        let p = sys::ggml_backend_cpu_buffer_from_ptr(ptr.cast(), size);
+        // SAFETY: the pointer is non-null and aligned (checked above); the caller keeps the
+        // memory valid for the buffer's lifetime.
+        let p = unsafe { sys::ggml_backend_cpu_buffer_from_ptr(ptr.cast(), size) };
         NonNull::new(p)
             .map(|ptr| Buffer {
                 ptr,

@@ -1,12 +1,12 @@
 //! Hostile and broken inputs: every one must give an error naming the problem, never a panic,
 //! a huge allocation or the execution of anything.
 
-#[path = "files_builders.rs"]
+#[path = "common/builders.rs"]
 mod builders;
 
 use builders::*;
-use sd_residency::files::pickle::{unpickle, GlobalPolicy, PickleOptions};
-use sd_residency::files::{FileError, GlobalPolicy as Policy};
+use sd_formats::files::pickle::{unpickle, GlobalPolicy, PickleOptions};
+use sd_formats::files::{FileError, GlobalPolicy as Policy};
 use std::path::Path;
 
 const PWNED: &str = "/tmp/sd-rs-pickle-pwned";
@@ -42,7 +42,7 @@ fn every_truncation_is_an_error() {
         let parsed = parse_bytes(&full).unwrap();
         // Bytes past the last tensor may be padding (GGUF pads its end).
         let needed = match parsed.format {
-            sd_residency::files::FileFormat::Gguf => parsed
+            sd_formats::files::FileFormat::Gguf => parsed
                 .tensors
                 .iter()
                 .map(|t| t.offset + t.size)
@@ -445,10 +445,10 @@ fn inert_globals_build_nothing() {
         FileError::ForbiddenGlobal { .. }
     ));
     let b = file.clone();
-    let opts = sd_residency::files::ReadOptions {
+    let opts = sd_formats::files::ReadOptions {
         pickle_globals: Policy::Inert,
     };
-    let p = sd_residency::files::parse(&b, Path::new("x"), sd_residency::FileId(0), opts).unwrap();
+    let p = sd_formats::files::parse(&b, Path::new("x"), sd_formats::FileId(0), opts).unwrap();
     assert_eq!(p.tensors.len(), 1);
     assert_eq!(p.tensors[0].name, "w");
 }
@@ -643,7 +643,7 @@ fn pickle_structures_cannot_exhaust_anything() {
 
 #[test]
 fn zip_entries_must_be_stored() {
-    let e = sd_residency::files::ModelLoader::new()
+    let e = sd_formats::files::TensorCatalog::new()
         .add_file(fixture_dir().join("deflated.pt"), None)
         .unwrap_err();
     match &e {

@@ -4,8 +4,8 @@
 
 use std::path::{Path, PathBuf};
 
-use sd_residency::files::{parse, FileError, ParsedFile, ReadOptions};
-use sd_residency::FileId;
+use sd_formats::files::{parse, FileError, ParsedFile, ReadOptions};
+use sd_formats::FileId;
 
 /// The fixture directory.
 pub fn fixture_dir() -> PathBuf {

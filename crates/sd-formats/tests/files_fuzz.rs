@@ -6,7 +6,7 @@
 //!
 //! `SD_RS_FUZZ_CASES` sets the number of cases per test (default 2000).
 
-#[path = "files_builders.rs"]
+#[path = "common/builders.rs"]
 mod builders;
 
 use std::path::Path;
@@ -16,9 +16,9 @@ use builders::*;
 use proptest::prelude::*;
 use proptest::sample::Index;
 use proptest::test_runner::{Config, TestRunner};
-use sd_residency::files::pickle::{unpickle, GlobalPolicy, PickleOptions};
-use sd_residency::files::{parse, FileFormat, ReadOptions};
-use sd_residency::FileId;
+use sd_formats::files::pickle::{unpickle, GlobalPolicy, PickleOptions};
+use sd_formats::files::{parse, FileFormat, ReadOptions};
+use sd_formats::FileId;
 
 const FIXTURES: &[&str] = &[
     "mixed.safetensors",

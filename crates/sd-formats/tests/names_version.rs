@@ -1,11 +1,11 @@
 //! Version detection on real key sets (original and diffusers names) and on the
 //! characteristic tensors of the DiT families.
 
-#[path = "fixtures/names/common.rs"]
+#[path = "common/names.rs"]
 mod common;
 
 use common::{load, prefixed, storages};
-use sd_residency::names::{convert_to_canonical, detect_version, detect_version_of, SdVersion};
+use sd_formats::names::{convert_to_canonical, detect_version, detect_version_of, SdVersion};
 
 type Entries = Vec<(String, Vec<u64>)>;
 

@@ -57,32 +57,16 @@ pub fn temp_path(tag: &str) -> PathBuf {
 /// Writes a safetensors file whose data section starts at a multiple of 64 bytes (tensor
 /// sizes should be multiples of 64 for every tensor to be aligned). Returns the file length.
 pub fn write_safetensors(path: &Path, tensors: &[FileTensor]) -> u64 {
-    let mut header = String::from("{");
-    let mut data = Vec::new();
-    for (i, t) in tensors.iter().enumerate() {
-        if i > 0 {
-            header.push(',');
-        }
-        let start = data.len();
-        data.extend_from_slice(&t.bytes);
-        header.push_str(&format!(
-            "\"{}\":{{\"dtype\":\"{}\",\"shape\":{:?},\"data_offsets\":[{},{}]}}",
-            t.name,
-            t.dtype,
-            t.shape,
-            start,
-            data.len()
-        ));
-    }
-    header.push('}');
-    while (8 + header.len()) % 64 != 0 {
-        header.push(' ');
-    }
-    let mut out = (header.len() as u64).to_le_bytes().to_vec();
-    out.extend_from_slice(header.as_bytes());
-    out.extend_from_slice(&data);
-    std::fs::write(path, &out).unwrap();
-    out.len() as u64
+    let bytes = sd_testutil::SafetensorsWriter::new()
+        .tensors(tensors.iter().map(|t| sd_testutil::StTensor {
+            name: t.name.clone(),
+            dtype: t.dtype,
+            shape: t.shape.clone(),
+            bytes: t.bytes.clone(),
+        }))
+        .to_bytes();
+    std::fs::write(path, &bytes).unwrap();
+    bytes.len() as u64
 }
 
 /// A descriptor context for `n` tensors.

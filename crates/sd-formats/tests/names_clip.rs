@@ -1,11 +1,11 @@
 //! OpenCLIP -> transformers conversion details: the fused q/k/v split by offsets, the
 //! projection and other extras, collisions and pass-through.
 
-use sd_residency::names::{
+use sd_formats::names::{
     convert_to_canonical, convert_to_canonical_report, NameError, SdVersion, CLIP_G_PREFIX,
     CLIP_PREFIX,
 };
-use sd_residency::{FileId, TensorStorage};
+use sd_formats::{FileId, TensorStorage};
 use sd_tensor::DType;
 
 fn storage(name: &str, dtype: DType, shape: &[u64], offset: u64, size: u64) -> TensorStorage {

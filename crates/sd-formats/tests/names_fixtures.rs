@@ -2,13 +2,13 @@
 //! `convert_to_canonical` must give exactly the original single-file names and shapes that
 //! diffusers' own conversion scripts produce (see `scripts/fixtures/make_name_fixtures.py`).
 
-#[path = "fixtures/names/common.rs"]
+#[path = "common/names.rs"]
 mod common;
 
 use std::collections::BTreeMap;
 
 use common::{assert_same, by_name, entries_by_name, load, prefixed, storages};
-use sd_residency::names::{
+use sd_formats::names::{
     convert_to_canonical, convert_to_canonical_report, SdVersion, CLIP_G_PREFIX, CLIP_PREFIX,
     TEXT_PROJECTION_LINEAR, TEXT_PROJECTION_OPENCLIP,
 };

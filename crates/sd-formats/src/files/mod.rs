@@ -5,7 +5,7 @@
 //!   absolute byte range of the tensor in the file. They validate everything before returning
 //!   (bounds, overlaps, sizes against dtype and shape, checked arithmetic) and never panic or
 //!   allocate more than the file's size on any input.
-//! - [`ModelLoader`] (in [`catalog`]) is the catalog of every opened file's tensors: prefixes,
+//! - [`TensorCatalog`] (in [`catalog`]) is the catalog of every opened file's tensors: prefixes,
 //!   renaming, reading (copying, converting, in parallel, or mapped without copies).
 //!
 //! Formats are recognised by their first bytes, not by their file names.
@@ -25,7 +25,7 @@ use std::fmt;
 use std::fs::File;
 use std::path::Path;
 
-pub use catalog::{FileRecord, LoadError, LoaderOptions, MappedTensor, ModelLoader, TensorSink};
+pub use catalog::{CatalogOptions, FileRecord, LoadError, MappedTensor, TensorCatalog, TensorSink};
 pub use error::FileError;
 pub use gguf::{GgufArray, GgufHeader, GgufValue};
 pub use layout::MAX_DIMS;

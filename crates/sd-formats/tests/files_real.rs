@@ -3,11 +3,11 @@
 
 use std::path::{Path, PathBuf};
 
-use sd_residency::files::{
-    FileError, FileFormat, FileMetadata, GgufValue, GlobalPolicy, LoaderOptions, ModelLoader,
-    ReadOptions,
+use sd_formats::files::{
+    CatalogOptions, FileError, FileFormat, FileMetadata, GgufValue, GlobalPolicy, ReadOptions,
+    TensorCatalog,
 };
-use sd_residency::TensorStorage;
+use sd_formats::TensorStorage;
 use sd_tensor::convert::to_f32;
 use sd_tensor::DType;
 use serde_json::Value;
@@ -35,7 +35,7 @@ fn error_kind(e: &FileError) -> &'static str {
     }
 }
 
-fn check_values(loader: &ModelLoader, t: &TensorStorage, want: &[Value]) {
+fn check_values(loader: &TensorCatalog, t: &TensorStorage, want: &[Value]) {
     let got = loader.read_converted(&t.name, DType::F32).unwrap();
     let got = to_f32(DType::F32, &got).unwrap();
     assert_eq!(got.len(), want.len(), "{}", t.name);
@@ -56,7 +56,7 @@ fn fixtures_match_the_manifest() {
     let mut checked = 0;
     for (file, spec) in &m {
         let path = dir().join(file);
-        let mut loader = ModelLoader::new();
+        let mut loader = TensorCatalog::new();
         if let Some(kind) = spec.get("error").and_then(Value::as_str) {
             let e = loader.add_file(&path, None).expect_err(file);
             assert_eq!(error_kind(&e), kind, "{file}: {e}");
@@ -161,13 +161,13 @@ fn fixtures_match_the_manifest() {
 
 #[test]
 fn dangerous_globals_are_refused_even_when_inert_globals_are_allowed() {
-    let opts = LoaderOptions {
+    let opts = CatalogOptions {
         read: ReadOptions {
             pickle_globals: GlobalPolicy::Inert,
         },
     };
     for f in ["evil_global.pt", "evil_stack_global.pt", "evil_legacy.pt"] {
-        let mut loader = ModelLoader::with_options(opts);
+        let mut loader = TensorCatalog::with_options(opts);
         let e = loader.add_file(dir().join(f), None).unwrap_err();
         assert!(matches!(e, FileError::ForbiddenGlobal { .. }), "{f}: {e}");
     }
@@ -179,7 +179,7 @@ fn dangerous_globals_are_refused_even_when_inert_globals_are_allowed() {
 
 #[test]
 fn formats_and_shared_storage_offsets() {
-    let mut loader = ModelLoader::new();
+    let mut loader = TensorCatalog::new();
     let id = loader.add_file(dir().join("state_dict.pt"), None).unwrap();
     assert_eq!(loader.file(id).unwrap().format, FileFormat::TorchZip);
     let a = loader.get("shared.first").unwrap().clone();
@@ -203,7 +203,7 @@ fn formats_and_shared_storage_offsets() {
 
 #[test]
 fn prefixes_duplicates_and_renames() {
-    let mut loader = ModelLoader::new();
+    let mut loader = TensorCatalog::new();
     let first = loader
         .add_file(dir().join("mixed.safetensors"), Some("model."))
         .unwrap();
@@ -282,7 +282,7 @@ fn prefixes_duplicates_and_renames() {
 
 #[test]
 fn conversions_and_parallel_loading() {
-    let mut loader = ModelLoader::new();
+    let mut loader = TensorCatalog::new();
     loader.add_file(dir().join("mixed.gguf"), None).unwrap();
     loader.add_file(dir().join("state_dict.pt"), None).unwrap();
     // f16 -> q8_0 needs rows of whole blocks: t.f16 has rows of 8.
@@ -358,7 +358,7 @@ fn sharded_safetensors_index() {
         r#"{"metadata": {"total_size": 1}, "weight_map": {"conv.weight": "part-1.safetensors"}}"#,
     )
     .unwrap();
-    let mut loader = ModelLoader::new();
+    let mut loader = TensorCatalog::new();
     let ids = loader.add_sharded(&index, None).unwrap();
     assert_eq!(ids.len(), 1);
     assert!(loader.get("conv.weight").is_some());
@@ -368,10 +368,10 @@ fn sharded_safetensors_index() {
         r#"{"weight_map": {"not.there": "part-1.safetensors"}}"#,
     )
     .unwrap();
-    let e = ModelLoader::new().add_sharded(&index, None).unwrap_err();
+    let e = TensorCatalog::new().add_sharded(&index, None).unwrap_err();
     assert!(e.to_string().contains("not.there"), "{e}");
     std::fs::write(&index, r#"{"weight_map": {"x": "../etc/passwd"}}"#).unwrap();
-    assert!(ModelLoader::new().add_sharded(&index, None).is_err());
+    assert!(TensorCatalog::new().add_sharded(&index, None).is_err());
     std::fs::remove_dir_all(&tmp).unwrap();
 }
 
@@ -379,7 +379,7 @@ fn sharded_safetensors_index() {
 fn shrunk_files_are_errors_not_panics() {
     let tmp = std::env::temp_dir().join(format!("sd-rs-shrink-{}.safetensors", std::process::id()));
     std::fs::copy(dir().join("mixed.safetensors"), &tmp).unwrap();
-    let mut loader = ModelLoader::new();
+    let mut loader = TensorCatalog::new();
     loader.add_file(&tmp, None).unwrap();
     let f = std::fs::OpenOptions::new().write(true).open(&tmp).unwrap();
     f.set_len(100).unwrap();

@@ -2,10 +2,10 @@
 //! conservation of tensors and bytes, and canonical names being fixed points.
 
 use proptest::prelude::*;
-use sd_residency::names::{
+use sd_formats::names::{
     convert_to_canonical, convert_to_canonical_report, detect_version, NameError, SdVersion,
 };
-use sd_residency::{FileId, TensorStorage};
+use sd_formats::{FileId, TensorStorage};
 use sd_tensor::DType;
 
 const VOCAB: &[&str] = &[

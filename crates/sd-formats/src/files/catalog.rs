@@ -1,4 +1,4 @@
-//! [`ModelLoader`]: the catalog of every opened model file's tensors.
+//! [`TensorCatalog`]: the catalog of every opened model file's tensors.
 //!
 //! Files are added with an optional name prefix; their tensors go into one map keyed by name.
 //! **Duplicates**: when a later file holds a name already in the catalog, the later file's
@@ -27,14 +27,14 @@ use super::source::{read_exact_at, FileSource, Source};
 use super::{parse, sharded, FileFormat, FileMetadata, ReadOptions};
 use crate::{FileId, TensorStorage};
 
-/// Options of a [`ModelLoader`].
+/// Options of a [`TensorCatalog`].
 #[derive(Clone, Copy, Debug, Default)]
-pub struct LoaderOptions {
+pub struct CatalogOptions {
     /// How files are read.
     pub read: ReadOptions,
 }
 
-/// The consumer of [`ModelLoader::load_tensors`]: called with each tensor's name and bytes,
+/// The consumer of [`TensorCatalog::load_tensors`]: called with each tensor's name and bytes,
 /// possibly from several threads at once.
 pub type TensorSink<'a, E> = dyn Fn(&str, &[u8]) -> Result<(), E> + Sync + 'a;
 
@@ -93,7 +93,7 @@ impl std::ops::Deref for MappedTensor {
     }
 }
 
-/// An error from [`ModelLoader::load_tensors`]: reading failed, or the sink refused a tensor.
+/// An error from [`TensorCatalog::load_tensors`]: reading failed, or the sink refused a tensor.
 #[derive(Debug)]
 pub enum LoadError<E> {
     /// Reading or converting a tensor failed.
@@ -133,8 +133,8 @@ impl<E> From<FileError> for LoadError<E> {
 
 /// The catalog of model files and their tensors.
 #[derive(Debug, Default)]
-pub struct ModelLoader {
-    opts: LoaderOptions,
+pub struct TensorCatalog {
+    opts: CatalogOptions,
     files: Vec<FileRecord>,
     tensors: BTreeMap<String, TensorStorage>,
 }
@@ -163,15 +163,15 @@ fn revision(meta: &std::fs::Metadata) -> u64 {
     h.finish()
 }
 
-impl ModelLoader {
+impl TensorCatalog {
     /// An empty catalog with default options (strict pickle globals).
     pub fn new() -> Self {
         Self::default()
     }
 
     /// An empty catalog with options.
-    pub fn with_options(opts: LoaderOptions) -> Self {
-        ModelLoader {
+    pub fn with_options(opts: CatalogOptions) -> Self {
+        TensorCatalog {
             opts,
             ..Self::default()
         }
