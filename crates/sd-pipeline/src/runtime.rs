@@ -346,6 +346,20 @@ impl Runtime {
         }
         let mut budget = None;
         if let Some(mv) = &options.max_vram {
+            if !primary_sim && !compute.is_cpu() {
+                // What the GPU's runtime holds for itself (context, BLAS, kernels, pools)
+                // counts against the budget too: measure it instead of guessing.
+                let r = sd_exec::measure_runtime_reserve(&compute).map_err(RuntimeError::Exec)?;
+                if let Some(r) = r {
+                    tracing::info!(
+                        device = %compute.name(),
+                        runtime_mib = r.measured >> 20,
+                        reserve_mib = r.reserve >> 20,
+                        "the backend runtime's own device memory is left out of --max-vram"
+                    );
+                    mm.set_runtime_reserve(Some(r.reserve));
+                }
+            }
             mm.apply_max_vram(mv);
             if let Some(d) = compute.device() {
                 budget = mm.device_budget(&d);

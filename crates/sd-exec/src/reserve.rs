@@ -1,0 +1,129 @@
+//! [`measure_runtime_reserve`]: how much of a GPU the backend's own runtime holds.
+//!
+//! A `--max-vram` budget counts every byte the process takes on the device, but the engine
+//! only tracks the buffers it allocates. The rest belongs to the backend runtime: on CUDA the
+//! context (several hundred MiB on recent GPUs and toolkits), cuBLAS handles and workspace,
+//! the kernels loaded on first use, and ggml's per-device pool for operator temporaries.
+//! A fixed guess (`sd_residency::capacity::CUDA_RUNTIME_RESERVE_BYTES`, 320 MiB) proved too
+//! small on an H200 with CUDA 13 (about 700 MiB), so the run measures instead: it executes a
+//! small warm-up graph with the kinds of operators the diffusion models use (a cuBLAS-sized
+//! f16 matmul, fused attention, an im2col convolution, group norm, softmax) so that the
+//! runtime has created what it creates lazily, frees everything it allocated, and reads the
+//! device's used memory (`total - free`). The pool grows later with larger operators, so a
+//! margin is added.
+//!
+//! The device reports memory for all processes: on a GPU shared with a desktop or another
+//! program their memory counts too, which makes the budget conservative (never overshot).
+
+use sd_tensor::ggml::{Backend, Context, Gallocr, Graph};
+use sd_tensor::DType;
+
+use crate::error::{ExecError, Result};
+
+/// Added to the measured runtime memory for the growth of the backend's temporary pool in
+/// operators larger than the warm-up's.
+pub const RUNTIME_POOL_MARGIN_BYTES: u64 = 96 << 20;
+
+/// What [`measure_runtime_reserve`] found on a device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RuntimeReserve {
+    /// Device bytes in use after the warm-up, with nothing of the engine allocated.
+    pub measured: u64,
+    /// [`RuntimeReserve::measured`] + [`RUNTIME_POOL_MARGIN_BYTES`]: what to leave out of a
+    /// budget.
+    pub reserve: u64,
+}
+
+/// Runs a warm-up graph on `backend` and measures the device memory its runtime then holds;
+/// `None` for backends without a device memory report (the CPU).
+pub fn measure_runtime_reserve(backend: &Backend) -> Result<Option<RuntimeReserve>> {
+    let Some(device) = backend.device() else {
+        return Ok(None);
+    };
+    if backend.is_cpu() || device.memory().total == 0 {
+        return Ok(None);
+    }
+    let _span = tracing::info_span!("measure_runtime_reserve", device = %device.name()).entered();
+    warm_up(backend).map_err(|source| ExecError::Ggml {
+        context: format!(
+            "warm-up graph on {} (measuring its runtime)",
+            backend.name()
+        ),
+        source,
+    })?;
+    backend.synchronize();
+    let m = device.memory();
+    let measured = m.total.saturating_sub(m.free);
+    Ok(Some(RuntimeReserve {
+        measured,
+        reserve: measured + RUNTIME_POOL_MARGIN_BYTES,
+    }))
+}
+
+/// Builds, allocates and runs the warm-up graph; every buffer is freed on return.
+fn warm_up(backend: &Backend) -> std::result::Result<(), sd_tensor::GgmlError> {
+    let ctx = Context::new_descriptors(64, 64, 1)?;
+    // 1. Inputs: an f16 weight large enough for the cuBLAS path, attention operands, a
+    //    convolution's image and kernel.
+    let w = ctx.new_tensor(DType::F16, &[512, 512])?;
+    let x = ctx.new_tensor(DType::F32, &[512, 128])?;
+    let q = ctx.new_tensor(DType::F32, &[64, 256, 4, 1])?;
+    let k = ctx.new_tensor(DType::F16, &[64, 256, 4, 1])?;
+    let v = ctx.new_tensor(DType::F16, &[64, 256, 4, 1])?;
+    let img = ctx.new_tensor(DType::F32, &[32, 32, 64, 1])?;
+    let ker = ctx.new_tensor(DType::F16, &[3, 3, 64, 64])?;
+    let inputs = backend.buffer_type().alloc_context_tensors(&ctx)?;
+    for t in [&w, &x, &q, &k, &v, &img, &ker] {
+        let n: usize = t.ne().iter().product();
+        let vals: Vec<f32> = (0..n).map(|i| ((i % 17) as f32 - 8.0) * 0.01).collect();
+        t.write_f32(&vals)?;
+    }
+    // 2. The operators.
+    let mm = ctx.mul_mat(&w, &x)?;
+    let sm = ctx.soft_max(&mm)?;
+    let fa = ctx.flash_attn_ext(&q, &k, &v, None, 0.125)?;
+    let conv = ctx.conv_2d(&ker, &img, (1, 1), (1, 1), (1, 1), false)?;
+    let gn = ctx.group_norm(&conv, 32, 1e-6)?;
+    let act = ctx.silu(&gn)?;
+    // 3. Run.
+    let mut graph = Graph::new(&ctx, 64)?;
+    for t in [&sm, &fa, &act] {
+        t.set_output();
+        graph.build_forward_expand(t)?;
+    }
+    let mut galloc = Gallocr::new(backend.buffer_type())?;
+    galloc.reserve(&graph)?;
+    galloc.alloc_graph(&graph)?;
+    backend.compute(&graph)?;
+    backend.synchronize();
+    drop(galloc);
+    drop(inputs);
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sd_tensor::ggml::{SimDevice, SimOptions};
+
+    #[test]
+    fn the_cpu_has_no_runtime_reserve() {
+        let cpu = Backend::cpu(1).unwrap();
+        assert_eq!(measure_runtime_reserve(&cpu).unwrap(), None);
+    }
+
+    #[test]
+    fn the_warm_up_runs_and_leaves_nothing_allocated_on_a_device() {
+        let sim = SimDevice::new("RESERVE0", 64 << 20, SimOptions::default()).unwrap();
+        let backend = sim.backend().unwrap();
+        let r = measure_runtime_reserve(&backend).unwrap().unwrap();
+        // The simulated device has no runtime of its own: everything the warm-up allocated
+        // is freed again, so only the margin remains.
+        assert_eq!(r.measured, 0);
+        assert_eq!(r.reserve, RUNTIME_POOL_MARGIN_BYTES);
+        assert!(
+            sim.stats().peak_bytes > 0,
+            "the warm-up allocated on the device"
+        );
+    }
+}
