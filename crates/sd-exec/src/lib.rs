@@ -32,5 +32,5 @@ pub use error::{BudgetShortfall, ExecError, Result};
 pub use eviction::ReclaimEvent;
 pub use limit::device_limit;
 pub use session::{ExecutionSession, SegmentationPolicy, SessionConfig, SessionId, SplitDevice};
-pub use task::{ComputeResult, ComputeTask, PlanSummary, SegmentReport};
+pub use task::{ComputeResult, ComputeTask, PlanSummary, SegmentPlan, SegmentReport};
 pub use workspace::ComputeWorkspace;
