@@ -243,12 +243,23 @@ mod tests {
         assert_eq!(fs::read_dir(dir.path()).unwrap().count(), 1);
     }
 
+    use crate::encode::Format;
+
     #[test]
     fn refusals() {
         let dir = tempfile::tempdir().unwrap();
-        for name in ["x.jpg", "x.webp", "x", "x.txt"] {
+        for name in ["x.gif", "x", "x.txt", "x.png.bak"] {
             assert!(check(&dir.path().join(name), 1).is_err(), "{name}");
         }
+        for (name, format) in [
+            ("x.png", Format::Png),
+            ("x.JPG", Format::Jpeg),
+            ("x.jpeg", Format::Jpeg),
+            ("x.webp", Format::WebP),
+        ] {
+            assert_eq!(check(&dir.path().join(name), 1).unwrap().format(), format);
+        }
+        assert_eq!(Target::Stdout.format(), Format::Png);
         assert!(check(dir.path(), 1).is_err());
         let long = "a".repeat(260) + ".png";
         assert!(check(&dir.path().join(long), 1).is_err());

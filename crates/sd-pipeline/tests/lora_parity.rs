@@ -193,7 +193,12 @@ fn a_lora_for_a_missing_module_is_an_error_naming_it() {
         "{text}"
     );
     assert!(text.contains("missing.safetensors"), "{text}");
-    assert!(text.contains("down_blocks.7"), "{text}");
+    // Named as in the file, and only the tensors without a target.
+    assert!(
+        text.contains("lora_unet_down_blocks_7_attentions_0_proj_in.lora_down.weight"),
+        "{text}"
+    );
+    assert!(text.contains(": 2 tensor(s)"), "{text}");
     // Nothing changed: the base outputs.
     assert!(rel_l2(&m.unet_out(), &reference("base.unet")) < 1e-4);
 }

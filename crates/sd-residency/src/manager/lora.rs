@@ -261,7 +261,19 @@ impl ModelManager {
         for (li, spec) in specs.iter().enumerate() {
             let mut loader = ModelLoader::new();
             loader.add_file(&spec.path, None)?;
+            // The file's own names, for errors (renames keep a tensor's place in its file).
+            let original: HashMap<(crate::FileId, u64), String> = loader
+                .tensors()
+                .map(|t| ((t.file, t.offset), t.name.clone()))
+                .collect();
             canonicalize(&mut loader);
+            let own_name = |name: &str| {
+                loader
+                    .get(name)
+                    .and_then(|t| original.get(&(t.file, t.offset)))
+                    .cloned()
+                    .unwrap_or_else(|| name.to_string())
+            };
             let bad = |name: &str, detail: String| ResidencyError::LoraTensor {
                 path: spec.path.clone(),
                 name: name.to_string(),
@@ -282,7 +294,8 @@ impl ModelManager {
             let unknown: Vec<String> = pairs
                 .iter()
                 .filter(|(stem, _)| !stems.contains_key(*stem))
-                .flat_map(|(_, p)| [&p.down, &p.up, &p.alpha].into_iter().flatten().cloned())
+                .flat_map(|(_, p)| [&p.down, &p.up, &p.alpha].into_iter().flatten())
+                .map(|n| own_name(n))
                 .collect();
             if !unknown.is_empty() {
                 return Err(ResidencyError::LoraUnknownWeights {
