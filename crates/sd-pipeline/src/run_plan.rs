@@ -69,13 +69,25 @@ impl ModelPlan {
         }
     }
 
-    /// Weight bytes uploaded to the device at each run after the first: a graph run whole
-    /// keeps its weights resident; a segmented one uploads each segment's weights as it
-    /// comes (the engine frees them for the next segments' weights, workspace and cuts).
-    /// Zero on the CPU.
+    /// Weight bytes uploaded to the device at each run after the first. The residency
+    /// manager keeps weights on the device between runs while the budget has room: what
+    /// must go is what does not fit beside the largest non-weight need of a segment
+    /// (workspace, cuts, outputs), `weights + max(need - weights) - limit`, at most every
+    /// weight (a lower bound: the manager evicts in staging blocks, so it may upload a
+    /// little more). Zero without a limit and on the CPU.
     pub fn streamed_per_run(&self) -> u64 {
-        match &self.outcome {
-            Ok(p) if self.device && p.segmented => p.details.iter().map(|d| d.weight_bytes).sum(),
+        match (&self.outcome, self.device) {
+            (Ok(p), true) => {
+                let total: u64 = p.details.iter().map(|d| d.weight_bytes).sum();
+                let other = p
+                    .details
+                    .iter()
+                    .map(|d| d.need - d.weight_bytes)
+                    .max()
+                    .unwrap_or(0);
+                p.limit
+                    .map_or(0, |l| (total + other).saturating_sub(l).min(total))
+            }
             _ => 0,
         }
     }
