@@ -1,7 +1,8 @@
 //! `sd`: the sd-rs command-line tool.
 //!
 //! Generates images from a prompt (and an init image) with an SD1.x / SD2.x checkpoint
-//! (`-m MODEL -p PROMPT`), upscales images (`sd upscale`, `-M upscale`), lists the compute
+//! (`-m MODEL -p PROMPT`), upscales images (`sd upscale`, `-M upscale`), prints the memory
+//! plan of a generation without running it (`sd plan`, `-M plan`, [`plan`]), lists the compute
 //! devices ggml sees (`--list-devices`) and runs a tensor self-check (`--self-check`). Flag
 //! names follow stable-diffusion.cpp's `sd-cli` ([`cli`]).
 //!
