@@ -12,7 +12,9 @@
 //!   Vulkan backend as a module next to it, which `sd` loads at start (see `gpu.rs`).
 //!
 //! xtask itself has no dependencies, so it builds before CMake or libclang exist and can
-//! install them: with apt-get when running as root, otherwise from PyPI with pip.
+//! install them: with apt-get when running as root, otherwise from PyPI with pip. For the
+//! same reason it reads its few arguments by hand (a command and `--arch`), the one command
+//! line of the workspace not parsed by clap; the binaries it runs parse theirs with clap.
 
 use std::env;
 use std::path::{Path, PathBuf};

@@ -42,6 +42,10 @@ pub enum Mode {
     /// Upscale -i with --upscale-model.
     #[value(name = "upscale")]
     Upscale,
+    /// The plan of an img_gen run with the same flags (segments, bytes, budget), running
+    /// nothing heavy (sd-rs only; also `sd plan ...`).
+    #[value(name = "plan")]
+    Plan,
     /// stable-diffusion.cpp's model conversion (not supported yet).
     #[value(name = "convert")]
     Convert,
@@ -65,7 +69,7 @@ pub enum RngArg {
     /// torch CPU randn (ComfyUI).
     #[value(name = "cpu")]
     Cpu,
-    /// C++ std::default_random_engine (not supported yet).
+    /// C++ std::default_random_engine with std::normal_distribution (libstdc++'s)
     #[value(name = "std_default")]
     StdDefault,
 }
@@ -77,6 +81,7 @@ pub enum RngArg {
     about = "Generates and upscales images with diffusion models within a memory budget.",
     override_usage = "sd -m MODEL -p PROMPT [options]            text to image (-i INIT for image to image)\n       \
                       sd upscale --upscale-model MODEL -i IMAGE [-o OUT.png]   (also -M upscale)\n       \
+                      sd plan -m MODEL [generation flags] [--json]   the run's memory plan (also -M plan)\n       \
                       sd --list-devices | --self-check | --version",
     disable_version_flag = true,
     args_override_self = true,
@@ -84,8 +89,8 @@ pub enum RngArg {
     max_term_width = 100
 )]
 pub struct Cli {
-    /// Run mode: img_gen (default) or upscale; convert, vid_gen, adetailer and metadata
-    /// are not supported yet
+    /// Run mode: img_gen (default), upscale, or plan (sd-rs: the memory plan of the img_gen
+    /// run, nothing run); convert, vid_gen, adetailer and metadata are not supported yet
     #[arg(short = 'M', long = "mode", value_enum, default_value = "img_gen")]
     pub mode: Mode,
 
@@ -281,6 +286,9 @@ pub struct Cli {
     /// Print the version
     #[arg(long = "version", help_heading = "Other")]
     pub version: bool,
+    /// With plan mode: print the plan as JSON
+    #[arg(long = "json", help_heading = "Other")]
+    pub json: bool,
 }
 
 /// stable-diffusion.cpp flags sd-rs does not implement yet: `(flag, takes a value)`.
@@ -342,13 +350,19 @@ pub const UNSUPPORTED: &[(&str, bool)] = &[
     ("--video-frames", true),
 ];
 
-/// Parses `args` (without the program name); `sd upscale ...` is `sd -M upscale ...`.
+/// Parses `args` (without the program name); `sd upscale ...` is `sd -M upscale ...`, `sd
+/// plan ...` is `sd -M plan ...`.
 pub fn parse(args: Vec<OsString>) -> Result<Cli, clap::Error> {
     let mut argv = vec![OsString::from("sd")];
     let mut rest = args.into_iter().peekable();
-    if rest.peek().is_some_and(|a| a == "upscale") {
+    if let Some(mode) = rest
+        .peek()
+        .and_then(|a| a.to_str())
+        .filter(|a| ["upscale", "plan"].contains(a))
+        .map(str::to_string)
+    {
         rest.next();
-        argv.extend(["-M".into(), "upscale".into()]);
+        argv.extend(["-M".into(), mode.into()]);
     }
     argv.extend(rest);
     Cli::try_parse_from(argv)
@@ -389,9 +403,7 @@ pub fn rng_kind(rng: RngArg) -> Result<RngKind, String> {
     match rng {
         RngArg::Cuda => Ok(RngKind::Cuda),
         RngArg::Cpu => Ok(RngKind::Cpu),
-        RngArg::StdDefault => {
-            Err("--rng std_default: not supported yet (use cuda, the default, or cpu)".into())
-        }
+        RngArg::StdDefault => Ok(RngKind::StdDefault),
     }
 }
 
@@ -699,9 +711,16 @@ mod tests {
             Some(DType::Q8_0)
         );
         assert_eq!(cli(&["upscale"]).unwrap().mode, Mode::Upscale);
+        assert_eq!(cli(&["plan", "--json"]).unwrap().mode, Mode::Plan);
+        assert_eq!(cli(&["-M", "plan"]).unwrap().mode, Mode::Plan);
         assert_eq!(cli(&["-M", "img_gen"]).unwrap().mode, Mode::ImgGen);
         assert_eq!(cli(&[]).unwrap().rng, RngArg::Cuda);
-        assert!(rng_kind(cli(&["--rng", "std_default"]).unwrap().rng).is_err());
+        // stable-diffusion.cpp's default is cuda (Philox).
+        assert_eq!(rng_kind(cli(&[]).unwrap().rng), Ok(RngKind::Cuda));
+        assert_eq!(
+            rng_kind(cli(&["--rng", "std_default"]).unwrap().rng),
+            Ok(RngKind::StdDefault)
+        );
         assert_eq!(
             cli(&["--scheduler", "normal"]).unwrap().scheduler,
             Some(Scheduler::Discrete)

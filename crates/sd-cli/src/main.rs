@@ -1,7 +1,8 @@
 //! `sd`: the sd-rs command-line tool.
 //!
 //! Generates images from a prompt (and an init image) with an SD1.x / SD2.x checkpoint
-//! (`-m MODEL -p PROMPT`), upscales images (`sd upscale`, `-M upscale`), lists the compute
+//! (`-m MODEL -p PROMPT`), upscales images (`sd upscale`, `-M upscale`), prints the memory
+//! plan of a generation without running it (`sd plan`, `-M plan`, [`plan`]), lists the compute
 //! devices ggml sees (`--list-devices`) and runs a tensor self-check (`--self-check`). Flag
 //! names follow stable-diffusion.cpp's `sd-cli` ([`cli`]).
 //!
@@ -10,9 +11,11 @@
 
 mod cli;
 mod devices;
+mod encode;
 mod input;
 mod lora;
 mod output;
+mod plan;
 mod progress;
 mod upscale;
 
@@ -132,7 +135,7 @@ fn run(cli: &Cli) -> Result<(), Fail> {
         return Ok(());
     }
     match cli.mode {
-        Mode::ImgGen | Mode::Upscale => {}
+        Mode::ImgGen | Mode::Upscale | Mode::Plan => {}
         other => {
             let name = clap::ValueEnum::to_possible_value(&other)
                 .map(|v| v.get_name().to_string())
@@ -161,6 +164,14 @@ fn run(cli: &Cli) -> Result<(), Fail> {
     }
     if cli.model.is_some() || cli.diffusion_model.is_some() {
         return generate(cli, threads);
+    }
+    if cli.mode == Mode::Plan {
+        return Err(Fail::Usage(
+            "plan mode needs -m/--model (or --diffusion-model)".into(),
+        ));
+    }
+    if cli.json {
+        return Err(Fail::Usage("--json is for plan mode (sd plan ...)".into()));
     }
     if cli.list_devices || cli.self_check {
         return Ok(());
@@ -223,58 +234,151 @@ pub fn mem_available() -> Option<u64> {
     Some(kib * 1024)
 }
 
-/// Refuses sizes whose largest buffers cannot fit in host memory when computing on the CPU:
-/// the UNet's attention scores at the latent resolution (without flash attention) and the
-/// VAE decoder's full-resolution activations (without tiling). Estimates for SD1.x widths
-/// (8 heads, 128 decoder channels); a usage error naming -W/-H.
+/// Where the memory preflight looks: host memory on the CPU, else the compute device.
+struct MemoryLimit {
+    /// Bytes available to the largest buffers (`MemAvailable`, or the device's free memory
+    /// within the `--max-vram` budget).
+    available: u64,
+    /// Where, for messages (`the CPU`, `SIM0`, `CUDA0`).
+    place: String,
+    /// Whether the compute device is the CPU (the VAE decode's activations are in host
+    /// memory; on a device the preflight tiles a decode that does not fit).
+    cpu: bool,
+}
+
+impl MemoryLimit {
+    /// The limit of `pipeline`'s compute device, if known.
+    fn of(pipeline: &Pipeline) -> Option<MemoryLimit> {
+        let rt = pipeline.runtime();
+        if rt.compute_backend().is_cpu() {
+            return Some(MemoryLimit {
+                available: mem_available()?,
+                place: "the CPU".into(),
+                cpu: true,
+            });
+        }
+        let device = rt.compute_device()?;
+        let free = device.memory().free;
+        let available = match rt.budget() {
+            Some(b) => b.min(free),
+            None => free,
+        };
+        (available > 0).then(|| MemoryLimit {
+            available,
+            place: device.name().to_string(),
+            cpu: false,
+        })
+    }
+}
+
+/// Bytes of the UNet's largest attention-score tensor (f32, CFG batch of 2) for `lw` x
+/// `lh` latents: at the finest level with attention, `heads x tokens x tokens` per image.
+fn attention_scores_bytes(ucfg: &sd_models::unet::UnetConfig, lw: usize, lh: usize) -> f64 {
+    let mut worst = 0.0f64;
+    for (level, mult) in ucfg.channel_mult.iter().enumerate() {
+        let ds = 1usize << level;
+        if !ucfg.attention_resolutions.contains(&ds) {
+            continue;
+        }
+        let heads = ucfg
+            .heads
+            .split(ucfg.model_channels * mult)
+            .map_or(8, |(h, _)| h);
+        let tokens = (lw as f64 / ds as f64).ceil() * (lh as f64 / ds as f64).ceil();
+        worst = worst.max(tokens * tokens * heads as f64 * 2.0 * 4.0);
+    }
+    worst
+}
+
+/// Refuses sizes whose largest buffers cannot fit, before any weight is read: the UNet's
+/// attention scores without flash attention (one tensor: no cut splits it), on any compute
+/// device, and the VAE decoder's full-resolution activations without tiling on the CPU (a
+/// device's decode is tiled by the preflight when it does not fit whole); the decoded
+/// image's planes always need host memory. The decoder estimate is for SD's 128 channels
+/// at full resolution; a usage error naming -W/-H.
 fn memory_preflight(
-    downsample: usize,
+    limit: &MemoryLimit,
+    spec: &sd_pipeline::family::ModelSpec,
     w: usize,
     h: usize,
     flash: bool,
     tiled: bool,
 ) -> Result<(), Fail> {
-    let Some(avail) = mem_available() else {
-        return Ok(());
+    let f = spec.first_stage.1.downsample_factor().max(1);
+    let sd_models::diffusion::DiffusionArch::Unet(ucfg) = &spec.diffusion.1;
+    let gib = |b: f64| b / (1u64 << 30) as f64;
+    let too_big = |need: f64, what: &str, avail: f64, place: &str, hints: &str| {
+        Fail::Usage(format!(
+            "-W/--width, -H/--height: {w}x{h} needs about {:.1} GiB of memory on {place} \
+             ({what}), {:.1} GiB are available; use a smaller size{hints}",
+            gib(need),
+            gib(avail),
+        ))
     };
-    let f = downsample.max(1) as f64;
-    let tokens = (w as f64 / f) * (h as f64 / f);
     let attention = if flash {
         0.0
     } else {
-        tokens * tokens * 8.0 * 2.0 * 4.0
+        attention_scores_bytes(ucfg, w / f, h / f)
     };
-    let decode = if tiled {
+    let decode = if tiled || !limit.cpu {
         0.0
     } else {
         w as f64 * h as f64 * 128.0 * 4.0 * 3.0
     };
     let need = attention.max(decode);
-    if need > avail as f64 {
-        let gib = |b: f64| b / (1u64 << 30) as f64;
-        return Err(Fail::Usage(format!(
-            "-W/--width, -H/--height: {w}x{h} needs about {:.1} GiB of memory on the CPU \
-             ({} ), {:.1} GiB are available; use a smaller size{}{}",
-            gib(need),
-            if attention >= decode {
-                "attention scores"
-            } else {
-                "VAE decode"
-            },
-            gib(avail as f64),
-            if flash { "" } else { ", --diffusion-fa" },
-            if tiled { "" } else { ", --vae-tiling" },
-        )));
+    let hints = format!(
+        "{}{}",
+        if flash { "" } else { ", --diffusion-fa" },
+        if tiled || !limit.cpu {
+            ""
+        } else {
+            ", --vae-tiling"
+        }
+    );
+    if need > limit.available as f64 {
+        let what = if attention >= decode {
+            "attention scores"
+        } else {
+            "VAE decode"
+        };
+        return Err(too_big(
+            need,
+            what,
+            limit.available as f64,
+            &limit.place,
+            &hints,
+        ));
+    }
+    // The decoded image in host memory: f32 planes and their copy.
+    if !limit.cpu {
+        if let Some(avail) = mem_available() {
+            let planes = w as f64 * h as f64 * 3.0 * 4.0 * 2.0;
+            if planes > avail as f64 {
+                return Err(too_big(
+                    planes,
+                    "the decoded image",
+                    avail as f64,
+                    "the host",
+                    "",
+                ));
+            }
+        }
     }
     Ok(())
 }
 
 fn generate(cli: &Cli, threads: usize) -> Result<(), Fail> {
     // Everything that can be known from the command line, before any file is read.
-    let prompt = cli
-        .prompt
-        .clone()
-        .ok_or_else(|| Fail::Usage("a model needs -p/--prompt".into()))?;
+    let planning = cli.mode == Mode::Plan;
+    if cli.json && !planning {
+        return Err(Fail::Usage("--json is for plan mode (sd plan ...)".into()));
+    }
+    // A plan does not need the prompt (the text encoders run on their full token count).
+    let prompt = match (&cli.prompt, planning) {
+        (Some(p), _) => p.clone(),
+        (None, true) => String::new(),
+        (None, false) => return Err(Fail::Usage("a model needs -p/--prompt".into())),
+    };
     let (prompt, lora_tags) =
         lora::extract(&prompt).map_err(|e| Fail::Usage(format!("-p/--prompt: {e}")))?;
     let loras = match (&cli.lora_model_dir, lora_tags.is_empty()) {
@@ -295,13 +399,18 @@ fn generate(cli: &Cli, threads: usize) -> Result<(), Fail> {
         return Err(Fail::Usage("--strength needs -i/--init-img".into()));
     }
     let batch = cli.batch as usize;
-    let target = output::check(&cli.output, batch).map_err(|e| Fail::Usage(e.to_string()))?;
-    let seed = if cli.seed < 0 {
+    // A plan writes nothing: its output goes to stdout.
+    let target = if planning {
+        Target::Stdout
+    } else {
+        output::check(&cli.output, batch).map_err(|e| Fail::Usage(e.to_string()))?
+    };
+    let seed = if cli.seed < 0 && !planning {
         let s = random_seed();
         say(&target, &format!("seed: {s} (random)"));
         s
     } else {
-        cli.seed as u64
+        cli.seed.max(0) as u64
     };
     let init = match &cli.init {
         Some(path) => Some(
@@ -365,14 +474,17 @@ fn generate(cli: &Cli, threads: usize) -> Result<(), Fail> {
             )));
         }
     }
-    if on_cpu {
-        memory_preflight(
-            spec.first_stage.1.downsample_factor(),
-            width,
-            height,
-            flash,
-            cli.vae_tiling,
-        )?;
+    if !planning {
+        if let Some(limit) = MemoryLimit::of(&pipeline) {
+            memory_preflight(
+                &limit,
+                &spec,
+                width,
+                height,
+                flash || pipeline.runtime().flash_attention(),
+                cli.vae_tiling,
+            )?;
+        }
     }
     // A bad upscaler is known before the steps.
     let upscaler = match &cli.upscale_model {
@@ -396,9 +508,6 @@ fn generate(cli: &Cli, threads: usize) -> Result<(), Fail> {
         }
         other => other,
     };
-    pipeline
-        .preload(&mut |d, t| progress.update(d, t))
-        .map_err(generate_fail)?;
     let sampler = cli.sampler.unwrap_or(defaults.sampler);
     let params = Txt2Img {
         prompt,
@@ -431,6 +540,19 @@ fn generate(cli: &Cli, threads: usize) -> Result<(), Fail> {
         spec.name.clone()
     };
     let strength = cli.strength.unwrap_or(0.75);
+    if planning {
+        progress.finish();
+        return print_plan(
+            cli,
+            &mut pipeline,
+            &params,
+            init.as_ref(),
+            upscaler.as_ref(),
+        );
+    }
+    pipeline
+        .preload(&mut |d, t| progress.update(d, t))
+        .map_err(generate_fail)?;
     // One image at a time, each saved as soon as it is decoded (image i uses seed + i).
     for i in 0..batch {
         let one = Txt2Img {
@@ -497,10 +619,44 @@ fn generate(cli: &Cli, threads: usize) -> Result<(), Fail> {
     Ok(())
 }
 
-/// Encodes `image` as PNG with a `parameters` text and writes it as image `i` of `target`.
+/// Plans the run of `params` (and the upscaler's tiles) and prints the plan (see [`plan`]).
+fn print_plan(
+    cli: &Cli,
+    pipeline: &mut Pipeline,
+    params: &Txt2Img,
+    init: Option<&Image>,
+    upscaler: Option<&upscale::Attached>,
+) -> Result<(), Fail> {
+    let mut models = pipeline.plan_run(params, init).map_err(generate_fail)?;
+    if let Some(up) = upscaler {
+        models.push(up.plan(pipeline, params.width, params.height)?);
+    }
+    let report = plan::Report {
+        width: params.width,
+        height: params.height,
+        steps: params.steps,
+        cfg_scale: params.cfg_scale,
+        batch: cli.batch as usize,
+        ..plan::Report::new(pipeline.runtime(), models)
+    };
+    if cli.json {
+        println!("{:#}", report.json());
+    } else {
+        print!("{}", report.table());
+    }
+    if report.fits() {
+        Ok(())
+    } else {
+        Err(Fail::Run(
+            "the run does not fit the budget (see the plan above)".into(),
+        ))
+    }
+}
+
+/// Encodes `image` in `target`'s format with a `parameters` text and writes it as image `i`
+/// of `target`.
 pub fn save(target: &Target, i: usize, image: &Image, text: String) -> Result<(), Fail> {
-    let bytes = image
-        .encode_png(&[("parameters".to_string(), text)])
+    let bytes = encode::encode(image, target.format(), &[("parameters".to_string(), text)])
         .map_err(|e| Fail::Run(format!("cannot encode {}: {e}", target.display(i))))?;
     output::write(target, i, &bytes).map_err(|e| Fail::Run(e.to_string()))
 }

@@ -8,7 +8,8 @@
 //!   never followed), then renamed over the path; an existing file's permissions are kept,
 //!   and the temporary file is removed on every error.
 //! - The directory must exist and be writable, the name must fit the file system and end in
-//!   `.png` (the only format written).
+//!   `.png`, `.jpg`/`.jpeg` or `.webp`: the format written ([`crate::encode`]). Standard
+//!   output and devices get PNG unless their name asks for another format.
 
 use std::ffi::OsString;
 use std::fs::{self, OpenOptions, Permissions};
@@ -49,6 +50,16 @@ pub enum Target {
 }
 
 impl Target {
+    /// The format written: the file name's, PNG for standard output and names without one.
+    pub fn format(&self) -> crate::encode::Format {
+        match self {
+            Target::Stdout => crate::encode::Format::Png,
+            Target::InPlace(p) | Target::File(p) => {
+                crate::encode::Format::from_path(p).unwrap_or(crate::encode::Format::Png)
+            }
+        }
+    }
+
     /// A display name for messages.
     pub fn display(&self, i: usize) -> String {
         match self {
@@ -113,23 +124,10 @@ pub fn check(path: &Path, count: usize) -> Result<Target, OutputError> {
     let Some(name) = path.file_name() else {
         return Err(invalid(format!("{shown} names no file")));
     };
-    match path
-        .extension()
-        .and_then(|e| e.to_str())
-        .map(str::to_ascii_lowercase)
-    {
-        Some(e) if e == "png" => {}
-        Some(e) if matches!(e.as_str(), "jpg" | "jpeg" | "webp") => {
-            return Err(invalid(format!(
-                "{shown}: {} output is not supported yet; sd writes PNG (name the file .png)",
-                if e == "webp" { "WebP" } else { "JPEG" }
-            )))
-        }
-        _ => {
-            return Err(invalid(format!(
-                "{shown}: the name must end in .png (sd writes PNG)"
-            )))
-        }
+    if crate::encode::Format::from_path(path).is_none() {
+        return Err(invalid(format!(
+            "{shown}: the name must end in .png, .jpg, .jpeg or .webp (the formats sd writes)"
+        )));
     }
     let longest = numbered(path, count.saturating_sub(1));
     let longest_len = longest.file_name().map_or(name.len(), |n| n.len());
@@ -245,12 +243,23 @@ mod tests {
         assert_eq!(fs::read_dir(dir.path()).unwrap().count(), 1);
     }
 
+    use crate::encode::Format;
+
     #[test]
     fn refusals() {
         let dir = tempfile::tempdir().unwrap();
-        for name in ["x.jpg", "x.webp", "x", "x.txt"] {
+        for name in ["x.gif", "x", "x.txt", "x.png.bak"] {
             assert!(check(&dir.path().join(name), 1).is_err(), "{name}");
         }
+        for (name, format) in [
+            ("x.png", Format::Png),
+            ("x.JPG", Format::Jpeg),
+            ("x.jpeg", Format::Jpeg),
+            ("x.webp", Format::WebP),
+        ] {
+            assert_eq!(check(&dir.path().join(name), 1).unwrap().format(), format);
+        }
+        assert_eq!(Target::Stdout.format(), Format::Png);
         assert!(check(dir.path(), 1).is_err());
         let long = "a".repeat(260) + ".png";
         assert!(check(&dir.path().join(long), 1).is_err());

@@ -113,6 +113,38 @@ impl Attached {
         Ok(out)
     }
 
+    /// Plans the upscaler's largest tile for a `w` x `h` image (over its repeats) without
+    /// running it.
+    pub fn plan(
+        &self,
+        pipeline: &mut Pipeline,
+        w: usize,
+        h: usize,
+    ) -> Result<sd_pipeline::run_plan::ModelPlan, Fail> {
+        let s = self.model.arch.scale();
+        let (mut tile, mut runs) = ((0, 0), 0);
+        let (mut iw, mut ih) = (w, h);
+        for _ in 0..self.opts.repeats {
+            let (tw, th, n) = self.model.tiles(iw, ih, self.opts.tile_size);
+            if tw * th > tile.0 * tile.1 {
+                tile = (tw, th);
+            }
+            runs += n;
+            (iw, ih) = (iw * s, ih * s);
+        }
+        let rt = pipeline.runtime_mut();
+        let device = sd_pipeline::run_plan::on_device(rt);
+        let planned = self.model.plan_tile(rt, tile.0, tile.1);
+        sd_pipeline::run_plan::ModelPlan::new(
+            format!("upscaler ({} x{})", self.model.arch.id(), s),
+            format!("{}x{} px tiles", tile.0, tile.1),
+            runs,
+            device,
+            planned,
+        )
+        .map_err(|e| Fail::Run(format!("--upscale-model: {e}")))
+    }
+
     /// `, Upscaler: NAME, Upscale repeats: N` for a PNG's `parameters` text.
     pub fn parameters_note(&self) -> String {
         format!(
@@ -170,8 +202,7 @@ pub fn run(cli: &Cli, threads: usize) -> Result<(), Fail> {
         Some((_, v)) => v.push_str(&note),
         None => text.push(("parameters".into(), note.trim_start_matches(", ").into())),
     }
-    let bytes = out
-        .encode_png(&text)
+    let bytes = crate::encode::encode(&out, target.format(), &text)
         .map_err(|e| Fail::Run(format!("cannot encode {}: {e}", target.display(0))))?;
     output::write(&target, 0, &bytes).map_err(|e| Fail::Run(e.to_string()))?;
     let line = format!(

@@ -138,14 +138,42 @@ fn cases() -> Vec<Case> {
             check: no_check,
         },
         Case {
-            name: "--rng std_default not supported yet",
+            name: "--rng std_default (libstdc++'s engine) runs; the default is cuda",
             setup: none,
             args: |d| with(gen(d.join("o.png")), &["--rng", "std_default"]),
-            code: 2,
-            stderr: &["std_default", "not supported yet"],
-            stdout: &[],
-            files: &[],
-            check: no_check,
+            code: 0,
+            stderr: &[],
+            stdout: &["saved"],
+            files: &["o.png"],
+            check: |d, _| {
+                // Another noise than the default (cuda) and than cpu.
+                let img = |p: &Path| sd_tensor::Image::load_png(p).unwrap().into_pixels();
+                let mut others = Vec::new();
+                for (name, rng) in [("cuda.png", None), ("cpu.png", Some("cpu"))] {
+                    let mut args = gen(d.join(name));
+                    if let Some(r) = rng {
+                        args = with(args, &["--rng", r]);
+                    }
+                    let out = Command::new(env!("CARGO_BIN_EXE_sd"))
+                        .args(args)
+                        .output()
+                        .unwrap();
+                    assert!(out.status.success());
+                    others.push(img(&d.join(name)));
+                }
+                let std = img(&d.join("o.png"));
+                assert!(
+                    others.iter().all(|o| *o != std),
+                    "std_default = cuda or cpu"
+                );
+                // The default is cuda: the same as --rng cuda.
+                let out = Command::new(env!("CARGO_BIN_EXE_sd"))
+                    .args(with(gen(d.join("explicit.png")), &["--rng", "cuda"]))
+                    .output()
+                    .unwrap();
+                assert!(out.status.success());
+                assert!(img(&d.join("explicit.png")) == others[0]);
+            },
         },
         Case {
             name: "models on different devices not supported yet",
@@ -193,6 +221,123 @@ fn cases() -> Vec<Case> {
             args: |d| with(gen(d.join("o.png")), &["-W", "16384", "-H", "16384"]),
             code: 2,
             stderr: &["16384x16384", "GiB"],
+            stdout: &[],
+            files: &[],
+            check: no_check,
+        },
+        Case {
+            name: "size beyond the device's memory refused before loading (sim device)",
+            setup: none,
+            args: |d| {
+                with(
+                    gen(d.join("o.png")),
+                    &["-W", "2048", "-H", "2048", "--backend", "sim:64"],
+                )
+            },
+            code: 2,
+            stderr: &["2048x2048", "SIM0", "attention scores", "--diffusion-fa"],
+            stdout: &[],
+            files: &[],
+            check: no_check,
+        },
+        Case {
+            name: "the device preflight counts --max-vram, not only the device",
+            setup: none,
+            args: |d| {
+                with(
+                    gen(d.join("o.png")),
+                    &[
+                        "-W",
+                        "512",
+                        "-H",
+                        "512",
+                        "--backend",
+                        "sim:2048",
+                        "--max-vram",
+                        "64M",
+                    ],
+                )
+            },
+            code: 2,
+            stderr: &["512x512", "SIM0", "0.1 GiB are available"],
+            stdout: &[],
+            files: &[],
+            check: no_check,
+        },
+        Case {
+            name: "sd plan: the run's segments on the simulated device, nothing written",
+            setup: none,
+            args: |d| {
+                let mut v = vec!["plan".into()];
+                v.extend(with(
+                    gen(d.join("o.png")),
+                    &["--backend", "sim:256", "--max-vram", "8M", "--steps", "20"],
+                ));
+                v
+            },
+            code: 0,
+            stderr: &[],
+            stdout: &[
+                "plan: 64x64, 20 steps",
+                "text encoder 0",
+                "diffusion",
+                "16x16 latents, batch 2",
+                "vae decode",
+                "segments",
+                "per step:",
+                "budget 8.00 MiB",
+            ],
+            files: &[],
+            check: no_check,
+        },
+        Case {
+            name: "sd plan --json: what does not fit, and the minimum budget",
+            setup: none,
+            args: |d| {
+                let mut v = vec!["plan".into(), "--json".into()];
+                v.extend(with(
+                    gen(d.join("o.png")),
+                    &["--backend", "sim:256", "--max-vram", "256K"],
+                ));
+                v
+            },
+            code: 1,
+            stderr: &["does not fit"],
+            stdout: &["\"fits\": false"],
+            files: &[],
+            check: |_, o| {
+                let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+                let models = v["models"].as_array().unwrap();
+                let unet = models.iter().find(|m| m["model"] == "diffusion").unwrap();
+                assert_eq!(unet["fits"], false);
+                let min = unet["minimum"].as_u64().unwrap();
+                assert!(min > 256 << 10, "{min}");
+                assert!(v["minimum"].as_u64().unwrap() >= min);
+                assert!(unet["shortfall"]["segment"].is_string());
+            },
+        },
+        Case {
+            name: "-M plan on the CPU: whole graphs, nothing moved",
+            setup: none,
+            args: |d| with(gen(d.join("o.png")), &["-M", "plan", "--json"]),
+            code: 0,
+            stderr: &[],
+            stdout: &["\"fits\": true"],
+            files: &[],
+            check: |_, o| {
+                let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+                assert_eq!(v["moved_per_image"], 0);
+                for m in v["models"].as_array().unwrap() {
+                    assert_eq!(m["segments"].as_array().unwrap().len(), 1, "{m}");
+                }
+            },
+        },
+        Case {
+            name: "--json outside plan mode",
+            setup: none,
+            args: |d| with(gen(d.join("o.png")), &["--json"]),
+            code: 2,
+            stderr: &["--json", "plan"],
             stdout: &[],
             files: &[],
             check: no_check,
@@ -312,11 +457,59 @@ fn cases() -> Vec<Case> {
             },
         },
         Case {
-            name: "JPEG output refused",
+            name: "-o x.jpg writes JPEG with the parameters in EXIF",
             setup: none,
             args: |d| gen(d.join("o.jpg")),
+            code: 0,
+            stderr: &[],
+            stdout: &["saved", "o.jpg"],
+            files: &["o.jpg"],
+            check: |d, _| {
+                let bytes = std::fs::read(d.join("o.jpg")).unwrap();
+                assert_eq!(&bytes[..3], &[0xff, 0xd8, 0xff]);
+                let mut dec = zune_jpeg::JpegDecoder::new(std::io::Cursor::new(&bytes));
+                dec.decode().unwrap();
+                assert_eq!(dec.dimensions(), Some((64, 64)));
+                assert!(exif_text(&bytes).contains("a red circle\nSteps: 1"));
+            },
+        },
+        Case {
+            name: "-o x.JPEG and x.webp: JPEG and lossless WebP, as the PNG's pixels",
+            setup: none,
+            args: |d| gen(d.join("o.webp")),
+            code: 0,
+            stderr: &[],
+            stdout: &["saved", "o.webp"],
+            files: &["o.webp"],
+            check: |d, _| {
+                let bytes = std::fs::read(d.join("o.webp")).unwrap();
+                assert!(bytes.starts_with(b"RIFF") && &bytes[8..12] == b"WEBP");
+                assert!(exif_text(&bytes).contains("a red circle\nSteps: 1"));
+                let out = Command::new(env!("CARGO_BIN_EXE_sd"))
+                    .args(gen(d.join("o.png")))
+                    .output()
+                    .unwrap();
+                assert!(out.status.success());
+                let png = sd_tensor::Image::load_png(d.join("o.png")).unwrap();
+                let mut dec = image_webp::WebPDecoder::new(std::io::Cursor::new(&bytes)).unwrap();
+                let mut px = vec![0u8; dec.output_buffer_size().unwrap()];
+                dec.read_image(&mut px).unwrap();
+                assert!(px == png.pixels(), "WebP is not lossless");
+                let out = Command::new(env!("CARGO_BIN_EXE_sd"))
+                    .args(gen(d.join("o.JPEG")))
+                    .output()
+                    .unwrap();
+                assert!(out.status.success());
+                let jpg = std::fs::read(d.join("o.JPEG")).unwrap();
+                assert_eq!(&jpg[..2], &[0xff, 0xd8]);
+            },
+        },
+        Case {
+            name: "another extension refused before any work",
+            setup: none,
+            args: |d| gen(d.join("o.gif")),
             code: 2,
-            stderr: &["-o/--output", "JPEG", "not supported yet"],
+            stderr: &["-o/--output", "o.gif", ".png, .jpg, .jpeg or .webp"],
             stdout: &[],
             files: &[],
             check: no_check,
@@ -684,6 +877,24 @@ fn write_lora(path: &Path, stem: &str) {
     file.extend(head);
     file.extend(data);
     std::fs::write(path, file).unwrap();
+}
+
+/// The UserComment text of the EXIF block in a JPEG or WebP file (UTF-16 big-endian after
+/// `UNICODE\0`, as A1111 writes it).
+fn exif_text(bytes: &[u8]) -> String {
+    let at = bytes
+        .windows(8)
+        .position(|w| w == b"UNICODE\0")
+        .expect("no UserComment");
+    let mut units = Vec::new();
+    for c in bytes[at + 8..].chunks_exact(2) {
+        let u = u16::from_be_bytes([c[0], c[1]]);
+        if u == 0 {
+            break;
+        }
+        units.push(u);
+    }
+    String::from_utf16_lossy(&units)
 }
 
 fn names(dir: &Path) -> Vec<String> {

@@ -337,18 +337,30 @@ impl<M: DeviceResidencyManager> ExecutionEngine<M> {
                 log: &mut self.log,
                 session: &mut session,
             };
-            exec.choose(task).map(|(p, segmented)| PlanSummary {
-                segmented,
-                segments: (0..p.plan.segments.len())
-                    .map(|k| {
-                        (
-                            p.plan.segments[k].name.clone(),
-                            crate::refine::segment_need(&p, k),
-                        )
-                    })
-                    .collect(),
-                limit: exec.segment_limit(),
-                fine_cuts: p.marks.iter().filter(|m| m.level > 0).count(),
+            exec.choose(task).and_then(|(p, segmented)| {
+                let details: Vec<_> = (0..p.plan.segments.len())
+                    .map(|k| crate::refine::segment_plan(&p, k))
+                    .collect();
+                // The finest granularity: every mark on (the chosen plan when it has none).
+                let minimum = if task.marks.is_empty() {
+                    details.iter().map(|d| d.need).max().unwrap_or(0)
+                } else {
+                    let finest = exec.prepare_plan(task, &task.marks)?;
+                    (0..finest.plan.segments.len())
+                        .map(|k| crate::refine::segment_need(&finest, k))
+                        .max()
+                        .unwrap_or(0)
+                };
+                Ok(PlanSummary {
+                    segmented,
+                    segments: details.iter().map(|d| (d.name.clone(), d.need)).collect(),
+                    limit: exec.segment_limit(),
+                    fine_cuts: p.marks.iter().filter(|m| m.level > 0).count(),
+                    details,
+                    minimum,
+                    input_bytes: task.inputs.iter().map(|(_, b)| b.len() as u64).sum(),
+                    output_bytes: task.output.nbytes() as u64,
+                })
             })
         };
         self.sessions.insert(id, session);

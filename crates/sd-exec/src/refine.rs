@@ -27,6 +27,11 @@ use crate::task::ComputeTask;
 /// compute buffer (the session's one workspace, which keeps the size of the largest
 /// segment's buffer), the cuts live while it runs and the graph outputs it produces.
 pub(crate) fn segment_need(p: &Prepared, k: usize) -> u64 {
+    segment_plan(p, k).need
+}
+
+/// The parts of segment `k`'s planned peak (see [`segment_need`]).
+pub(crate) fn segment_plan(p: &Prepared, k: usize) -> crate::task::SegmentPlan {
     let seg = &p.plan.segments[k];
     let outputs: usize = seg
         .outputs
@@ -34,7 +39,20 @@ pub(crate) fn segment_need(p: &Prepared, k: usize) -> u64 {
         .filter(|o| o.graph_output && !o.is_cut)
         .map(|o| o.bytes)
         .sum();
-    p.segment_weight_bytes[k] + (p.plan.max_compute_buffer() + seg.bytes.live_cuts + outputs) as u64
+    let workspace = p.plan.max_compute_buffer() as u64;
+    let weights = p.segment_weight_bytes[k];
+    let cuts = seg.bytes.live_cuts as u64;
+    crate::task::SegmentPlan {
+        name: seg.name.clone(),
+        device: p.segment_device[k],
+        params: p.segment_params[k].len(),
+        weight_bytes: weights,
+        compute_bytes: seg.bytes.compute_buffer as u64,
+        workspace_bytes: workspace,
+        cut_bytes: cuts,
+        output_bytes: outputs as u64,
+        need: weights + workspace + cuts + outputs as u64,
+    }
 }
 
 impl<M: DeviceResidencyManager> Exec<'_, M> {

@@ -151,6 +151,41 @@ pub struct PlanSummary {
     pub limit: Option<u64>,
     /// Cuts inside blocks the plan uses (fine marks, see `CutMarks::mark_fine`).
     pub fine_cuts: usize,
+    /// Per segment, what its planned peak is made of (same order as `segments`).
+    pub details: Vec<SegmentPlan>,
+    /// The smallest limit this task fits at its finest granularity (every cut mark on): the
+    /// largest planned peak of a segment then. A limit below it is
+    /// [`ExecError::BudgetTooSmall`](crate::ExecError::BudgetTooSmall) naming the same
+    /// number; without cut marks, the whole graph's peak.
+    pub minimum: u64,
+    /// Host bytes copied to the device as the task's inputs at each run.
+    pub input_bytes: u64,
+    /// Bytes of the output read back at each run.
+    pub output_bytes: u64,
+}
+
+/// One segment of a [`PlanSummary`]: the parts of its planned peak.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SegmentPlan {
+    /// The segment's name (its cut group, or `<final>`).
+    pub name: String,
+    /// The device (session slot: 0 is the primary, then layer-split devices) it runs on.
+    pub device: usize,
+    /// Parameters it uses.
+    pub params: usize,
+    /// Bytes of its weights on the device (aligned allocation sizes): what
+    /// [`SegmentReport::weight_bytes`] reports when it runs.
+    pub weight_bytes: u64,
+    /// Its own compute buffer: what [`SegmentReport::compute_bytes`] reports.
+    pub compute_bytes: u64,
+    /// The session's workspace while it runs (sized by the plan's largest compute buffer).
+    pub workspace_bytes: u64,
+    /// Cut outputs held in the cut cache while it runs (read by it or by later segments).
+    pub cut_bytes: u64,
+    /// Graph outputs (not cuts) it produces.
+    pub output_bytes: u64,
+    /// Its planned peak: weights + workspace + cuts + outputs.
+    pub need: u64,
 }
 
 impl PlanSummary {

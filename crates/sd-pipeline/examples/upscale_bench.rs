@@ -7,17 +7,33 @@
 
 use std::time::Instant;
 
+use clap::Parser;
+
 use sd_models::esrgan::EsrganConfig;
 use sd_models::upscaler::{Upscaler, UpscalerArch};
 use sd_models::weights::fill_with;
 use sd_models::{ComputeOptions, ParamBuilder};
 use sd_pipeline::upscale::{tile_starts, upscale_planes, CpuUpscaler};
 
-fn arg(args: &[String], flag: &str, default: usize) -> usize {
-    args.windows(2)
-        .find(|w| w[0] == flag)
-        .map(|w| w[1].parse().expect("a number"))
-        .unwrap_or(default)
+/// The command line (clap).
+#[derive(Debug, Parser)]
+#[command(
+    name = "upscale_bench",
+    about = "Tiled x4plus upscaling on the CPU backend"
+)]
+struct Args {
+    /// Image side in pixels
+    #[arg(long, default_value_t = 512, value_parser = clap::value_parser!(u32).range(1..=8192))]
+    size: u32,
+    /// CPU threads
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    threads: u32,
+    /// Tile side in input pixels
+    #[arg(long, default_value_t = 128, value_parser = clap::value_parser!(u32).range(4..=8192))]
+    tile: u32,
+    /// f16 im2col (ggml's fast path) instead of exact f32 convolutions
+    #[arg(long)]
+    fast: bool,
 }
 
 /// A small linear congruential generator: uniform values in [-a, a].
@@ -29,10 +45,12 @@ fn uniform(state: &mut u64, a: f32) -> f32 {
 }
 
 fn main() {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let size = arg(&args, "--size", 512);
-    let threads = arg(&args, "--threads", 2);
-    let tile = arg(&args, "--tile", 128);
+    let args = Args::parse();
+    let (size, threads, tile) = (
+        args.size as usize,
+        args.threads as usize,
+        args.tile as usize,
+    );
 
     let arch = UpscalerArch::Esrgan(EsrganConfig::default());
     let pb = ParamBuilder::new(None, 4096).expect("param context");
@@ -43,7 +61,7 @@ fn main() {
         (0..n).map(|_| uniform(&mut st, 0.04)).collect()
     })
     .expect("weights");
-    let fast = args.iter().any(|a| a == "--fast");
+    let fast = args.fast;
     let mut exec = CpuUpscaler::from_parts(model, buf, threads)
         .expect("backend")
         .with_options(ComputeOptions {

@@ -16,6 +16,7 @@ pub mod pipeline;
 pub mod preflight;
 pub mod prompt;
 pub mod rng;
+pub mod run_plan;
 pub mod runtime;
 pub mod sampling;
 pub mod schedule;

@@ -24,7 +24,7 @@ use crate::runtime::{BuiltGraph, RuntimeError};
 use crate::vae_tiling::VaeTiling;
 
 /// Tile sides tried, in latent pixels, when a whole VAE pass does not fit.
-const AUTO_TILES: [usize; 3] = [32, 16, 8];
+pub(crate) const AUTO_TILES: [usize; 3] = [32, 16, 8];
 
 /// What preflight found: the plan of every model, and the VAE tiling it chose.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -73,67 +73,14 @@ impl Pipeline {
 
         // Text encoders: one chunk of their maximum token count each.
         for i in 0..self.text.len() {
-            let tokens = self.spec.text_encoders[i].1.max_tokens();
-            let (h, enc) = (self.text[i].0, &self.text[i].1);
-            let plan = self
-                .runtime
-                .plan(h, "text encoder", enc.graph_size(), |g| {
-                    let input = g.ctx.new_tensor(DType::I32, &[tokens, 1])?;
-                    let output = enc.forward(g, &input)?;
-                    Ok(BuiltGraph {
-                        output,
-                        inputs: vec![(input, HostData::I32(vec![0; tokens]))],
-                    })
-                })
-                .map_err(err)?;
+            let plan = self.plan_text_encoder(i).map_err(err)?;
             out.plans.push((format!("text encoder {i}"), plan));
         }
 
         // Diffusion network at the latent size, cond and uncond in one batch under guidance.
         let f = self.first_stage.1.downsample_factor().max(1);
         let (lw, lh) = (params.width / f, params.height / f);
-        let DiffusionArch::Unet(ucfg) = &self.spec.diffusion.1;
-        let c = ucfg.in_channels;
-        let ctx_dim = ucfg.context_dim;
-        let adm = ucfg.adm_in_channels;
-        let tokens = self
-            .spec
-            .text_encoders
-            .first()
-            .map_or(77, |t| t.1.max_tokens());
-        let batch = if params.cfg_scale != 1.0 { 2 } else { 1 };
-        let net = &self.diffusion.1;
-        let plan = self
-            .runtime
-            .plan(self.diffusion.0, "diffusion", net.graph_size(), |g| {
-                let x = g.ctx.new_tensor(DType::F32, &[lw, lh, c, batch])?;
-                let t = g.ctx.new_tensor(DType::F32, &[batch])?;
-                let ctx = g.ctx.new_tensor(DType::F32, &[ctx_dim, tokens, batch])?;
-                let y = match adm {
-                    Some(n) => Some(g.ctx.new_tensor(DType::F32, &[n, batch])?),
-                    None => None,
-                };
-                let mut inputs = DiffusionInputs::new(&x, &t);
-                inputs.context = Some(&ctx);
-                inputs.y = y.as_ref();
-                let output = net.forward(g, &inputs)?;
-                let mut data = vec![
-                    (x.clone(), HostData::F32(vec![0.0; lw * lh * c * batch])),
-                    (t.clone(), HostData::F32(vec![0.0; batch])),
-                    (
-                        ctx.clone(),
-                        HostData::F32(vec![0.0; ctx_dim * tokens * batch]),
-                    ),
-                ];
-                if let (Some(y), Some(n)) = (y, adm) {
-                    data.push((y, HostData::F32(vec![0.0; n * batch])));
-                }
-                Ok(BuiltGraph {
-                    output,
-                    inputs: data,
-                })
-            })
-            .map_err(err)?;
+        let plan = self.plan_diffusion(params).map_err(err)?;
         out.plans.push(("diffusion".into(), plan));
 
         // VAE: encoder at the init image's size, decoder at the final size; tiles when the
@@ -193,6 +140,67 @@ impl Pipeline {
             );
         }
         Ok(out)
+    }
+
+    /// Plans text encoder `i` on one chunk of its maximum token count.
+    pub fn plan_text_encoder(&mut self, i: usize) -> Result<PlanSummary, RuntimeError> {
+        let tokens = self.spec.text_encoders[i].1.max_tokens();
+        let (h, enc) = (self.text[i].0, &self.text[i].1);
+        self.runtime.plan(h, "text encoder", enc.graph_size(), |g| {
+            let input = g.ctx.new_tensor(DType::I32, &[tokens, 1])?;
+            let output = enc.forward(g, &input)?;
+            Ok(BuiltGraph {
+                output,
+                inputs: vec![(input, HostData::I32(vec![0; tokens]))],
+            })
+        })
+    }
+
+    /// Plans one step of the diffusion network at `params`' latent size, cond and uncond in
+    /// one batch when `params.cfg_scale` is not 1 (as the guidance runs it).
+    pub fn plan_diffusion(&mut self, params: &Txt2Img) -> Result<PlanSummary, RuntimeError> {
+        let f = self.first_stage.1.downsample_factor().max(1);
+        let (lw, lh) = (params.width / f, params.height / f);
+        let DiffusionArch::Unet(ucfg) = &self.spec.diffusion.1;
+        let c = ucfg.in_channels;
+        let ctx_dim = ucfg.context_dim;
+        let adm = ucfg.adm_in_channels;
+        let tokens = self
+            .spec
+            .text_encoders
+            .first()
+            .map_or(77, |t| t.1.max_tokens());
+        let batch = if params.cfg_scale != 1.0 { 2 } else { 1 };
+        let net = &self.diffusion.1;
+        self.runtime
+            .plan(self.diffusion.0, "diffusion", net.graph_size(), |g| {
+                let x = g.ctx.new_tensor(DType::F32, &[lw, lh, c, batch])?;
+                let t = g.ctx.new_tensor(DType::F32, &[batch])?;
+                let ctx = g.ctx.new_tensor(DType::F32, &[ctx_dim, tokens, batch])?;
+                let y = match adm {
+                    Some(n) => Some(g.ctx.new_tensor(DType::F32, &[n, batch])?),
+                    None => None,
+                };
+                let mut inputs = DiffusionInputs::new(&x, &t);
+                inputs.context = Some(&ctx);
+                inputs.y = y.as_ref();
+                let output = net.forward(g, &inputs)?;
+                let mut data = vec![
+                    (x.clone(), HostData::F32(vec![0.0; lw * lh * c * batch])),
+                    (t.clone(), HostData::F32(vec![0.0; batch])),
+                    (
+                        ctx.clone(),
+                        HostData::F32(vec![0.0; ctx_dim * tokens * batch]),
+                    ),
+                ];
+                if let (Some(y), Some(n)) = (y, adm) {
+                    data.push((y, HostData::F32(vec![0.0; n * batch])));
+                }
+                Ok(BuiltGraph {
+                    output,
+                    inputs: data,
+                })
+            })
     }
 
     /// Plans a VAE encode (`encode`) or decode of `w` x `h` latent pixels against the

@@ -5,7 +5,10 @@
 //! - [`CudaRng`]: torch's CUDA Philox 4x32-10 stream as stable-diffusion.cpp's `rng_philox.hpp`
 //!   (itself a port of AUTOMATIC1111 webui's `rng_philox.py`) emulates it on the CPU.
 //!
-//! Both draw one fresh block per [`Rng::randn`] call, like sd.cpp's `RNG::randn(n)`.
+//! - [`StdDefaultRng`]: sd.cpp's `STDDefaultRNG`, `std::default_random_engine` with
+//!   `std::normal_distribution<float>` as libstdc++ computes them.
+//!
+//! All draw one fresh block per [`Rng::randn`] call, like sd.cpp's `RNG::randn(n)`.
 
 use std::str::FromStr;
 
@@ -39,6 +42,8 @@ pub enum RngKind {
     Cpu,
     /// `cuda`: torch CUDA Philox `randn` ([`CudaRng`]); sd.cpp's default.
     Cuda,
+    /// `std_default`: C++ `std::default_random_engine` ([`StdDefaultRng`]).
+    StdDefault,
 }
 
 impl RngKind {
@@ -47,6 +52,7 @@ impl RngKind {
         match self {
             RngKind::Cpu => "cpu",
             RngKind::Cuda => "cuda",
+            RngKind::StdDefault => "std_default",
         }
     }
 
@@ -55,6 +61,7 @@ impl RngKind {
         match self {
             RngKind::Cpu => Box::new(CpuRng::new(seed)),
             RngKind::Cuda => Box::new(CudaRng::new(seed)),
+            RngKind::StdDefault => Box::new(StdDefaultRng::new(seed)),
         }
     }
 }
@@ -66,6 +73,7 @@ impl FromStr for RngKind {
         match s {
             "cpu" => Ok(RngKind::Cpu),
             "cuda" => Ok(RngKind::Cuda),
+            "std_default" => Ok(RngKind::StdDefault),
             _ => Err(SamplingError::UnknownName {
                 what: "rng",
                 name: s.to_string(),
@@ -285,5 +293,91 @@ impl Rng for CudaRng {
                 Self::box_muller(g[0] as f32, g[1] as f32)
             })
             .collect()
+    }
+}
+
+/// `std::minstd_rand0`'s modulus (libstdc++'s `default_random_engine`).
+const MINSTD_M: u64 = 2_147_483_647;
+/// `std::minstd_rand0`'s multiplier.
+const MINSTD_A: u64 = 16_807;
+
+/// stable-diffusion.cpp's `STDDefaultRNG`: `std::default_random_engine` (libstdc++:
+/// `minstd_rand0`) seeded with the seed cast to `unsigned int`, and a fresh
+/// `std::normal_distribution<float>(0, 1)` per [`Rng::randn`] call, reproduced bit for bit as
+/// libstdc++ (GCC 12) computes them:
+///
+/// - uniforms: `generate_canonical<float, 24>` takes one engine output `x` (its range,
+///   2^31 - 2, gives 30 bits): `float(x - 1) / float(2147483646)` (the divisor rounds to
+///   2^31), clamped below 1 by `nextafter(1, 0)`;
+/// - normals: Marsaglia's polar method, `x = 2u - 1` rounded through `double`, `r2 = x*x +
+///   y*y` in `float`, rejected when `r2 > 1` or `r2 == 0`, `mult = sqrtf(-2 * logf(r2) /
+///   r2)`; it returns `y * mult` and keeps `x * mult` for the next value. The kept value
+///   is dropped at the end of each call, as sd.cpp's distribution is local to `randn`.
+///
+/// `logf` is the C library's (Rust's `f32::ln` calls it too), so the values are those of a
+/// g++ build on the same C library without FMA contraction (the x86-64 baseline).
+#[derive(Clone, Debug)]
+pub struct StdDefaultRng {
+    state: u64,
+}
+
+impl StdDefaultRng {
+    /// A generator seeded with `seed` (its low 32 bits, as sd.cpp's `(unsigned int)seed`).
+    pub fn new(seed: u64) -> Self {
+        let mut r = StdDefaultRng { state: 1 };
+        r.manual_seed(seed);
+        r
+    }
+
+    /// The next `minstd_rand0` output, in `[1, 2^31 - 2]`.
+    pub fn next_u32(&mut self) -> u32 {
+        self.state = self.state * MINSTD_A % MINSTD_M;
+        self.state as u32
+    }
+
+    /// `std::generate_canonical<float, 24>`: one engine output scaled to `[0, 1)`.
+    pub fn canonical(&mut self) -> f32 {
+        let sum = (self.next_u32() - 1) as f32;
+        // `tmp *= r`: 1.0f times 2147483646.0L, rounded to float (2^31).
+        let tmp = 2_147_483_646.0f64 as f32;
+        let ret = sum / tmp;
+        if ret >= 1.0 {
+            // nextafter(1.0f, 0.0f)
+            f32::from_bits(1.0f32.to_bits() - 1)
+        } else {
+            ret
+        }
+    }
+}
+
+impl Rng for StdDefaultRng {
+    fn manual_seed(&mut self, seed: u64) {
+        let s = (seed as u32) as u64 % MINSTD_M;
+        self.state = if s == 0 { 1 } else { s };
+    }
+
+    fn randn(&mut self, n: usize) -> Vec<f32> {
+        let mut out = Vec::with_capacity(n);
+        let mut saved: Option<f32> = None;
+        while out.len() < n {
+            if let Some(v) = saved.take() {
+                out.push(v * 1.0 + 0.0);
+                continue;
+            }
+            let (x, y, r2) = loop {
+                // `result_type(2.0) * u - 1.0`: the product in float, the difference in
+                // double, stored as float.
+                let x = ((2.0f32 * self.canonical()) as f64 - 1.0) as f32;
+                let y = ((2.0f32 * self.canonical()) as f64 - 1.0) as f32;
+                let r2 = x * x + y * y;
+                if !(r2 > 1.0 || r2 == 0.0) {
+                    break (x, y, r2);
+                }
+            };
+            let mult = (-2.0f32 * r2.ln() / r2).sqrt();
+            saved = Some(x * mult);
+            out.push(y * mult * 1.0 + 0.0);
+        }
+        out
     }
 }

@@ -669,6 +669,12 @@ impl Runtime {
         self.sim.as_ref()
     }
 
+    /// Whether graphs use flash attention (for some head widths on the compute device):
+    /// [`RuntimeOptions::flash_attn`] resolved, or the compute options' own flag.
+    pub fn flash_attention(&self) -> bool {
+        self.flash_attn_dims.is_some() || self.options.compute_options.flash_attn
+    }
+
     /// The options the runtime was built with.
     pub fn options(&self) -> &RuntimeOptions {
         &self.options

@@ -259,6 +259,45 @@ impl UpscalerModel {
     }
 }
 
+impl UpscalerModel {
+    /// Plans one `w` x `h` tile against the runtime's budget without running it (see
+    /// [`Runtime::plan`]).
+    pub fn plan_tile(
+        &self,
+        rt: &mut Runtime,
+        w: usize,
+        h: usize,
+    ) -> Result<sd_exec::PlanSummary, crate::runtime::RuntimeError> {
+        let c = self.arch.input_channels();
+        let net = &self.model;
+        rt.plan(self.handle, "upscale tile", UPSCALE_GRAPH, |g| {
+            let x = g.ctx.new_tensor(DType::F32, &[w, h, c, 1])?;
+            x.set_name("image");
+            let output = net.forward(g, &x)?;
+            Ok(BuiltGraph {
+                output,
+                inputs: vec![(x, HostData::F32(vec![0.0; w * h * c]))],
+            })
+        })
+    }
+
+    /// The tile (`w`, `h`, count) [`upscale_planes`] runs for a `w` x `h` input with tiles
+    /// of `tile_size` input pixels (0: untiled).
+    pub fn tiles(&self, w: usize, h: usize, tile_size: usize) -> (usize, usize, usize) {
+        let m = self.arch.size_multiple().max(1);
+        let (pw, ph) = (w.div_ceil(m) * m, h.div_ceil(m) * m);
+        let (tile, overlap) = if tile_size == 0 {
+            (usize::MAX, 0)
+        } else {
+            let t = (tile_size / m * m).max(m);
+            (t, (t / 4) / m * m)
+        };
+        let (tw, th) = (tile.min(pw), tile.min(ph));
+        let n = tile_starts(pw, tw, overlap).len() * tile_starts(ph, th, overlap).len();
+        (tw, th, n)
+    }
+}
+
 /// A [`TileExecutor`] running an [`UpscalerModel`]'s tiles through its runtime.
 #[derive(Debug)]
 pub struct RuntimeTiles<'a> {

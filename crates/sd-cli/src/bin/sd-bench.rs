@@ -34,7 +34,6 @@
 //! `CUDA_RUNTIME_RESERVE_BYTES` on CUDA devices); `--direct on` times the step
 //! without the engine (one graph allocation, `compute` only).
 
-use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -42,6 +41,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use clap::{Parser, Subcommand, ValueEnum};
 use sd_exec::{
     ComputeTask, EngineOptions, ExecError, ExecutionEngine, SegmentationPolicy, SessionConfig,
     SessionId,
@@ -89,7 +89,7 @@ fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> BenchError + '_ {
 }
 
 /// Where the UNet's parameters live between uses.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum ParamsMode {
     /// Loaded once into the compute device's memory.
     Device,
@@ -102,19 +102,6 @@ enum ParamsMode {
 }
 
 impl ParamsMode {
-    fn parse(s: &str) -> Result<Self> {
-        Ok(match s {
-            "device" => Self::Device,
-            "pinned" => Self::Pinned,
-            "ram" => Self::Ram,
-            "disk" => Self::Disk,
-            _ => {
-                return Err(BenchError::Usage(format!(
-                    "--params: `{s}` is not device, pinned, ram or disk"
-                )))
-            }
-        })
-    }
     fn name(self) -> &'static str {
         match self {
             Self::Device => "device",
@@ -125,70 +112,132 @@ impl ParamsMode {
     }
 }
 
-/// Parsed flags: `--name value` pairs and positionals.
-struct Flags {
-    values: BTreeMap<String, Vec<String>>,
-    positional: Vec<String>,
+/// The command line (clap).
+#[derive(Debug, Parser)]
+#[command(
+    name = "sd-bench",
+    about = "Measurements of the execution engine on a named ggml backend (JSON lines).",
+    max_term_width = 100
+)]
+struct Args {
+    /// A ggml backend module to load first (repeatable; also SD_BACKEND_MODULES=PATH:PATH)
+    #[arg(long = "module", value_name = "PATH", global = true)]
+    module: Vec<PathBuf>,
+    #[command(subcommand)]
+    cmd: Cmd,
 }
 
-impl Flags {
-    fn parse(args: &[String]) -> Result<Flags> {
-        let mut values: BTreeMap<String, Vec<String>> = BTreeMap::new();
-        let mut positional = Vec::new();
-        let mut it = args.iter();
-        while let Some(a) = it.next() {
-            if let Some(name) = a.strip_prefix("--") {
-                let v = it
-                    .next()
-                    .ok_or_else(|| BenchError::Usage(format!("--{name} needs a value")))?;
-                values.entry(name.to_string()).or_default().push(v.clone());
-            } else {
-                positional.push(a.clone());
-            }
-        }
-        Ok(Flags { values, positional })
-    }
-    fn get(&self, name: &str) -> Option<&str> {
-        self.values
-            .get(name)
-            .and_then(|v| v.last())
-            .map(String::as_str)
-    }
-    fn all(&self, name: &str) -> &[String] {
-        self.values.get(name).map_or(&[], Vec::as_slice)
-    }
-    fn num<T: std::str::FromStr>(&self, name: &str, default: T) -> Result<T> {
-        match self.get(name) {
-            None => Ok(default),
-            Some(v) => v
-                .parse()
-                .map_err(|_| BenchError::Usage(format!("--{name}: `{v}` is not a number"))),
-        }
-    }
-    fn check_known(&self, known: &[&str]) -> Result<()> {
-        for k in self.values.keys() {
-            if !known.contains(&k.as_str()) {
-                return Err(BenchError::Usage(format!("unknown flag --{k}")));
-            }
-        }
-        Ok(())
-    }
+/// The UNet configuration to benchmark.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum ConfigName {
+    /// The SD1.5 UNet.
+    Sd15,
+    /// A small UNet of the SD1 architecture (head widths 64 and 128).
+    Tiny,
 }
 
-const USAGE: &str = "usage: sd-bench write-weights DIR [--config sd15|tiny]
-       sd-bench unet --weights FILE --backend NAME [--max-vram FRAC|BYTES]
-                [--params device|pinned|ram|disk] [--steps N] [--flash-attn auto|on|off]
-                [--dump DIR] [--config sd15|tiny] [--runtime-reserve BYTES] [--direct on]
-       sd-bench check --backend NAME
-       sd-bench copy-bw --backend NAME [--mib N]
-  every command: [--module PATH]... (or SD_BACKEND_MODULES=PATH:PATH)";
+/// `--flash-attn`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum FlashAttn {
+    /// The head widths the backend supports.
+    Auto,
+    /// Every head width.
+    On,
+    /// None.
+    Off,
+}
+
+/// `--direct`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum OnOff {
+    /// Yes.
+    On,
+    /// No.
+    Off,
+}
+
+#[derive(Debug, Subcommand)]
+enum Cmd {
+    /// Random f16 UNet weights (LDM layout) into DIR/unet.safetensors
+    WriteWeights {
+        /// The directory
+        dir: PathBuf,
+        /// The UNet
+        #[arg(long, value_enum, default_value = "sd15")]
+        config: ConfigName,
+    },
+    /// One UNet step through the engine (or directly with --direct on)
+    Unet(UnetArgs),
+    /// The tiny UNet: backend vs CPU, resident and streamed through a budget
+    Check {
+        /// The ggml backend
+        #[arg(long, value_name = "NAME")]
+        backend: String,
+        /// CPU threads
+        #[arg(long, default_value_t = 8)]
+        threads: usize,
+    },
+    /// Host->device copy bandwidth
+    CopyBw {
+        /// The ggml backend
+        #[arg(long, value_name = "NAME")]
+        backend: String,
+        /// MiB per copy
+        #[arg(long, default_value_t = 1024)]
+        mib: usize,
+    },
+}
+
+/// `sd-bench unet`.
+#[derive(Debug, clap::Args)]
+struct UnetArgs {
+    /// The weights (from write-weights)
+    #[arg(long, value_name = "FILE")]
+    weights: PathBuf,
+    /// The ggml backend
+    #[arg(long, value_name = "NAME", default_value = "CPU")]
+    backend: String,
+    /// Budget: a fraction of the weight bytes (<= 1, e.g. 0.25) or bytes
+    #[arg(long = "max-vram", value_name = "FRAC|BYTES")]
+    max_vram: Option<String>,
+    /// Where the weights live (default: device without --max-vram, else pinned)
+    #[arg(long, value_enum)]
+    params: Option<ParamsMode>,
+    /// Timed steps
+    #[arg(long, default_value_t = 10)]
+    steps: usize,
+    /// Flash attention
+    #[arg(long = "flash-attn", value_enum, default_value = "auto")]
+    flash_attn: FlashAttn,
+    /// Write the inputs and the output as raw f32 into DIR
+    #[arg(long, value_name = "DIR")]
+    dump: Option<PathBuf>,
+    /// The UNet
+    #[arg(long, value_enum, default_value = "sd15")]
+    config: ConfigName,
+    /// CPU threads
+    #[arg(long, default_value_t = 8)]
+    threads: usize,
+    /// Bytes of the budget left to the backend's own allocations (default: the manager's)
+    #[arg(long = "runtime-reserve", value_name = "BYTES")]
+    runtime_reserve: Option<u64>,
+    /// Time the step without the engine
+    #[arg(long, value_enum, default_value = "off")]
+    direct: OnOff,
+}
 
 fn main() -> ExitCode {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    match run(&args) {
+    let args = match Args::try_parse_from(std::env::args_os()) {
+        Ok(a) => a,
+        Err(e) => {
+            let _ = e.print();
+            return ExitCode::from(if e.use_stderr() { 2 } else { 0 });
+        }
+    };
+    match run(args) {
         Ok(()) => ExitCode::SUCCESS,
         Err(BenchError::Usage(m)) => {
-            eprintln!("sd-bench: {m}\n{USAGE}");
+            eprintln!("sd-bench: {m}\nhint: 'sd-bench --help' lists the commands");
             ExitCode::from(2)
         }
         Err(e) => {
@@ -198,27 +247,18 @@ fn main() -> ExitCode {
     }
 }
 
-fn run(args: &[String]) -> Result<()> {
-    let Some((cmd, rest)) = args.split_first() else {
-        return Err(BenchError::Usage("no command".into()));
-    };
-    let flags = Flags::parse(rest)?;
+fn run(args: Args) -> Result<()> {
     let mut loaded = Device::load_modules_from_env()?;
-    for m in flags.all("module") {
-        loaded.extend(Device::load_module(Path::new(m))?);
+    for m in &args.module {
+        loaded.extend(Device::load_module(m)?);
     }
     if !loaded.is_empty() {
         eprintln!("sd-bench: backend modules added devices {loaded:?}");
     }
-    match cmd.as_str() {
-        "write-weights" => {
-            flags.check_known(&["module", "config"])?;
-            let dir = flags
-                .positional
-                .first()
-                .ok_or_else(|| BenchError::Usage("write-weights needs a directory".into()))?;
-            let cfg = config_by_name(flags.get("config").unwrap_or("sd15"))?;
-            let path = Path::new(dir).join("unet.safetensors");
+    match args.cmd {
+        Cmd::WriteWeights { dir, config } => {
+            let cfg = config_of(config);
+            let path = dir.join("unet.safetensors");
             let t0 = Instant::now();
             let bytes = write_weights(&cfg, &path, 1)?;
             println!(
@@ -228,42 +268,16 @@ fn run(args: &[String]) -> Result<()> {
             );
             Ok(())
         }
-        "unet" => {
-            flags.check_known(&[
-                "module",
-                "weights",
-                "backend",
-                "max-vram",
-                "params",
-                "steps",
-                "flash-attn",
-                "dump",
-                "config",
-                "threads",
-                "runtime-reserve",
-                "direct",
-            ])?;
-            cmd_unet(&flags)
-        }
-        "check" => {
-            flags.check_known(&["module", "backend", "threads"])?;
-            cmd_check(&flags)
-        }
-        "copy-bw" => {
-            flags.check_known(&["module", "backend", "mib"])?;
-            cmd_copy_bw(&flags)
-        }
-        other => Err(BenchError::Usage(format!("unknown command `{other}`"))),
+        Cmd::Unet(a) => cmd_unet(&a),
+        Cmd::Check { backend, threads } => cmd_check(&backend, threads),
+        Cmd::CopyBw { backend, mib } => cmd_copy_bw(&backend, mib),
     }
 }
 
-fn config_by_name(name: &str) -> Result<UnetConfig> {
+fn config_of(name: ConfigName) -> UnetConfig {
     match name {
-        "sd15" => Ok(UnetConfig::sd1()),
-        "tiny" => Ok(tiny_config()),
-        _ => Err(BenchError::Usage(format!(
-            "--config: `{name}` is not sd15 or tiny"
-        ))),
+        ConfigName::Sd15 => UnetConfig::sd1(),
+        ConfigName::Tiny => tiny_config(),
     }
 }
 
@@ -676,16 +690,12 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-fn cmd_unet(flags: &Flags) -> Result<()> {
-    let weights = PathBuf::from(
-        flags
-            .get("weights")
-            .ok_or_else(|| BenchError::Usage("unet needs --weights FILE".into()))?,
-    );
-    let backend_name = flags.get("backend").unwrap_or("CPU");
-    let cfg = config_by_name(flags.get("config").unwrap_or("sd15"))?;
-    let steps: usize = flags.num("steps", 10)?.max(1);
-    let threads: usize = flags.num("threads", 8)?;
+fn cmd_unet(a: &UnetArgs) -> Result<()> {
+    let weights = a.weights.clone();
+    let backend_name = a.backend.as_str();
+    let cfg = config_of(a.config);
+    let steps: usize = a.steps.max(1);
+    let threads: usize = a.threads;
     let backend = Arc::new(Backend::by_name(backend_name)?);
     if backend.is_cpu() {
         backend.set_threads(threads);
@@ -699,12 +709,13 @@ fn cmd_unet(flags: &Flags) -> Result<()> {
         let (_, p) = declare(&cfg, Some(&l))?;
         p.nbytes() as u64
     };
-    let budget = flags
-        .get("max-vram")
+    let budget = a
+        .max_vram
+        .as_deref()
         .map(|s| parse_budget(s, weight_bytes))
         .transpose()?;
-    let mode = match flags.get("params") {
-        Some(s) => ParamsMode::parse(s)?,
+    let mode = match a.params {
+        Some(m) => m,
         None if budget.is_some() => ParamsMode::Pinned,
         None => ParamsMode::Device,
     };
@@ -713,15 +724,10 @@ fn cmd_unet(flags: &Flags) -> Result<()> {
             "--params device keeps every weight on the device: it takes no --max-vram".into(),
         ));
     }
-    let flash_attn = match flags.get("flash-attn").unwrap_or("auto") {
-        "on" => all_head_dims(&cfg)?,
-        "off" => Vec::new(),
-        "auto" => flash_attn_dims(&backend, &cfg)?,
-        other => {
-            return Err(BenchError::Usage(format!(
-                "--flash-attn: `{other}` is not auto, on or off"
-            )))
-        }
+    let flash_attn = match a.flash_attn {
+        FlashAttn::On => all_head_dims(&cfg)?,
+        FlashAttn::Off => Vec::new(),
+        FlashAttn::Auto => flash_attn_dims(&backend, &cfg)?,
     };
     let (w, b, n_ctx) = if cfg == UnetConfig::sd1() {
         (64, 2, 77)
@@ -730,7 +736,7 @@ fn cmd_unet(flags: &Flags) -> Result<()> {
     };
     let inputs = Inputs::new(&cfg, w, b, n_ctx);
 
-    if flags.get("direct").is_some_and(|v| v != "off") {
+    if a.direct == OnOff::On {
         let times = direct_step_ms(&cfg, &weights, &backend, &inputs, &flash_attn, steps)?;
         println!(
             "{}",
@@ -748,7 +754,7 @@ fn cmd_unet(flags: &Flags) -> Result<()> {
     } else {
         0
     };
-    let reserve: u64 = flags.num("runtime-reserve", default_reserve)?;
+    let reserve: u64 = a.runtime_reserve.unwrap_or(default_reserve);
     let engine_budget = budget.map(|b| b.saturating_sub(reserve));
 
     let free_before = device.memory().free;
@@ -788,8 +794,8 @@ fn cmd_unet(flags: &Flags) -> Result<()> {
         .map(|s| s.footprint())
         .max()
         .unwrap_or(0);
-    if let Some(dir) = flags.get("dump") {
-        let dir = Path::new(dir);
+    if let Some(dir) = &a.dump {
+        let dir = dir.as_path();
         std::fs::create_dir_all(dir).map_err(io_err(dir))?;
         for (name, v) in [
             ("x.f32", &inputs.x),
@@ -852,11 +858,7 @@ fn rel_l2(a: &[f32], r: &[f32]) -> f64 {
 /// The tiny UNet on the CPU and on `--backend`: resident (mul_mat and flash attention) and
 /// streamed from pinned/pageable RAM or disk through a budget of half the weights; every
 /// result must match the CPU's within f16 tolerance.
-fn cmd_check(flags: &Flags) -> Result<()> {
-    let name = flags
-        .get("backend")
-        .ok_or_else(|| BenchError::Usage("check needs --backend NAME".into()))?;
-    let threads: usize = flags.num("threads", 8)?;
+fn cmd_check(name: &str, threads: usize) -> Result<()> {
     let cfg = tiny_config();
     let dir = std::env::temp_dir().join(format!("sd-bench-check-{}", std::process::id()));
     let weights = dir.join("unet.safetensors");
@@ -936,11 +938,7 @@ fn cmd_check(flags: &Flags) -> Result<()> {
 
 /// Host->device copy bandwidth: one `--mib` MiB tensor copied from a pinned host buffer (the
 /// device's host buffer type) and from a pageable one into device memory; best of 5.
-fn cmd_copy_bw(flags: &Flags) -> Result<()> {
-    let name = flags
-        .get("backend")
-        .ok_or_else(|| BenchError::Usage("copy-bw needs --backend NAME".into()))?;
-    let mib: usize = flags.num("mib", 1024)?;
+fn cmd_copy_bw(name: &str, mib: usize) -> Result<()> {
     let n = mib << 20;
     let backend = Backend::by_name(name)?;
     let device = backend

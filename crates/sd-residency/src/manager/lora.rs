@@ -4,7 +4,10 @@
 //! an up matrix `[out, rank, 1...]` and optionally a scalar `alpha`; the patch is
 //! `W += up @ down * (alpha / rank) * multiplier` (without alpha the scale is the
 //! multiplier). Key forms understood, for a weight named `B.weight`:
-//! - kohya: `lora_unet_<B relative to model.diffusion_model., dots as underscores>`,
+//! - kohya: `lora_unet_<B relative to model.diffusion_model., dots as underscores>`, or
+//!   `lora_unet_<the diffusers module path, dots as underscores>` (what kohya's sd-scripts
+//!   write for SD1/SD2: `lora_unet_down_blocks_0_attentions_0_proj_in`, brought to the
+//!   diffusers path and then to canonical names, see [`kohya_unet_to_diffusers`]),
 //!   `lora_te_` / `lora_te1_` (first text encoder) and `lora_te2_` (second), followed by
 //!   `.lora_down.weight`, `.lora_up.weight`, `.alpha`;
 //! - diffusers / PEFT: `B.lora_A.weight` (down), `B.lora_B.weight` (up), or
@@ -112,8 +115,88 @@ fn to_f32(loader: &TensorCatalog, name: &str) -> Result<Vec<f32>> {
     })
 }
 
+/// Module names of the diffusers UNet that contain an underscore, longest first: a kohya
+/// key joins every part with `_`, so these are matched as one part.
+const DIFFUSERS_COMPOUNDS: [&str; 19] = [
+    "transformer_blocks",
+    "time_embedding",
+    "conv_norm_out",
+    "add_embedding",
+    "conv_shortcut",
+    "time_emb_proj",
+    "down_blocks",
+    "downsamplers",
+    "upsamplers",
+    "mid_block",
+    "up_blocks",
+    "proj_out",
+    "linear_1",
+    "linear_2",
+    "conv_out",
+    "proj_in",
+    "conv_in",
+    "to_out",
+    "to_q",
+];
+
+/// The diffusers module path of a kohya UNet stem in diffusers form (the part after
+/// `lora_unet_`, e.g. `down_blocks_0_attentions_1_transformer_blocks_0_attn2_to_k` is
+/// `down_blocks.0.attentions.1.transformer_blocks.0.attn2.to_k`); `None` for the original
+/// (LDM) form (`input_blocks_1_1_proj_in`).
+pub fn kohya_unet_to_diffusers(rest: &str) -> Option<String> {
+    const ROOTS: [&str; 7] = [
+        "down_blocks_",
+        "up_blocks_",
+        "mid_block_",
+        "conv_in",
+        "conv_out",
+        "conv_norm_out",
+        "time_embedding_",
+    ];
+    if !ROOTS.iter().any(|r| rest.starts_with(r)) {
+        return None;
+    }
+    let compounds = DIFFUSERS_COMPOUNDS.iter().chain(&["to_k", "to_v"]);
+    let mut parts = Vec::new();
+    let mut s = rest;
+    while !s.is_empty() {
+        let part = compounds
+            .clone()
+            .find(|c| s.starts_with(**c) && matches!(s.as_bytes().get(c.len()), None | Some(b'_')))
+            .map(|c| &s[..c.len()])
+            .unwrap_or_else(|| s.split('_').next().unwrap_or(s));
+        parts.push(part);
+        s = s[part.len()..]
+            .strip_prefix('_')
+            .unwrap_or(&s[part.len()..]);
+    }
+    Some(parts.join("."))
+}
+
+/// Brings kohya UNet keys in diffusers form to `unet.<diffusers path>` keys, which
+/// [`canonicalize`] then renames as any diffusers LoRA.
+fn kohya_diffusers_to_unet(loader: &mut TensorCatalog) -> Result<()> {
+    loader.rename(|t| {
+        let mut t = t.clone();
+        if let Some(rest) = t.name.strip_prefix("lora_unet_") {
+            let (stem, suffix) = match rest.find('.') {
+                Some(i) => rest.split_at(i),
+                None => (rest, ""),
+            };
+            if let Some(path) = kohya_unet_to_diffusers(stem) {
+                t.name = format!("{}{path}{suffix}", sd_formats::names::DIFFUSERS_UNET);
+            }
+        }
+        vec![t]
+    })?;
+    Ok(())
+}
+
 /// Brings diffusers-layout LoRA names to canonical names (best effort).
 fn canonicalize(loader: &mut TensorCatalog) {
+    if let Err(e) = kohya_diffusers_to_unet(loader) {
+        tracing::warn!(error = %e, "cannot rename kohya LoRA keys; using them as they are");
+    }
     let before: Vec<_> = loader.tensors().cloned().collect();
     let Ok(after) = sd_formats::names::convert_to_canonical(before.clone(), None) else {
         return;
@@ -178,7 +261,19 @@ impl ModelManager {
         for (li, spec) in specs.iter().enumerate() {
             let mut loader = TensorCatalog::new();
             loader.add_file(&spec.path, None)?;
+            // The file's own names, for errors (renames keep a tensor's place in its file).
+            let original: HashMap<(sd_formats::FileId, u64), String> = loader
+                .tensors()
+                .map(|t| ((t.file, t.offset), t.name.clone()))
+                .collect();
             canonicalize(&mut loader);
+            let own_name = |name: &str| {
+                loader
+                    .get(name)
+                    .and_then(|t| original.get(&(t.file, t.offset)))
+                    .cloned()
+                    .unwrap_or_else(|| name.to_string())
+            };
             let bad = |name: &str, detail: String| ResidencyError::LoraTensor {
                 path: spec.path.clone(),
                 name: name.to_string(),
@@ -199,7 +294,8 @@ impl ModelManager {
             let unknown: Vec<String> = pairs
                 .iter()
                 .filter(|(stem, _)| !stems.contains_key(*stem))
-                .flat_map(|(_, p)| [&p.down, &p.up, &p.alpha].into_iter().flatten().cloned())
+                .flat_map(|(_, p)| [&p.down, &p.up, &p.alpha].into_iter().flatten())
+                .map(|n| own_name(n))
                 .collect();
             if !unknown.is_empty() {
                 return Err(ResidencyError::LoraUnknownWeights {
@@ -364,5 +460,40 @@ impl ModelManager {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::kohya_unet_to_diffusers as k;
+
+    #[test]
+    fn kohya_diffusers_stems_become_module_paths() {
+        assert_eq!(
+            k("down_blocks_0_attentions_1_transformer_blocks_0_attn2_to_k").as_deref(),
+            Some("down_blocks.0.attentions.1.transformer_blocks.0.attn2.to_k")
+        );
+        assert_eq!(
+            k("up_blocks_1_attentions_0_transformer_blocks_0_ff_net_0_proj").as_deref(),
+            Some("up_blocks.1.attentions.0.transformer_blocks.0.ff.net.0.proj")
+        );
+        assert_eq!(
+            k("mid_block_attentions_0_transformer_blocks_0_attn1_to_out_0").as_deref(),
+            Some("mid_block.attentions.0.transformer_blocks.0.attn1.to_out.0")
+        );
+        assert_eq!(
+            k("down_blocks_1_resnets_0_conv_shortcut").as_deref(),
+            Some("down_blocks.1.resnets.0.conv_shortcut")
+        );
+        assert_eq!(
+            k("down_blocks_0_resnets_0_time_emb_proj").as_deref(),
+            Some("down_blocks.0.resnets.0.time_emb_proj")
+        );
+        assert_eq!(
+            k("time_embedding_linear_1").as_deref(),
+            Some("time_embedding.linear_1")
+        );
+        assert_eq!(k("input_blocks_1_1_proj_in"), None);
+        assert_eq!(k("out_2"), None);
     }
 }

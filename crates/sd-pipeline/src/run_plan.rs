@@ -1,0 +1,216 @@
+//! The plan of a whole generation without running it (`sd plan`): every model of the run
+//! planned against the budget as [`Pipeline::preflight`] plans it (graphs built and planned,
+//! nothing computed, no weight read or uploaded), with what does not fit reported instead of
+//! failing.
+//!
+//! Per model: the segments at the requested size and budget ([`PlanSummary::details`]:
+//! weights, workspace and cuts of each), whether it fits, the minimum budget that would fit
+//! ([`PlanSummary::minimum`], or the engine's [`BudgetShortfall`] when it does not fit), and
+//! the bytes it moves between host and device at each run ([`ModelPlan::moved_per_run`]).
+
+use sd_exec::{BudgetShortfall, ExecError, PlanSummary};
+use sd_tensor::Image;
+
+use crate::error::GenerateError;
+use crate::params::Txt2Img;
+use crate::pipeline::{runtime_err, Pipeline};
+use crate::runtime::{Runtime, RuntimeError};
+use crate::vae_tiling::VaeTiling;
+
+/// The plan of one model of a run.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ModelPlan {
+    /// The model and its task (`text encoder 0`, `diffusion`, `vae decode`, `upscaler`).
+    pub model: String,
+    /// The graph's input size in words (`77 tokens`, `64x64 latents, batch 2`...).
+    pub input: String,
+    /// How many times the graph runs for one image (steps, tiles).
+    pub runs: usize,
+    /// The plan, or why it fits at no granularity.
+    pub outcome: Result<PlanSummary, Box<BudgetShortfall>>,
+    /// Whether the engine keeps the model's weights on the compute device between runs
+    /// (a separate device; the CPU computes on the weights in RAM).
+    pub device: bool,
+}
+
+impl ModelPlan {
+    /// Plans `f`'s graph; a graph that fits at no granularity is kept as its shortfall.
+    pub fn new(
+        model: impl Into<String>,
+        input: impl Into<String>,
+        runs: usize,
+        device: bool,
+        plan: Result<PlanSummary, RuntimeError>,
+    ) -> Result<ModelPlan, RuntimeError> {
+        let outcome = match plan {
+            Ok(p) => Ok(p),
+            Err(RuntimeError::Exec(ExecError::BudgetTooSmall(s))) => Err(s),
+            Err(e) => return Err(e),
+        };
+        Ok(ModelPlan {
+            model: model.into(),
+            input: input.into(),
+            runs,
+            outcome,
+            device,
+        })
+    }
+
+    /// Whether it fits the budget.
+    pub fn fits(&self) -> bool {
+        self.outcome.is_ok()
+    }
+
+    /// The smallest budget it would fit at its finest granularity.
+    pub fn minimum(&self) -> u64 {
+        match &self.outcome {
+            Ok(p) => p.minimum,
+            Err(s) => s.minimum,
+        }
+    }
+
+    /// Weight bytes uploaded to the device at each run after the first. The residency
+    /// manager keeps weights on the device between runs while the budget has room: what
+    /// must go is what does not fit beside the largest non-weight need of a segment
+    /// (workspace, cuts, outputs), `weights + max(need - weights) - limit`, at most every
+    /// weight (a lower bound: the manager evicts in staging blocks, so it may upload a
+    /// little more). Zero without a limit and on the CPU.
+    pub fn streamed_per_run(&self) -> u64 {
+        match (&self.outcome, self.device) {
+            (Ok(p), true) => {
+                let total: u64 = p.details.iter().map(|d| d.weight_bytes).sum();
+                let other = p
+                    .details
+                    .iter()
+                    .map(|d| d.need - d.weight_bytes)
+                    .max()
+                    .unwrap_or(0);
+                p.limit
+                    .map_or(0, |l| (total + other).saturating_sub(l).min(total))
+            }
+            _ => 0,
+        }
+    }
+
+    /// Bytes moved between host and device at each run after the first: the streamed
+    /// weights, the inputs and the output read back. Zero on the CPU.
+    pub fn moved_per_run(&self) -> u64 {
+        match &self.outcome {
+            Ok(p) if self.device => self.streamed_per_run() + p.input_bytes + p.output_bytes,
+            _ => 0,
+        }
+    }
+}
+
+/// Whether `rt` computes on a device other than the host.
+pub fn on_device(rt: &Runtime) -> bool {
+    !rt.compute_backend().is_cpu()
+}
+
+impl Pipeline {
+    /// Plans every model of generating `params` (with `init` for img2img; see the module
+    /// documentation). Unlike [`Pipeline::preflight`], a model that fits at no granularity
+    /// is part of the answer, not an error; a VAE pass that does not fit whole is planned in
+    /// the tiles the run would switch to.
+    pub fn plan_run(
+        &mut self,
+        params: &Txt2Img,
+        init: Option<&Image>,
+    ) -> Result<Vec<ModelPlan>, GenerateError> {
+        let _span =
+            tracing::info_span!("plan_run", width = params.width, height = params.height).entered();
+        let path = self.path.clone();
+        let err = |e: RuntimeError| runtime_err(&path, e);
+        let device = on_device(&self.runtime);
+        let mut out = Vec::new();
+        for i in 0..self.text.len() {
+            let tokens = self.spec.text_encoders[i].1.max_tokens();
+            let plan = self.plan_text_encoder(i);
+            out.push(
+                ModelPlan::new(
+                    format!("text encoder {i}"),
+                    format!("{tokens} tokens"),
+                    1,
+                    device,
+                    plan,
+                )
+                .map_err(err)?,
+            );
+        }
+        let f = self.first_stage.1.downsample_factor().max(1);
+        let (lw, lh) = (params.width / f, params.height / f);
+        let batch = if params.cfg_scale != 1.0 { 2 } else { 1 };
+        let plan = self.plan_diffusion(params);
+        out.push(
+            ModelPlan::new(
+                "diffusion",
+                format!("{lw}x{lh} latents, batch {batch}"),
+                params.steps,
+                device,
+                plan,
+            )
+            .map_err(err)?,
+        );
+        let mut passes = Vec::new();
+        if let Some(i) = init.filter(|_| self.first_stage.1.has_encoder()) {
+            passes.push((true, i.width() / f, i.height() / f));
+        }
+        passes.push((false, lw, lh));
+        for (encode, w, h) in passes {
+            let what = if encode { "vae encode" } else { "vae decode" };
+            let mut tiling = params.vae_tiling;
+            let mut plan = self.plan_vae_tiled(encode, w, h, tiling);
+            if tiling.is_none() && is_budget(&plan) {
+                // The tiles the run would switch to (see `Pipeline::preflight`).
+                for tile in crate::preflight::AUTO_TILES
+                    .into_iter()
+                    .filter(|&t| t < w.max(h))
+                {
+                    let t = VaeTiling {
+                        tile,
+                        overlap: tile / 2,
+                    };
+                    let p = self.plan_vae_tiled(encode, w, h, Some(t));
+                    if !is_budget(&p) {
+                        tiling = Some(t);
+                        plan = p;
+                        break;
+                    }
+                }
+            }
+            let (model, input, runs) = match tiling {
+                Some(t) => {
+                    let n = tile_count(w, t) * tile_count(h, t);
+                    (
+                        format!("{what} (tiles of {})", t.tile),
+                        format!("{w}x{h} latents in {n} tiles"),
+                        n,
+                    )
+                }
+                None => (what.to_string(), format!("{w}x{h} latents"), 1),
+            };
+            out.push(ModelPlan::new(model, input, runs, device, plan).map_err(err)?);
+        }
+        Ok(out)
+    }
+
+    fn plan_vae_tiled(
+        &mut self,
+        encode: bool,
+        w: usize,
+        h: usize,
+        tiling: Option<VaeTiling>,
+    ) -> Result<PlanSummary, RuntimeError> {
+        let side = |n: usize| tiling.map_or(n, |t| t.tile.min(n));
+        self.plan_vae(encode, side(w), side(h))
+    }
+}
+
+fn is_budget(p: &Result<PlanSummary, RuntimeError>) -> bool {
+    matches!(p, Err(RuntimeError::Exec(ExecError::BudgetTooSmall(_))))
+}
+
+/// Tiles of `t` along an axis of `n` latents.
+fn tile_count(n: usize, t: VaeTiling) -> usize {
+    t.starts(n).len()
+}
