@@ -150,7 +150,9 @@ impl T5Config {
         c.d_kv = q[0] / c.num_heads;
         c.d_ff = dims("encoder.block.0.layer.1.DenseReluDense.wi_0.weight", 2)?[0];
         c.num_layers = (0..)
-            .take_while(|i| shape(&format!("encoder.block.{i}.layer.0.layer_norm.weight")).is_some())
+            .take_while(|i| {
+                shape(&format!("encoder.block.{i}.layer.0.layer_norm.weight")).is_some()
+            })
             .count();
         c.validate()?;
         Ok(c)
@@ -185,7 +187,8 @@ pub fn relative_position_bucket(relative: i64, num_buckets: usize, max_distance:
     if n < max_exact {
         bucket += n;
     } else {
-        let ratio = ((n as f32 / max_exact as f32).ln() / (max_distance as f32 / max_exact as f32).ln())
+        let ratio = ((n as f32 / max_exact as f32).ln()
+            / (max_distance as f32 / max_exact as f32).ln())
             * (half - max_exact) as f32;
         let large = max_exact + ratio as usize;
         bucket += large.min(half - 1);
@@ -255,11 +258,7 @@ impl T5EncoderModel {
         let config = config.with_shapes_of(pb)?;
         config.validate()?;
         let pb = pb.pp(&config.prefix);
-        let (d, inner, ff) = (
-            config.d_model,
-            config.num_heads * config.d_kv,
-            config.d_ff,
-        );
+        let (d, inner, ff) = (config.d_model, config.num_heads * config.d_kv, config.d_ff);
         let shared_name = if !pb.contains(SHARED) && pb.contains(EMBED_TOKENS) {
             EMBED_TOKENS
         } else {
@@ -338,7 +337,12 @@ impl T5EncoderModel {
                 buckets.push(bucket as i32);
             }
         }
-        let buckets = g.aux_input("t5.relative_buckets", DType::I32, &[n * n], HostData::I32(buckets))?;
+        let buckets = g.aux_input(
+            "t5.relative_buckets",
+            DType::I32,
+            &[n * n],
+            HostData::I32(buckets),
+        )?;
         let bias = ctx.get_rows(&self.relative_attention_bias, &buckets)?; // [h, n_k * n_q]
         let bias = ctx.reshape(&bias, &[h, n, n])?;
         let bias = ctx.cont(&ctx.permute(&bias, [2, 0, 1, 3])?)?; // [n_k, n_q, h]

@@ -69,7 +69,11 @@ fn buckets_equal_transformers_for_every_distance() {
     assert_eq!(want.len(), 2047);
     for (i, &w) in want.iter().enumerate() {
         let rel = i as i64 - 1023;
-        assert_eq!(relative_position_bucket(rel, 32, 128) as f32, w, "relative position {rel}");
+        assert_eq!(
+            relative_position_bucket(rel, 32, 128) as f32,
+            w,
+            "relative position {rel}"
+        );
     }
 }
 

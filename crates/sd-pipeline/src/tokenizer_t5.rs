@@ -135,10 +135,16 @@ impl T5Tokenizer {
             _ => Err(vocab_err(&name, format!("no array `{key}`"))),
         };
         let GgufArray::String(tokens) = array("tokenizer.ggml.tokens")? else {
-            return Err(vocab_err(&name, "`tokenizer.ggml.tokens` is not a string array"));
+            return Err(vocab_err(
+                &name,
+                "`tokenizer.ggml.tokens` is not a string array",
+            ));
         };
         let GgufArray::F32(scores) = array("tokenizer.ggml.scores")? else {
-            return Err(vocab_err(&name, "`tokenizer.ggml.scores` is not an f32 array"));
+            return Err(vocab_err(
+                &name,
+                "`tokenizer.ggml.scores` is not an f32 array",
+            ));
         };
         if scores.len() != tokens.len() {
             return Err(vocab_err(
@@ -221,7 +227,9 @@ impl T5Tokenizer {
     /// `tokenizer(text, padding="max_length", max_length=max_len, truncation=True)`).
     pub fn encode_padded(&self, text: &str, max_len: usize) -> Result<Vec<i32>, T5TokenizerError> {
         if max_len == 0 {
-            return Err(T5TokenizerError::Encode("a maximum length of 0 tokens".into()));
+            return Err(T5TokenizerError::Encode(
+                "a maximum length of 0 tokens".into(),
+            ));
         }
         let mut ids = self.encode(text)?;
         ids.pop();

@@ -54,7 +54,9 @@ fn encode(budget: Option<u64>) -> Result<Run, RuntimeError> {
         panic!("not a T5")
     };
     assert_eq!((m.config.num_layers, m.config.d_model), (12, 64));
-    let ids: Vec<i32> = (0..64).map(|i| if i < 50 { (i * 37 % 250 + 3) as i32 } else { 0 }).collect();
+    let ids: Vec<i32> = (0..64)
+        .map(|i| if i < 50 { (i * 37 % 250 + 3) as i32 } else { 0 })
+        .collect();
     let out = rt.run(h, "t5", enc.graph_size(), |g| {
         let input = g.ctx.new_tensor(DType::I32, &[ids.len(), 1])?;
         let output = enc.forward(g, &input)?;
@@ -86,7 +88,11 @@ fn t5_streams_within_a_tenth_of_its_weights_with_the_same_bits() {
         tight.segments
     );
     assert!(tight.segments.len() > 2, "{:?}", tight.segments);
-    assert!(tight.peak <= budget, "peak {} > budget {budget}", tight.peak);
+    assert!(
+        tight.peak <= budget,
+        "peak {} > budget {budget}",
+        tight.peak
+    );
     assert_eq!(tight.out, whole.out, "segmented output differs");
 }
 

@@ -53,7 +53,10 @@ fn check_all(tok: &T5Tokenizer) {
             truncated += usize::from(c.ids.len() > *len);
         }
     }
-    assert!(truncated >= 4, "the fixtures truncate long prompts ({truncated})");
+    assert!(
+        truncated >= 4,
+        "the fixtures truncate long prompts ({truncated})"
+    );
 }
 
 #[test]
@@ -83,7 +86,9 @@ fn gguf_metadata_vocabulary_gives_transformers_ids() {
     let FileMetadata::Gguf(header) = &loader.files()[0].metadata else {
         panic!("not a GGUF")
     };
-    let tok = T5Tokenizer::from_gguf(header, &path).unwrap().expect("a T5 vocabulary");
+    let tok = T5Tokenizer::from_gguf(header, &path)
+        .unwrap()
+        .expect("a T5 vocabulary");
     check_all(&tok);
 }
 

@@ -46,7 +46,10 @@ const GGUF_BLOCK: [(&str, &str); 10] = [
     ("attn_k.", "layer.0.SelfAttention.k."),
     ("attn_v.", "layer.0.SelfAttention.v."),
     ("attn_o.", "layer.0.SelfAttention.o."),
-    ("attn_rel_b.", "layer.0.SelfAttention.relative_attention_bias."),
+    (
+        "attn_rel_b.",
+        "layer.0.SelfAttention.relative_attention_bias.",
+    ),
     ("ffn_norm.", "layer.1.layer_norm."),
     ("ffn_gate.", "layer.1.DenseReluDense.wi_0."),
     ("ffn_up.", "layer.1.DenseReluDense.wi_1."),
@@ -67,7 +70,9 @@ pub(crate) fn is_hf_name(rel: &str) -> bool {
 
 /// Whether `rel` is a llama.cpp GGUF T5 encoder name.
 pub(crate) fn is_gguf_name(rel: &str) -> bool {
-    rel.starts_with("token_embd.") || rel.starts_with("enc.blk.") || rel.starts_with("enc.output_norm.")
+    rel.starts_with("token_embd.")
+        || rel.starts_with("enc.blk.")
+        || rel.starts_with("enc.output_norm.")
 }
 
 /// The canonical (prefix-relative) name of `rel`, a T5 name in either layout; `None` when it
@@ -103,7 +108,9 @@ pub enum TextEncoderKind {
 /// Tells a T5 file from a CLIP one by their marker tensors: `encoder.block.0` /
 /// `enc.blk.0` / `shared.weight` (T5) against `token_embedding` / `resblocks` (CLIP), under
 /// any prefix. `None` when neither is there (a UNet, a VAE, something else).
-pub fn detect_text_encoder<'a>(names: impl IntoIterator<Item = &'a str>) -> Option<TextEncoderKind> {
+pub fn detect_text_encoder<'a>(
+    names: impl IntoIterator<Item = &'a str>,
+) -> Option<TextEncoderKind> {
     let (mut t5, mut clip) = (false, false);
     for name in names {
         t5 |= name.ends_with(HF_MARKER) || name.ends_with(GGUF_MARKER);
@@ -126,23 +133,48 @@ mod tests {
         let cases = [
             ("token_embd.weight", "shared.weight"),
             ("enc.output_norm.weight", "encoder.final_layer_norm.weight"),
-            ("enc.blk.0.attn_q.weight", "encoder.block.0.layer.0.SelfAttention.q.weight"),
-            ("enc.blk.3.attn_o.weight", "encoder.block.3.layer.0.SelfAttention.o.weight"),
+            (
+                "enc.blk.0.attn_q.weight",
+                "encoder.block.0.layer.0.SelfAttention.q.weight",
+            ),
+            (
+                "enc.blk.3.attn_o.weight",
+                "encoder.block.3.layer.0.SelfAttention.o.weight",
+            ),
             (
                 "enc.blk.0.attn_rel_b.weight",
                 "encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
             ),
-            ("enc.blk.23.attn_norm.weight", "encoder.block.23.layer.0.layer_norm.weight"),
-            ("enc.blk.1.ffn_norm.weight", "encoder.block.1.layer.1.layer_norm.weight"),
-            ("enc.blk.1.ffn_gate.weight", "encoder.block.1.layer.1.DenseReluDense.wi_0.weight"),
-            ("enc.blk.1.ffn_up.weight", "encoder.block.1.layer.1.DenseReluDense.wi_1.weight"),
-            ("enc.blk.1.ffn_down.weight", "encoder.block.1.layer.1.DenseReluDense.wo.weight"),
+            (
+                "enc.blk.23.attn_norm.weight",
+                "encoder.block.23.layer.0.layer_norm.weight",
+            ),
+            (
+                "enc.blk.1.ffn_norm.weight",
+                "encoder.block.1.layer.1.layer_norm.weight",
+            ),
+            (
+                "enc.blk.1.ffn_gate.weight",
+                "encoder.block.1.layer.1.DenseReluDense.wi_0.weight",
+            ),
+            (
+                "enc.blk.1.ffn_up.weight",
+                "encoder.block.1.layer.1.DenseReluDense.wi_1.weight",
+            ),
+            (
+                "enc.blk.1.ffn_down.weight",
+                "encoder.block.1.layer.1.DenseReluDense.wo.weight",
+            ),
         ];
         for (gguf, hf) in cases {
             assert_eq!(to_canonical(gguf).as_deref(), Some(hf), "{gguf}");
             assert_eq!(to_canonical(hf).as_deref(), Some(hf), "{hf}");
         }
-        for other in ["enc.blk.0.attn_x.weight", "enc.blk.x.attn_q.weight", "blk.0.attn_q.weight"] {
+        for other in [
+            "enc.blk.0.attn_x.weight",
+            "enc.blk.x.attn_q.weight",
+            "blk.0.attn_q.weight",
+        ] {
             assert_eq!(to_canonical(other), None, "{other}");
         }
     }
