@@ -37,7 +37,8 @@ use std::path::{Path, PathBuf};
 use sd_residency::files::gguf::{GgufArray, GgufHeader, GgufValue};
 use thiserror::Error;
 use tokenizers::models::unigram::Unigram;
-use tokenizers::normalizers::{Precompiled, Replace, ReplacePattern, Sequence};
+use tokenizers::normalizers::replace::ReplacePattern;
+use tokenizers::normalizers::{Precompiled, Replace, Sequence};
 use tokenizers::pre_tokenizers::metaspace::{Metaspace, PrependScheme};
 use tokenizers::{AddedToken, Tokenizer};
 
@@ -157,9 +158,12 @@ impl T5Tokenizer {
             Some(GgufValue::Array(GgufArray::U32(t))) => t.iter().map(|&v| v as i64).collect(),
             _ => vec![1; tokens.len()],
         };
+        // llama.cpp writes the charsmap as an 8-bit array; other writers use wider integers.
         let charsmap: Vec<u8> = match meta.get("tokenizer.ggml.precompiled_charsmap") {
             Some(GgufValue::Array(GgufArray::U8(b))) => b.clone(),
             Some(GgufValue::Array(GgufArray::I8(b))) => b.iter().map(|&v| v as u8).collect(),
+            Some(GgufValue::Array(GgufArray::I32(b))) => b.iter().map(|&v| v as u8).collect(),
+            Some(GgufValue::Array(GgufArray::U32(b))) => b.iter().map(|&v| v as u8).collect(),
             _ => return Err(vocab_err(&name, "no `tokenizer.ggml.precompiled_charsmap`")),
         };
         let unk = meta
