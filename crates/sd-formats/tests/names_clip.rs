@@ -255,7 +255,7 @@ fn unknown_and_adapter_names_pass_unchanged() {
         "model_ema.decay",
         "alphas_cumprod",
         "text_encoders.t5xxl.transformer.encoder.block.0.layer.0.SelfAttention.q.weight",
-        "encoder.block.0.layer.0.SelfAttention.q.weight",
+        // Bare T5 names without the block-0 `q` marker of a T5 file (see names_t5.rs).
         "encoder.final_layer_norm.weight",
         "shared.weight",
         "model.diffusion_model.down_blocks.0.resnets.0.weird.weight",

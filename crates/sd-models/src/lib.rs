@@ -7,6 +7,7 @@
 //!
 //! - [`clip`]: the CLIP text encoder (SD1 CLIP-L, SD2 OpenCLIP-H in the transformers layout).
 //! - [`vae`]: the AutoencoderKL encoder and decoder.
+//! - [`t5`]: the T5 v1.1 encoder (T5-XXL of FLUX.1 and SD3), relative position bias.
 //! - [`unet`]: the SD1.x / SD2.x UNet, with graph-cut marks at block boundaries.
 //! - [`diffusion`], [`text_encoder`], [`first_stage`]: the networks of each role as closed
 //!   enums ([`diffusion::DiffusionNet`] fed one [`diffusion::DiffusionInputs`],
@@ -35,6 +36,7 @@ pub mod mosr;
 pub mod nn;
 pub mod run;
 pub mod srvgg;
+pub mod t5;
 pub mod text_encoder;
 pub mod unet;
 pub mod upscaler;

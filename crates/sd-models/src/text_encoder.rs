@@ -1,9 +1,11 @@
 //! The text encoders as one closed set: [`TextEncoderArch`] builds a [`TextEncoder`] that
-//! maps token ids to hidden states. Later encoders (T5-XXL, Qwen2.5-VL) are new variants.
+//! maps token ids to hidden states: CLIP (SD1, SD2, SDXL) and T5 v1.1 (FLUX.1, SD3). Later
+//! encoders (Qwen2.5-VL) are new variants.
 
 use sd_tensor::ggml::GTensor;
 
 use crate::clip::{ClipTextConfig, ClipTextModel};
+use crate::t5::{T5Config, T5EncoderModel};
 use crate::weights::ParamBuilder;
 use crate::{GraphCtx, Result};
 
@@ -12,6 +14,9 @@ use crate::{GraphCtx, Result};
 pub enum TextEncoderArch {
     /// A CLIP text transformer (CLIP-L, OpenCLIP-H, OpenCLIP-bigG).
     Clip(ClipTextConfig),
+    /// A T5 v1.1 encoder (T5-XXL); its dimensions are read from the tensors when the
+    /// encoder is built (see [`T5Config::with_shapes_of`]).
+    T5(T5Config),
 }
 
 impl TextEncoderArch {
@@ -19,6 +24,7 @@ impl TextEncoderArch {
     pub fn hidden_size(&self) -> usize {
         match self {
             TextEncoderArch::Clip(c) => c.hidden_size,
+            TextEncoderArch::T5(c) => c.d_model,
         }
     }
 
@@ -26,6 +32,7 @@ impl TextEncoderArch {
     pub fn max_tokens(&self) -> usize {
         match self {
             TextEncoderArch::Clip(c) => c.max_position_embeddings,
+            TextEncoderArch::T5(c) => c.max_tokens,
         }
     }
 
@@ -33,14 +40,17 @@ impl TextEncoderArch {
     pub fn pooled_size(&self) -> Option<usize> {
         match self {
             TextEncoderArch::Clip(c) => c.projection_dim,
+            TextEncoderArch::T5(_) => None,
         }
     }
 
     /// Sets the name prefix of the parameters (the canonical prefix of the component slot;
-    /// a CLIP's transformer lives under `PREFIX` + `text_model`).
+    /// a CLIP's transformer lives under `PREFIX` + `text_model`, a T5's `shared` and
+    /// `encoder` right under `PREFIX`).
     pub fn set_prefix(&mut self, prefix: &str) {
         match self {
             TextEncoderArch::Clip(c) => c.prefix = format!("{prefix}text_model"),
+            TextEncoderArch::T5(c) => c.prefix = prefix.trim_end_matches('.').to_string(),
         }
     }
 }
@@ -50,6 +60,8 @@ impl TextEncoderArch {
 pub enum TextEncoder {
     /// A CLIP text transformer.
     Clip(ClipTextModel),
+    /// A T5 v1.1 encoder.
+    T5(T5EncoderModel),
 }
 
 /// Descriptor and node capacity of one CLIP evaluation (about 40 nodes per layer).
@@ -60,6 +72,7 @@ impl TextEncoder {
     pub fn new(pb: &ParamBuilder<'_>, arch: &TextEncoderArch) -> Result<Self> {
         Ok(match arch {
             TextEncoderArch::Clip(c) => TextEncoder::Clip(ClipTextModel::new(pb, c.clone())?),
+            TextEncoderArch::T5(c) => TextEncoder::T5(T5EncoderModel::new(pb, c.clone())?),
         })
     }
 
@@ -68,6 +81,7 @@ impl TextEncoder {
     pub fn forward(&self, g: &mut GraphCtx, input_ids: &GTensor) -> Result<GTensor> {
         match self {
             TextEncoder::Clip(m) => m.forward(g, input_ids),
+            TextEncoder::T5(m) => m.forward(g, input_ids),
         }
     }
 
@@ -81,6 +95,9 @@ impl TextEncoder {
     ) -> Result<(GTensor, GTensor)> {
         match self {
             TextEncoder::Clip(m) => m.forward_with_pooled(g, input_ids, pool_at),
+            TextEncoder::T5(_) => Err(crate::ModelError::Config(
+                "pooled output asked of a T5 encoder (it has none)".into(),
+            )),
         }
     }
 
@@ -88,6 +105,7 @@ impl TextEncoder {
     pub fn graph_size(&self) -> usize {
         match self {
             TextEncoder::Clip(m) => CLIP_GRAPH.max((64 * m.layers.len()).next_power_of_two()),
+            TextEncoder::T5(m) => m.graph_size(),
         }
     }
 
@@ -95,6 +113,7 @@ impl TextEncoder {
     pub fn hidden_size(&self) -> usize {
         match self {
             TextEncoder::Clip(m) => m.config.hidden_size,
+            TextEncoder::T5(m) => m.config.d_model,
         }
     }
 }

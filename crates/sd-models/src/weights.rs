@@ -178,6 +178,15 @@ impl<'a> ParamBuilder<'a> {
             .is_none_or(|c| c.get(&full).is_some())
     }
 
+    /// The shape (PyTorch order) of `name` in the catalog; `None` without a catalog or when
+    /// the catalog has no such tensor. For models whose dimensions are read from the
+    /// tensors.
+    pub fn file_shape(&self, name: &str) -> Option<Vec<u64>> {
+        let full = self.full(name);
+        let inner = self.inner.borrow();
+        inner.catalog?.get(&full).map(|s| s.shape.clone())
+    }
+
     /// Declares parameter `name` (under this builder's prefix) of PyTorch shape `shape`.
     pub fn tensor(&self, name: &str, shape: &[usize]) -> Result<GTensor> {
         self.declare(name, shape, false)

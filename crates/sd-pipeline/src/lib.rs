@@ -21,5 +21,6 @@ pub mod runtime;
 pub mod sampling;
 pub mod schedule;
 pub mod tokenizer;
+pub mod tokenizer_t5;
 pub mod upscale;
 pub mod vae_tiling;

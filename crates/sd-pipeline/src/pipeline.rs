@@ -10,6 +10,7 @@
 use std::path::{Path, PathBuf};
 
 use sd_formats::files::TensorCatalog;
+use sd_formats::names::{detect_text_encoder, TextEncoderKind};
 use sd_models::diffusion::DiffusionNet;
 use sd_models::first_stage::FirstStage;
 use sd_models::text_encoder::{TextEncoder, TextEncoderArch};
@@ -173,7 +174,8 @@ pub(crate) fn open_catalog(files: &ModelFiles) -> Result<TensorCatalog, Generate
             message: format!("no model family has a component slot named {name:?}"),
         })?;
         loader.remove_with_prefix(slot.prefix);
-        loader.add_file(path, None)?;
+        let id = loader.add_file(path, None)?;
+        check_text_encoder_kind(&slot, path, loader.names_in_file(id))?;
         sd_models::weights::canonicalize(&mut loader, None).map_err(weights(path))?;
         if loader.names_with_prefix(slot.prefix).next().is_none() {
             return Err(unsupported(
@@ -186,6 +188,42 @@ pub(crate) fn open_catalog(files: &ModelFiles) -> Result<TensorCatalog, Generate
         }
     }
     Ok(loader)
+}
+
+/// The slot name of the T5 encoder (`--t5xxl`) of the DiT families.
+const T5_SLOT_NAME: &str = "t5xxl";
+
+/// Refuses a T5 encoder file given for a CLIP slot and a CLIP file given for the T5 slot,
+/// telling them apart by their marker tensors ([`detect_text_encoder`]); files of neither
+/// kind are left to the later checks.
+fn check_text_encoder_kind<'a>(
+    slot: &Slot,
+    path: &Path,
+    names: impl IntoIterator<Item = &'a str>,
+) -> Result<(), GenerateError> {
+    if slot.kind != SlotKind::TextEncoder {
+        return Ok(());
+    }
+    let is_t5_slot = slot.name == T5_SLOT_NAME;
+    match detect_text_encoder(names) {
+        Some(TextEncoderKind::T5) if !is_t5_slot => Err(unsupported(
+            path,
+            format!(
+                "this is a T5 text encoder (encoder.block.*), given with {} for the {}; \
+                 T5 encoders go with --{T5_SLOT_NAME}",
+                slot.flag, slot.what
+            ),
+        )),
+        Some(TextEncoderKind::Clip) if is_t5_slot => Err(unsupported(
+            path,
+            format!(
+                "this is a CLIP text encoder (embeddings.token_embedding), given with {} for \
+                 the {}; give it with --clip_l or --clip_g",
+                slot.flag, slot.what
+            ),
+        )),
+        _ => Ok(()),
+    }
 }
 
 /// Checks that every slot of `spec` has tensors and that every component file is for one.
@@ -300,8 +338,10 @@ impl Pipeline {
         check_slots(files, &spec, &loader, &primary)?;
         if let Some(skip) = options.clip_skip {
             for (_, arch) in &mut spec.text_encoders {
-                // Clip skip is a CLIP setting; other encoders will ignore it.
-                let TextEncoderArch::Clip(c) = arch;
+                // Clip skip is a CLIP setting; other encoders ignore it.
+                let TextEncoderArch::Clip(c) = arch else {
+                    continue;
+                };
                 if skip == 0 || skip > c.num_hidden_layers {
                     return Err(GenerateError::InvalidSetting {
                         flag: "clip-skip",

@@ -29,7 +29,9 @@ fn builtin() -> std::path::PathBuf {
 
 /// The (only) CLIP text encoder's configuration of `spec`.
 fn clip_config(spec: &ModelSpec) -> ClipTextConfig {
-    let TextEncoderArch::Clip(c) = spec.text_encoders[0].1.clone();
+    let TextEncoderArch::Clip(c) = spec.text_encoders[0].1.clone() else {
+        panic!("the built-in model's text encoder is not a CLIP");
+    };
     c
 }
 

@@ -11,12 +11,14 @@
 //! | autoencoder | [`VAE_PREFIX`] `first_stage_model.` | LDM: `encoder.down.N.block.M`, `mid.attn_1.{q,k,v,proj_out}` as `[C, C, 1, 1]`, `decoder.up.N`, `quant_conv`, `post_quant_conv` |
 //! | first text encoder | [`CLIP_PREFIX`] `cond_stage_model.transformer.` | transformers `CLIPTextModel`: `text_model.*` |
 //! | SDXL's OpenCLIP-G | [`CLIP_G_PREFIX`] `cond_stage_model.1.transformer.` | transformers `CLIPTextModel`: `text_model.*` |
+//! | T5 encoder (FLUX.1, SD3) | [`T5_PREFIX`] `text_encoders.t5xxl.transformer.` | transformers `T5EncoderModel`: `shared`, `encoder.block.N.layer.{0,1}.*`, `encoder.final_layer_norm` |
 //!
 //! [`convert_to_canonical`] brings other layouts there: diffusers UNets and autoencoders
 //! (see `unet.rs` and `vae.rs` for the tables), OpenCLIP text towers (SD2's
 //! `cond_stage_model.model.*`, SDXL's `conditioner.embedders.1.model.*`, with the fused
 //! `in_proj` split into q/k/v by offsets), SDXL's `conditioner.embedders.0.transformer.*`,
-//! and transformers text encoders (see `clip.rs`).
+//! and transformers text encoders (see `clip.rs`), T5 encoders from llama.cpp GGUF names,
+//! bare files, diffusers folders and stable-diffusion.cpp's `te3.` (see `t5.rs`).
 //!
 //! # Two names for the text projection
 //!
@@ -43,11 +45,12 @@
 //! the second slot when 1280 wide, else the first).
 //!
 //! Anything else keeps its name: LoRA and other adapter tensors, DiT (SD3, Flux, Qwen-Image)
-//! tensors, text encoders of DiT models, T5, `logit_scale`, EMA copies. Structural renames
+//! tensors, CLIP text encoders of DiT models, `logit_scale`, EMA copies. Structural renames
 //! do apply to adapter tensors that use the layouts above, e.g. a PEFT LoRA's
 //! `unet.down_blocks.0.attentions.0....to_q.lora_A.weight`.
 
 mod clip;
+mod t5;
 mod unet;
 mod vae;
 mod version;
@@ -59,6 +62,7 @@ use thiserror::Error;
 use crate::TensorStorage;
 
 pub use clip::{CLIP_G_PREFIX, CLIP_PREFIX, TEXT_PROJECTION_LINEAR, TEXT_PROJECTION_OPENCLIP};
+pub use t5::{detect_text_encoder, TextEncoderKind, T5_PREFIX};
 pub use unet::UNET_PREFIX;
 pub use vae::VAE_PREFIX;
 pub use version::{detect_version, detect_version_of, SdVersion};
@@ -184,6 +188,10 @@ pub fn convert_to_canonical_report(
                 }
             }
             Plan::UnetPrefix => Target::Name(format!("{UNET_PREFIX}{source}")),
+            Plan::T5(start) => match t5::to_canonical(&source[start..]) {
+                Some(c) => Target::Name(format!("{T5_PREFIX}{c}")),
+                None => Target::Name(source.clone()),
+            },
             Plan::Vae(_) if keep_vae => Target::Name(source.clone()),
             Plan::Vae(start) => {
                 let rel = &source[start..];
@@ -280,6 +288,8 @@ enum Plan {
     ClipTransformers(Slot, usize),
     /// An OpenCLIP text tower name (relative to the OpenCLIP model) for this slot.
     ClipOpen(Slot, usize),
+    /// A T5 encoder name (transformers or GGUF layout), relative part from the offset.
+    T5(usize),
 }
 
 /// Marker tensors that make prefix-less names of a single component file safe to convert.
@@ -291,6 +301,7 @@ struct BareMarkers {
     text_model: bool,
     text_bare: bool,
     text_hidden: Option<u64>,
+    t5: bool,
 }
 
 impl BareMarkers {
@@ -301,6 +312,7 @@ impl BareMarkers {
                 "conv_in.weight" => m.unet_diffusers = true,
                 "input_blocks.0.0.weight" => m.unet_original = true,
                 "encoder.conv_in.weight" | "decoder.conv_in.weight" => m.vae = true,
+                t5::HF_MARKER | t5::GGUF_MARKER => m.t5 = true,
                 "text_model.embeddings.token_embedding.weight"
                 | "embeddings.token_embedding.weight" => {
                     m.text_bare |= !s.name.starts_with("text_model.");
@@ -319,6 +331,9 @@ impl BareMarkers {
 /// Decides how `name` is converted. `dit`: the model is not a UNet family, so UNet and CLIP
 /// conversions stay off.
 fn classify(name: &str, bare: &BareMarkers, dit: bool) -> Plan {
+    if let Some(plan) = classify_t5(name, bare) {
+        return plan;
+    }
     if name.starts_with(VAE_PREFIX) {
         return Plan::Vae(VAE_PREFIX.len());
     }
@@ -389,6 +404,22 @@ fn classify(name: &str, bare: &BareMarkers, dit: bool) -> Plan {
         return Plan::ClipTransformers(text_slot, 0);
     }
     Plan::Keep
+}
+
+/// T5 names: under [`T5_PREFIX`] (GGUF names there too), under one of the other prefixes
+/// T5 files are found with when the relative name is a T5 one, or bare in a file that has
+/// a T5 marker tensor.
+fn classify_t5(name: &str, bare: &BareMarkers) -> Option<Plan> {
+    let is_t5 = |rel: &str| t5::is_hf_name(rel) || t5::is_gguf_name(rel);
+    if name.starts_with(T5_PREFIX) {
+        return Some(Plan::T5(T5_PREFIX.len()));
+    }
+    for prefix in t5::T5_SOURCE_PREFIXES {
+        if name.strip_prefix(prefix).is_some_and(is_t5) {
+            return Some(Plan::T5(prefix.len()));
+        }
+    }
+    (bare.t5 && is_t5(name)).then_some(Plan::T5(0))
 }
 
 /// Splits `"N.rest"` into `(N, "rest")`; `N` is a plain decimal index (no sign, no leading

@@ -227,7 +227,9 @@ mod tests {
         assert!(c.unet.use_linear_in_transformer);
         assert_eq!(c.clip.clip_skip, 2);
         let spec = c.into_spec(&crate::family::sd2::Sd2, CLIP_H_SLOT, sd2::Sd2.defaults());
-        let TextEncoderArch::Clip(clip) = &spec.text_encoders[0].1;
+        let TextEncoderArch::Clip(clip) = &spec.text_encoders[0].1 else {
+            panic!("SD2's text encoder is not a CLIP");
+        };
         assert_eq!(clip.prefix, "cond_stage_model.transformer.text_model");
     }
 
