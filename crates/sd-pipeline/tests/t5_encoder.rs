@@ -55,7 +55,7 @@ fn encode(budget: Option<u64>) -> Result<Run, RuntimeError> {
     };
     assert_eq!((m.config.num_layers, m.config.d_model), (12, 64));
     let ids: Vec<i32> = (0..64)
-        .map(|i| if i < 50 { (i * 37 % 250 + 3) as i32 } else { 0 })
+        .map(|i| if i < 50 { i * 37 % 250 + 3 } else { 0 })
         .collect();
     let out = rt.run(h, "t5", enc.graph_size(), |g| {
         let input = g.ctx.new_tensor(DType::I32, &[ids.len(), 1])?;
