@@ -263,9 +263,13 @@ impl MemoryLimit {
             Some(b) => b.min(free),
             None => free,
         };
-        (available > 0).then(|| MemoryLimit {
+        let place = match rt.budget() {
+            Some(b) if b < free => format!("{} within its --max-vram budget", device.name()),
+            _ => device.name().to_string(),
+        };
+        (available > 0).then_some(MemoryLimit {
             available,
-            place: device.name().to_string(),
+            place,
             cpu: false,
         })
     }
@@ -306,13 +310,20 @@ fn memory_preflight(
 ) -> Result<(), Fail> {
     let f = spec.first_stage.1.downsample_factor().max(1);
     let sd_models::diffusion::DiffusionArch::Unet(ucfg) = &spec.diffusion.1;
-    let gib = |b: f64| b / (1u64 << 30) as f64;
+    // Sizes in GiB, or MiB below 1 GiB (a small --max-vram must not read "0.0 GiB").
+    let size = |b: f64| {
+        if b >= (1u64 << 30) as f64 {
+            format!("{:.1} GiB", b / (1u64 << 30) as f64)
+        } else {
+            format!("{:.1} MiB", b / (1u64 << 20) as f64)
+        }
+    };
     let too_big = |need: f64, what: &str, avail: f64, place: &str, hints: &str| {
         Fail::Usage(format!(
-            "-W/--width, -H/--height: {w}x{h} needs about {:.1} GiB of memory on {place} \
-             ({what}), {:.1} GiB are available; use a smaller size{hints}",
-            gib(need),
-            gib(avail),
+            "-W/--width, -H/--height: {w}x{h} needs about {} of memory on {place} \
+             ({what}), {} are available; use a smaller size{hints}",
+            size(need),
+            size(avail),
         ))
     };
     let attention = if flash {

@@ -211,10 +211,11 @@ fn a_budgeted_simulated_device_gives_the_cpu_image() {
     let a = sd_tensor::Image::load_png(&cpu_png).unwrap();
     let b = sd_tensor::Image::load_png(&sim_png).unwrap();
     assert_eq!(a.pixels(), b.pixels());
-    // An impossible budget is a clear error and writes nothing.
+    // An impossible budget is a clear error before any work (the memory preflight: exit 2)
+    // and writes nothing.
     let none = scratch("budget_none.png");
     let out = run_builtin(&none, &["--backend", "sim:256", "--max-vram", "1M"]);
-    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(out.status.code(), Some(2));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("budget"), "{err}");
     assert!(!none.exists());

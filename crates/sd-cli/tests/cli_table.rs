@@ -259,7 +259,11 @@ fn cases() -> Vec<Case> {
                 )
             },
             code: 2,
-            stderr: &["512x512", "SIM0", "0.1 GiB are available"],
+            stderr: &[
+                "512x512",
+                "SIM0 within its --max-vram budget",
+                "64.0 MiB are available",
+            ],
             stdout: &[],
             files: &[],
             check: no_check,
