@@ -137,6 +137,14 @@ pub struct Cli {
         help_heading = "Model files"
     )]
     pub upscale_model: Option<PathBuf>,
+    /// Refiner (an SDXL refiner, or any model sampling the same latents): takes over
+    /// sampling after --refiner-start of the steps, in the same runtime and budget (sd-rs)
+    #[arg(long = "refiner", value_name = "PATH", help_heading = "Model files")]
+    pub refiner: Option<PathBuf>,
+    /// Fraction of the steps the base model runs before the refiner takes over, strictly
+    /// between 0 and 1 (default 0.8; diffusers' denoising_end/denoising_start)
+    #[arg(long = "refiner-start", value_name = "FRACTION", value_parser = parse_refiner_start, help_heading = "Model files")]
+    pub refiner_start: Option<f32>,
 
     /// Prompt ((word:1.2) attention syntax)
     #[arg(short = 'p', long = "prompt", help_heading = "Generation")]
@@ -592,6 +600,15 @@ fn parse_strength(text: &str) -> Result<f32, String> {
     match text.parse::<f32>() {
         Ok(s) if (0.0..=1.0).contains(&s) => Ok(s),
         _ => Err(format!("needs a number between 0 and 1, got '{text}'")),
+    }
+}
+
+fn parse_refiner_start(text: &str) -> Result<f32, String> {
+    match text.parse::<f32>() {
+        Ok(s) if s > 0.0 && s < 1.0 => Ok(s),
+        _ => Err(format!(
+            "needs a number strictly between 0 and 1, got '{text}'"
+        )),
     }
 }
 

@@ -27,7 +27,7 @@ use clap::CommandFactory;
 use cli::{Cli, Mode};
 use output::Target;
 use progress::Progress;
-use sd_pipeline::generate::{GenerateError, LoadOptions, Pipeline, Txt2Img};
+use sd_pipeline::generate::{GenerateError, LoadOptions, ModelFiles, Pipeline, Txt2Img};
 use sd_pipeline::runtime::{ComputeDevice, RuntimeOptions};
 use sd_pipeline::schedule::Scheduler;
 use sd_pipeline::vae_tiling::VaeTiling;
@@ -193,6 +193,8 @@ fn flag_name(setting: &str) -> &str {
         "init-img" => "-i/--init-img",
         "clip-skip" => "--clip-skip",
         "model" => "-m/--model",
+        "refiner" => "--refiner",
+        "refiner-start" => "--refiner-start",
         other => other,
     }
 }
@@ -468,6 +470,18 @@ fn generate(cli: &Cli, threads: usize) -> Result<(), Fail> {
             .runtime_mut()
             .set_loras(loras)
             .map_err(|e| Fail::Run(format!("LoRA: {e}")))?;
+    }
+    match (&cli.refiner, cli.refiner_start) {
+        (Some(path), start) => {
+            progress.phase("loading", "refiner");
+            pipeline
+                .add_refiner(&ModelFiles::single(path), start.unwrap_or(0.8))
+                .map_err(generate_fail)?;
+        }
+        (None, Some(_)) => {
+            return Err(Fail::Usage("--refiner-start needs --refiner".into()));
+        }
+        (None, None) => {}
     }
     let spec = pipeline.spec().clone();
     let defaults = spec.defaults;

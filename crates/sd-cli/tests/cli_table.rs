@@ -17,6 +17,36 @@ fn upscaler() -> PathBuf {
         .join("../sd-models/tests/fixtures/upscalers/compact_x2.safetensors")
 }
 
+fn sdxl_fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../sd-pipeline/tests/fixtures/pipeline")
+        .join(name)
+}
+
+/// Arguments of a 2-step 32x32 generation with the tiny SDXL base writing `out`.
+fn sdxl_gen(out: impl AsRef<OsStr>) -> Vec<OsString> {
+    let mut v: Vec<OsString> = vec!["-m".into(), sdxl_fixture("tiny_sdxl.safetensors").into()];
+    for a in [
+        "-p",
+        "a lighthouse",
+        "--steps",
+        "2",
+        "-W",
+        "32",
+        "-H",
+        "32",
+        "-t",
+        "2",
+        "--cfg-scale",
+        "5",
+    ] {
+        v.push(a.into());
+    }
+    v.push("-o".into());
+    v.push(out.as_ref().to_owned());
+    v
+}
+
 const PNG: &[u8] = b"\x89PNG\r\n\x1a\n";
 
 /// Arguments of a quick generation writing `out`.
@@ -74,6 +104,84 @@ fn is_png(path: &Path) -> bool {
 
 fn cases() -> Vec<Case> {
     vec![
+        Case {
+            name: "--refiner: the SDXL refiner takes over at --refiner-start",
+            setup: none,
+            args: |d| {
+                let mut v = sdxl_gen(d.join("o.png"));
+                v.push("--refiner".into());
+                v.push(sdxl_fixture("tiny_sdxl_refiner.safetensors").into());
+                with(v, &["--refiner-start", "0.5"])
+            },
+            code: 0,
+            stderr: &[],
+            stdout: &["saved"],
+            files: &["o.png"],
+            check: |d, _| {
+                // The base alone draws another image.
+                let out = Command::new(env!("CARGO_BIN_EXE_sd"))
+                    .args(sdxl_gen(d.join("base.png")))
+                    .output()
+                    .unwrap();
+                assert!(out.status.success());
+                let img = |p: &Path| sd_tensor::Image::load_png(p).unwrap().into_pixels();
+                assert!(img(&d.join("o.png")) != img(&d.join("base.png")));
+            },
+        },
+        Case {
+            name: "--refiner-start without --refiner: exit 2",
+            setup: none,
+            args: |d| with(sdxl_gen(d.join("o.png")), &["--refiner-start", "0.5"]),
+            code: 2,
+            stderr: &["--refiner-start", "--refiner"],
+            stdout: &[],
+            files: &[],
+            check: no_check,
+        },
+        Case {
+            name: "--refiner-start outside (0, 1): exit 2",
+            setup: none,
+            args: |d| {
+                let mut v = sdxl_gen(d.join("o.png"));
+                v.push("--refiner".into());
+                v.push(sdxl_fixture("tiny_sdxl_refiner.safetensors").into());
+                with(v, &["--refiner-start", "1"])
+            },
+            code: 2,
+            stderr: &["--refiner-start", "between 0 and 1"],
+            stdout: &[],
+            files: &[],
+            check: no_check,
+        },
+        Case {
+            name: "an SDXL refiner as -m: exit 2 naming --refiner",
+            setup: none,
+            args: |d| {
+                let mut v = sdxl_gen(d.join("o.png"));
+                v[1] = sdxl_fixture("tiny_sdxl_refiner.safetensors").into();
+                v
+            },
+            code: 2,
+            stderr: &["refiner", "--refiner", "-m"],
+            stdout: &[],
+            files: &[],
+            check: no_check,
+        },
+        Case {
+            name: "--refiner with a missing file: names it",
+            setup: none,
+            args: |d| {
+                let mut v = sdxl_gen(d.join("o.png"));
+                v.push("--refiner".into());
+                v.push(sdxl_fixture("no_such_refiner.safetensors").into());
+                v
+            },
+            code: 1,
+            stderr: &["no_such_refiner.safetensors"],
+            stdout: &[],
+            files: &[],
+            check: no_check,
+        },
         Case {
             name: "no arguments: usage, exit 2",
             setup: none,

@@ -73,6 +73,9 @@ pub fn img2img_sigmas(sigmas: &[f32], strength: f32) -> &[f32] {
 pub struct Callbacks<'a> {
     /// Called by the sampler before each step: `(step, total)`, `step` 1-based.
     pub on_step: &'a mut dyn FnMut(usize, usize),
+    /// Called with each image's final latents `[1, C, h, w]` (the diffusion network's
+    /// format) before they are decoded: `(index in the batch, latents)`.
+    pub on_latents: &'a mut dyn FnMut(usize, &Tensor<f32>),
     /// Called after each image is decoded: `(index in the batch, image)`.
     pub on_image: &'a mut dyn FnMut(usize, &Image),
 }
@@ -164,24 +167,30 @@ impl Pipeline {
         runtime_err(&self.path, e)
     }
 
-    /// Encodes prompt and negative prompt the family's way, then releases the encoders.
-    fn condition(&mut self, params: &Txt2Img) -> Result<Conditioning, GenerateError> {
-        let family = self.spec.family;
+    /// Encodes prompt and negative prompt the family's way, then releases the encoders: the
+    /// base model's, or with `refiner` the refiner's.
+    fn condition(
+        &mut self,
+        params: &Txt2Img,
+        refiner: bool,
+    ) -> Result<Conditioning, GenerateError> {
+        let (spec, encoders, path) = match (&self.refiner, refiner) {
+            (Some(r), true) => (&r.spec, &r.text, &r.path),
+            _ => (&self.spec, &self.text, &self.path),
+        };
         let mut text = RuntimeText {
             runtime: &mut self.runtime,
-            text: &self.text,
+            text: encoders,
         };
-        let cond = family.condition(
-            &self.spec,
+        let cond = spec.family.condition(
+            spec,
             &mut text,
             &params.prompt,
             &params.negative,
             (params.width, params.height),
         )?;
-        for (h, _) in &self.text {
-            self.runtime
-                .release(*h)
-                .map_err(|e| runtime_err(&self.path, e))?;
+        for (h, _) in encoders {
+            self.runtime.release(*h).map_err(|e| runtime_err(path, e))?;
         }
         Ok(cond)
     }
@@ -197,6 +206,7 @@ impl Pipeline {
             None,
             Callbacks {
                 on_step: progress,
+                on_latents: &mut |_, _| {},
                 on_image: &mut |_, _| {},
             },
         )
@@ -219,6 +229,7 @@ impl Pipeline {
             Some((init, strength)),
             Callbacks {
                 on_step: progress,
+                on_latents: &mut |_, _| {},
                 on_image: &mut |_, _| {},
             },
         )
@@ -240,6 +251,17 @@ impl Pipeline {
         )
         .entered();
         check_settings(&self.spec, params)?;
+        if self.spec.family.id() == "sdxl-refiner" && init.is_none() {
+            return Err(GenerateError::InvalidSetting {
+                flag: "model",
+                message: format!(
+                    "{} is an SDXL refiner: it refines images, it does not draw them from \
+                     noise; give it with --refiner next to an SDXL base (-m), or an init image \
+                     with -i",
+                    self.path.display()
+                ),
+            });
+        }
         if let Some((image, strength)) = init {
             check_init(params, image, strength)?;
         }
@@ -257,7 +279,11 @@ impl Pipeline {
             Some((image, _)) => Some(self.encode(image, params.vae_tiling)?),
             None => None,
         };
-        let cond = self.condition(params)?;
+        let cond = self.condition(params, false)?;
+        let refiner_cond = match self.refiner {
+            Some(_) => Some(self.condition(params, true)?),
+            None => None,
+        };
 
         let all_sigmas = params.scheduler.sigmas(params.steps, &schedule)?;
         let sigmas = match init {
@@ -276,28 +302,15 @@ impl Pipeline {
                     *v += z;
                 }
             }
-            let latents = if sigmas.len() < 2 {
-                x
-            } else {
-                let model = Guided {
-                    runtime: &mut self.runtime,
-                    handle: self.diffusion.0,
-                    net: &self.diffusion.1,
-                    cond: &cond,
-                    cfg_scale: params.cfg_scale,
-                };
-                let mut denoiser = KDenoiser::new(model, self.spec.prediction, &schedule);
-                sample_with_progress(
-                    params.sampler,
-                    &mut denoiser,
-                    x,
-                    &sigmas,
-                    rng.as_mut(),
-                    None,
-                    &schedule,
-                    &mut *callbacks.on_step,
-                )?
-            };
+            let latents = self.sample(
+                params,
+                (&cond, refiner_cond.as_ref()),
+                x,
+                &sigmas,
+                rng.as_mut(),
+                &mut *callbacks.on_step,
+            )?;
+            (callbacks.on_latents)(i, &latents);
             let image = self.decode(&latents, params.vae_tiling)?;
             (callbacks.on_image)(i, &image);
             images.push(image);
@@ -306,7 +319,91 @@ impl Pipeline {
             .release(self.diffusion.0)
             .and_then(|_| self.runtime.release(self.first_stage.0))
             .map_err(|e| self.model_err(e))?;
+        if let Some(r) = &self.refiner {
+            self.runtime
+                .release(r.diffusion.0)
+                .map_err(|e| runtime_err(&r.path, e))?;
+        }
         Ok(images)
+    }
+
+    /// Samples one image's latents from `x` over `sigmas`: with the base model alone, or
+    /// the base for the steps before the refiner's switch and the refiner after it
+    /// ([`crate::refiner`]; the base is released first). `on_step` counts all steps.
+    fn sample(
+        &mut self,
+        params: &Txt2Img,
+        (cond, refiner_cond): (&Conditioning, Option<&Conditioning>),
+        x: Tensor<f32>,
+        sigmas: &[f32],
+        rng: &mut dyn crate::rng::Rng,
+        on_step: &mut dyn FnMut(usize, usize),
+    ) -> Result<Tensor<f32>, GenerateError> {
+        let total = sigmas.len().saturating_sub(1);
+        let Schedule::Ddpm(schedule) = &self.spec.schedule else {
+            return Err(GenerateError::Config {
+                path: self.path.clone(),
+                source: ModelConfigError::Unsupported("not a DDPM schedule".into()),
+            });
+        };
+        let split = match (&self.refiner, refiner_cond) {
+            (Some(r), Some(_)) => crate::refiner::switch_index(sigmas, schedule, r.start),
+            _ => total,
+        };
+        let mut x = x;
+        if split > 0 {
+            let model = Guided {
+                runtime: &mut self.runtime,
+                handle: self.diffusion.0,
+                net: &self.diffusion.1,
+                cond,
+                cfg_scale: params.cfg_scale,
+            };
+            let mut denoiser = KDenoiser::new(model, self.spec.prediction, schedule);
+            x = sample_with_progress(
+                params.sampler,
+                &mut denoiser,
+                x,
+                &sigmas[..=split],
+                rng,
+                None,
+                schedule,
+                &mut |s, _| on_step(s, total),
+            )?;
+        }
+        if let (Some(r), Some(rc)) = (&self.refiner, refiner_cond) {
+            if split < total {
+                let _span = tracing::info_span!("refiner", from_step = split + 1).entered();
+                self.runtime
+                    .release(self.diffusion.0)
+                    .map_err(|e| runtime_err(&self.path, e))?;
+                let Schedule::Ddpm(rs) = &r.spec.schedule else {
+                    return Err(GenerateError::Config {
+                        path: r.path.clone(),
+                        source: ModelConfigError::Unsupported("not a DDPM schedule".into()),
+                    });
+                };
+                let model = Guided {
+                    runtime: &mut self.runtime,
+                    handle: r.diffusion.0,
+                    net: &r.diffusion.1,
+                    cond: rc,
+                    cfg_scale: params.cfg_scale,
+                };
+                let mut denoiser = KDenoiser::new(model, r.spec.prediction, rs);
+                x = sample_with_progress(
+                    params.sampler,
+                    &mut denoiser,
+                    x,
+                    &sigmas[split..],
+                    rng,
+                    None,
+                    rs,
+                    &mut |s, _| on_step(split + s, total),
+                )?;
+            }
+        }
+        Ok(x)
     }
 
     /// Encodes an image to diffusion latents `[1, C, h, w]`: the mean of the first stage's

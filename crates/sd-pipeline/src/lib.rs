@@ -15,6 +15,7 @@ pub mod params;
 pub mod pipeline;
 pub mod preflight;
 pub mod prompt;
+pub mod refiner;
 pub mod rng;
 pub mod run_plan;
 pub mod runtime;

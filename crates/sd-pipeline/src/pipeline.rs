@@ -96,6 +96,8 @@ pub struct Pipeline {
     pub(crate) text: Vec<(ModelHandle, TextEncoder)>,
     pub(crate) diffusion: (ModelHandle, DiffusionNet),
     pub(crate) first_stage: (ModelHandle, FirstStage),
+    /// A second model that takes over sampling part-way ([`Pipeline::add_refiner`]).
+    pub(crate) refiner: Option<crate::refiner::Refiner>,
 }
 
 impl std::fmt::Debug for Pipeline {
@@ -294,7 +296,7 @@ fn missing_kind(loader: &TensorCatalog, primary: &Path) -> Result<(), GenerateEr
     Ok(())
 }
 
-fn component_of(kind: SlotKind) -> Component {
+pub(crate) fn component_of(kind: SlotKind) -> Component {
     match kind {
         SlotKind::Diffusion => Component::Diffusion,
         SlotKind::TextEncoder => Component::TextEncoder,
@@ -361,27 +363,16 @@ impl Pipeline {
             Runtime::new(options.runtime, loader).map_err(|e| runtime_err(&primary, e))?;
         let main = SourceId::MAIN;
         let file_of = |slot: &Slot| files.file_for(slot).unwrap_or(&primary).to_path_buf();
-
-        let mut text = Vec::with_capacity(spec.text_encoders.len());
-        for (i, (slot, arch)) in spec.text_encoders.iter().enumerate() {
-            let name = if i == 0 {
-                "text_encoder".to_string()
-            } else {
-                format!("text_encoder_{}", i + 1)
+        let slot_file = |kind: SlotKind, i: usize| {
+            let slot = match kind {
+                SlotKind::TextEncoder => spec.text_encoders[i].0,
+                SlotKind::Diffusion => spec.diffusion.0,
+                SlotKind::FirstStage => spec.first_stage.0,
             };
-            let m = runtime
-                .add_model(&name, component_of(slot.kind), main, |pb| {
-                    TextEncoder::new(pb, arch)
-                })
-                .map_err(|e| runtime_err(&file_of(slot), e))?;
-            text.push(m);
-        }
-        let (dslot, darch) = &spec.diffusion;
-        let diffusion = runtime
-            .add_model("unet", component_of(dslot.kind), main, |pb| {
-                DiffusionNet::new(pb, darch)
-            })
-            .map_err(|e| runtime_err(&file_of(dslot), e))?;
+            file_of(&slot)
+        };
+        let (text, diffusion) =
+            crate::refiner::add_networks(&mut runtime, &spec, main, "", &slot_file)?;
         let (fslot, mut farch) = spec.first_stage.clone();
         let has_encoder = runtime
             .catalog(main)
@@ -399,6 +390,7 @@ impl Pipeline {
             text,
             diffusion,
             first_stage,
+            refiner: None,
         })
     }
 

@@ -39,6 +39,7 @@ fn model_path(model: &str) -> PathBuf {
         "tiny" => fixtures().join("tiny_sd1.safetensors"),
         "tiny_sd2" => fixtures().join("tiny_sd2.safetensors"),
         "tiny_sdxl" => fixtures().join("tiny_sdxl.safetensors"),
+        "tiny_sdxl_refiner" => fixtures().join("tiny_sdxl_refiner.safetensors"),
         "builtin" => PathBuf::from(env!("CARGO_MANIFEST_DIR"))
             .join("../../models/builtin/sd-rs-shapes.safetensors"),
         m => panic!("unknown model {m}"),
@@ -54,6 +55,8 @@ struct Run {
     sigmas: Vec<f32>,
     /// The fixture file stem (`runs`, `runs_sd2`).
     stem: String,
+    /// A refiner model and the fraction of the steps after which it takes over.
+    refiner: Option<(String, f32)>,
 }
 
 /// The runs of `runs.json` and `runs_sd2.json`.
@@ -108,6 +111,9 @@ fn runs_of(stem: &str) -> Vec<Run> {
                     .map(|x| x.as_f64().unwrap() as f32)
                     .collect(),
                 stem: stem.to_string(),
+                refiner: r["refiner"]
+                    .as_str()
+                    .map(|m| (m.to_string(), r["refiner_start"].as_f64().unwrap() as f32)),
             }
         })
         .collect()
@@ -453,7 +459,7 @@ fn tiny_sd2_matches_diffusers() {
 fn tiny_sdxl_matches_diffusers() {
     let sdxl: Vec<Run> = runs()
         .into_iter()
-        .filter(|r| r.model == "tiny_sdxl")
+        .filter(|r| r.model == "tiny_sdxl" && r.refiner.is_none())
         .collect();
     assert_eq!(sdxl.len(), 2);
     for run in &sdxl {
@@ -472,4 +478,106 @@ fn tiny_sdxl_matches_diffusers() {
         assert!(rel <= 1e-3, "{}: image relative L2 {rel:.3e}", run.name);
         assert!(max <= 1, "{}: a pixel differs by {max} levels", run.name);
     }
+}
+
+/// 8-bit pixels of `img` and of the reference image `[3, H, W]` in [-1, 1], both planar.
+fn pixels_and_reference(run: &Run, img: &sd_tensor::Image) -> (Vec<f32>, Vec<f32>) {
+    let (shape, want) = reference(run, "image");
+    let (h, w) = (shape[1] as usize, shape[2] as usize);
+    assert_eq!((img.width(), img.height(), img.channels()), (w, h, 3));
+    let mut ours = Vec::with_capacity(3 * h * w);
+    let mut theirs = Vec::with_capacity(3 * h * w);
+    for c in 0..3 {
+        for i in 0..h * w {
+            ours.push(img.pixels()[i * 3 + c] as f32);
+            theirs.push(PixelRange::MinusOneToOne.to_pixel(want[c * h * w + i]) as f32);
+        }
+    }
+    (ours, theirs)
+}
+
+/// The SDXL base + refiner switch (`Pipeline::add_refiner`, `--refiner-start 0.5`) against
+/// diffusers' `denoising_end` / `denoising_start` pair: the tiny base runs the timesteps
+/// at or above 500, the tiny refiner (its own bigG, aesthetic scores) the rest, through the
+/// pipeline's runtime: latents within relative L2 1e-3 and the image within 1 level, while
+/// the base alone lands far from it.
+#[test]
+fn tiny_sdxl_refiner_switch_matches_diffusers() {
+    let run = runs()
+        .into_iter()
+        .find(|r| r.refiner.is_some())
+        .expect("a refiner run in runs_sdxl.json");
+    let (refiner, start) = run.refiner.clone().unwrap();
+    let options = sd_pipeline::runtime::RuntimeOptions {
+        threads: THREADS,
+        ..Default::default()
+    };
+    let mut p = sd_pipeline::generate::Pipeline::load(model_path(&run.model), options).unwrap();
+    let mut base_latents = Vec::new();
+    p.generate(
+        &run.params,
+        None,
+        sd_pipeline::generate::Callbacks {
+            on_step: &mut |_, _| {},
+            on_latents: &mut |_, l| base_latents = l.data().to_vec(),
+            on_image: &mut |_, _| {},
+        },
+    )
+    .unwrap();
+    p.add_refiner(
+        &sd_pipeline::generate::ModelFiles::single(model_path(&refiner)),
+        start,
+    )
+    .unwrap();
+    let mut got = Vec::new();
+    let mut steps = Vec::new();
+    let images = p
+        .generate(
+            &run.params,
+            None,
+            sd_pipeline::generate::Callbacks {
+                on_step: &mut |s, t| steps.push((s, t)),
+                on_latents: &mut |_, l| got = l.data().to_vec(),
+                on_image: &mut |_, _| {},
+            },
+        )
+        .unwrap();
+    assert_eq!(
+        steps,
+        vec![(1, 4), (2, 4), (3, 4), (4, 4)],
+        "steps reported"
+    );
+    let (_, want) = reference(&run, "latents");
+    let e = rel_l2(&got, &want);
+    let e_base = rel_l2(&base_latents, &want);
+    let (ours, theirs) = pixels_and_reference(&run, &images[0]);
+    let rel = rel_l2(&ours, &theirs);
+    let max = ours
+        .iter()
+        .zip(&theirs)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0f32, f32::max);
+    println!(
+        "{}: latents relative L2 {e:.2e} (base alone {e_base:.2e}); image relative L2 \
+         {rel:.2e}, max {max} levels",
+        run.name
+    );
+    assert!(e <= 1e-3, "latents relative L2 {e:.3e}");
+    assert!(
+        e_base > 1e-2,
+        "the refiner changed little: base alone {e_base:.3e}"
+    );
+    assert!(rel <= 1e-3, "image relative L2 {rel:.3e}");
+    assert!(max <= 1.0, "a pixel differs by {max} levels");
+    // The refiner alone does not draw from noise; as the base it is a usage error.
+    let mut alone =
+        sd_pipeline::generate::Pipeline::load(model_path(&refiner), Default::default()).unwrap();
+    let err = alone
+        .txt2img(&run.params, &mut |_, _| {})
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("--refiner") && err.contains("refiner"),
+        "{err}"
+    );
 }
