@@ -19,6 +19,8 @@
 #                `ab`: coalesced vs per-tensor weight uploads, interleaved
 #   BUDGETS      --max-vram fractions [0.75 0.5 0.25 0.1];  MODES  [pinned disk]
 #   STEPS        timed steps per budgeted run [10];  DEADLINE  seconds to stop starting runs [540]
+#   CONFIG       the UNet: sd15 or sdxl [sd15] (the `diffusers` phase runs the SD1.5 peer only;
+#                for SDXL run scripts/bench/unet_step_diffusers.py --model sdxl --device cuda)
 #
 # Linking: libggml-cuda.so NEEDs libggml-base.so.0. sd-bench has ggml statically linked and
 # exports its symbols (-Wl,--export-dynamic), so the module is given an EMPTY stub of that
@@ -38,6 +40,7 @@ BUDGETS=${BUDGETS:-0.75 0.5 0.25 0.1}
 MODES=${MODES:-pinned disk}
 STEPS=${STEPS:-10}
 DEADLINE=${DEADLINE:-540}
+CONFIG=${CONFIG:-sd15}
 WORK=${WORK:-/tmp/sdrs-cuda}
 RESULTS=$LOG/results.jsonl
 T0=$(date +%s)
@@ -126,12 +129,12 @@ phase bw && run_json copy-bw "$BENCH" copy-bw --backend CUDA0 --mib 1024
 
 W=$WORK/weights
 if phase resident || phase diffusers || phase budgets || phase ab; then
-    run_json write-weights "$BENCH" write-weights "$W" --config sd15 || exit 1
+    run_json write-weights "$BENCH" write-weights "$W" --config "$CONFIG" || exit 1
 fi
 if phase resident; then
-    run_json resident "$BENCH" unet --weights "$W/unet.safetensors" --backend CUDA0 --params device --steps 20 --dump "$WORK/dump"
-    run_json resident-noflash "$BENCH" unet --weights "$W/unet.safetensors" --backend CUDA0 --params device --steps 10 --flash-attn off
-    run_json direct "$BENCH" unet --weights "$W/unet.safetensors" --backend CUDA0 --direct on --steps 20
+    run_json resident "$BENCH" unet --config "$CONFIG" --weights "$W/unet.safetensors" --backend CUDA0 --params device --steps 20 --dump "$WORK/dump"
+    run_json resident-noflash "$BENCH" unet --config "$CONFIG" --weights "$W/unet.safetensors" --backend CUDA0 --params device --steps 10 --flash-attn off
+    run_json direct "$BENCH" unet --config "$CONFIG" --weights "$W/unet.safetensors" --backend CUDA0 --direct on --steps 20
 fi
 if phase diffusers; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHEELS"/*.whl &&
@@ -141,26 +144,26 @@ fi
 if phase budgets; then
     for f in $BUDGETS; do
         for m in $MODES; do
-            run_json "budget-$f-$m" "$BENCH" unet --weights "$W/unet.safetensors" --backend CUDA0 --params "$m" --max-vram "$f" --steps "$STEPS"
+            run_json "budget-$f-$m" "$BENCH" unet --config "$CONFIG" --weights "$W/unet.safetensors" --backend CUDA0 --params "$m" --max-vram "$f" --steps "$STEPS"
         done
     done
     # The CUDA runtime's own allocations (cuBLAS, kernels, ggml's temporary pool; about 245
     # MiB measured) are outside the engine's accounting; sd-bench leaves 320 MiB of every
     # budget to them by default (CUDA_RUNTIME_RESERVE_BYTES). The same 50% run without that
     # reserve shows what it is for.
-    run_json "budget-0.5-pinned-noreserve" "$BENCH" unet --weights "$W/unet.safetensors" --backend CUDA0 --params pinned --max-vram 0.5 --runtime-reserve 0 --steps "$STEPS"
-    [[ -n "${RAM_BUDGET:-0.5}" ]] && run_json "budget-${RAM_BUDGET:-0.5}-ram" "$BENCH" unet --weights "$W/unet.safetensors" --backend CUDA0 --params ram --max-vram "${RAM_BUDGET:-0.5}" --steps "$STEPS"
+    run_json "budget-0.5-pinned-noreserve" "$BENCH" unet --config "$CONFIG" --weights "$W/unet.safetensors" --backend CUDA0 --params pinned --max-vram 0.5 --runtime-reserve 0 --steps "$STEPS"
+    [[ -n "${RAM_BUDGET:-0.5}" ]] && run_json "budget-${RAM_BUDGET:-0.5}-ram" "$BENCH" unet --config "$CONFIG" --weights "$W/unet.safetensors" --backend CUDA0 --params ram --max-vram "${RAM_BUDGET:-0.5}" --steps "$STEPS"
 fi
 if phase ab; then
     # A/B of the coalesced weight uploads (SD_BENCH_COALESCE=0: one copy per tensor),
     # interleaved to see the run-to-run spread.
     for rep in a b; do
         for c in 1 0; do
-            SD_BENCH_COALESCE=$c run_json "ab-0.75-pinned-c$c-$rep" "$BENCH" unet --weights "$W/unet.safetensors" --backend CUDA0 --params pinned --max-vram 0.75 --steps "$STEPS"
+            SD_BENCH_COALESCE=$c run_json "ab-0.75-pinned-c$c-$rep" "$BENCH" unet --config "$CONFIG" --weights "$W/unet.safetensors" --backend CUDA0 --params pinned --max-vram 0.75 --steps "$STEPS"
         done
     done
     for c in 1 0; do
-        SD_BENCH_COALESCE=$c run_json "ab-0.5-ram-c$c" "$BENCH" unet --weights "$W/unet.safetensors" --backend CUDA0 --params ram --max-vram 0.5 --steps "$STEPS"
+        SD_BENCH_COALESCE=$c run_json "ab-0.5-ram-c$c" "$BENCH" unet --config "$CONFIG" --weights "$W/unet.safetensors" --backend CUDA0 --params ram --max-vram 0.5 --steps "$STEPS"
     done
     grep '"label": "ab-' "$RESULTS" | python3 -c '
 import json, sys

@@ -2,9 +2,9 @@
 //! lines (one object per run). Driven on the GPU machine by `scripts/device/cuda_run.sh`.
 //!
 //! ```text
-//! sd-bench write-weights DIR [--config sd15|tiny]       random f16 UNet weights (LDM layout)
+//! sd-bench write-weights DIR [--config sd15|sdxl|tiny]  random f16 UNet weights (LDM layout)
 //! sd-bench unet --weights FILE --backend NAME [--max-vram FRAC|BYTES] [--params MODE]
-//!               [--steps N] [--flash-attn auto|on|off] [--dump DIR] [--config sd15|tiny]
+//!               [--steps N] [--flash-attn auto|on|off] [--dump DIR] [--config sd15|sdxl|tiny]
 //!               [--runtime-reserve BYTES] [--direct on]
 //! sd-bench check --backend NAME                         tiny UNet: backend vs CPU, resident
 //!                                                       and streamed through a budget
@@ -134,6 +134,8 @@ enum ConfigName {
     Sd15,
     /// A small UNet of the SD1 architecture (head widths 64 and 128).
     Tiny,
+    /// The SDXL base UNet (1024x1024: 128x128 latents, 2048-wide context, `y` of 2816).
+    Sdxl,
 }
 
 /// `--flash-attn`.
@@ -278,6 +280,7 @@ fn config_of(name: ConfigName) -> UnetConfig {
     match name {
         ConfigName::Sd15 => UnetConfig::sd1(),
         ConfigName::Tiny => tiny_config(),
+        ConfigName::Sdxl => UnetConfig::sdxl(),
     }
 }
 
@@ -420,6 +423,8 @@ struct Inputs {
     x: Vec<f32>,
     t: Vec<f32>,
     ctx: Vec<f32>,
+    /// The class vector `[adm_in_channels, B]` of models with one (SDXL).
+    y: Option<Vec<f32>>,
 }
 
 impl Inputs {
@@ -432,7 +437,11 @@ impl Inputs {
         let ctx = (0..cfg.context_dim * n_ctx * b)
             .map(|_| rng.next())
             .collect();
+        let y = cfg
+            .adm_in_channels
+            .map(|adm| (0..adm * b).map(|_| rng.next()).collect());
         Inputs {
+            y,
             w,
             b,
             n_ctx,
@@ -577,7 +586,16 @@ fn unet_graph(
     let c = ctx.new_tensor(DType::F32, &[cfg.context_dim, inputs.n_ctx, inputs.b])?;
     c.set_name("context");
     c.set_input();
-    let out = model.forward(&mut g, &x, &t, &c, None)?;
+    let y = match (&inputs.y, cfg.adm_in_channels) {
+        (Some(_), Some(adm)) => {
+            let y = ctx.new_tensor(DType::F32, &[adm, inputs.b])?;
+            y.set_name("y");
+            y.set_input();
+            Some(y)
+        }
+        _ => None,
+    };
+    let out = model.forward(&mut g, &x, &t, &c, y.as_ref())?;
     out.set_output();
     let mut graph = sd_tensor::ggml::Graph::new(&ctx, GRAPH)?;
     graph.build_forward_expand(&out)?;
@@ -586,6 +604,9 @@ fn unet_graph(
         (t, f32_bytes(&inputs.t)),
         (c, f32_bytes(&inputs.ctx)),
     ];
+    if let (Some(y), Some(data)) = (y, &inputs.y) {
+        feeds.push((y, f32_bytes(data)));
+    }
     for aux in &g.aux {
         let bytes = match &aux.data {
             HostData::F32(v) => f32_bytes(v),
@@ -729,10 +750,10 @@ fn cmd_unet(a: &UnetArgs) -> Result<()> {
         FlashAttn::Off => Vec::new(),
         FlashAttn::Auto => flash_attn_dims(&backend, &cfg)?,
     };
-    let (w, b, n_ctx) = if cfg == UnetConfig::sd1() {
-        (64, 2, 77)
-    } else {
-        (16, 2, 8)
+    let (w, b, n_ctx) = match a.config {
+        ConfigName::Sd15 => (64, 2, 77),
+        ConfigName::Sdxl => (128, 2, 77),
+        ConfigName::Tiny => (16, 2, 8),
     };
     let inputs = Inputs::new(&cfg, w, b, n_ctx);
 
