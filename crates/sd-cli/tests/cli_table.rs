@@ -129,6 +129,28 @@ fn cases() -> Vec<Case> {
             },
         },
         Case {
+            name: "-m a diffusers pipeline folder: same image as the single file",
+            setup: none,
+            args: |d| {
+                let mut v = sdxl_gen(d.join("o.png"));
+                v[1] = sdxl_fixture("tiny_sdxl_diffusers").into();
+                v
+            },
+            code: 0,
+            stderr: &[],
+            stdout: &["saved"],
+            files: &["o.png"],
+            check: |d, _| {
+                let out = Command::new(env!("CARGO_BIN_EXE_sd"))
+                    .args(sdxl_gen(d.join("file.png")))
+                    .output()
+                    .unwrap();
+                assert!(out.status.success());
+                let img = |p: &Path| sd_tensor::Image::load_png(p).unwrap().into_pixels();
+                assert!(img(&d.join("o.png")) == img(&d.join("file.png")));
+            },
+        },
+        Case {
             name: "--refiner-start without --refiner: exit 2",
             setup: none,
             args: |d| with(sdxl_gen(d.join("o.png")), &["--refiner-start", "0.5"]),

@@ -25,7 +25,7 @@ use crate::runtime::{ModelHandle, Runtime, RuntimeError, RuntimeOptions};
 /// `vae`, `diffusion-model`: the CLI flag without its dashes).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ModelFiles {
-    /// A full checkpoint.
+    /// A full checkpoint: one file, or a diffusers pipeline folder.
     pub model: Option<PathBuf>,
     /// Component files: `(slot name, path)`, in loading order.
     pub components: Vec<(String, PathBuf)>,
@@ -167,7 +167,11 @@ pub(crate) fn open_catalog(files: &ModelFiles) -> Result<TensorCatalog, Generate
     };
     let mut loader = TensorCatalog::new();
     if let Some(m) = &files.model {
-        loader.add_file(m, None)?;
+        if m.is_dir() {
+            loader.add_diffusers_folder(m)?;
+        } else {
+            loader.add_file(m, None)?;
+        }
         sd_models::weights::canonicalize(&mut loader, None).map_err(weights(m))?;
     }
     for (name, path) in &files.components {

@@ -118,3 +118,28 @@ fn sdxl_without_its_second_text_encoder_names_the_slot_and_flag() {
         "{text}"
     );
 }
+
+/// The same tiny SDXL as a diffusers pipeline folder (`unet/`, `vae/`, `text_encoder/`,
+/// `text_encoder_2/` with diffusers and transformers names, q/k/v separate) loads through
+/// the name tables to the same model: the same image as the single file, byte for byte.
+#[test]
+fn a_diffusers_folder_gives_the_single_files_image() {
+    let folder = tiny_sdxl().with_file_name("tiny_sdxl_diffusers");
+    let (from_file, _) = generate(&tiny_sdxl(), options(None));
+    let (from_folder, p) = generate(&folder, options(None));
+    assert_eq!(p.spec().family.id(), "sdxl");
+    assert_eq!(from_folder.pixels(), from_file.pixels());
+
+    // A folder that is not a diffusers pipeline: an error naming it.
+    let dir = std::env::temp_dir().join(format!("sd-rs-not-diffusers-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let Err(err) = Pipeline::load(&dir, options(None)) else {
+        panic!("an empty folder loaded");
+    };
+    let text = err.to_string();
+    std::fs::remove_dir_all(&dir).ok();
+    assert!(
+        text.contains("not a diffusers pipeline folder") && text.contains("sd-rs-not-diffusers"),
+        "{text}"
+    );
+}

@@ -231,6 +231,26 @@ impl TensorCatalog {
         Ok(id)
     }
 
+    /// Adds every component of a diffusers pipeline folder (see
+    /// [`super::diffusers_folder`]), each under its folder's prefix (`unet.`, `vae.`,
+    /// `text_encoder.`, ...).
+    pub fn add_diffusers_folder(
+        &mut self,
+        dir: impl AsRef<Path>,
+    ) -> Result<Vec<FileId>, FileError> {
+        let dir = dir.as_ref();
+        let _span = tracing::info_span!("add_diffusers_folder", path = %dir.display()).entered();
+        let mut ids = Vec::new();
+        for c in super::diffusers_folder::components(dir)? {
+            if super::sharded::is_index_path(&c.path) {
+                ids.extend(self.add_sharded(&c.path, Some(c.prefix))?);
+            } else {
+                ids.push(self.add_file(&c.path, Some(c.prefix))?);
+            }
+        }
+        Ok(ids)
+    }
+
     /// Adds every shard of a sharded safetensors model (`*.safetensors.index.json`), checking
     /// that each tensor the index lists is in the shard it names.
     pub fn add_sharded(

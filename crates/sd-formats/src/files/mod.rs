@@ -11,6 +11,7 @@
 //! Formats are recognised by their first bytes, not by their file names.
 
 pub mod catalog;
+pub mod diffusers_folder;
 mod error;
 pub mod gguf;
 mod layout;
