@@ -133,6 +133,10 @@ pub struct BudgetShortfall {
     pub minimum: u64,
     /// The limit (tightest of session budget, manager budget and device memory).
     pub limit: u64,
+    /// Bytes of the user's budget left to the backend runtime's own allocations (CUDA
+    /// context, BLAS, kernels), outside `limit`; 0 when not known. Set by the layer that
+    /// applied the budget, so the message can name the budget to ask for.
+    pub runtime_reserve: u64,
 }
 
 impl std::fmt::Display for BudgetShortfall {
@@ -152,9 +156,48 @@ impl std::fmt::Display for BudgetShortfall {
             self.largest,
             self.largest_bytes,
             self.minimum
-        )
+        )?;
+        if self.runtime_reserve > 0 {
+            let mib = |b: u64| b.div_ceil(1 << 20);
+            write!(
+                f,
+                " (the limit is the --max-vram budget minus {} MiB the backend runtime itself \
+                 uses on the device, measured at start: a budget of at least {} MiB is needed)",
+                mib(self.runtime_reserve),
+                mib(self.minimum + self.runtime_reserve)
+            )?;
+        }
+        Ok(())
     }
 }
 
 /// Result of the execution layer.
 pub type Result<T, E = ExecError> = std::result::Result<T, E>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_shortfall_names_the_budget_to_ask_for_when_the_runtime_reserve_is_known() {
+        let mut b = BudgetShortfall {
+            task: "text encoder".into(),
+            backend: "CUDA0".into(),
+            segment: "embeddings".into(),
+            weight_bytes: 76_127_232,
+            compute_bytes: 2_365_440,
+            live_cut_bytes: 236_544,
+            largest: "token_embedding".into(),
+            largest_bytes: 75_890_688,
+            minimum: 78_729_216,
+            limit: 29_766_451,
+            runtime_reserve: 0,
+        };
+        assert!(!b.to_string().contains("--max-vram"));
+        b.runtime_reserve = 829 << 20;
+        let text = b.to_string();
+        // 78,729,216 B + 829 MiB = 904.08 MiB, rounded up.
+        assert!(text.contains("minus 829 MiB"), "{text}");
+        assert!(text.contains("at least 905 MiB"), "{text}");
+    }
+}

@@ -172,6 +172,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
             largest_bytes,
             minimum,
             limit,
+            runtime_reserve: 0,
         }))
     }
 }

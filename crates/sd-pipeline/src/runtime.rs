@@ -259,6 +259,8 @@ pub struct Runtime {
     split_sims: Vec<SimDevice>,
     /// Head widths that use flash attention (`None`: off); see [`RuntimeOptions::flash_attn`].
     flash_attn_dims: Option<Vec<usize>>,
+    /// The measured runtime reserve left out of `--max-vram` on a GPU (0: none).
+    runtime_reserve: u64,
 }
 
 impl std::fmt::Debug for Runtime {
@@ -345,6 +347,7 @@ impl Runtime {
             split_ids.push(mm.add_backend(b.clone())?);
         }
         let mut budget = None;
+        let mut runtime_reserve = 0;
         if let Some(mv) = &options.max_vram {
             if !primary_sim && !compute.is_cpu() {
                 // What the GPU's runtime holds for itself (context, BLAS, kernels, pools)
@@ -358,6 +361,7 @@ impl Runtime {
                         "the backend runtime's own device memory is left out of --max-vram"
                     );
                     mm.set_runtime_reserve(Some(r.reserve));
+                    runtime_reserve = r.reserve;
                 }
             }
             mm.apply_max_vram(mv);
@@ -395,6 +399,7 @@ impl Runtime {
         };
         Ok(Runtime {
             flash_attn_dims,
+            runtime_reserve,
             engine,
             models: Vec::new(),
             compute,
@@ -528,7 +533,21 @@ impl Runtime {
     ) -> Result<PlanSummary> {
         let (task, _, _g) = self.build_task(description, graph_size, build)?;
         let session = self.slot(h)?.session;
-        Ok(self.engine.plan(session, &task)?)
+        self.engine
+            .plan(session, &task)
+            .map_err(|e| self.with_reserve(e))
+    }
+
+    /// Adds the runtime reserve to a budget shortfall, so its message names the
+    /// `--max-vram` to ask for.
+    fn with_reserve(&self, e: sd_exec::ExecError) -> RuntimeError {
+        match e {
+            sd_exec::ExecError::BudgetTooSmall(mut b) => {
+                b.runtime_reserve = self.runtime_reserve;
+                RuntimeError::Exec(sd_exec::ExecError::BudgetTooSmall(b))
+            }
+            other => RuntimeError::Exec(other),
+        }
     }
 
     /// The task of [`Runtime::run`]: the graph `build` makes, its marks and inputs.
@@ -566,7 +585,9 @@ impl Runtime {
     /// Executes a ready task in model `h`'s session.
     pub fn execute(&mut self, h: ModelHandle, task: &ComputeTask) -> Result<ComputeResult> {
         let session = self.slot(h)?.session;
-        Ok(self.engine.execute(session, task)?)
+        self.engine
+            .execute(session, task)
+            .map_err(|e| self.with_reserve(e))
     }
 
     /// Ends model `h`'s session (its workspace, caches and compute-device weight copies are
