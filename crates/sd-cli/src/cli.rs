@@ -8,10 +8,12 @@ use std::path::PathBuf;
 
 use clap::{ArgAction, Parser, ValueEnum};
 use sd_pipeline::generate::ModelFiles;
+use sd_pipeline::hires::{HiresFix, HiresUpscaler};
 use sd_pipeline::rng::RngKind;
 use sd_pipeline::runtime::{parse_size, ComputeDevice, ParamsLocation};
 use sd_pipeline::sampling::{Prediction, SampleMethod};
 use sd_pipeline::schedule::{AysTable, Scheduler};
+use sd_pipeline::upscale::UpscaleOptions;
 use sd_residency::capacity::MaxVram;
 use sd_tensor::DType;
 
@@ -232,6 +234,41 @@ pub struct Cli {
     #[arg(long = "upscale-tile-size", value_name = "N", value_parser = clap::value_parser!(u32).range(0..=4096), help_heading = "Generation")]
     pub upscale_tile_size: Option<u32>,
 
+    /// Hires fix: generate at -W x -H, upscale, then denoise again at the hires size
+    #[arg(long = "hires", help_heading = "Hires fix")]
+    pub hires: bool,
+    /// Hires width (0 or absent: the width times --hires-scale)
+    #[arg(long = "hires-width", value_name = "N", value_parser = clap::value_parser!(u32).range(0..=MAX_SIZE as i64), help_heading = "Hires fix")]
+    pub hires_width: Option<u32>,
+    /// Hires height (0 or absent: the height times --hires-scale)
+    #[arg(long = "hires-height", value_name = "N", value_parser = clap::value_parser!(u32).range(0..=MAX_SIZE as i64), help_heading = "Hires fix")]
+    pub hires_height: Option<u32>,
+    /// Hires scale of the first pass's size (default 2)
+    #[arg(long = "hires-scale", value_name = "X", value_parser = parse_hires_scale, help_heading = "Hires fix")]
+    pub hires_scale: Option<f32>,
+    /// Second-pass steps (0 or absent: --steps)
+    #[arg(long = "hires-steps", value_name = "N", value_parser = clap::value_parser!(u32).range(0..=MAX_STEPS as i64), help_heading = "Hires fix")]
+    pub hires_steps: Option<u32>,
+    /// Second-pass denoising strength in [0, 1] (default 0.7)
+    #[arg(long = "hires-denoising-strength", value_name = "S", value_parser = parse_strength, help_heading = "Hires fix")]
+    pub hires_strength: Option<f32>,
+    /// Upscale step: Latent (default), "Latent (nearest)", "Latent (nearest-exact)",
+    /// Bilinear (sd-rs), or an upscaler model file (a path, or a name in
+    /// --hires-upscalers-dir)
+    #[arg(
+        long = "hires-upscaler",
+        value_name = "NAME",
+        help_heading = "Hires fix"
+    )]
+    pub hires_upscaler: Option<String>,
+    /// Directory of upscaler models named by --hires-upscaler
+    #[arg(
+        long = "hires-upscalers-dir",
+        value_name = "DIR",
+        help_heading = "Hires fix"
+    )]
+    pub hires_upscalers_dir: Option<PathBuf>,
+
     /// Compute device: cpu (default), a device from --list-devices (cuda0, Vulkan0...),
     /// sim:SIZE (a simulated GPU), A&B (the diffusion model layer-split across A and B), or
     /// module assignments as stable-diffusion.cpp takes them (diffusion=cuda0,te=cuda0)
@@ -317,7 +354,6 @@ pub const UNSUPPORTED: &[(&str, bool)] = &[
     ("--ip-adapter", true),
     ("--motion-module", true),
     ("--embd-dir", true),
-    ("--hires-upscalers-dir", true),
     ("--tensor-type-rules", true),
     ("--photo-maker", true),
     ("--split-mode", true),
@@ -330,13 +366,6 @@ pub const UNSUPPORTED: &[(&str, bool)] = &[
     ("--mask", true),
     ("--end-img", true),
     ("--ref-image", true),
-    ("--hires", false),
-    ("--hires-width", true),
-    ("--hires-height", true),
-    ("--hires-steps", true),
-    ("--hires-scale", true),
-    ("--hires-denoising-strength", true),
-    ("--hires-upscaler", true),
     ("--img-cfg-scale", true),
     ("--guidance", true),
     ("--slg-scale", true),
@@ -601,6 +630,91 @@ fn parse_strength(text: &str) -> Result<f32, String> {
         Ok(s) if (0.0..=1.0).contains(&s) => Ok(s),
         _ => Err(format!("needs a number between 0 and 1, got '{text}'")),
     }
+}
+
+fn parse_hires_scale(text: &str) -> Result<f32, String> {
+    match text.parse::<f32>() {
+        Ok(s) if s.is_finite() && s > 0.0 && s <= 16.0 => Ok(s),
+        _ => Err(format!("needs a number in (0, 16], got '{text}'")),
+    }
+}
+
+/// The hires fix of the command line for a first pass of `width` x `height` on a model
+/// whose sizes are multiples of `multiple` (`None` without `--hires`; an error naming the
+/// flag for hires flags without `--hires`, a size that is not a multiple, an unknown
+/// upscaler).
+pub fn hires_fix(
+    cli: &Cli,
+    width: usize,
+    height: usize,
+    multiple: usize,
+) -> Result<Option<HiresFix>, String> {
+    if !cli.hires {
+        let given = [
+            ("--hires-width", cli.hires_width.is_some()),
+            ("--hires-height", cli.hires_height.is_some()),
+            ("--hires-scale", cli.hires_scale.is_some()),
+            ("--hires-steps", cli.hires_steps.is_some()),
+            ("--hires-denoising-strength", cli.hires_strength.is_some()),
+            ("--hires-upscaler", cli.hires_upscaler.is_some()),
+            ("--hires-upscalers-dir", cli.hires_upscalers_dir.is_some()),
+        ];
+        if let Some((flag, _)) = given.iter().find(|(_, g)| *g) {
+            return Err(format!("{flag} needs --hires"));
+        }
+        return Ok(None);
+    }
+    let scale = cli.hires_scale.unwrap_or(2.0);
+    let size = |given: Option<u32>, base: usize, flag: &str| -> Result<usize, String> {
+        let v = match given.filter(|v| *v > 0) {
+            Some(v) => v as usize,
+            // Rounded to the model's size step, as the first pass's sizes are.
+            None => ((base as f32 * scale / multiple as f32).round() as usize).max(1) * multiple,
+        };
+        if v % multiple != 0 || v > MAX_SIZE as usize {
+            return Err(format!(
+                "{flag}: {v} is not a multiple of {multiple} (this model's size step) up to \
+                 {MAX_SIZE}"
+            ));
+        }
+        Ok(v)
+    };
+    let w = size(cli.hires_width, width, "--hires-width")?;
+    let h = size(cli.hires_height, height, "--hires-height")?;
+    let name = cli.hires_upscaler.as_deref().unwrap_or("Latent");
+    let upscaler = match name.to_ascii_lowercase().as_str() {
+        "latent" => HiresUpscaler::Latent,
+        "latent (nearest)" | "latent (nearest-exact)" | "latent-nearest" => {
+            HiresUpscaler::LatentNearest
+        }
+        "bilinear" => HiresUpscaler::Bilinear,
+        _ => {
+            let path = match &cli.hires_upscalers_dir {
+                Some(dir) => dir.join(name),
+                None => PathBuf::from(name),
+            };
+            if !path.is_file() {
+                return Err(format!(
+                    "--hires-upscaler: '{name}' is neither Latent, \"Latent (nearest)\", \
+                     \"Latent (nearest-exact)\", Bilinear nor an upscaler model file ({} does \
+                     not exist; sd-rs has no Lanczos, Nearest or antialiased/bicubic latent \
+                     upscalers yet)",
+                    path.display()
+                ));
+            }
+            HiresUpscaler::Model {
+                path,
+                options: UpscaleOptions::default(),
+            }
+        }
+    };
+    Ok(Some(HiresFix {
+        width: w,
+        height: h,
+        steps: cli.hires_steps.unwrap_or(0) as usize,
+        strength: cli.hires_strength.unwrap_or(0.7),
+        upscaler,
+    }))
 }
 
 fn parse_refiner_start(text: &str) -> Result<f32, String> {

@@ -28,6 +28,7 @@ use cli::{Cli, Mode};
 use output::Target;
 use progress::Progress;
 use sd_pipeline::generate::{GenerateError, LoadOptions, ModelFiles, Pipeline, Txt2Img};
+use sd_pipeline::hires::hires_upscale;
 use sd_pipeline::runtime::{ComputeDevice, RuntimeOptions};
 use sd_pipeline::schedule::Scheduler;
 use sd_pipeline::vae_tiling::VaeTiling;
@@ -499,16 +500,21 @@ fn generate(cli: &Cli, threads: usize) -> Result<(), Fail> {
             )));
         }
     }
+    let hires = cli::hires_fix(cli, width, height, multiple).map_err(Fail::Usage)?;
     if !planning {
         if let Some(limit) = MemoryLimit::of(&pipeline) {
-            memory_preflight(
-                &limit,
-                &spec,
-                width,
-                height,
-                flash || pipeline.runtime().flash_attention(),
-                cli.vae_tiling,
-            )?;
+            let mut sizes = vec![(width, height)];
+            sizes.extend(hires.as_ref().map(|h| (h.width, h.height)));
+            for (w, h) in sizes {
+                memory_preflight(
+                    &limit,
+                    &spec,
+                    w,
+                    h,
+                    flash || pipeline.runtime().flash_attention(),
+                    cli.vae_tiling,
+                )?;
+            }
         }
     }
     // A bad upscaler is known before the steps.
@@ -611,6 +617,33 @@ fn generate(cli: &Cli, threads: usize) -> Result<(), Fail> {
         let Some(mut image) = images.pop() else {
             return Err(Fail::Run("no image was generated".into()));
         };
+        if let Some(hf) = &hires {
+            progress.phase("hires fix", "steps");
+            let up =
+                hires_upscale(&mut pipeline, &image, hf, one.vae_tiling).map_err(generate_fail)?;
+            let second = Txt2Img {
+                width: hf.width,
+                height: hf.height,
+                steps: if hf.steps == 0 { one.steps } else { hf.steps },
+                ..one.clone()
+            };
+            let mut last2 = (0, 0);
+            let mut step2 = |s: usize, t: usize| {
+                last2 = (s, t);
+                progress.update(s.saturating_sub(1), t);
+            };
+            let result = pipeline.img2img(&second, &up, hf.strength, &mut step2);
+            image = match result.map(|mut v| v.pop()) {
+                Ok(Some(img)) => img,
+                Ok(None) => return Err(Fail::Run("the hires pass made no image".into())),
+                Err(e) => {
+                    progress.abandon();
+                    return Err(generate_fail(e));
+                }
+            };
+            progress.update(last2.1, last2.1);
+            progress.finish();
+        }
         if let Some(up) = &upscaler {
             progress.phase("upscaling", "images");
             image = up.upscale(&mut pipeline, &image)?;
@@ -620,6 +653,17 @@ fn generate(cli: &Cli, threads: usize) -> Result<(), Fail> {
         let mut text = parameters_text(&one, &name);
         if init.is_some() {
             text.push_str(&format!(", Denoising strength: {strength}"));
+        }
+        if let Some(hf) = &hires {
+            text.push_str(&format!(
+                ", Hires resize: {}x{}, Hires steps: {}, Hires upscaler: {}, Hires denoising \
+                 strength: {}",
+                hf.width,
+                hf.height,
+                if hf.steps == 0 { one.steps } else { hf.steps },
+                cli.hires_upscaler.as_deref().unwrap_or("Latent"),
+                hf.strength
+            ));
         }
         if let Some(up) = &upscaler {
             text.push_str(&up.parameters_note());

@@ -151,6 +151,92 @@ fn cases() -> Vec<Case> {
             },
         },
         Case {
+            name: "--hires: 64x64 first pass, 128x128 second (Latent, scale 2)",
+            setup: none,
+            args: |d| with(gen(d.join("o.png")), &["--hires"]),
+            code: 0,
+            stderr: &[],
+            stdout: &["saved", "128x128"],
+            files: &["o.png"],
+            check: |d, _| {
+                let img = sd_tensor::Image::load_png(d.join("o.png")).unwrap();
+                assert_eq!((img.width(), img.height()), (128, 128));
+                let bytes = std::fs::read(d.join("o.png")).unwrap();
+                let text = String::from_utf8_lossy(&bytes);
+                assert!(
+                    text.contains("Hires resize: 128x128")
+                        && text.contains("Hires upscaler: Latent"),
+                    "parameters text"
+                );
+            },
+        },
+        Case {
+            name: "--hires with an upscaler model and explicit size",
+            setup: none,
+            args: |d| {
+                let mut v = with(
+                    gen(d.join("o.png")),
+                    &[
+                        "--hires",
+                        "--hires-width",
+                        "128",
+                        "--hires-height",
+                        "96",
+                        "--hires-steps",
+                        "2",
+                        "--hires-denoising-strength",
+                        "0.5",
+                        "--hires-upscaler",
+                    ],
+                );
+                v.push(upscaler().into());
+                v
+            },
+            code: 0,
+            stderr: &[],
+            stdout: &["saved", "128x96"],
+            files: &["o.png"],
+            check: |d, _| {
+                let img = sd_tensor::Image::load_png(d.join("o.png")).unwrap();
+                assert_eq!((img.width(), img.height()), (128, 96));
+            },
+        },
+        Case {
+            name: "--hires-scale without --hires: exit 2",
+            setup: none,
+            args: |d| with(gen(d.join("o.png")), &["--hires-scale", "1.5"]),
+            code: 2,
+            stderr: &["--hires-scale", "needs --hires"],
+            stdout: &[],
+            files: &[],
+            check: no_check,
+        },
+        Case {
+            name: "--hires-upscaler Lanczos (not in sd-rs): exit 2 naming it",
+            setup: none,
+            args: |d| {
+                with(
+                    gen(d.join("o.png")),
+                    &["--hires", "--hires-upscaler", "Lanczos"],
+                )
+            },
+            code: 2,
+            stderr: &["--hires-upscaler", "Lanczos"],
+            stdout: &[],
+            files: &[],
+            check: no_check,
+        },
+        Case {
+            name: "--hires-width not a multiple of the size step: exit 2",
+            setup: none,
+            args: |d| with(gen(d.join("o.png")), &["--hires", "--hires-width", "100"]),
+            code: 2,
+            stderr: &["--hires-width", "100", "multiple"],
+            stdout: &[],
+            files: &[],
+            check: no_check,
+        },
+        Case {
             name: "--refiner-start without --refiner: exit 2",
             setup: none,
             args: |d| with(sdxl_gen(d.join("o.png")), &["--refiner-start", "0.5"]),
