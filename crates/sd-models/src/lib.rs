@@ -32,6 +32,7 @@ pub mod clip;
 pub mod diffusion;
 pub mod esrgan;
 pub mod first_stage;
+pub mod flux;
 pub mod mosr;
 pub mod nn;
 pub mod run;

@@ -223,6 +223,17 @@ impl Activation {
     }
 }
 
+/// GELU's tanh approximation (transformers' `gelu_new`, PyTorch's `gelu(approximate="tanh")`)
+/// in f32 ops: `0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))` (ggml's CPU `gelu` reads an
+/// f16 table).
+pub fn gelu_tanh_exact(ctx: &Context, x: &GTensor) -> Result<GTensor> {
+    let x3 = ctx.mul(&ctx.mul(x, x)?, x)?;
+    let inner = ctx.add(x, &ctx.scale(&x3, 0.044715)?)?;
+    let t = ctx.tanh(&ctx.scale(&inner, (2.0f32 / std::f32::consts::PI).sqrt())?)?;
+    let half = ctx.scale(x, 0.5)?;
+    Ok(ctx.add(&half, &ctx.mul(&half, &t)?)?)
+}
+
 /// Scaled dot-product attention over `heads` heads.
 ///
 /// `q` is `[heads * d, n_q, B]`, `k` `[heads * d, n_kv, B]`, `v` `[heads * d_v, n_kv, B]`;

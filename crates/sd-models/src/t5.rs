@@ -36,7 +36,7 @@
 use sd_tensor::ggml::{Context, GTensor, Precision};
 use sd_tensor::DType;
 
-use crate::nn::Linear;
+use crate::nn::{gelu_tanh_exact, Linear};
 use crate::weights::ParamBuilder;
 use crate::{GraphCtx, HostData, ModelError, Result};
 
@@ -421,16 +421,6 @@ impl T5EncoderModel {
 /// `T5LayerNorm`: `weight * x / sqrt(mean(x^2) + eps)`.
 fn rms_norm(ctx: &Context, x: &GTensor, weight: &GTensor, eps: f32) -> Result<GTensor> {
     Ok(ctx.mul(&ctx.rms_norm(x, eps)?, weight)?)
-}
-
-/// transformers' `gelu_new` in f32 ops: `0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`
-/// (ggml's CPU `gelu` reads an f16 table).
-fn gelu_tanh_exact(ctx: &Context, x: &GTensor) -> Result<GTensor> {
-    let x3 = ctx.mul(&ctx.mul(x, x)?, x)?;
-    let inner = ctx.add(x, &ctx.scale(&x3, 0.044715)?)?;
-    let t = ctx.tanh(&ctx.scale(&inner, (2.0f32 / std::f32::consts::PI).sqrt())?)?;
-    let half = ctx.scale(x, 0.5)?;
-    Ok(ctx.add(&half, &ctx.mul(&half, &t)?)?)
 }
 
 #[cfg(test)]

@@ -1,0 +1,116 @@
+//! The FLUX.1 transformer against diffusers' `FluxTransformer2DModel` on tiny random
+//! weights with Black Forest Labs' checkpoint names (`scripts/fixtures/make_flux_fixtures.py`):
+//! dev (guidance embedding) and schnell, one forward pass on packed tokens, f32.
+
+mod common;
+
+use common::{io_in, ne};
+use sd_formats::files::TensorCatalog;
+use sd_models::flux::{rope_tables, FluxConfig, FluxInputs, FluxModel};
+use sd_models::run::run_cpu;
+use sd_models::{load_all_to_cpu, ComputeOptions, GraphCtx, HostData, ParamBuilder};
+use sd_tensor::DType;
+use sd_testutil::rel_l2;
+
+fn dir() -> std::path::PathBuf {
+    std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/flux")
+}
+
+const PREFIX: &str = "model.diffusion_model";
+
+fn ids(v: &[f32]) -> Vec<[f32; 3]> {
+    v.chunks_exact(3).map(|c| [c[0], c[1], c[2]]).collect()
+}
+
+/// Runs fixture `name` and returns (config, relative L2 error against diffusers).
+fn run(name: &str) -> (FluxConfig, f64) {
+    let mut cat = TensorCatalog::new();
+    cat.add_file(dir().join(format!("{name}.safetensors")), None)
+        .unwrap();
+    let pb = ParamBuilder::new(Some(&cat), 1024).unwrap();
+    let model = FluxModel::new(&pb.pp(PREFIX), FluxConfig::dev()).unwrap();
+    let params = pb.finish();
+    assert_eq!(params.tensors.len(), cat.len(), "every tensor is used");
+    let _buf = load_all_to_cpu(&params, &cat).unwrap();
+    let io = io_in(&dir(), name);
+    let mut g = GraphCtx::new(
+        model.graph_size(),
+        model.graph_size(),
+        ComputeOptions {
+            exact: true,
+            flash_attn: false,
+        },
+    )
+    .unwrap();
+    let new = |g: &GraphCtx, key: &str| g.ctx.new_tensor(DType::F32, &ne(&io[key].shape)).unwrap();
+    let img = new(&g, "img");
+    let txt = new(&g, "txt");
+    let t = new(&g, "timestep");
+    let y = new(&g, "pooled");
+    let guidance = io.contains_key("guidance").then(|| new(&g, "guidance"));
+    let (img_ids, txt_ids) = (ids(&io["img_ids"].data), ids(&io["txt_ids"].data));
+    let out = model
+        .forward_tokens(
+            &mut g,
+            &FluxInputs {
+                img: &img,
+                txt: &txt,
+                timesteps: &t,
+                y: &y,
+                guidance: guidance.as_ref(),
+                img_ids: &img_ids,
+                txt_ids: &txt_ids,
+            },
+        )
+        .unwrap();
+    assert_eq!(out.ne()[..3].to_vec(), ne(&io["out"].shape));
+    let mut inputs = vec![
+        (&img, HostData::F32(io["img"].data.clone())),
+        (&txt, HostData::F32(io["txt"].data.clone())),
+        (&t, HostData::F32(io["timestep"].data.clone())),
+        (&y, HostData::F32(io["pooled"].data.clone())),
+    ];
+    if let Some(gt) = &guidance {
+        inputs.push((gt, HostData::F32(io["guidance"].data.clone())));
+    }
+    let got = run_cpu(&g, &[&out], &inputs, model.graph_size(), 2).unwrap();
+    (model.config.clone(), rel_l2(&got[0], &io["out"].data))
+}
+
+#[test]
+fn flux_dev_matches_diffusers() {
+    let (c, e) = run("flux_tiny");
+    println!("flux dev tiny: relative L2 {e:.2e}");
+    assert_eq!(
+        (c.hidden_size, c.num_heads, c.depth, c.depth_single_blocks),
+        (64, 2, 2, 2)
+    );
+    assert_eq!((c.axes_dim, c.guidance_embed), ([4, 14, 14], true));
+    assert_eq!(
+        (c.context_in_dim, c.vec_in_dim, c.in_channels),
+        (32, 32, 64)
+    );
+    assert!(e < 1e-4, "relative L2 {e:.3e}");
+}
+
+#[test]
+fn flux_schnell_matches_diffusers() {
+    let (c, e) = run("flux_tiny_schnell");
+    println!("flux schnell tiny: relative L2 {e:.2e}");
+    assert!(!c.guidance_embed);
+    assert!(e < 1e-4, "relative L2 {e:.3e}");
+}
+
+#[test]
+fn rope_tables_follow_the_axes() {
+    // Head width 32: axes (4, 14, 14) -> 2 + 7 + 7 frequencies.
+    let (cos, sin) = rope_tables(&[[0.0, 2.0, 3.0]], [4, 14, 14], 10_000.0);
+    assert_eq!(cos.len(), 16);
+    // Axis 0 (id 0): angle 0.
+    assert_eq!((cos[0], sin[0]), (1.0, 0.0));
+    // Axis 1, frequency 0: angle = id = 2.
+    assert!((sin[2] - 2f32.sin()).abs() < 1e-6);
+    // Axis 2, frequency 1: 3 * 10000^(-2/14).
+    let a = 3.0f64 * 10_000f64.powf(-2.0 / 14.0);
+    assert!((cos[10] as f64 - a.cos()).abs() < 1e-6);
+}
