@@ -312,7 +312,6 @@ fn memory_preflight(
     tiled: bool,
 ) -> Result<(), Fail> {
     let f = spec.first_stage.1.downsample_factor().max(1);
-    let sd_models::diffusion::DiffusionArch::Unet(ucfg) = &spec.diffusion.1;
     // Sizes in GiB, or MiB below 1 GiB (a small --max-vram must not read "0.0 GiB").
     let size = |b: f64| {
         if b >= (1u64 << 30) as f64 {
@@ -329,10 +328,17 @@ fn memory_preflight(
             size(avail),
         ))
     };
-    let attention = if flash {
-        0.0
-    } else {
-        attention_scores_bytes(ucfg, w / f, h / f)
+    let attention = match &spec.diffusion.1 {
+        sd_models::diffusion::DiffusionArch::Unet(ucfg) if !flash => {
+            attention_scores_bytes(ucfg, w / f, h / f)
+        }
+        // FLUX's joint attention: heads x (text + image tokens)^2 f32 scores, batch 1
+        // (its guidance is distilled) over 512 T5 tokens.
+        sd_models::diffusion::DiffusionArch::Flux(fc) if !flash => {
+            let n = (w / f / 2) as f64 * (h / f / 2) as f64 + 512.0;
+            fc.num_heads as f64 * n * n * 4.0
+        }
+        _ => 0.0,
     };
     let decode = if tiled || !limit.cpu {
         0.0

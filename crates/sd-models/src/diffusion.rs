@@ -9,6 +9,7 @@
 
 use sd_tensor::ggml::GTensor;
 
+use crate::flux::{FluxConfig, FluxModel};
 use crate::unet::{UnetConfig, UnetModel};
 use crate::weights::ParamBuilder;
 use crate::{GraphCtx, ModelError, Result};
@@ -49,6 +50,8 @@ impl<'a> DiffusionInputs<'a> {
 pub enum DiffusionArch {
     /// An LDM UNet (SD1.x, SD2.x, SDXL).
     Unet(UnetConfig),
+    /// The FLUX.1 transformer (dev, schnell).
+    Flux(FluxConfig),
 }
 
 impl DiffusionArch {
@@ -56,6 +59,7 @@ impl DiffusionArch {
     pub fn in_channels(&self) -> usize {
         match self {
             DiffusionArch::Unet(c) => c.in_channels,
+            DiffusionArch::Flux(c) => c.in_channels / 4,
         }
     }
 
@@ -63,6 +67,8 @@ impl DiffusionArch {
     pub fn latent_multiple(&self) -> usize {
         match self {
             DiffusionArch::Unet(c) => 1 << c.channel_mult.len().saturating_sub(1),
+            // 2x2 patches.
+            DiffusionArch::Flux(_) => 2,
         }
     }
 
@@ -70,6 +76,7 @@ impl DiffusionArch {
     pub fn set_prefix(&mut self, prefix: &str) {
         match self {
             DiffusionArch::Unet(c) => c.prefix = prefix.trim_end_matches('.').to_string(),
+            DiffusionArch::Flux(c) => c.prefix = prefix.trim_end_matches('.').to_string(),
         }
     }
 }
@@ -79,6 +86,8 @@ impl DiffusionArch {
 pub enum DiffusionNet {
     /// An LDM UNet.
     Unet(UnetModel),
+    /// The FLUX.1 transformer.
+    Flux(FluxModel),
 }
 
 /// Graph nodes of one UNet evaluation per transformer block, plus a base for the
@@ -92,6 +101,7 @@ impl DiffusionNet {
     pub fn new(pb: &ParamBuilder<'_>, arch: &DiffusionArch) -> Result<Self> {
         Ok(match arch {
             DiffusionArch::Unet(c) => DiffusionNet::Unet(UnetModel::new(pb, c.clone())?),
+            DiffusionArch::Flux(c) => DiffusionNet::Flux(FluxModel::new(pb, c.clone())?),
         })
     }
 
@@ -106,6 +116,22 @@ impl DiffusionNet {
                     detail: "a UNet needs text context".into(),
                 })?;
                 unet.forward(g, inputs.x, inputs.timesteps, context, inputs.y)
+            }
+            DiffusionNet::Flux(flux) => {
+                // Position ids follow from the latent and context shapes.
+                reject(inputs.pos_ids, "pos_ids", "FLUX (it makes its own)")?;
+                if flux.guidance_in.is_none() {
+                    reject(inputs.guidance, "guidance", "FLUX.1-schnell")?;
+                }
+                let context = inputs.context.ok_or_else(|| ModelError::Input {
+                    name: "context",
+                    detail: "FLUX needs T5 context".into(),
+                })?;
+                let y = inputs.y.ok_or_else(|| ModelError::Input {
+                    name: "y",
+                    detail: "FLUX needs the pooled CLIP vector".into(),
+                })?;
+                flux.forward(g, inputs.x, inputs.timesteps, context, y, inputs.guidance)
             }
         }
     }
@@ -127,6 +153,7 @@ impl DiffusionNet {
                     .sum();
                 (UNET_NODES_BASE + UNET_NODES_PER_TRANSFORMER * transformers).next_power_of_two()
             }
+            DiffusionNet::Flux(flux) => flux.graph_size(),
         }
     }
 }

@@ -39,6 +39,8 @@ use crate::{GraphCtx, HostData, ModelError, Result};
 /// `flux1-dev`).
 #[derive(Clone, Debug, PartialEq)]
 pub struct FluxConfig {
+    /// Name prefix of the parameters (set by the loader; the diffusion slot's).
+    pub prefix: String,
     /// Values of a packed latent token (`in_channels`, 64 = 16 channels x 2 x 2).
     pub in_channels: usize,
     /// Width of the T5 context (`context_in_dim`, 4096).
@@ -68,6 +70,9 @@ impl FluxConfig {
     /// FLUX.1-dev (`black-forest-labs/FLUX.1-dev`).
     pub fn dev() -> Self {
         FluxConfig {
+            prefix: sd_formats::names::UNET_PREFIX
+                .trim_end_matches('.')
+                .to_string(),
             in_channels: 64,
             context_in_dim: 4096,
             vec_in_dim: 768,
@@ -271,9 +276,10 @@ pub struct FluxInputs<'a> {
 }
 
 impl FluxModel {
-    /// Declares the parameters under `pb` (the diffusion prefix), sizes read from the
-    /// tensors ([`FluxConfig::with_shapes_of`]).
+    /// Declares the parameters under `config.prefix` of `pb`, sizes read from the tensors
+    /// ([`FluxConfig::with_shapes_of`]).
     pub fn new(pb: &ParamBuilder<'_>, config: FluxConfig) -> Result<Self> {
+        let pb = &pb.pp(&config.prefix);
         let c = config.with_shapes_of(pb)?;
         let (h, m) = (c.hidden_size, c.mlp_hidden());
         let d = c.head_dim();
@@ -445,6 +451,55 @@ impl FluxModel {
         let fm = chunks(&ctx, &self.final_modulation.forward(&ctx, &silu_vec)?, 2)?;
         let y = modulate(&ctx, &img, &fm[0], &fm[1])?;
         self.final_linear.forward(&ctx, &y)
+    }
+
+    /// The forward pass on latents `[W, H, C, B]` (W and H even): packed into 2x2 patches
+    /// (`(c, row, column)` within a token, tokens row-major, as diffusers' `_pack_latents`),
+    /// position ids `(0, row, column)` for the image and zeros for the text, unpacked after.
+    pub fn forward(
+        &self,
+        g: &mut GraphCtx,
+        x: &GTensor,
+        timesteps: &GTensor,
+        context: &GTensor,
+        y: &GTensor,
+        guidance: Option<&GTensor>,
+    ) -> Result<GTensor> {
+        let ctx = g.ctx.clone();
+        let [w, h, c, b] = x.ne();
+        if w % 2 != 0 || h % 2 != 0 || c * 4 != self.config.in_channels {
+            return Err(ModelError::Input {
+                name: "x",
+                detail: format!(
+                    "latents {:?}: FLUX packs even-sized latents of {} channels",
+                    x.ne(),
+                    self.config.in_channels / 4
+                ),
+            });
+        }
+        let (w2, h2) = (w / 2, h / 2);
+        let packed = crate::nn::pixel_unshuffle(&ctx, x, 2)?; // [w2, h2, 4c, B]
+        let packed = ctx.cont(&ctx.permute(&packed, [1, 2, 0, 3])?)?; // [4c, w2, h2, B]
+        let img = ctx.reshape(&packed, &[4 * c, w2 * h2, b])?;
+        let img_ids: Vec<[f32; 3]> = (0..h2)
+            .flat_map(|r| (0..w2).map(move |col| [0.0, r as f32, col as f32]))
+            .collect();
+        let txt_ids = vec![[0.0; 3]; context.ne()[1]];
+        let out = self.forward_tokens(
+            g,
+            &FluxInputs {
+                img: &img,
+                txt: context,
+                timesteps,
+                y,
+                guidance,
+                img_ids: &img_ids,
+                txt_ids: &txt_ids,
+            },
+        )?;
+        let out = ctx.reshape(&out, &[4 * c, w2, h2, b])?;
+        let out = ctx.cont(&ctx.permute(&out, [2, 0, 1, 3])?)?; // [w2, h2, 4c, B]
+        crate::nn::pixel_shuffle(&ctx, &out, 2)
     }
 
     /// q, k (RMS-normed per head) and v of one stream.

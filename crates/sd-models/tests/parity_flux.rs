@@ -16,8 +16,6 @@ fn dir() -> std::path::PathBuf {
     std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/flux")
 }
 
-const PREFIX: &str = "model.diffusion_model";
-
 fn ids(v: &[f32]) -> Vec<[f32; 3]> {
     v.chunks_exact(3).map(|c| [c[0], c[1], c[2]]).collect()
 }
@@ -28,7 +26,7 @@ fn run(name: &str) -> (FluxConfig, f64) {
     cat.add_file(dir().join(format!("{name}.safetensors")), None)
         .unwrap();
     let pb = ParamBuilder::new(Some(&cat), 1024).unwrap();
-    let model = FluxModel::new(&pb.pp(PREFIX), FluxConfig::dev()).unwrap();
+    let model = FluxModel::new(&pb, FluxConfig::dev()).unwrap();
     let params = pb.finish();
     assert_eq!(params.tensors.len(), cat.len(), "every tensor is used");
     let _buf = load_all_to_cpu(&params, &cat).unwrap();
@@ -113,4 +111,86 @@ fn rope_tables_follow_the_axes() {
     // Axis 2, frequency 1: 3 * 10000^(-2/14).
     let a = 3.0f64 * 10_000f64.powf(-2.0 / 14.0);
     assert!((cos[10] as f64 - a.cos()).abs() < 1e-6);
+}
+
+/// Unpacks tokens `[B, (h/2)(w/2), 4c]` (diffusers' `_pack_latents` layout) into latents
+/// `[B, c, h, w]`, row-major.
+fn unpack(tokens: &[f32], b: usize, c: usize, h: usize, w: usize) -> Vec<f32> {
+    let (h2, w2) = (h / 2, w / 2);
+    let mut out = vec![0.0; b * c * h * w];
+    for bi in 0..b {
+        for r in 0..h2 {
+            for col in 0..w2 {
+                for ch in 0..c {
+                    for ph in 0..2 {
+                        for pw in 0..2 {
+                            let t = ((bi * h2 + r) * w2 + col) * 4 * c + ch * 4 + ph * 2 + pw;
+                            let l = ((bi * c + ch) * h + 2 * r + ph) * w + 2 * col + pw;
+                            out[l] = tokens[t];
+                        }
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+/// The latent-level forward (`DiffusionNet::Flux`: packing, position ids, unpacking) gives
+/// the reference's output on the latents the reference's tokens pack.
+#[test]
+fn the_latent_forward_packs_like_diffusers() {
+    use sd_models::diffusion::{DiffusionArch, DiffusionInputs, DiffusionNet};
+    let name = "flux_tiny";
+    let mut cat = TensorCatalog::new();
+    cat.add_file(dir().join(format!("{name}.safetensors")), None)
+        .unwrap();
+    let pb = ParamBuilder::new(Some(&cat), 1024).unwrap();
+    let net = DiffusionNet::new(&pb, &DiffusionArch::Flux(FluxConfig::dev())).unwrap();
+    let params = pb.finish();
+    let _buf = load_all_to_cpu(&params, &cat).unwrap();
+    let io = io_in(&dir(), name);
+    let (b, c, h, w) = (2, 16, 8, 8);
+    let latents = unpack(&io["img"].data, b, c, h, w);
+    let want = unpack(&io["out"].data, b, c, h, w);
+    let mut g = GraphCtx::new(
+        net.graph_size(),
+        net.graph_size(),
+        ComputeOptions {
+            exact: true,
+            flash_attn: false,
+        },
+    )
+    .unwrap();
+    let f32t = |ne: &[usize]| g.ctx.new_tensor(DType::F32, ne).unwrap();
+    let (x, t, ctx, y, gd) = (
+        f32t(&[w, h, c, b]),
+        f32t(&[b]),
+        f32t(&ne(&io["txt"].shape)),
+        f32t(&ne(&io["pooled"].shape)),
+        f32t(&[b]),
+    );
+    let mut inputs = DiffusionInputs::new(&x, &t);
+    inputs.context = Some(&ctx);
+    inputs.y = Some(&y);
+    inputs.guidance = Some(&gd);
+    let out = net.forward(&mut g, &inputs).unwrap();
+    assert_eq!(out.ne(), [w, h, c, b]);
+    let got = run_cpu(
+        &g,
+        &[&out],
+        &[
+            (&x, HostData::F32(latents)),
+            (&t, HostData::F32(io["timestep"].data.clone())),
+            (&ctx, HostData::F32(io["txt"].data.clone())),
+            (&y, HostData::F32(io["pooled"].data.clone())),
+            (&gd, HostData::F32(io["guidance"].data.clone())),
+        ],
+        net.graph_size(),
+        2,
+    )
+    .unwrap();
+    let e = rel_l2(&got[0], &want);
+    println!("flux dev tiny through DiffusionNet on latents: relative L2 {e:.2e}");
+    assert!(e < 1e-4, "relative L2 {e:.3e}");
 }

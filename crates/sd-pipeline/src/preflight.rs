@@ -161,10 +161,15 @@ impl Pipeline {
     pub fn plan_diffusion(&mut self, params: &Txt2Img) -> Result<PlanSummary, RuntimeError> {
         let f = self.first_stage.1.downsample_factor().max(1);
         let (lw, lh) = (params.width / f, params.height / f);
-        let DiffusionArch::Unet(ucfg) = &self.spec.diffusion.1;
-        let c = ucfg.in_channels;
-        let ctx_dim = ucfg.context_dim;
-        let adm = ucfg.adm_in_channels;
+        let (c, ctx_dim, adm, guidance) = match &self.spec.diffusion.1 {
+            DiffusionArch::Unet(u) => (u.in_channels, u.context_dim, u.adm_in_channels, false),
+            DiffusionArch::Flux(fc) => (
+                fc.in_channels / 4,
+                fc.context_in_dim,
+                Some(fc.vec_in_dim),
+                fc.guidance_embed,
+            ),
+        };
         let tokens = self
             .spec
             .text_encoders
@@ -181,9 +186,15 @@ impl Pipeline {
                     Some(n) => Some(g.ctx.new_tensor(DType::F32, &[n, batch])?),
                     None => None,
                 };
+                let gd = if guidance {
+                    Some(g.ctx.new_tensor(DType::F32, &[batch])?)
+                } else {
+                    None
+                };
                 let mut inputs = DiffusionInputs::new(&x, &t);
                 inputs.context = Some(&ctx);
                 inputs.y = y.as_ref();
+                inputs.guidance = gd.as_ref();
                 let output = net.forward(g, &inputs)?;
                 let mut data = vec![
                     (x.clone(), HostData::F32(vec![0.0; lw * lh * c * batch])),
@@ -195,6 +206,9 @@ impl Pipeline {
                 ];
                 if let (Some(y), Some(n)) = (y, adm) {
                     data.push((y, HostData::F32(vec![0.0; n * batch])));
+                }
+                if let Some(gd) = gd {
+                    data.push((gd, HostData::F32(vec![0.0; batch])));
                 }
                 Ok(BuiltGraph {
                     output,

@@ -36,7 +36,9 @@ fn step(budget: Option<u64>) -> Result<Step, RuntimeError> {
     loader.add_file(builtin(), None).unwrap();
     let spec = ModelSpec::detect(&loader).unwrap();
     sd_models::weights::canonicalize(&mut loader, None).unwrap();
-    let DiffusionArch::Unet(ucfg) = spec.diffusion.1.clone();
+    let DiffusionArch::Unet(ucfg) = spec.diffusion.1.clone() else {
+        panic!("not a UNet")
+    };
     let mut rt = Runtime::new(
         RuntimeOptions {
             compute: ComputeDevice::Sim { bytes: 64 << 20 },

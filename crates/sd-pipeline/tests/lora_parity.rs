@@ -71,7 +71,9 @@ fn tiny() -> Tiny {
         .unwrap();
     let spec = ModelSpec::detect(&loader).unwrap();
     sd_models::weights::canonicalize(&mut loader, None).unwrap();
-    let DiffusionArch::Unet(ucfg) = spec.diffusion.1.clone();
+    let DiffusionArch::Unet(ucfg) = spec.diffusion.1.clone() else {
+        panic!("not a UNet")
+    };
     let mut rt = Runtime::new(
         RuntimeOptions {
             threads: 2,

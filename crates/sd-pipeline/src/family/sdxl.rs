@@ -251,7 +251,11 @@ fn vector(
     pooled: &Tensor<f32>,
     ids: &[f32],
 ) -> Result<Tensor<f32>, ConditioningError> {
-    let DiffusionArch::Unet(unet) = &spec.diffusion.1;
+    let DiffusionArch::Unet(unet) = &spec.diffusion.1 else {
+        return Err(ConditioningError::Mismatch(
+            "SDXL's vector conditions a UNet".into(),
+        ));
+    };
     let adm = unet.adm_in_channels.ok_or_else(|| {
         ConditioningError::Mismatch("the UNet has no `label_emb` for SDXL's vector".into())
     })?;
@@ -480,7 +484,9 @@ mod tests {
         let refiner = family_by_id("sdxl-refiner").unwrap().spec(None).unwrap();
         let flags: Vec<&str> = refiner.slots().iter().map(|s| s.flag).collect();
         assert_eq!(flags, ["--clip_g", "--diffusion-model", "--vae"]);
-        let DiffusionArch::Unet(u) = &refiner.diffusion.1;
+        let DiffusionArch::Unet(u) = &refiner.diffusion.1 else {
+            panic!("the refiner's network is not a UNet")
+        };
         assert_eq!(u.adm_in_channels, Some(2560));
     }
 
