@@ -350,6 +350,18 @@ impl ModelManager {
         {
             return WeightPrefetchResult::Unsupported;
         }
+        if let Some(pool) = self.pools.get(&backend) {
+            let buft = pool.buffer.buffer_type();
+            let fits = pool.fits_all(wanted.iter().map(|p| {
+                buft.as_ref()
+                    .map_or(0, |t| t.alloc_size(&self.states[p].tensor) as u64)
+            }));
+            if !fits {
+                // A prefetch stays inside the pool (see `stage_groups`).
+                tracing::debug!(params = wanted.len(), "prefetch skipped: the staging pool is full");
+                return WeightPrefetchResult::Failed;
+            }
+        }
         let _span =
             tracing::debug_span!("prefetch", owner = owner.0, params = wanted.len()).entered();
         let created_storage = match self.load_to_params(&wanted) {
