@@ -777,10 +777,19 @@ mod exact_tests {
 
     #[test]
     fn gpus_default_to_fast_numerics_and_cpus_keep_the_compute_options() {
-        assert!(resolve_exact(None, true, false), "CPU/sim: exact by default");
-        assert!(!resolve_exact(None, false, false), "CPU/sim: as the options say");
+        assert!(
+            resolve_exact(None, true, false),
+            "CPU/sim: exact by default"
+        );
+        assert!(
+            !resolve_exact(None, false, false),
+            "CPU/sim: as the options say"
+        );
         assert!(!resolve_exact(None, true, true), "GPU: fast by default");
         assert!(resolve_exact(Some(true), true, true), "SD_EXACT=1 on a GPU");
-        assert!(!resolve_exact(Some(false), true, false), "forced fast on the CPU");
+        assert!(
+            !resolve_exact(Some(false), true, false),
+            "forced fast on the CPU"
+        );
     }
 }

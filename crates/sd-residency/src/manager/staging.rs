@@ -358,7 +358,10 @@ impl ModelManager {
             }));
             if !fits {
                 // A prefetch stays inside the pool (see `stage_groups`).
-                tracing::debug!(params = wanted.len(), "prefetch skipped: the staging pool is full");
+                tracing::debug!(
+                    params = wanted.len(),
+                    "prefetch skipped: the staging pool is full"
+                );
                 return WeightPrefetchResult::Failed;
             }
         }
