@@ -2,7 +2,10 @@
 //! segment with the segment weight pipeline.
 //!
 //! Whole runs are one-segment plans (the graph captured without cut marks), so both paths
-//! share one loop. Per segment `k`:
+//! share one loop. A segmented run under a limit first gives its device a staging pool
+//! (`Exec::staging_pool_size`; allocated once and kept from step to step), so that the
+//! weights streamed per segment are sub-allocated instead of allocated and freed inside the
+//! step. Per segment `k`:
 //! 1. prune the cut cache to the segment's live cuts (and graph outputs so far);
 //! 2. release the workspace if the segment needs a larger one (never two buffers at once);
 //! 3. activate the prefetched weights if they target `k`;

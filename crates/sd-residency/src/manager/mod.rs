@@ -23,7 +23,9 @@
 //!
 //! The bytes resident on a device are the sizes of the distinct storage, staging and
 //! prefetch buffers on it (host buffers for the CPU device): a file mapping counts once at
-//! its full size, however many tensors it serves. Capacity checks add the runtime residency
+//! its full size, however many tensors it serves; so does a staging pool (`pool`: one
+//! buffer per compute backend, set by the engine, from which staging copies are
+//! sub-allocated instead of allocating a buffer per staged group). Capacity checks add the runtime residency
 //! owners report, and use [`inspect_capacity`] with the device's report, the tracked bytes
 //! and the budget.
 
