@@ -146,6 +146,21 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         let manager = &*self.manager;
         let is_param = |id: TensorId| weights.contains(&id) || manager.resolve_param(id).is_some();
         let graph = CapturedGraph::capture(&task.graph, marks, &is_param)?;
+        self.prepare_captured(graph, marks)
+    }
+
+    /// [`prepare_plan`](Self::prepare_plan) of the graph `base` captured, with `marks`
+    /// instead of its own (no second walk of the ggml graph).
+    pub(crate) fn prepare_remarked(
+        &mut self,
+        base: &CapturedGraph,
+        marks: &CutMarks,
+    ) -> Result<Prepared> {
+        let graph = base.with_marks(marks)?;
+        self.prepare_captured(graph, marks)
+    }
+
+    fn prepare_captured(&mut self, graph: CapturedGraph, marks: &CutMarks) -> Result<Prepared> {
         let plan = self.session.planner.plan(&graph)?;
         let buft = self.session.config.backend.buffer_type();
         let mut segment_params = Vec::with_capacity(plan.segments.len());
@@ -337,7 +352,8 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
                             .regrouped(|g| map.get(g).cloned().unwrap_or_else(|| g.to_string()))?,
                         None => marks,
                     };
-                    let mut p = self.prepare_plan(task, &marks)?;
+                    // The graph captured once per step: the whole one, re-marked.
+                    let mut p = self.prepare_remarked(&whole.graph, &marks)?;
                     p.regroup = regroup;
                     p
                 }
