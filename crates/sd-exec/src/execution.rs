@@ -205,6 +205,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
             tracing::info_span!("execute", task = %task.description, session = %self.session.id)
                 .entered();
         let start = Instant::now();
+        let uploaded = self.manager.weight_upload_bytes();
         let (prepared, segmented) = self.choose(task)?;
         let mut timing = ExecTiming {
             plan: start.elapsed(),
@@ -216,6 +217,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         timing.finish();
         timing.log(&task.description);
         result.timing = timing;
+        result.weight_upload_bytes = self.manager.weight_upload_bytes().saturating_sub(uploaded);
         Ok(result)
     }
 
@@ -827,6 +829,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
             segmented,
             segments: reports,
             timing: ExecTiming::default(),
+            weight_upload_bytes: 0,
         })
     }
 

@@ -116,6 +116,9 @@ pub struct ComputeResult {
     pub segments: Vec<SegmentReport>,
     /// Where the execution's time went.
     pub timing: ExecTiming,
+    /// Weight bytes uploaded to compute devices during the execution (staging and prefetch
+    /// copies; the task's inputs are not counted): what streaming cost this run.
+    pub weight_upload_bytes: u64,
 }
 
 /// Where the wall-clock time of one execution went, measured on the calling thread. The

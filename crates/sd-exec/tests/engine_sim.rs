@@ -872,6 +872,13 @@ fn pooled_steps(
         assert_eq!(out.output, want, "{tag}: pool {pool} step {step} differs");
         allocs.push(after.allocations - before.allocations);
         h2d.push(after.host_to_device_bytes - before.host_to_device_bytes);
+        // The engine's own count of streamed weight bytes is the device's, less the inputs.
+        let inputs = (8 * 8 * 4 + C) as u64 * 4;
+        assert_eq!(
+            out.weight_upload_bytes + inputs,
+            after.host_to_device_bytes - before.host_to_device_bytes,
+            "{tag}: pool {pool} prefetch {prefetch} step {step}"
+        );
         pools.push(r.engine.manager().staging_pool_bytes(r.gpu).map(|p| p.0));
     }
     let peak = r.sim.peak_bytes();

@@ -330,6 +330,12 @@ pub trait DeviceResidencyManager {
         self.fits_compute_backend_capacity(request, required)
     }
 
+    /// Weight bytes copied from params copies to compute devices so far (staging and
+    /// prefetch uploads), for per-run traffic figures; 0 where not counted.
+    fn weight_upload_bytes(&self) -> u64 {
+        0
+    }
+
     /// The owner and size of `backend`'s staging pool, if it has one.
     fn staging_pool(&self, _backend: BackendId) -> Option<(OwnerId, u64)> {
         None

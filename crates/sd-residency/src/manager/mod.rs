@@ -869,6 +869,10 @@ impl DeviceResidencyManager for ModelManager {
         self.set_pool_inner(owner, backend, bytes)
     }
 
+    fn weight_upload_bytes(&self) -> u64 {
+        self.upload_bytes
+    }
+
     fn staging_pool(&self, backend: BackendId) -> Option<(OwnerId, u64)> {
         self.pools.get(&backend).map(|p| (p.owner, p.size()))
     }
