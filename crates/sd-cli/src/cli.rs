@@ -783,8 +783,40 @@ pub fn parse_max_vram(text: &str) -> Result<MaxVram, String> {
     MaxVram::parse(&items.join(",")).map_err(|e| e.to_string())
 }
 
+/// The environment variable that forces exact f32 numerics (`1`) or ggml's fast paths (`0`)
+/// over the device's default (see `RuntimeOptions::exact`).
+pub const EXACT_ENV: &str = "SD_EXACT";
+
+/// [`EXACT_ENV`]'s value as `RuntimeOptions::exact`: unset or empty is the device's default.
+pub fn exact_override(value: Option<&str>) -> Result<Option<bool>, String> {
+    match value.map(str::trim) {
+        None | Some("") => Ok(None),
+        Some("1" | "true" | "on" | "yes") => Ok(Some(true)),
+        Some("0" | "false" | "off" | "no") => Ok(Some(false)),
+        Some(other) => Err(format!(
+            "{EXACT_ENV}={other}: expected 1 (exact f32 numerics) or 0 (fast GPU paths)"
+        )),
+    }
+}
+
+/// [`exact_override`] of the process environment.
+pub fn exact_from_env() -> Result<Option<bool>, String> {
+    exact_override(std::env::var(EXACT_ENV).ok().as_deref())
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn sd_exact_values() {
+        use super::exact_override;
+        assert_eq!(exact_override(None), Ok(None));
+        assert_eq!(exact_override(Some("")), Ok(None));
+        assert_eq!(exact_override(Some("1")), Ok(Some(true)));
+        assert_eq!(exact_override(Some("0")), Ok(Some(false)));
+        let e = exact_override(Some("maybe")).unwrap_err();
+        assert!(e.contains("SD_EXACT=maybe"), "{e}");
+    }
+
     use super::*;
     use sd_residency::capacity::BudgetSpec;
 

@@ -453,6 +453,7 @@ fn generate(cli: &Cli, threads: usize) -> Result<(), Fail> {
         ..RuntimeOptions::default()
     };
     runtime.compute_options.flash_attn = flash;
+    runtime.exact = cli::exact_from_env().map_err(Fail::Usage)?;
     let on_cpu = matches!(runtime.compute, ComputeDevice::Cpu);
     if cli.max_vram.is_some() && on_cpu {
         tracing::warn!("--max-vram budgets a GPU (--backend); the CPU backend ignores it");

@@ -184,6 +184,7 @@ pub fn run(cli: &Cli, threads: usize) -> Result<(), Fail> {
         mmap: cli.mmap,
         max_vram: cli.max_vram.clone(),
         threads,
+        exact: crate::cli::exact_from_env().map_err(Fail::Usage)?,
         ..RuntimeOptions::default()
     };
     let mut rt = Runtime::new(options, TensorCatalog::new())

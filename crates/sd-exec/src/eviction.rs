@@ -2,7 +2,8 @@
 //!
 //! 1. Inspect the request; an invalid device report fails, a fitting request is done.
 //! 2. Release the idle workspaces (and caches) of *other* sessions one by one, re-checking
-//!    after each.
+//!    after each; then the staging pool another session holds on the device (with the
+//!    weights staged in it).
 //! 3. Candidates: evictable weight blocks on the backend, except blocks holding required,
 //!    protected, pinned or prefetching parameters. Sorted (stable) by: blocks not needing
 //!    demotion first; then by position in the preferred eviction order (a block's position
@@ -28,6 +29,13 @@ pub enum ReclaimEvent {
         /// The session.
         session: SessionId,
         /// Bytes it held on the device.
+        bytes: u64,
+    },
+    /// Another session's staging pool was released, with the weights staged in it.
+    ReleasedStagingPool {
+        /// The session.
+        session: SessionId,
+        /// The pool's bytes.
         bytes: u64,
     },
     /// A weight block was evicted from the device.
@@ -96,6 +104,21 @@ pub(crate) fn ensure_capacity<M: DeviceResidencyManager>(
                 return Ok(());
             }
         }
+        // Another session's staging pool.
+        if let Some((owner, bytes)) = manager.staging_pool(ask.request.backend) {
+            if owner != ask.request.owner
+                && manager
+                    .set_staging_pool(owner, ask.request.backend, None)
+                    .is_ok()
+            {
+                let session = SessionId(owner.0);
+                tracing::debug!(session = %session, bytes, "released staging pool");
+                log.push(ReclaimEvent::ReleasedStagingPool { session, bytes });
+                if check(manager, true)?.0 {
+                    return Ok(());
+                }
+            }
+        }
         // 3. Weight blocks.
         let mut keep: Vec<ParamId> = ask.required.to_vec();
         keep.extend_from_slice(ask.protected);
@@ -106,26 +129,42 @@ pub(crate) fn ensure_capacity<M: DeviceResidencyManager>(
             .filter(|b| !b.params.iter().any(|p| keep_set.contains(p)))
             .collect();
         sort_candidates(&mut candidates, ask.preferred);
-        // 4. One at a time.
-        for b in candidates {
-            if !manager.evict_compute_backend_block(&b) {
-                continue;
+        // 4. One at a time. A block of a staging pool frees no device memory: it is
+        // passed over while the request is short of more than pool room (and taken up
+        // again after other evictions made the device room).
+        let mut pass = candidates;
+        loop {
+            let mut skipped = Vec::new();
+            let mut evicted = false;
+            for b in pass {
+                if b.pooled && !manager.fits_with_pool_room(&ask.request, ask.required)? {
+                    skipped.push(b);
+                    continue;
+                }
+                if !manager.evict_compute_backend_block(&b) {
+                    continue;
+                }
+                evicted = true;
+                tracing::debug!(
+                    block = b.id.0,
+                    bytes = b.bytes,
+                    demoted = b.requires_demotion,
+                    "evicted weight block"
+                );
+                log.push(ReclaimEvent::EvictedBlock {
+                    block: b.id,
+                    params: b.params.clone(),
+                    bytes: b.bytes,
+                    demoted: b.requires_demotion,
+                });
+                if check(manager, true)?.0 {
+                    return Ok(());
+                }
             }
-            tracing::debug!(
-                block = b.id.0,
-                bytes = b.bytes,
-                demoted = b.requires_demotion,
-                "evicted weight block"
-            );
-            log.push(ReclaimEvent::EvictedBlock {
-                block: b.id,
-                params: b.params.clone(),
-                bytes: b.bytes,
-                demoted: b.requires_demotion,
-            });
-            if check(manager, true)?.0 {
-                return Ok(());
+            if !evicted || skipped.is_empty() {
+                break;
             }
+            pass = skipped;
         }
     }
     // 5. Fail.
@@ -183,6 +222,7 @@ mod tests {
             bytes: 100,
             last_use_epoch: epoch,
             requires_demotion: demote,
+            pooled: false,
         }
     }
 

@@ -2,7 +2,10 @@
 //! segment with the segment weight pipeline.
 //!
 //! Whole runs are one-segment plans (the graph captured without cut marks), so both paths
-//! share one loop. Per segment `k`:
+//! share one loop. A segmented run under a limit first gives its device a staging pool
+//! (`Exec::staging_pool_size`; allocated once and kept from step to step), so that the
+//! weights streamed per segment are sub-allocated instead of allocated and freed inside the
+//! step. Per segment `k`:
 //! 1. prune the cut cache to the segment's live cuts (and graph outputs so far);
 //! 2. release the workspace if the segment needs a larger one (never two buffers at once);
 //! 3. activate the prefetched weights if they target `k`;
@@ -23,6 +26,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
+use std::time::Instant;
 
 use sd_graphcut::{CapturedGraph, CutMarks, CutName, HostInputs, Plan, SegmentGraph, SegmentKind};
 use sd_residency::{BackendMemoryRequest, DeviceResidencyManager, ParamId, WeightPrefetchResult};
@@ -32,7 +36,7 @@ use crate::engine::EngineOptions;
 use crate::error::{ExecError, Result};
 use crate::eviction::{ensure_capacity, CapacityAsk, ReclaimEvent};
 use crate::session::{ExecutionSession, SegmentationPolicy, SessionId};
-use crate::task::{ComputeResult, ComputeTask, SegmentReport};
+use crate::task::{ComputeResult, ComputeTask, ExecTiming, SegmentReport};
 
 /// Everything one execution borrows from the engine.
 pub(crate) struct Exec<'a, M> {
@@ -142,6 +146,21 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         let manager = &*self.manager;
         let is_param = |id: TensorId| weights.contains(&id) || manager.resolve_param(id).is_some();
         let graph = CapturedGraph::capture(&task.graph, marks, &is_param)?;
+        self.prepare_captured(graph, marks)
+    }
+
+    /// [`prepare_plan`](Self::prepare_plan) of the graph `base` captured, with `marks`
+    /// instead of its own (no second walk of the ggml graph).
+    pub(crate) fn prepare_remarked(
+        &mut self,
+        base: &CapturedGraph,
+        marks: &CutMarks,
+    ) -> Result<Prepared> {
+        let graph = base.with_marks(marks)?;
+        self.prepare_captured(graph, marks)
+    }
+
+    fn prepare_captured(&mut self, graph: CapturedGraph, marks: &CutMarks) -> Result<Prepared> {
         let plan = self.session.planner.plan(&graph)?;
         let buft = self.session.config.backend.buffer_type();
         let mut segment_params = Vec::with_capacity(plan.segments.len());
@@ -185,8 +204,117 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         let _span =
             tracing::info_span!("execute", task = %task.description, session = %self.session.id)
                 .entered();
+        let start = Instant::now();
+        let uploaded = self.manager.weight_upload_bytes();
         let (prepared, segmented) = self.choose(task)?;
-        self.run_plan(task, &prepared, segmented)
+        let mut timing = ExecTiming {
+            plan: start.elapsed(),
+            ..ExecTiming::default()
+        };
+        let mut result = self.run_plan(task, &prepared, segmented, &mut timing)?;
+        timing.total = start.elapsed();
+        timing.segments = result.segments.len();
+        timing.finish();
+        timing.log(&task.description);
+        result.timing = timing;
+        result.weight_upload_bytes = self.manager.weight_upload_bytes().saturating_sub(uploaded);
+        Ok(result)
+    }
+
+    /// The staging pool plan `p` runs with (see [`sd_residency::DeviceResidencyManager::set_staging_pool`]):
+    /// `None` unless it is segmented under a limit on one device other than the CPU, with
+    /// [`SessionConfig::staging_pool`](crate::SessionConfig::staging_pool) on. Its size is
+    /// the limit less the largest non-weight need of a segment (workspace, live cuts,
+    /// outputs, the runner cache) and a 1/64 slack for what the plan does not see (ggml
+    /// rounding in the compute buffer), at most the plan's weight bytes; `None` too when
+    /// that does not hold the largest segment's weights (the segments then stage into
+    /// buffers of their own, as without a pool).
+    pub(crate) fn staging_pool_size(&self, p: &Prepared, segmented: bool) -> Option<u64> {
+        let cfg = &self.session.config;
+        if !segmented || !cfg.staging_pool || self.session.is_layer_split() || cfg.backend.is_cpu()
+        {
+            return None;
+        }
+        let limit = self.segment_limit()?;
+        let nonweight = (0..p.plan.segments.len())
+            .map(|k| {
+                let d = crate::refine::segment_plan(p, k);
+                d.need.saturating_sub(d.weight_bytes)
+            })
+            .max()?
+            .saturating_add(self.session.slots[0].runner_cache.bytes() as u64);
+        let largest = p.segment_weight_bytes.iter().copied().max()?;
+        let weights: u64 = p.param_bytes.values().sum();
+        let size = limit
+            .checked_sub(nonweight)?
+            .checked_sub(limit / 64)?
+            .min(weights);
+        if size == 0 || size < largest {
+            tracing::debug!(
+                limit,
+                nonweight,
+                largest,
+                size,
+                "no staging pool: it would not hold the largest segment's weights"
+            );
+            return None;
+        }
+        Some(size)
+    }
+
+    /// Gives the session's device the staging pool `p` runs with (allocated once: a pool of
+    /// the same size is kept from run to run), making room for it first; without one, frees
+    /// the session's own pool. A pool that does not fit is skipped (best effort).
+    fn setup_staging_pool(
+        &mut self,
+        task: &ComputeTask,
+        p: &Prepared,
+        segmented: bool,
+    ) -> Result<()> {
+        let owner = self.session.id.owner();
+        let backend = self.session.config.backend_id;
+        let current = self.manager.staging_pool(backend);
+        let Some(size) = self.staging_pool_size(p, segmented) else {
+            if current.is_some_and(|(o, _)| o == owner) {
+                self.manager.set_staging_pool(owner, backend, None)?;
+            }
+            return Ok(());
+        };
+        if current == Some((owner, size)) {
+            return Ok(());
+        }
+        if let Some((o, _)) = current {
+            self.manager.set_staging_pool(o, backend, None)?;
+        }
+        // A workspace kept from a larger graph would not leave the pool its room.
+        let ws = &mut self.session.slots[0].workspace;
+        if ws.bytes() > p.plan.max_compute_buffer() as u64 {
+            ws.release();
+            self.session.sync(self.manager);
+        }
+        let request = self.request(0, size);
+        let preferred = eviction_order(&p.segment_params, 0);
+        let room = ensure_capacity(
+            self.manager,
+            self.others,
+            &CapacityAsk {
+                what: format!("staging pool of '{}'", task.description),
+                backend_name: self.session.config.backend.name().to_string(),
+                request,
+                required: &[],
+                preferred: &preferred,
+                protected: &[],
+            },
+            self.log,
+        );
+        if let Err(e) = room {
+            tracing::debug!(size, error = %e, "no room for a staging pool: staging without one");
+            return Ok(());
+        }
+        if let Err(e) = self.manager.set_staging_pool(owner, backend, Some(size)) {
+            tracing::warn!(size, error = %e, "staging pool not allocated: staging without one");
+        }
+        Ok(())
     }
 
     /// Chooses the plan `task` runs with (whole, block segments, refined inside blocks,
@@ -226,7 +354,8 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
                             .regrouped(|g| map.get(g).cloned().unwrap_or_else(|| g.to_string()))?,
                         None => marks,
                     };
-                    let mut p = self.prepare_plan(task, &marks)?;
+                    // The graph captured once per step: the whole one, re-marked.
+                    let mut p = self.prepare_remarked(&whole.graph, &marks)?;
                     p.regroup = regroup;
                     p
                 }
@@ -495,6 +624,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         task: &ComputeTask,
         p: &Prepared,
         segmented: bool,
+        timing: &mut ExecTiming,
     ) -> Result<ComputeResult> {
         let plan = &p.plan;
         let output_index = plan
@@ -538,6 +668,9 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
             self.session.params_used.extend(ids.iter().copied());
         }
         self.session.clear_cut_caches();
+        let t = Instant::now();
+        self.setup_staging_pool(task, p, segmented)?;
+        timing.capacity += t.elapsed();
         let mut reports = Vec::with_capacity(plan.segments.len());
         // (target segment, params) of the queued prefetch.
         let mut queued: Option<(usize, Vec<ParamId>)> = None;
@@ -590,6 +723,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
 
             // Prefetched weights for this segment become current.
             let mut prefetched = false;
+            let t = Instant::now();
             if let Some((target, ids)) = queued.take() {
                 if target == k {
                     prefetched = self.manager.activate_prefetched_params(owner, &ids)?;
@@ -597,10 +731,14 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
                     self.manager.clear_prefetched_params(owner);
                 }
             }
+            timing.wait += t.elapsed();
 
             let pending = compute.saturating_sub(held) + store_bytes + import_bytes;
             let request = self.request(d, pending);
             let preferred = eviction_order(&p.segment_params, k);
+            // In the order they are prepared (a staging pool is checked placing them so).
+            let ordered: Vec<ParamId> = p.segment_groups[k].iter().flatten().copied().collect();
+            let t = Instant::now();
             ensure_capacity(
                 self.manager,
                 self.others,
@@ -608,16 +746,18 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
                     what: what.clone(),
                     backend_name: backend_name.clone(),
                     request,
-                    required: params,
+                    required: &ordered,
                     preferred: &preferred,
-                    protected: params,
+                    protected: &ordered,
                 },
                 self.log,
             )?;
+            timing.capacity += t.elapsed();
             for (name, t) in &imports {
                 self.session.slots[d].cut_cache.store(name, t)?;
             }
             // One call per usage group (see `Prepared::segment_groups`).
+            let t = Instant::now();
             self.session.pinned_now.clear();
             for group in &p.segment_groups[k] {
                 if let Err(e) = self.manager.prepare_params(group) {
@@ -629,9 +769,18 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
                 }
                 self.session.pinned_now.extend_from_slice(group);
             }
+            timing.staging += t.elapsed();
             // From here on the segment's weights are pinned: unpin whatever happens.
-            let r =
-                self.compute_segment(task, p, k, &inputs, prefetch_on, &mut queued, store_bytes);
+            let r = self.compute_segment(
+                task,
+                p,
+                k,
+                &inputs,
+                prefetch_on,
+                &mut queued,
+                store_bytes,
+                timing,
+            );
             let pinned = std::mem::take(&mut self.session.pinned_now);
             let unpinned = self.manager.unpin_params(&pinned);
             let (cache_bytes, direct_outputs) = r?;
@@ -679,6 +828,8 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
             ne,
             segmented,
             segments: reports,
+            timing: ExecTiming::default(),
+            weight_upload_bytes: 0,
         })
     }
 
@@ -694,6 +845,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         prefetch_on: bool,
         queued: &mut Option<(usize, Vec<ParamId>)>,
         store_bytes: u64,
+        timing: &mut ExecTiming,
     ) -> Result<(u64, usize)> {
         let plan = &p.plan;
         let seg = &plan.segments[k];
@@ -720,7 +872,9 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         self.session.slots[d].workspace.allocate(sg)?;
         self.session.sync(self.manager);
         if prefetch_on {
+            let t = Instant::now();
             *queued = self.enqueue_prefetch(task, p, k, store_bytes);
+            timing.wait += t.elapsed();
         }
         let slot = &mut self.session.slots[d];
         let Some(sg) = slot.workspace.current() else {
@@ -729,6 +883,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
                 source: sd_tensor::GgmlError::Mismatch("workspace lost its graph".into()),
             });
         };
+        let t = Instant::now();
         sg.upload(inputs)?;
         slot.backend
             .compute(sg.graph())
@@ -736,6 +891,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
                 "computing segment {k} '{}'",
                 seg.name
             )))?;
+        timing.compute += t.elapsed();
         let outs: Vec<_> = sg
             .outputs()
             .iter()
@@ -761,14 +917,16 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         store_bytes: u64,
     ) -> Option<(usize, Vec<ParamId>)> {
         let current: HashSet<ParamId> = p.segment_params[k].iter().copied().collect();
-        let (target, next) = p
+        let (target, _) = p
             .segment_params
             .iter()
             .enumerate()
             .skip(k + 1)
             .find(|(_, ids)| !ids.is_empty())?;
-        let missing: Vec<ParamId> = next
+        // In the order they are prefetched (one call per usage group).
+        let missing: Vec<ParamId> = p.segment_groups[target]
             .iter()
+            .flatten()
             .copied()
             .filter(|x| !current.contains(x))
             .collect();
@@ -778,11 +936,14 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         let td = p.segment_device[target];
         let mut protected: Vec<ParamId> = p.segment_params[k].clone();
         protected.extend_from_slice(&missing);
-        // On the current device the segment's outputs are still to be stored.
+        // On the current device the segment's outputs are still to be stored; and the
+        // target segment's workspace growth is left free (a prefetch must not take it).
+        let growth = (p.plan.segments[target].bytes.compute_buffer as u64)
+            .saturating_sub(self.session.slots[td].workspace.bytes());
         let pending = if td == p.segment_device[k] {
-            store_bytes
+            store_bytes + growth
         } else {
-            0
+            growth
         };
         let request = self.request(td, pending);
         let backend_name = self.session.slots[td].backend.name().to_string();

@@ -33,5 +33,5 @@ pub use eviction::ReclaimEvent;
 pub use limit::device_limit;
 pub use reserve::{measure_runtime_reserve, RuntimeReserve};
 pub use session::{ExecutionSession, SegmentationPolicy, SessionConfig, SessionId, SplitDevice};
-pub use task::{ComputeResult, ComputeTask, PlanSummary, SegmentPlan, SegmentReport};
+pub use task::{ComputeResult, ComputeTask, ExecTiming, PlanSummary, SegmentPlan, SegmentReport};
 pub use workspace::ComputeWorkspace;

@@ -66,6 +66,11 @@ pub struct SessionConfig {
     /// per-segment overhead, with room left for the prefetched next segment and a resident
     /// set). [`SegmentationPolicy::Always`] never merges.
     pub merge_segments: bool,
+    /// Whether a segmented run under a limit stages its weights in a staging pool: one
+    /// device buffer allocated once (and kept from step to step) from which each segment's
+    /// weight copies are sub-allocated, instead of a device allocation per staged group
+    /// (see [`sd_residency::DeviceResidencyManager::set_staging_pool`]). Default: on.
+    pub staging_pool: bool,
     /// Extra devices for layer split (`diffusion=cuda0&cuda1`): with any, a graph with cuts
     /// runs segment by segment, each segment on the device its weights are assigned to
     /// (contiguous ranges of segments per device, in list order, the primary first).
@@ -95,6 +100,7 @@ impl SessionConfig {
             segmentation: SegmentationPolicy::Auto,
             merge_segments: true,
             prefetch: true,
+            staging_pool: true,
             split: Vec::new(),
         }
     }
@@ -129,6 +135,12 @@ impl SessionConfig {
     /// Turns prefetch on or off.
     pub fn with_prefetch(mut self, on: bool) -> Self {
         self.prefetch = on;
+        self
+    }
+
+    /// Sets [`SessionConfig::staging_pool`].
+    pub fn with_staging_pool(mut self, on: bool) -> Self {
+        self.staging_pool = on;
         self
     }
 

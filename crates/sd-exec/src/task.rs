@@ -1,5 +1,7 @@
 //! [`ComputeTask`] (what model code hands the engine) and [`ComputeResult`] (what comes back).
 
+use std::time::Duration;
+
 use sd_graphcut::CutMarks;
 use sd_tensor::ggml::{GTensor, Graph};
 
@@ -112,6 +114,64 @@ pub struct ComputeResult {
     pub segmented: bool,
     /// One report per segment run, in order.
     pub segments: Vec<SegmentReport>,
+    /// Where the execution's time went.
+    pub timing: ExecTiming,
+    /// Weight bytes uploaded to compute devices during the execution (staging and prefetch
+    /// copies; the task's inputs are not counted): what streaming cost this run.
+    pub weight_upload_bytes: u64,
+}
+
+/// Where the wall-clock time of one execution went, measured on the calling thread. The
+/// parts are disjoint; `overhead` is what is left of `total` (building and allocating
+/// segment graphs, the cut cache, reading the output back, bookkeeping).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ExecTiming {
+    /// Choosing the plan: capturing the graph, planning (or finding the cached choice).
+    pub plan: Duration,
+    /// Making room: capacity checks, evictions, the staging pool.
+    pub capacity: Duration,
+    /// Loading, staging and uploading the segments' weights (synchronous copies).
+    pub staging: Duration,
+    /// Waiting for prefetched weights (activating a prefetch joins its copies) and
+    /// scheduling prefetches.
+    pub wait: Duration,
+    /// Uploading the task's inputs and computing the segment graphs.
+    pub compute: Duration,
+    /// The rest of `total`.
+    pub overhead: Duration,
+    /// The whole execution.
+    pub total: Duration,
+    /// Segments run.
+    pub segments: usize,
+}
+
+impl ExecTiming {
+    /// Fills `overhead` from `total` and the measured parts.
+    pub fn finish(&mut self) {
+        let parts = self.plan + self.capacity + self.staging + self.wait + self.compute;
+        self.overhead = self.total.saturating_sub(parts);
+    }
+
+    /// Milliseconds of a duration, for logs.
+    fn ms(d: Duration) -> f64 {
+        d.as_secs_f64() * 1e3
+    }
+
+    /// Logs the parts at debug level.
+    pub fn log(&self, task: &str) {
+        tracing::debug!(
+            task,
+            total_ms = Self::ms(self.total),
+            plan_ms = Self::ms(self.plan),
+            capacity_ms = Self::ms(self.capacity),
+            staging_ms = Self::ms(self.staging),
+            wait_ms = Self::ms(self.wait),
+            compute_ms = Self::ms(self.compute),
+            overhead_ms = Self::ms(self.overhead),
+            segments = self.segments,
+            "execution timing"
+        );
+    }
 }
 
 impl ComputeResult {

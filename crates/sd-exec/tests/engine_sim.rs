@@ -836,3 +836,181 @@ fn runner_cache_feeds_inputs_on_the_device_and_counts_in_the_budget() {
     r.engine.end(id).unwrap();
     r.engine.end(other).unwrap();
 }
+
+/// Bytes of the weights whose short names start with `prefix`.
+fn weight_bytes(r: &Rig, prefix: &str) -> u64 {
+    r.w.iter()
+        .filter(|(k, _)| k.starts_with(prefix))
+        .map(|(_, t)| t.nbytes() as u64)
+        .sum()
+}
+
+/// Per step of a UNet sampling loop under a budget of about half its weights: the
+/// device allocations, the host->device bytes, the staging pool's size; and the
+/// device peak. With `pool` off, every staged group is a buffer of its own.
+fn pooled_steps(
+    tag: &str,
+    budget: u64,
+    pool: bool,
+    prefetch: bool,
+    want: &[u8],
+) -> (Vec<u64>, Vec<u64>, Vec<Option<u64>>, u64) {
+    let mut r = rig(&format!("POOL_{tag}_{pool}_{prefetch}"), prefetch);
+    let id = r.engine.create_session(
+        SessionConfig::new("test", r.backend.clone(), r.gpu)
+            .with_budget(Some(budget))
+            .with_prefetch(prefetch)
+            .with_staging_pool(pool),
+    );
+    r.engine.start(id).unwrap();
+    let (mut allocs, mut h2d, mut pools) = (Vec::new(), Vec::new(), Vec::new());
+    for step in 0..4 {
+        let before = r.sim.stats();
+        let out = r.engine.execute(id, &unet(&r.w)).unwrap();
+        let after = r.sim.stats();
+        assert!(out.segmented, "{tag}: not segmented under {budget}");
+        assert_eq!(out.output, want, "{tag}: pool {pool} step {step} differs");
+        allocs.push(after.allocations - before.allocations);
+        h2d.push(after.host_to_device_bytes - before.host_to_device_bytes);
+        // The engine's own count of streamed weight bytes is the device's, less the inputs.
+        let inputs = (8 * 8 * 4 + C) as u64 * 4;
+        assert_eq!(
+            out.weight_upload_bytes + inputs,
+            after.host_to_device_bytes - before.host_to_device_bytes,
+            "{tag}: pool {pool} prefetch {prefetch} step {step}"
+        );
+        pools.push(r.engine.manager().staging_pool_bytes(r.gpu).map(|p| p.0));
+    }
+    let peak = r.sim.peak_bytes();
+    r.engine.end(id).unwrap();
+    assert_eq!(
+        r.engine.manager().staging_pool_bytes(r.gpu),
+        None,
+        "{tag}: the pool goes with the session"
+    );
+    (allocs, h2d, pools, peak)
+}
+
+/// Streaming a UNet step by step under a budget of about half its weights: with the
+/// staging pool, the pool is allocated once (first step) and never grown or reallocated,
+/// streamed weights are sub-allocated from it (fewer device allocations per step than one
+/// buffer per staged group, the same bytes uploaded), and the output is the whole graph's
+/// bit for bit, within the budget, with and without prefetch.
+#[test]
+fn staging_pool_is_allocated_once_and_cuts_device_allocations_per_step() {
+    let (whole, _) = run("POOL_REF", unet, None, SegmentationPolicy::Never, false);
+    let (seg, _) = run("POOL_PROBE", unet, None, SegmentationPolicy::Always, false);
+    let weights = weight_bytes(&rig("POOL_W", false), "unet.");
+    let footprint = seg.segments.iter().map(|s| s.footprint()).max().unwrap();
+    let budget = weights / 2 + footprint + 8192;
+    for prefetch in [false, true] {
+        let (a_pool, h_pool, pools, peak_pool) =
+            pooled_steps("UNET", budget, true, prefetch, &whole.output);
+        let (a_plain, h_plain, none, peak_plain) =
+            pooled_steps("UNET", budget, false, prefetch, &whole.output);
+        println!(
+            "prefetch {prefetch}: weights {weights} B, budget {budget} B, pool {:?}; \
+             device allocations per step {a_pool:?} with the pool, {a_plain:?} without; \
+             host->device per step {h_pool:?} / {h_plain:?}; peak {peak_pool} / {peak_plain}",
+            pools[0]
+        );
+        assert!(none.iter().all(Option::is_none), "pool off: {none:?}");
+        let size = pools[0].expect("a staging pool under this budget");
+        assert!(
+            size > 0 && size <= budget,
+            "pool {size} B, budget {budget} B"
+        );
+        // Allocated once, never grown or reallocated.
+        assert!(pools.iter().all(|p| *p == Some(size)), "{pools:?}");
+        assert!(peak_pool <= budget, "peak {peak_pool} > budget {budget}");
+        assert!(peak_plain <= budget, "peak {peak_plain} > budget {budget}");
+        // Weights are streamed every step (the budget holds about half of them) ...
+        for (i, h) in h_pool.iter().enumerate().skip(1) {
+            assert!(*h > 0, "step {i} uploaded nothing: {h_pool:?}");
+        }
+        // ... with fewer device allocations per step than a buffer per staged group.
+        for i in 1..4 {
+            assert!(
+                a_pool[i] < a_plain[i],
+                "step {i}: {} allocations with the pool, {} without",
+                a_pool[i],
+                a_plain[i]
+            );
+        }
+    }
+}
+
+/// A session that needs the device reclaims another (idle) session's staging pool, with
+/// the weights staged in it, after that session's idle workspace; the first session
+/// works again afterwards (and gets a pool again).
+#[test]
+fn another_session_reclaims_an_idle_staging_pool() {
+    let (whole, _) = run("RPOOL_REF", unet, None, SegmentationPolicy::Never, false);
+    let (seg, _) = run("RPOOL_PROBE", unet, None, SegmentationPolicy::Always, false);
+    let (tf, _) = run(
+        "RPOOL_TF",
+        transformer,
+        None,
+        SegmentationPolicy::Never,
+        false,
+    );
+    let mut r = rig("RPOOL", false);
+    let weights = weight_bytes(&r, "unet.");
+    let footprint = seg.segments.iter().map(|s| s.footprint()).max().unwrap();
+    // The UNet streams under its session budget; the transformer, run whole, fits the
+    // device budget but not next to the UNet's pool.
+    let unet_budget = weights / 2 + footprint + 8192;
+    let budget = tf.segments[0].footprint() + 4096;
+    let dev = r.sim.device();
+    r.engine.manager_mut().set_device_budget(&dev, Some(budget));
+    let a = r.session(Some(unet_budget), SegmentationPolicy::Auto, false);
+    let b = r.session(None, SegmentationPolicy::Never, false);
+    let ua = r.engine.execute(a, &unet(&r.w)).unwrap();
+    assert!(ua.segmented);
+    assert_eq!(ua.output, whole.output);
+    let (size, _) = r
+        .engine
+        .manager()
+        .staging_pool_bytes(r.gpu)
+        .expect("the streaming UNet has a pool");
+    assert!(size + tf.segments[0].footprint() > budget);
+    r.engine.take_reclaim_log();
+    let out = r.engine.execute(b, &transformer(&r.w)).unwrap();
+    assert_eq!(out.output, tf.output);
+    let log = r.engine.take_reclaim_log();
+    assert!(
+        log.contains(&ReclaimEvent::ReleasedStagingPool {
+            session: a,
+            bytes: size
+        }),
+        "{log:?}"
+    );
+    assert_eq!(r.engine.manager().staging_pool_bytes(r.gpu), None);
+    assert!(r.sim.peak_bytes() <= budget, "peak {}", r.sim.peak_bytes());
+    let again = r.engine.execute(a, &unet(&r.w)).unwrap();
+    assert_eq!(again.output, whole.output);
+    assert!(r.engine.manager().staging_pool_bytes(r.gpu).is_some());
+    assert!(r.sim.peak_bytes() <= budget, "peak {}", r.sim.peak_bytes());
+}
+
+/// Every execution reports where its time went: the parts are measured, add up to at
+/// most the total, and the rest is the engine's overhead.
+#[test]
+fn execution_timing_is_reported() {
+    for policy in [SegmentationPolicy::Never, SegmentationPolicy::Always] {
+        let mut r = rig(&format!("TIMING_{policy:?}"), false);
+        let id = r.session(None, policy, false);
+        for _ in 0..2 {
+            let res = r.engine.execute(id, &unet(&r.w)).unwrap();
+            let t = res.timing;
+            assert_eq!(t.segments, res.segments.len());
+            assert!(t.compute > std::time::Duration::ZERO, "{t:?}");
+            assert!(t.plan > std::time::Duration::ZERO, "{t:?}");
+            let parts = t.plan + t.capacity + t.staging + t.wait + t.compute + t.overhead;
+            assert_eq!(parts, t.total, "{t:?}");
+            assert!(t.total >= t.compute + t.plan, "{t:?}");
+            println!("{policy:?}: {t:?}");
+        }
+        r.engine.end(id).unwrap();
+    }
+}

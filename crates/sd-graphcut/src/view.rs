@@ -6,7 +6,7 @@
 //! addresses, make plans reusable across graph rebuilds of the same structure and let tests
 //! generate graphs without ggml.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::panic::Location;
 
 use sd_tensor::ggml::{GTensor, Graph, TensorId};
@@ -388,6 +388,54 @@ impl CapturedGraph {
             view,
             leaves,
             nodes,
+            diagnostics,
+        })
+    }
+
+    /// The same graph with other cut `marks`, without walking the ggml graph again: what
+    /// [`CapturedGraph::capture`] of the same graph with `marks` gives (same view, same
+    /// fingerprint, same diagnostics), at the cost of copying the descriptions.
+    pub fn with_marks(&self, marks: &CutMarks) -> Result<CapturedGraph> {
+        let _span = tracing::debug_span!(
+            "remark_graph",
+            nodes = self.nodes.len(),
+            marks = marks.len()
+        )
+        .entered();
+        let mut node_descs: Vec<TensorDesc> = self.view.nodes.clone();
+        let mut found_marks = 0usize;
+        for (d, t) in node_descs.iter_mut().zip(&self.nodes) {
+            d.cut = marks.get(t.id()).map(|m| {
+                found_marks += 1;
+                CutInfo {
+                    name: m.name.clone(),
+                    location: Some(m.location),
+                }
+            });
+        }
+        let mut diagnostics = Vec::new();
+        if found_marks < marks.len() {
+            let ids: HashSet<TensorId> = self.nodes.iter().map(|t| t.id()).collect();
+            for m in marks.iter() {
+                if !ids.contains(&m.tensor) {
+                    let d = Diagnostic {
+                        kind: DiagnosticKind::MarkNotInGraph,
+                        message: format!(
+                            "cut '{}' on tensor '{}' is not part of the graph",
+                            m.name, m.tensor_name
+                        ),
+                        location: Some(m.location),
+                    };
+                    tracing::warn!(at = %m.location, "{}", d.message);
+                    diagnostics.push(d);
+                }
+            }
+        }
+        let view = GraphView::new(self.view.leaves.clone(), node_descs)?;
+        Ok(CapturedGraph {
+            view,
+            leaves: self.leaves.clone(),
+            nodes: self.nodes.clone(),
             diagnostics,
         })
     }

@@ -119,3 +119,45 @@ fn unconsumed_cuts_and_foreign_marks_are_reported_with_their_location() {
         "{e}"
     );
 }
+
+/// Re-marking a captured graph gives what capturing it again with those marks gives: the
+/// same view (fingerprint), plan and diagnostics, from any marks to any others.
+#[test]
+fn remarking_a_captured_graph_equals_capturing_it_again() {
+    let ctx = Context::new_descriptors(32, 32, 1).unwrap();
+    let x = ctx.new_tensor(DType::F32, &[4]).unwrap();
+    let a = ctx.silu(&x).unwrap();
+    let b = ctx.tanh(&a).unwrap();
+    let c = ctx.relu(&ctx.add(&b, &a).unwrap()).unwrap();
+    let outside = ctx.gelu(&x).unwrap();
+    outside.set_name("outside");
+    let mut g = Graph::new(&ctx, 32).unwrap();
+    g.build_forward_expand(&c).unwrap();
+    let mut all = CutMarks::new();
+    all.mark(&a, "blk0", "a").unwrap();
+    all.mark(&b, "blk1", "b").unwrap();
+    let mut with_outside = CutMarks::new();
+    with_outside.mark(&b, "blk1", "b").unwrap();
+    with_outside.mark(&outside, "blk2", "u").unwrap();
+    let sets = [CutMarks::new(), all.clone(), all.coarse(), with_outside];
+    for from in &sets {
+        let base = CapturedGraph::capture(&g, from, &NoParams).unwrap();
+        for to in &sets {
+            let fresh = CapturedGraph::capture(&g, to, &NoParams).unwrap();
+            let re = base.with_marks(to).unwrap();
+            assert_eq!(re.view().fingerprint(), fresh.view().fingerprint());
+            assert_eq!(re.view().nodes(), fresh.view().nodes());
+            assert_eq!(re.diagnostics(), fresh.diagnostics());
+            let p1 = plan_view(re.view(), &PlanOptions::default(), &mut NoMeasure).unwrap();
+            let p2 = plan_view(fresh.view(), &PlanOptions::default(), &mut NoMeasure).unwrap();
+            assert_eq!(p1.segments.len(), p2.segments.len());
+            assert_eq!(p1.fingerprint, p2.fingerprint);
+        }
+    }
+    // Marks that differ give another fingerprint.
+    let none = CapturedGraph::capture(&g, &CutMarks::new(), &NoParams).unwrap();
+    assert_ne!(
+        none.view().fingerprint(),
+        none.with_marks(&all).unwrap().view().fingerprint()
+    );
+}

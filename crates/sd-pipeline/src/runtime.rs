@@ -123,8 +123,16 @@ pub struct RuntimeOptions {
     pub prefetch: bool,
     /// Bytes a whole-graph run must leave free (`None`: the engine's default).
     pub planning_headroom: Option<u64>,
-    /// Numerical options of the graphs built by [`Runtime::run`].
+    /// Numerical options of the graphs built by [`Runtime::run`] (`exact` is resolved with
+    /// [`RuntimeOptions::exact`]).
     pub compute_options: ComputeOptions,
+    /// Exact f32 numerics ([`ComputeOptions::exact`]: f32 im2col in every convolution).
+    /// `None`: `compute_options.exact` on the CPU and simulated devices (exact by default,
+    /// what the parity tests compare), off on real GPUs, where the f32 im2col path is what
+    /// made a UNet step slower than stable-diffusion.cpp's (ggml's f16 im2col + GEMM, its
+    /// default). `Some` forces it either way (`sd` reads `SD_EXACT=1|0`). Resolved once,
+    /// in [`Runtime::new`] ([`Runtime::exact`]).
+    pub exact: Option<bool>,
     /// Flash attention (`flash_attn_ext`, K/V in f16) for unmasked attention, for the head
     /// widths the compute backend (and every split device) supports. `None`: on for real
     /// GPU devices (its attention workspace is what lets a 512x512 UNet run under a 1 GiB
@@ -152,6 +160,7 @@ impl Default for RuntimeOptions {
             prefetch: true,
             planning_headroom: None,
             compute_options: ComputeOptions::default(),
+            exact: None,
             flash_attn: None,
             weight_type: None,
         }
@@ -261,6 +270,8 @@ pub struct Runtime {
     flash_attn_dims: Option<Vec<usize>>,
     /// The measured runtime reserve left out of `--max-vram` on a GPU (0: none).
     runtime_reserve: u64,
+    /// [`RuntimeOptions::exact`] resolved.
+    exact: bool,
 }
 
 impl std::fmt::Debug for Runtime {
@@ -397,9 +408,14 @@ impl Runtime {
         } else {
             None
         };
+        let exact = resolve_exact(options.exact, options.compute_options.exact, on_gpu);
+        if !exact && on_gpu {
+            tracing::debug!("GPU: fast convolutions (f16 im2col); SD_EXACT=1 for exact f32");
+        }
         Ok(Runtime {
             flash_attn_dims,
             runtime_reserve,
+            exact,
             engine,
             models: Vec::new(),
             compute,
@@ -558,6 +574,7 @@ impl Runtime {
         build: impl FnOnce(&mut GraphCtx) -> std::result::Result<BuiltGraph, ModelError>,
     ) -> Result<(ComputeTask, GTensor, GraphCtx)> {
         let mut opts = self.options.compute_options;
+        opts.exact = self.exact;
         if self.flash_attn_dims.is_some() {
             opts.flash_attn = true;
         }
@@ -696,6 +713,11 @@ impl Runtime {
         self.flash_attn_dims.is_some() || self.options.compute_options.flash_attn
     }
 
+    /// Whether graphs use exact f32 numerics ([`RuntimeOptions::exact`] resolved).
+    pub fn exact(&self) -> bool {
+        self.exact
+    }
+
     /// The options the runtime was built with.
     pub fn options(&self) -> &RuntimeOptions {
         &self.options
@@ -739,6 +761,12 @@ fn host_bytes(t: &GTensor, data: &HostData) -> Result<Vec<u8>> {
     Ok(bytes)
 }
 
+/// [`RuntimeOptions::exact`]: forced, or `base` (the compute options' own flag) off real
+/// GPUs and fast numerics on them. The one place the default is decided.
+fn resolve_exact(forced: Option<bool>, base: bool, on_gpu: bool) -> bool {
+    forced.unwrap_or(base && !on_gpu)
+}
+
 /// The attention head widths (multiples of 8 up to 256) whose `flash_attn_ext` (f32 Q, f16
 /// K/V, no mask) every one of `backends` runs; the others keep `mul_mat` attention.
 fn flash_attn_head_dims(backends: &[&Backend]) -> Result<Vec<usize>> {
@@ -762,4 +790,27 @@ fn flash_attn_head_dims(backends: &[&Backend]) -> Result<Vec<usize>> {
         }
     }
     Ok(dims)
+}
+
+#[cfg(test)]
+mod exact_tests {
+    use super::resolve_exact;
+
+    #[test]
+    fn gpus_default_to_fast_numerics_and_cpus_keep_the_compute_options() {
+        assert!(
+            resolve_exact(None, true, false),
+            "CPU/sim: exact by default"
+        );
+        assert!(
+            !resolve_exact(None, false, false),
+            "CPU/sim: as the options say"
+        );
+        assert!(!resolve_exact(None, true, true), "GPU: fast by default");
+        assert!(resolve_exact(Some(true), true, true), "SD_EXACT=1 on a GPU");
+        assert!(
+            !resolve_exact(Some(false), true, false),
+            "forced fast on the CPU"
+        );
+    }
 }

@@ -92,7 +92,9 @@ fn upscaler_shares_the_generation_budget_and_reclaims_idle_copies() {
     let evicted: u64 = log
         .iter()
         .filter_map(|e| match e {
-            ReclaimEvent::EvictedBlock { bytes, .. } => Some(*bytes),
+            // Weight blocks, or a staging pool with the weights streamed into it.
+            ReclaimEvent::EvictedBlock { bytes, .. }
+            | ReclaimEvent::ReleasedStagingPool { bytes, .. } => Some(*bytes),
             _ => None,
         })
         .sum();

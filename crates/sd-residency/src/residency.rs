@@ -95,6 +95,9 @@ pub struct WeightResidencyBlock {
     /// Whether evicting it switches device-resident `ParamBackend` weights to `Disk` mode
     /// for good (they are reloaded from their files when next needed).
     pub requires_demotion: bool,
+    /// Whether it is a region of a staging pool: evicting it makes room in the pool and
+    /// frees no device memory (`bytes` is the room).
+    pub pooled: bool,
 }
 
 /// A capacity question about one compute backend (stable-diffusion.cpp's `DeviceMemoryRequest`).
@@ -298,4 +301,43 @@ pub trait DeviceResidencyManager {
     fn update_runtime_residency(&mut self, owner: OwnerId, backend: BackendId, bytes: u64);
     /// The parameter a graph tensor stands for.
     fn resolve_param(&self, tensor: TensorId) -> Option<ParamId>;
+
+    /// Gives `backend` a staging pool of `bytes` for `owner` (`None`: frees its pool): one
+    /// device buffer, allocated once, from which staging copies are sub-allocated instead of
+    /// a device buffer per staged group, so that streaming weights allocates nothing inside
+    /// a step. A pool of that size and owner is kept as is; any other pool on the backend is
+    /// freed first (with the staging copies in it). The pool counts in the device's weight
+    /// bytes at its full size; the caller makes room for it first. Returns whether the
+    /// backend has a pool now (never for the CPU, or where the manager has no pools).
+    fn set_staging_pool(
+        &mut self,
+        _owner: OwnerId,
+        _backend: BackendId,
+        _bytes: Option<u64>,
+    ) -> Result<bool> {
+        Ok(false)
+    }
+
+    /// Whether the request fits once the staging copies of `required` that go to the
+    /// backend's staging pool find room in it (what evicting blocks of the pool can
+    /// achieve): when it does not, evicting pool blocks cannot make it fit. Without a pool,
+    /// [`fits_compute_backend_capacity`](Self::fits_compute_backend_capacity).
+    fn fits_with_pool_room(
+        &self,
+        request: &BackendMemoryRequest,
+        required: &[ParamId],
+    ) -> Result<bool> {
+        self.fits_compute_backend_capacity(request, required)
+    }
+
+    /// Weight bytes copied from params copies to compute devices so far (staging and
+    /// prefetch uploads), for per-run traffic figures; 0 where not counted.
+    fn weight_upload_bytes(&self) -> u64 {
+        0
+    }
+
+    /// The owner and size of `backend`'s staging pool, if it has one.
+    fn staging_pool(&self, _backend: BackendId) -> Option<(OwnerId, u64)> {
+        None
+    }
 }

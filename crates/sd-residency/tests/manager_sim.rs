@@ -451,3 +451,80 @@ fn upload_counter_matches_the_device_and_pageable_params_stay_correct() {
         assert_eq!(r.mm.upload_bytes(), r.sim.stats().host_to_device_bytes);
     }
 }
+
+/// A staging pool: allocated once, counted once at its full size; staging copies are
+/// sub-allocated from it (no device allocation per staged group), evicting one frees room in
+/// the pool (reported as `pooled`) and no device memory; weights that do not fit in the pool
+/// are missing device bytes; bytes identical to the file throughout; releasing the pool
+/// takes its copies' memory back.
+#[test]
+fn staging_pool_sub_allocates_staging_copies_and_counts_once() {
+    const POOL: u64 = 1024;
+    let mut r = rig(
+        "SIM_POOL",
+        1 << 20,
+        Some(POOL),
+        ResidencyMode::ParamBackend,
+        false,
+    );
+    let dev = r.sim.device();
+    let (a, b) = (r.ids[..4].to_vec(), r.ids[4..].to_vec());
+    assert!(r
+        .mm
+        .set_staging_pool(OwnerId(1), r.gpu, Some(POOL))
+        .unwrap());
+    assert_eq!(r.mm.staging_pool(r.gpu), Some((OwnerId(1), POOL)));
+    assert_eq!(r.mm.resident_bytes(&dev), POOL);
+    let allocations = r.sim.stats().allocations;
+    // Four 256-byte tensors fit in the empty pool: nothing missing, no allocation.
+    let req = r.req();
+    let cap = r.mm.inspect_compute_backend_capacity(&req, &a).unwrap();
+    assert!(cap.fits(false), "{cap:?}");
+    r.run(&a, &[]);
+    assert_eq!(r.sim.stats().allocations, allocations);
+    assert_eq!(r.mm.resident_bytes(&dev), POOL);
+    assert_eq!(r.mm.staging_pool_bytes(r.gpu), Some((POOL, 0)));
+    // B does not fit beside A in the pool: its copies would be missing device bytes, which
+    // the budget (all of it the pool's) does not have; room in the pool does.
+    assert!(!r.mm.fits_compute_backend_capacity(&req, &b).unwrap());
+    assert!(r.mm.fits_with_pool_room(&req, &b).unwrap());
+    let blocks = r.mm.evictable_compute_backend_blocks(r.gpu, &[]);
+    assert!(
+        !blocks.is_empty() && blocks.iter().all(|b| b.pooled),
+        "{blocks:?}"
+    );
+    // Evicting A's copies frees pool room: B then fits and is staged in the pool.
+    r.run(&b, std::slice::from_ref(&a));
+    assert!(a.iter().all(|p| !r.mm.tensor(*p).unwrap().is_allocated()));
+    assert_eq!(r.sim.stats().allocations, allocations);
+    assert_eq!(r.mm.resident_bytes(&dev), POOL);
+    // And back, bytes identical.
+    r.run(&a, std::slice::from_ref(&b));
+    assert_eq!(r.sim.stats().allocations, allocations);
+    // The same pool is kept; another size replaces it (with the copies in it).
+    assert!(r
+        .mm
+        .set_staging_pool(OwnerId(1), r.gpu, Some(POOL))
+        .unwrap());
+    assert_eq!(r.sim.stats().allocations, allocations);
+    assert!(r.mm.set_staging_pool(OwnerId(1), r.gpu, None).is_ok());
+    assert_eq!(r.mm.staging_pool(r.gpu), None);
+    assert!(a.iter().all(|p| !r.mm.tensor(*p).unwrap().is_allocated()));
+    assert_eq!(r.mm.resident_bytes(&dev), 0);
+    assert_eq!(r.sim.live_bytes(), 0);
+    // Without a pool, staging allocates again.
+    r.run(&a, &[]);
+    assert!(r.sim.stats().allocations > allocations);
+    assert!(r.sim.peak_bytes() <= POOL, "peak {}", r.sim.peak_bytes());
+    // Removing its owner frees a pool.
+    let req = r.req();
+    r.mm.release_compute_backend_params(&a).unwrap();
+    assert!(r.mm.make_room_for(&req, &[], &[], &[]).unwrap());
+    assert!(r
+        .mm
+        .set_staging_pool(OwnerId(7), r.gpu, Some(POOL))
+        .unwrap());
+    r.mm.register_runtime_owner(OwnerId(7));
+    r.mm.remove_runtime_owner(OwnerId(7));
+    assert_eq!(r.mm.staging_pool(r.gpu), None);
+}

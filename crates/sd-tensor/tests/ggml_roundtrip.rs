@@ -321,6 +321,16 @@ fn buffer_placement_and_copies() {
     a.write_f32(&v).unwrap();
     Backend::copy_tensor(&a, &b).unwrap();
     assert_eq!(b.read_f32().unwrap(), v);
+    // Unplacing takes a tensor's memory back while the buffer stays: it can be placed
+    // again (here at another offset) and the other tensor keeps its bytes.
+    assert!(buf.unplace(&a));
+    assert!(!a.is_allocated() && b.is_allocated());
+    assert!(!buf.unplace(&a), "unplaced twice");
+    buf.place(&a, 1024).unwrap();
+    a.write_f32(&v).unwrap();
+    assert_eq!(a.read_f32().unwrap(), v);
+    assert_eq!(b.read_f32().unwrap(), v);
+    assert_eq!(buf.placed_tensors().len(), 2);
     drop(buf);
     assert!(!a.is_allocated() && !b.is_allocated());
 }

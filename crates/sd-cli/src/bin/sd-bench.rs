@@ -859,6 +859,21 @@ fn cmd_unet(a: &UnetArgs) -> Result<()> {
             "output_finite": finite,
             "output_rms": (out.iter().map(|v| (*v as f64).powi(2)).sum::<f64>() / out.len().max(1) as f64).sqrt(),
             "max_abs_diff_first_vs_last": repeat_diff,
+            // Where the last step's time went (the engine's ExecTiming).
+            "last_step_timing_ms": {
+                "plan": last.timing.plan.as_secs_f64() * 1e3,
+                "capacity": last.timing.capacity.as_secs_f64() * 1e3,
+                "staging": last.timing.staging.as_secs_f64() * 1e3,
+                "wait": last.timing.wait.as_secs_f64() * 1e3,
+                "compute": last.timing.compute.as_secs_f64() * 1e3,
+                "overhead": last.timing.overhead.as_secs_f64() * 1e3,
+                "total": last.timing.total.as_secs_f64() * 1e3,
+            },
+            "staging_pool_bytes": rig
+                .engine
+                .session(rig.session)
+                .and_then(|s| rig.engine.manager().staging_pool_bytes(s.backend_id()))
+                .map(|p| p.0),
         })
     );
     Ok(())

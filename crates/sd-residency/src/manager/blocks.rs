@@ -22,14 +22,38 @@ pub(crate) struct StorageBlock {
     pub mapped: Option<(SourceId, FileId)>,
 }
 
-/// One compute-backend buffer holding staging copies (the registered tensors themselves are
+/// Where a staging block's memory is.
+#[derive(Debug)]
+pub(crate) enum StagingMem {
+    /// A compute-backend buffer of its own (freed with the block).
+    Own(Buffer),
+    /// Regions `(offset, bytes)` of the compute backend's staging pool (see `super::pool`),
+    /// one per member: its members are unplaced and the regions returned to the pool when
+    /// the block is dropped.
+    Pool {
+        backend: BackendId,
+        regions: Vec<(u64, u64)>,
+    },
+}
+
+/// Compute-backend memory holding staging copies (the registered tensors themselves are
 /// placed in it).
 #[derive(Debug)]
 pub(crate) struct StagingBlock {
-    pub buffer: Buffer,
+    pub mem: StagingMem,
     pub members: Vec<ParamId>,
     /// The owner, while the block is a prefetch not yet activated.
     pub prefetch_owner: Option<OwnerId>,
+}
+
+impl StagingBlock {
+    /// Bytes the block takes (its buffer, or its region of the pool).
+    pub fn bytes(&self) -> u64 {
+        match &self.mem {
+            StagingMem::Own(b) => b.size() as u64,
+            StagingMem::Pool { regions, .. } => regions.iter().map(|r| r.1).sum(),
+        }
+    }
 }
 
 /// A block of either kind, for iteration.
@@ -38,11 +62,23 @@ pub(crate) enum AnyBlock<'a> {
     Staging(BlockId, &'a StagingBlock),
 }
 
-impl AnyBlock<'_> {
-    pub fn buffer(&self) -> &Buffer {
+impl<'a> AnyBlock<'a> {
+    /// The buffer the block owns (`None` for a region of a staging pool).
+    pub fn own_buffer(&self) -> Option<&'a Buffer> {
         match self {
-            AnyBlock::Storage(_, b) => &b.buffer,
-            AnyBlock::Staging(_, b) => &b.buffer,
+            AnyBlock::Storage(_, b) => Some(&b.buffer),
+            AnyBlock::Staging(_, b) => match &b.mem {
+                StagingMem::Own(buf) => Some(buf),
+                StagingMem::Pool { .. } => None,
+            },
+        }
+    }
+
+    /// Bytes the block takes.
+    pub fn bytes(&self) -> u64 {
+        match self {
+            AnyBlock::Storage(_, b) => b.buffer.size() as u64,
+            AnyBlock::Staging(_, b) => b.bytes(),
         }
     }
 }

@@ -126,6 +126,7 @@ pub fn evictable_blocks(backend: BackendId, blocks: &[BlockFacts]) -> Vec<Weight
                 .max()
                 .unwrap_or(0),
             requires_demotion,
+            pooled: false,
         });
     }
     out
@@ -152,7 +153,7 @@ impl ModelManager {
                     (*id, BlockKind::Staging, false, &b.members)
                 }
             };
-            let on_device = super::buffer_on_device(block.buffer(), &device);
+            let on_device = self.block_on_device(&block, &device);
             let members = members
                 .iter()
                 .filter_map(|p| {
@@ -185,7 +186,7 @@ impl ModelManager {
                 on_device,
                 host_query,
                 mapped,
-                bytes: block.buffer().size() as u64,
+                bytes: block.bytes(),
                 members,
             });
         }
@@ -197,7 +198,14 @@ impl ModelManager {
         backend: BackendId,
         protected: &HashSet<ParamId>,
     ) -> Vec<WeightResidencyBlock> {
-        evictable_blocks(backend, &self.block_facts(backend, protected))
+        let mut out = evictable_blocks(backend, &self.block_facts(backend, protected));
+        for b in &mut out {
+            b.pooled = self
+                .staging
+                .get(&b.id)
+                .is_some_and(|s| matches!(s.mem, super::blocks::StagingMem::Pool { .. }));
+        }
+        out
     }
 
     pub(crate) fn evict_block_inner(&mut self, block: &WeightResidencyBlock) -> bool {
@@ -208,6 +216,7 @@ impl ModelManager {
                 c.id == block.id
                     && c.params == block.params
                     && c.requires_demotion == block.requires_demotion
+                    && c.pooled == block.pooled
             });
         if !found {
             return false;

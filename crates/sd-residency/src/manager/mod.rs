@@ -23,7 +23,9 @@
 //!
 //! The bytes resident on a device are the sizes of the distinct storage, staging and
 //! prefetch buffers on it (host buffers for the CPU device): a file mapping counts once at
-//! its full size, however many tensors it serves. Capacity checks add the runtime residency
+//! its full size, however many tensors it serves; so does a staging pool (`pool`: one
+//! buffer per compute backend, set by the engine, from which staging copies are
+//! sub-allocated instead of allocating a buffer per staged group). Capacity checks add the runtime residency
 //! owners report, and use [`inspect_capacity`] with the device's report, the tracked bytes
 //! and the budget.
 
@@ -31,6 +33,7 @@ mod blocks;
 pub mod eviction;
 mod loading;
 mod lora;
+mod pool;
 mod sources;
 mod staging;
 mod state;
@@ -53,7 +56,7 @@ use crate::residency::{
     BackendId, BackendMemoryRequest, BlockId, DeviceResidencyManager, OwnerId, ParamId,
     ResidencyError, Result, SourceId, WeightPrefetchResult, WeightResidencyBlock,
 };
-use blocks::{AnyBlock, StagingBlock, StorageBlock};
+use blocks::{AnyBlock, StagingBlock, StagingMem, StorageBlock};
 use sd_formats::files::TensorCatalog;
 use state::ParamState;
 
@@ -114,6 +117,8 @@ pub struct ModelManager {
     next_param: u64,
     pub(crate) storage: BTreeMap<BlockId, StorageBlock>,
     pub(crate) staging: BTreeMap<BlockId, StagingBlock>,
+    /// Staging pools by compute backend (see `pool`).
+    pub(crate) pools: BTreeMap<BackendId, pool::StagingPool>,
     next_block: u64,
     owners: BTreeSet<OwnerId>,
     runtime: HashMap<(OwnerId, BackendId), u64>,
@@ -140,6 +145,14 @@ impl std::fmt::Debug for ModelManager {
             .field("params", &self.states.len())
             .field("storage_blocks", &self.storage.len())
             .field("staging_blocks", &self.staging.len())
+            .field(
+                "staging_pools",
+                &self
+                    .pools
+                    .iter()
+                    .map(|(b, p)| (*b, p.size()))
+                    .collect::<Vec<_>>(),
+            )
             .field("owners", &self.owners)
             .finish()
     }
@@ -160,6 +173,7 @@ impl ModelManager {
             next_param: 0,
             storage: BTreeMap::new(),
             staging: BTreeMap::new(),
+            pools: BTreeMap::new(),
             next_block: 0,
             owners: BTreeSet::new(),
             runtime: HashMap::new(),
@@ -544,6 +558,25 @@ impl ModelManager {
             .chain(self.staging.iter().map(|(id, b)| AnyBlock::Staging(*id, b)))
     }
 
+    /// Whether a block's memory is on `device` (a block in a staging pool: the pool's).
+    pub(crate) fn block_on_device(&self, block: &AnyBlock<'_>, device: &Device) -> bool {
+        match block {
+            AnyBlock::Staging(
+                _,
+                StagingBlock {
+                    mem: StagingMem::Pool { backend, .. },
+                    ..
+                },
+            ) => self
+                .pools
+                .get(backend)
+                .is_some_and(|p| buffer_on_device(&p.buffer, device)),
+            _ => block
+                .own_buffer()
+                .is_some_and(|b| buffer_on_device(b, device)),
+        }
+    }
+
     /// Drops a storage block; its members lose their params copy (and bound tensors their
     /// memory).
     pub(crate) fn drop_storage_block(&mut self, id: BlockId) {
@@ -565,12 +598,25 @@ impl ModelManager {
         drop(block);
     }
 
-    /// Drops a staging (or prefetch) block; its members lose their compute copy.
+    /// Drops a staging (or prefetch) block; its members lose their compute copy (a block in
+    /// a staging pool unplaces them and returns its region to the pool).
     pub(crate) fn drop_staging_block(&mut self, id: BlockId) {
         self.finish_transfers();
         let Some(block) = self.staging.remove(&id) else {
             return;
         };
+        if let StagingMem::Pool { backend, regions } = &block.mem {
+            if let Some(pool) = self.pools.get_mut(backend) {
+                for m in &block.members {
+                    if let Some(s) = self.states.get(m) {
+                        pool.buffer.unplace(&s.tensor);
+                    }
+                }
+                for &(offset, bytes) in regions {
+                    pool.free(offset, bytes);
+                }
+            }
+        }
         for m in &block.members {
             if let Some(s) = self.states.get_mut(m) {
                 if s.staged == Some(id) {
@@ -583,6 +629,70 @@ impl ModelManager {
             }
         }
         drop(block);
+    }
+
+    /// Frees the staging pool of `backend` and every staging block in it (their members
+    /// lose their compute copies). Refused while one of them is pinned.
+    pub(crate) fn release_pool(&mut self, backend: BackendId) -> Result<()> {
+        if !self.pools.contains_key(&backend) {
+            return Ok(());
+        }
+        let in_pool: Vec<BlockId> = self
+            .staging
+            .iter()
+            .filter(|(_, b)| matches!(b.mem, StagingMem::Pool { backend: pb, .. } if pb == backend))
+            .map(|(id, _)| *id)
+            .collect();
+        for id in &in_pool {
+            self.check_unpinned(&self.staging[id].members)?;
+        }
+        for id in in_pool {
+            self.drop_staging_block(id);
+        }
+        if let Some(pool) = self.pools.remove(&backend) {
+            tracing::debug!(
+                backend = backend.0,
+                bytes = pool.size(),
+                "staging pool released"
+            );
+        }
+        Ok(())
+    }
+
+    /// Allocates the staging pool of `backend` for `owner` (see [`DeviceResidencyManager::set_staging_pool`]).
+    fn set_pool_inner(
+        &mut self,
+        owner: OwnerId,
+        backend: BackendId,
+        bytes: Option<u64>,
+    ) -> Result<bool> {
+        let (b, device) = self.backend_res(backend)?;
+        let Some(bytes) = bytes.filter(|_| device.kind() != DeviceKind::Cpu) else {
+            self.release_pool(backend)?;
+            return Ok(false);
+        };
+        if self
+            .pools
+            .get(&backend)
+            .is_some_and(|p| p.owner == owner && p.size() == bytes)
+        {
+            return Ok(true);
+        }
+        let buft = b.buffer_type();
+        self.release_pool(backend)?;
+        let buffer = buft
+            .alloc(bytes.max(1) as usize)
+            .map_err(ResidencyError::ggml("allocating the staging pool"))?;
+        buffer.set_usage(sd_tensor::ggml::BufferUsage::Weights);
+        tracing::debug!(backend = backend.0, bytes, "staging pool allocated");
+        self.pools
+            .insert(backend, pool::StagingPool::new(buffer, owner));
+        Ok(true)
+    }
+
+    /// The size of `backend`'s staging pool and its free bytes, if it has one.
+    pub fn staging_pool_bytes(&self, backend: BackendId) -> Option<(u64, u64)> {
+        self.pools.get(&backend).map(|p| (p.size(), p.free_bytes()))
     }
 
     /// Waits for every prefetch copy in flight; the blocks of a failed one are dropped
@@ -610,10 +720,18 @@ impl ModelManager {
 
     /// Bytes of weight buffers the manager holds on `device` (host buffers for the CPU):
     /// each distinct buffer counts once at its full size.
+    /// A staging pool counts once at its full size; the blocks in it add nothing.
     pub fn resident_bytes(&self, device: &Device) -> u64 {
-        self.all_blocks()
-            .filter(|b| buffer_on_device(b.buffer(), device))
-            .fold(0u64, |acc, b| acc.saturating_add(b.buffer().size() as u64))
+        let blocks = self
+            .all_blocks()
+            .filter_map(|b| b.own_buffer().filter(|buf| buffer_on_device(buf, device)))
+            .fold(0u64, |acc, buf| acc.saturating_add(buf.size() as u64));
+        let pools = self
+            .pools
+            .values()
+            .filter(|p| buffer_on_device(&p.buffer, device))
+            .fold(0u64, |acc, p| acc.saturating_add(p.size()));
+        blocks.saturating_add(pools)
     }
 
     fn runtime_bytes(&self, device: &Device, except: Option<OwnerId>) -> u64 {
@@ -644,18 +762,35 @@ impl ModelManager {
         }
     }
 
+    /// The capacity answer; with `assume_pool_room`, staging copies going to the staging
+    /// pool count as placed (see [`DeviceResidencyManager::fits_with_pool_room`]).
     pub(crate) fn inspect_inner(
         &self,
         request: &BackendMemoryRequest,
         params: &[ParamId],
+        assume_pool_room: bool,
     ) -> Result<DeviceMemoryCapacity> {
         let (_, device) = self.backend_res(request.backend)?;
         let mut missing = 0u64;
+        // Staging copies that would go to the backend's staging pool: no device bytes when
+        // they fit in its free regions, placed one by one in `params` order as staging
+        // places them (callers pass the parameters in the order they prepare them); else
+        // they would get buffers of their own.
+        let pool = self.pools.get(&request.backend);
+        let mut pooled: Vec<u64> = Vec::new();
         for p in params {
             let s = self.state(*p)?;
             if s.compute_backend == request.backend {
-                missing = missing.saturating_add(self.missing_bytes(s));
+                let m = self.missing_bytes(s);
+                if pool.is_some() && m > 0 && !self.is_direct(s) {
+                    pooled.push(m);
+                } else {
+                    missing = missing.saturating_add(m);
+                }
             }
+        }
+        if !assume_pool_room && pool.is_some_and(|p| !p.fits_all(pooled.iter().copied())) {
+            missing = missing.saturating_add(pooled.iter().sum());
         }
         let class = match device.kind() {
             DeviceKind::Cpu => DeviceClass::Host,
@@ -712,6 +847,34 @@ impl DeviceResidencyManager for ModelManager {
         self.owners.remove(&owner);
         self.runtime.retain(|(o, _), _| *o != owner);
         self.clear_prefetched_params(owner);
+        let pools: Vec<BackendId> = self
+            .pools
+            .iter()
+            .filter(|(_, p)| p.owner == owner)
+            .map(|(b, _)| *b)
+            .collect();
+        for b in pools {
+            if let Err(e) = self.release_pool(b) {
+                tracing::warn!(error = %e, "staging pool kept: a weight in it is pinned");
+            }
+        }
+    }
+
+    fn set_staging_pool(
+        &mut self,
+        owner: OwnerId,
+        backend: BackendId,
+        bytes: Option<u64>,
+    ) -> Result<bool> {
+        self.set_pool_inner(owner, backend, bytes)
+    }
+
+    fn weight_upload_bytes(&self) -> u64 {
+        self.upload_bytes
+    }
+
+    fn staging_pool(&self, backend: BackendId) -> Option<(OwnerId, u64)> {
+        self.pools.get(&backend).map(|p| (p.owner, p.size()))
     }
 
     fn fits_compute_backend_capacity(
@@ -719,7 +882,15 @@ impl DeviceResidencyManager for ModelManager {
         request: &BackendMemoryRequest,
         required: &[ParamId],
     ) -> Result<bool> {
-        Ok(self.inspect_inner(request, required)?.fits(false))
+        Ok(self.inspect_inner(request, required, false)?.fits(false))
+    }
+
+    fn fits_with_pool_room(
+        &self,
+        request: &BackendMemoryRequest,
+        required: &[ParamId],
+    ) -> Result<bool> {
+        Ok(self.inspect_inner(request, required, true)?.fits(true))
     }
 
     fn inspect_compute_backend_capacity(
@@ -727,7 +898,7 @@ impl DeviceResidencyManager for ModelManager {
         request: &BackendMemoryRequest,
         params: &[ParamId],
     ) -> Result<DeviceMemoryCapacity> {
-        self.inspect_inner(request, params)
+        self.inspect_inner(request, params, false)
     }
 
     fn evictable_compute_backend_blocks(

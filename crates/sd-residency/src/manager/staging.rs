@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 
 use sd_tensor::ggml::{Backend, BufferUsage, DeviceKind};
 
-use super::blocks::{plan_chunks, StagingBlock};
+use super::blocks::{plan_chunks, StagingBlock, StagingMem};
 use super::transfer::{TransferJob, WeightCopy};
 use super::ModelManager;
 use crate::residency::{
@@ -79,26 +79,78 @@ impl ModelManager {
     ) -> Result<()> {
         for ((backend, _), members) in groups {
             let buft = self.backend_res(backend)?.0.buffer_type();
-            let cap = if buft.is_host() {
-                buft.max_size() as u64
-            } else {
-                self.max_block_bytes.min(buft.max_size() as u64)
-            };
+            let align = buft.alignment() as u64;
             let sizes: Vec<(ParamId, u64)> = members
                 .iter()
                 .map(|p| (*p, buft.alloc_size(&self.states[p].tensor) as u64))
                 .collect();
-            for (placements, size) in plan_chunks(&sizes, buft.alignment() as u64, cap) {
+            // The backend's staging pool first: a region of it per tensor, first fit, in
+            // order (as the capacity check simulates it); all or none.
+            let pooled = self.pools.get_mut(&backend).and_then(|pool| {
+                let mut regions: Vec<(u64, u64)> = Vec::with_capacity(sizes.len());
+                for &(_, bytes) in &sizes {
+                    match pool.alloc(bytes) {
+                        Some(off) => regions.push((off, bytes)),
+                        None => {
+                            for &(off, bytes) in &regions {
+                                pool.free(off, bytes);
+                            }
+                            return None;
+                        }
+                    }
+                }
+                Some(regions)
+            });
+            if pooled.is_none() && owner.is_some() && self.pools.contains_key(&backend) {
+                // A prefetch stays inside the pool: the room outside it is the runtime's
+                // (the next segment's workspace).
+                return Err(ResidencyError::Ggml {
+                    context: "prefetching into the staging pool".into(),
+                    source: sd_tensor::GgmlError::Mismatch(format!(
+                        "no free region of the pool holds {} weight(s)",
+                        members.len()
+                    )),
+                });
+            }
+            let chunks: Vec<(StagingMem, Vec<(ParamId, u64)>)> = match pooled {
+                Some(regions) => {
+                    let placements = sizes
+                        .iter()
+                        .zip(&regions)
+                        .map(|(&(p, _), &(off, _))| (p, off))
+                        .collect();
+                    vec![(StagingMem::Pool { backend, regions }, placements)]
+                }
+                None => {
+                    if self.pools.contains_key(&backend) {
+                        tracing::debug!(
+                            params = members.len(),
+                            "staging pool full: staging in buffers of their own"
+                        );
+                    }
+                    let cap = if buft.is_host() {
+                        buft.max_size() as u64
+                    } else {
+                        self.max_block_bytes.min(buft.max_size() as u64)
+                    };
+                    let mut chunks = Vec::new();
+                    for (placements, size) in plan_chunks(&sizes, align, cap) {
+                        let buffer = buft
+                            .alloc(size as usize)
+                            .map_err(ResidencyError::ggml("allocating a staging block"))?;
+                        buffer.set_usage(BufferUsage::Weights);
+                        chunks.push((StagingMem::Own(buffer), placements));
+                    }
+                    chunks
+                }
+            };
+            for (mem, placements) in chunks {
                 let mut now = Vec::new();
-                let buffer = buft
-                    .alloc(size as usize)
-                    .map_err(ResidencyError::ggml("allocating a staging block"))?;
-                buffer.set_usage(BufferUsage::Weights);
                 let id = self.new_block_id();
                 self.staging.insert(
                     id,
                     StagingBlock {
-                        buffer,
+                        mem,
                         members: Vec::with_capacity(placements.len()),
                         prefetch_owner: owner,
                     },
@@ -106,15 +158,27 @@ impl ModelManager {
                 created.push(id);
                 for (p, off) in placements {
                     let s = &self.states[&p];
-                    let block = self.staging.get_mut(&id).expect("inserted above");
-                    block
-                        .buffer
+                    let buffer = match &self.staging[&id].mem {
+                        StagingMem::Own(b) => b,
+                        StagingMem::Pool { backend, .. } => {
+                            &self
+                                .pools
+                                .get(backend)
+                                .ok_or(ResidencyError::UnknownBackend(*backend))?
+                                .buffer
+                        }
+                    };
+                    buffer
                         .place(&s.tensor, off as usize)
                         .map_err(ResidencyError::ggml(format!("staging `{}`", s.name)))?;
-                    block.members.push(p);
                     let src = s.storage.as_ref().map(|l| l.desc.clone());
                     let name = s.name.clone();
                     let tensor = s.tensor.clone();
+                    self.staging
+                        .get_mut(&id)
+                        .expect("inserted above")
+                        .members
+                        .push(p);
                     if let Some(s) = self.states.get_mut(&p) {
                         match owner {
                             Some(o) => s.prefetched = Some((o, id)),
@@ -285,6 +349,21 @@ impl ModelManager {
             .is_none_or(|d| d.kind() == DeviceKind::Cpu)
         {
             return WeightPrefetchResult::Unsupported;
+        }
+        if let Some(pool) = self.pools.get(&backend) {
+            let buft = pool.buffer.buffer_type();
+            let fits = pool.fits_all(wanted.iter().map(|p| {
+                buft.as_ref()
+                    .map_or(0, |t| t.alloc_size(&self.states[p].tensor) as u64)
+            }));
+            if !fits {
+                // A prefetch stays inside the pool (see `stage_groups`).
+                tracing::debug!(
+                    params = wanted.len(),
+                    "prefetch skipped: the staging pool is full"
+                );
+                return WeightPrefetchResult::Failed;
+            }
         }
         let _span =
             tracing::debug_span!("prefetch", owner = owner.0, params = wanted.len()).entered();

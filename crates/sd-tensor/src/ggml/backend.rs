@@ -461,6 +461,24 @@ impl Buffer {
         Ok(())
     }
 
+    /// Takes back the memory of `t`, placed in this buffer by [`Buffer::place`]: the tensor
+    /// forgets its memory (it can be placed again, here or elsewhere) while the buffer stays
+    /// allocated, so that its bytes can be reused (a sub-allocated staging pool). Returns
+    /// whether `t` had memory in this buffer.
+    pub fn unplace(&self, t: &GTensor) -> bool {
+        let mut placed = self.placed.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(i) = placed.iter().position(|p| p.id() == t.id()) else {
+            return false;
+        };
+        let p = placed.swap_remove(i);
+        drop(placed);
+        if p.buffer_raw() != self.ptr.as_ptr() {
+            return false;
+        }
+        p.clear_allocation();
+        true
+    }
+
     /// Tensors placed in this buffer through [`Buffer::place`] or
     /// [`BufferType::alloc_context_tensors`].
     pub fn placed_tensors(&self) -> Vec<GTensor> {
