@@ -226,6 +226,9 @@ struct UnetArgs {
     /// Time the step without the engine
     #[arg(long, value_enum, default_value = "off")]
     direct: OnOff,
+    /// The staging pool of streamed weights (one device buffer per session)
+    #[arg(long = "staging-pool", value_enum, default_value = "on")]
+    staging_pool: OnOff,
 }
 
 fn main() -> ExitCode {
@@ -475,6 +478,8 @@ struct RigOptions<'a> {
     /// Head widths that use flash attention (empty: none).
     flash_attn: Vec<usize>,
     threads: usize,
+    /// Whether the session sub-allocates streamed weights from one staging pool.
+    staging_pool: bool,
 }
 
 fn build_rig(o: RigOptions<'_>, inputs: &Inputs) -> Result<Rig> {
@@ -526,12 +531,12 @@ fn build_rig(o: RigOptions<'_>, inputs: &Inputs) -> Result<Rig> {
     } else {
         SegmentationPolicy::Never
     };
-    let session = engine.create_session(
-        SessionConfig::new("unet", o.backend.clone(), gpu)
-            .with_budget(o.budget)
-            .with_segmentation(policy)
-            .with_prefetch(true),
-    );
+    let mut config = SessionConfig::new("unet", o.backend.clone(), gpu)
+        .with_budget(o.budget)
+        .with_segmentation(policy)
+        .with_prefetch(true);
+    config.staging_pool = o.staging_pool;
+    let session = engine.create_session(config);
     engine.start(session)?;
 
     let (g, graph, out, feeds) = unet_graph(&model, o.cfg, inputs, &o.flash_attn)?;
@@ -790,6 +795,7 @@ fn cmd_unet(a: &UnetArgs) -> Result<()> {
             budget: engine_budget,
             flash_attn: flash_attn.clone(),
             threads,
+            staging_pool: a.staging_pool == OnOff::On,
         },
         &inputs,
     )?;
@@ -910,6 +916,7 @@ fn cmd_check(name: &str, threads: usize) -> Result<()> {
                 budget,
                 flash_attn: flash_attn.clone(),
                 threads,
+                staging_pool: true,
             },
             &inputs,
         )?;
