@@ -5,14 +5,16 @@
 //! gives the same bits as the whole run and the device's peak stays within the budget; a
 //! budget no granularity can meet fails before anything runs, naming the minimum budget.
 
+mod common;
+
+use common::sim::{sim_runtime, SimRun};
 use sd_exec::ExecError;
 use sd_formats::files::TensorCatalog;
 use sd_models::diffusion::DiffusionArch;
 use sd_models::unet::UnetModel;
 use sd_models::HostData;
 use sd_pipeline::family::ModelSpec;
-use sd_pipeline::runtime::{BuiltGraph, ComputeDevice, Runtime, RuntimeError, RuntimeOptions};
-use sd_residency::capacity::MaxVram;
+use sd_pipeline::runtime::{BuiltGraph, RuntimeError};
 use sd_residency::{Component, SourceId};
 use sd_tensor::DType;
 
@@ -21,17 +23,9 @@ fn builtin() -> std::path::PathBuf {
         .join("../../models/builtin/sd-rs-shapes.safetensors")
 }
 
-struct Step {
-    out: Vec<f32>,
-    names: Vec<String>,
-    peak: u64,
-    weights: u64,
-    footprint: u64,
-}
-
 /// One UNet step (8x8 latents, batch 1) on a 64 MiB simulated device with `budget`
 /// (bytes; `None`: no budget).
-fn step(budget: Option<u64>) -> Result<Step, RuntimeError> {
+fn step(budget: Option<u64>) -> Result<SimRun, RuntimeError> {
     let mut loader = TensorCatalog::new();
     loader.add_file(builtin(), None).unwrap();
     let spec = ModelSpec::detect(&loader).unwrap();
@@ -39,18 +33,7 @@ fn step(budget: Option<u64>) -> Result<Step, RuntimeError> {
     let DiffusionArch::Unet(ucfg) = spec.diffusion.1.clone() else {
         panic!("not a UNet")
     };
-    let mut rt = Runtime::new(
-        RuntimeOptions {
-            compute: ComputeDevice::Sim { bytes: 64 << 20 },
-            max_vram: budget
-                .map(|b| MaxVram::parse(&format!("{}", b as f64 / (1u64 << 30) as f64)).unwrap()),
-            threads: 2,
-            planning_headroom: Some(0),
-            prefetch: false,
-            ..RuntimeOptions::default()
-        },
-        loader,
-    )?;
+    let mut rt = sim_runtime(loader, budget)?;
     let cfg = ucfg.clone();
     let (h, unet) = rt.add_model("unet", Component::Diffusion, SourceId::MAIN, |pb| {
         UnetModel::new(pb, cfg)
@@ -76,34 +59,31 @@ fn step(budget: Option<u64>) -> Result<Step, RuntimeError> {
             ],
         })
     })?;
-    let reports = rt.last_segments(h);
-    Ok(Step {
-        out: out.data,
-        names: reports.iter().map(|r| r.name.clone()).collect(),
-        peak: rt.sim_device().unwrap().peak_bytes(),
-        weights: reports.iter().map(|r| r.weight_bytes).sum(),
-        footprint: reports.iter().map(|r| r.footprint()).max().unwrap_or(0),
-    })
+    Ok(SimRun::of(&rt, h, out.data))
 }
 
 #[test]
 fn sub_block_cuts_equal_the_whole_run_within_a_tenth_of_the_weights() {
     let whole = step(None).unwrap();
-    assert_eq!(whole.names.len(), 1, "{:?}", whole.names);
+    assert_eq!(whole.segments.len(), 1, "{:?}", whole.segments);
     let weights = whole.weights;
     // The workspace at this size: what one segment needs besides weights is small; a tenth
     // of the weights plus a fixed allowance for activations and the compute buffer.
     let budget = weights / 10 + (256 << 10);
     let tight = step(Some(budget)).unwrap();
-    let fine: Vec<&String> = tight.names.iter().filter(|n| n.contains('/')).collect();
+    let fine: Vec<&String> = tight.segments.iter().filter(|n| n.contains('/')).collect();
     println!(
         "weights {weights} B, budget {budget} B, peak {} B, {} segments ({} inside blocks), largest footprint {} B",
         tight.peak,
-        tight.names.len(),
+        tight.segments.len(),
         fine.len(),
         tight.footprint
     );
-    assert!(!fine.is_empty(), "no cut inside a block: {:?}", tight.names);
+    assert!(
+        !fine.is_empty(),
+        "no cut inside a block: {:?}",
+        tight.segments
+    );
     assert!(
         tight.peak <= budget,
         "peak {} > budget {budget}",

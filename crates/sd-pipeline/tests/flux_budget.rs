@@ -4,25 +4,20 @@
 //! segments at its block cuts (the RoPE tables are auxiliary inputs every segment reads),
 //! gives the same bits as the whole run, and the device's peak stays within the budget.
 
+mod common;
+
+use common::sim::{sim_runtime, SimRun};
 use sd_formats::files::TensorCatalog;
 use sd_models::diffusion::{DiffusionArch, DiffusionInputs, DiffusionNet};
 use sd_models::flux::FluxConfig;
 use sd_models::HostData;
-use sd_pipeline::runtime::{BuiltGraph, ComputeDevice, Runtime, RuntimeError, RuntimeOptions};
-use sd_residency::capacity::MaxVram;
+use sd_pipeline::runtime::{BuiltGraph, RuntimeError};
 use sd_residency::{Component, SourceId};
 use sd_tensor::DType;
 
 fn tiny() -> std::path::PathBuf {
     std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../sd-models/tests/fixtures/flux/flux_tiny.safetensors")
-}
-
-struct Run {
-    out: Vec<f32>,
-    segments: Vec<String>,
-    peak: u64,
-    weights: u64,
 }
 
 fn values(n: usize, seed: u32) -> Vec<f32> {
@@ -33,21 +28,10 @@ fn values(n: usize, seed: u32) -> Vec<f32> {
 
 /// One evaluation on 16x16 latents (64 image tokens) and 8 text tokens, batch 1, on a
 /// 64 MiB simulated device with `budget` bytes (`None`: no budget).
-fn step(budget: Option<u64>) -> Result<Run, RuntimeError> {
+fn step(budget: Option<u64>) -> Result<SimRun, RuntimeError> {
     let mut loader = TensorCatalog::new();
     loader.add_file(tiny(), None).unwrap();
-    let mut rt = Runtime::new(
-        RuntimeOptions {
-            compute: ComputeDevice::Sim { bytes: 64 << 20 },
-            max_vram: budget
-                .map(|b| MaxVram::parse(&format!("{}", b as f64 / (1u64 << 30) as f64)).unwrap()),
-            threads: 2,
-            planning_headroom: Some(0),
-            prefetch: false,
-            ..RuntimeOptions::default()
-        },
-        loader,
-    )?;
+    let mut rt = sim_runtime(loader, budget)?;
     let arch = DiffusionArch::Flux(FluxConfig::dev());
     let (h, net) = rt.add_model("flux", Component::Diffusion, SourceId::MAIN, |pb| {
         DiffusionNet::new(pb, &arch)
@@ -78,13 +62,7 @@ fn step(budget: Option<u64>) -> Result<Run, RuntimeError> {
             ],
         })
     })?;
-    let reports = rt.last_segments(h);
-    Ok(Run {
-        out: out.data,
-        segments: reports.iter().map(|r| r.name.clone()).collect(),
-        peak: rt.sim_device().unwrap().peak_bytes(),
-        weights: reports.iter().map(|r| r.weight_bytes).sum(),
-    })
+    Ok(SimRun::of(&rt, h, out.data))
 }
 
 #[test]

@@ -5,14 +5,16 @@
 //! peak stays within the budget. The relative position bias is recomputed in each segment.
 //! And a T5 file given for a CLIP slot is an error naming the file and the flags.
 
+mod common;
+
+use common::sim::{sim_runtime, SimRun};
 use sd_formats::files::TensorCatalog;
 use sd_formats::names::T5_PREFIX;
 use sd_models::t5::T5Config;
 use sd_models::text_encoder::{TextEncoder, TextEncoderArch};
 use sd_models::HostData;
 use sd_pipeline::pipeline::{LoadOptions, ModelFiles, Pipeline};
-use sd_pipeline::runtime::{BuiltGraph, ComputeDevice, Runtime, RuntimeError, RuntimeOptions};
-use sd_residency::capacity::MaxVram;
+use sd_pipeline::runtime::{BuiltGraph, RuntimeError, RuntimeOptions};
 use sd_residency::{Component, SourceId};
 use sd_tensor::DType;
 
@@ -20,31 +22,13 @@ fn deep() -> std::path::PathBuf {
     std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/t5/t5_deep.safetensors")
 }
 
-struct Run {
-    out: Vec<f32>,
-    segments: Vec<String>,
-    peak: u64,
-    weights: u64,
-}
-
 /// One encoder evaluation of 64 tokens on a 64 MiB simulated device with `budget` bytes
 /// (`None`: no budget).
-fn encode(budget: Option<u64>) -> Result<Run, RuntimeError> {
+fn encode(budget: Option<u64>) -> Result<SimRun, RuntimeError> {
     let mut loader = TensorCatalog::new();
     loader.add_file(deep(), None).unwrap();
     sd_models::weights::canonicalize(&mut loader, None).unwrap();
-    let mut rt = Runtime::new(
-        RuntimeOptions {
-            compute: ComputeDevice::Sim { bytes: 64 << 20 },
-            max_vram: budget
-                .map(|b| MaxVram::parse(&format!("{}", b as f64 / (1u64 << 30) as f64)).unwrap()),
-            threads: 2,
-            planning_headroom: Some(0),
-            prefetch: false,
-            ..RuntimeOptions::default()
-        },
-        loader,
-    )?;
+    let mut rt = sim_runtime(loader, budget)?;
     let mut arch = TextEncoderArch::T5(T5Config::xxl());
     arch.set_prefix(T5_PREFIX);
     let (h, enc) = rt.add_model("t5", Component::TextEncoder, SourceId::MAIN, |pb| {
@@ -65,13 +49,7 @@ fn encode(budget: Option<u64>) -> Result<Run, RuntimeError> {
             inputs: vec![(input, HostData::I32(ids.clone()))],
         })
     })?;
-    let reports = rt.last_segments(h);
-    Ok(Run {
-        out: out.data,
-        segments: reports.iter().map(|r| r.name.clone()).collect(),
-        peak: rt.sim_device().unwrap().peak_bytes(),
-        weights: reports.iter().map(|r| r.weight_bytes).sum(),
-    })
+    Ok(SimRun::of(&rt, h, out.data))
 }
 
 #[test]

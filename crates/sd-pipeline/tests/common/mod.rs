@@ -1,0 +1,4 @@
+//! Helpers shared by the sd-pipeline tests (each test binary uses some of them).
+#![allow(dead_code)]
+
+pub mod sim;

@@ -1,0 +1,51 @@
+//! The simulated-device rig of the budget tests: a runtime on a 64 MiB simulated GPU with a
+//! `--max-vram` budget in bytes, no planning headroom and no prefetch (so the peak is the
+//! plan's), and what one run reports.
+
+use sd_formats::files::TensorCatalog;
+use sd_pipeline::runtime::{ComputeDevice, ModelHandle, Runtime, RuntimeError, RuntimeOptions};
+use sd_residency::capacity::MaxVram;
+
+/// A runtime over `loader` on a 64 MiB simulated device with `budget` bytes (`None`: none).
+pub fn sim_runtime(loader: TensorCatalog, budget: Option<u64>) -> Result<Runtime, RuntimeError> {
+    Runtime::new(
+        RuntimeOptions {
+            compute: ComputeDevice::Sim { bytes: 64 << 20 },
+            max_vram: budget
+                .map(|b| MaxVram::parse(&format!("{}", b as f64 / (1u64 << 30) as f64)).unwrap()),
+            threads: 2,
+            planning_headroom: Some(0),
+            prefetch: false,
+            ..RuntimeOptions::default()
+        },
+        loader,
+    )
+}
+
+/// What the last run of a model reported.
+pub struct SimRun {
+    /// The output.
+    pub out: Vec<f32>,
+    /// Its segments' names.
+    pub segments: Vec<String>,
+    /// The simulated device's peak bytes.
+    pub peak: u64,
+    /// The weight bytes over all segments.
+    pub weights: u64,
+    /// The largest segment footprint.
+    pub footprint: u64,
+}
+
+impl SimRun {
+    /// The report of model `h`'s last run, with its output `out`.
+    pub fn of(rt: &Runtime, h: ModelHandle, out: Vec<f32>) -> SimRun {
+        let reports = rt.last_segments(h);
+        SimRun {
+            out,
+            segments: reports.iter().map(|r| r.name.clone()).collect(),
+            peak: rt.sim_device().unwrap().peak_bytes(),
+            weights: reports.iter().map(|r| r.weight_bytes).sum(),
+            footprint: reports.iter().map(|r| r.footprint()).max().unwrap_or(0),
+        }
+    }
+}
