@@ -3,11 +3,13 @@
 //! Every schedule returns `n + 1` descending sigmas for `n` steps, the last one 0.
 
 mod ays;
+mod flow;
 mod noise;
 
 use std::str::FromStr;
 
 pub use ays::AysTable;
+pub use flow::{flux_mu, flux_sigmas};
 pub use noise::{NoiseSchedule, SCALED_LINEAR_BETA_END, SCALED_LINEAR_BETA_START, TIMESTEPS};
 
 use crate::sampling::SamplingError;
