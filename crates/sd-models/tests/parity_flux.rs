@@ -194,3 +194,47 @@ fn the_latent_forward_packs_like_diffusers() {
     println!("flux dev tiny through DiffusionNet on latents: relative L2 {e:.2e}");
     assert!(e < 1e-4, "relative L2 {e:.3e}");
 }
+
+/// FLUX.1's autoencoder layout (16 latent channels, no quant convs) against diffusers'
+/// `AutoencoderKL` at a tiny width: encoder moments and decoder output.
+#[test]
+fn the_16_channel_autoencoder_matches_diffusers() {
+    use sd_models::vae::{AutoencoderKl, VaeConfig};
+    let cat = common::catalog_in(&dir(), "vae16");
+    let cfg = VaeConfig {
+        ch: 8,
+        ch_mult: vec![1, 2],
+        num_res_blocks: 1,
+        z_channels: 16,
+        norm_groups: 4,
+        use_quant_conv: false,
+        ..VaeConfig::default()
+    };
+    let pb = ParamBuilder::new(Some(&cat), 1024).unwrap();
+    let vae = AutoencoderKl::new(&pb, cfg).unwrap();
+    let params = pb.finish();
+    assert_eq!(params.tensors.len(), cat.len(), "every tensor is used");
+    let _buf = load_all_to_cpu(&params, &cat).unwrap();
+    let io = io_in(&dir(), "vae16");
+    for (encode, input, want) in [(true, "x", "moments"), (false, "z", "decoded")] {
+        let mut g = GraphCtx::new(4096, 4096, ComputeOptions::default()).unwrap();
+        let x = g.ctx.new_tensor(DType::F32, &ne(&io[input].shape)).unwrap();
+        let out = if encode {
+            vae.encode(&mut g, &x).unwrap()
+        } else {
+            vae.decode(&mut g, &x).unwrap()
+        };
+        assert_eq!(out.ne().to_vec(), ne(&io[want].shape), "{want}");
+        let got = run_cpu(
+            &g,
+            &[&out],
+            &[(&x, HostData::F32(io[input].data.clone()))],
+            4096,
+            2,
+        )
+        .unwrap();
+        let e = rel_l2(&got[0], &io[want].data);
+        println!("16-channel VAE {want}: relative L2 {e:.2e}");
+        assert!(e < 1e-4, "{want}: relative L2 {e:.3e}");
+    }
+}
