@@ -6,7 +6,7 @@
 
 use std::path::{Path, PathBuf};
 
-use sd_pipeline::generate::{Pipeline, Txt2Img};
+use sd_pipeline::generate::{LoadOptions, ModelFiles, Pipeline, Txt2Img};
 use sd_pipeline::runtime::{ComputeDevice, ParamsLocation, RuntimeOptions};
 use sd_residency::capacity::MaxVram;
 use sd_tensor::Image;
@@ -142,4 +142,42 @@ fn a_diffusers_folder_gives_the_single_files_image() {
         text.contains("not a diffusers pipeline folder") && text.contains("sd-rs-not-diffusers"),
         "{text}"
     );
+}
+
+/// A GGUF UNet (f16 matrices, f32 vectors; original names) given with `--diffusion-model`
+/// replaces the checkpoint's UNet: its weights stay f16 and the image stays within a few
+/// levels of the f32 checkpoint's (the f16 rounding of the weights).
+#[test]
+fn a_gguf_unet_through_diffusion_model_replaces_the_checkpoints() {
+    let gguf = tiny_sdxl().with_file_name("tiny_sdxl_unet_f16.gguf");
+    let (from_file, _) = generate(&tiny_sdxl(), options(None));
+    let files = ModelFiles::single(tiny_sdxl()).with("diffusion-model", gguf);
+    let mut p = Pipeline::open(
+        &files,
+        LoadOptions {
+            runtime: options(None),
+            ..LoadOptions::default()
+        },
+    )
+    .unwrap();
+    let unet = p.handles().unet;
+    let f16 = p
+        .runtime()
+        .params(unet)
+        .unwrap()
+        .tensors
+        .values()
+        .filter(|t| t.dtype() == Some(sd_tensor::DType::F16))
+        .count();
+    assert!(f16 > 50, "{f16} f16 UNet tensors");
+    let img = p.txt2img(&params(), &mut |_, _| {}).unwrap().remove(0);
+    let max = img
+        .pixels()
+        .iter()
+        .zip(from_file.pixels())
+        .map(|(a, b)| (*a as i32 - *b as i32).abs())
+        .max()
+        .unwrap();
+    println!("GGUF f16 UNet vs f32 checkpoint: max difference {max} levels");
+    assert!(max <= 4, "max difference {max} levels");
 }
