@@ -114,7 +114,7 @@ pub struct Cli {
     /// OpenCLIP-H text encoder alone (SD2.x)
     #[arg(long = "clip_h", help_heading = "Model files")]
     pub clip_h: Option<PathBuf>,
-    /// T5-XXL text encoder (SD3, Flux; not supported yet)
+    /// T5-XXL text encoder (FLUX.1)
     #[arg(long = "t5xxl", help_heading = "Model files")]
     pub t5xxl: Option<PathBuf>,
     /// LLM text encoder (Qwen-Image...; not supported yet)
@@ -174,12 +174,16 @@ pub struct Cli {
     /// Height in pixels (default: the model's, or the init image's)
     #[arg(short = 'H', long = "height", value_parser = clap::value_parser!(u32).range(1..=MAX_SIZE as i64), help_heading = "Generation")]
     pub height: Option<u32>,
-    /// Sampling steps
-    #[arg(long = "steps", default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..=MAX_STEPS as i64), help_heading = "Generation")]
-    pub steps: u32,
+    /// Sampling steps (default: the model's: 20 for SD1/SD2/SDXL, 28 for FLUX.1-dev, 4 for
+    /// schnell)
+    #[arg(long = "steps", value_parser = clap::value_parser!(u32).range(1..=MAX_STEPS as i64), help_heading = "Generation")]
+    pub steps: Option<u32>,
     /// Guidance scale (default: the model's, else 7)
     #[arg(long = "cfg-scale", value_parser = parse_cfg_scale, help_heading = "Generation")]
     pub cfg_scale: Option<f32>,
+    /// Distilled guidance of FLUX.1-dev (default 3.5; other models ignore it)
+    #[arg(long = "guidance", value_parser = parse_cfg_scale, help_heading = "Generation")]
+    pub guidance: Option<f32>,
     /// Seed; negative: a random seed, printed (image i of a batch uses SEED+i)
     #[arg(
         short = 's',
@@ -367,7 +371,6 @@ pub const UNSUPPORTED: &[(&str, bool)] = &[
     ("--end-img", true),
     ("--ref-image", true),
     ("--img-cfg-scale", true),
-    ("--guidance", true),
     ("--slg-scale", true),
     ("--eta", true),
     ("--flow-shift", true),
@@ -408,13 +411,13 @@ pub fn parse(args: Vec<OsString>) -> Result<Cli, clap::Error> {
 /// The model files of the command line (the one place the model-file flags map onto the
 /// pipeline's [`ModelFiles`]); a usage error for the components sd-rs cannot use yet.
 pub fn model_files(cli: &Cli) -> Result<ModelFiles, String> {
-    for (flag, path) in [("--t5xxl", &cli.t5xxl), ("--llm", &cli.llm)] {
-        if path.is_some() {
-            return Err(format!(
-                "{flag}: not supported yet (sd-rs runs SD1.x, SD2.x and SDXL models, whose text \
-                 encoders are CLIP-L (--clip_l), OpenCLIP-H (--clip_h) and OpenCLIP-bigG (--clip_g))"
-            ));
-        }
+    if cli.llm.is_some() {
+        return Err(
+            "--llm: not supported yet (sd-rs runs SD1.x, SD2.x, SDXL and FLUX.1 models, whose \
+             text encoders are CLIP-L (--clip_l), OpenCLIP-H (--clip_h), OpenCLIP-bigG \
+             (--clip_g) and T5-XXL (--t5xxl))"
+                .into(),
+        );
     }
     let mut files = ModelFiles {
         model: cli.model.clone(),
@@ -427,6 +430,7 @@ pub fn model_files(cli: &Cli) -> Result<ModelFiles, String> {
         ("clip_l", &cli.clip_l),
         ("clip_h", &cli.clip_h),
         ("clip_g", &cli.clip_g),
+        ("t5xxl", &cli.t5xxl),
     ] {
         if let Some(p) = path {
             files = files.with(slot, p.clone());

@@ -552,8 +552,9 @@ fn generate(cli: &Cli, threads: usize) -> Result<(), Fail> {
         negative: cli.negative.clone(),
         width,
         height,
-        steps: cli.steps as usize,
+        steps: cli.steps.map_or(defaults.steps, |s| s as usize),
         cfg_scale: cli.cfg_scale.unwrap_or(defaults.cfg_scale),
+        guidance: cli.guidance.unwrap_or(3.5),
         seed,
         sampler,
         // `ays` takes the family's table, known only now.

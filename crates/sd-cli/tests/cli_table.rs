@@ -344,11 +344,80 @@ fn cases() -> Vec<Case> {
             check: no_check,
         },
         Case {
-            name: "--t5xxl not supported yet",
+            name: "FLUX.1-dev through sd: 3 steps, guidance 3.5, cfg 1 (the model's defaults)",
             setup: none,
-            args: |d| with(gen(d.join("o.png")), &["--t5xxl", "t5.safetensors"]),
+            args: |d| {
+                let mut v: Vec<OsString> =
+                    vec!["-m".into(), sdxl_fixture("tiny_flux.safetensors").into()];
+                for a in [
+                    "-p",
+                    "a red fox",
+                    "--steps",
+                    "3",
+                    "-W",
+                    "32",
+                    "-H",
+                    "32",
+                    "-t",
+                    "2",
+                ] {
+                    v.push(a.into());
+                }
+                v.push("-o".into());
+                v.push(d.join("o.png").into());
+                v
+            },
+            code: 0,
+            stderr: &[],
+            stdout: &["saved", "32x32"],
+            files: &["o.png"],
+            check: |d, _| {
+                let bytes = std::fs::read(d.join("o.png")).unwrap();
+                let text = String::from_utf8_lossy(&bytes);
+                assert!(text.contains("CFG scale: 1"), "parameters text");
+            },
+        },
+        Case {
+            name: "--t5xxl with an SD1 model: names the flag and the family",
+            setup: none,
+            args: |d| {
+                let mut v = gen(d.join("o.png"));
+                v.push("--t5xxl".into());
+                v.push(sdxl_fixture("../t5/t5_deep.safetensors").into());
+                v
+            },
+            code: 1,
+            stderr: &["--t5xxl", "not a component"],
+            stdout: &[],
+            files: &[],
+            check: no_check,
+        },
+        Case {
+            name: "FLUX.1 with an ancestral sampler: refused by name",
+            setup: none,
+            args: |d| {
+                let mut v: Vec<OsString> =
+                    vec!["-m".into(), sdxl_fixture("tiny_flux.safetensors").into()];
+                for a in [
+                    "-p",
+                    "a fox",
+                    "--steps",
+                    "2",
+                    "-W",
+                    "32",
+                    "-H",
+                    "32",
+                    "--sampling-method",
+                    "euler_a",
+                ] {
+                    v.push(a.into());
+                }
+                v.push("-o".into());
+                v.push(d.join("o.png").into());
+                v
+            },
             code: 2,
-            stderr: &["--t5xxl", "not supported yet"],
+            stderr: &["euler_a", "flow model"],
             stdout: &[],
             files: &[],
             check: no_check,

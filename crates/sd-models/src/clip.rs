@@ -334,24 +334,23 @@ impl ClipTextModel {
         Ok(hidden)
     }
 
-    /// Like [`ClipTextModel::forward`], and also the pooled, projected output
-    /// `[projection_dim, B]`: the last layer's hidden state of sequence `b` at token
-    /// `pool_at[b]` (the first end-of-text token: transformers and OpenCLIP take the
-    /// position of the largest id, which is end-of-text in the CLIP vocabulary), final layer
-    /// norm, text projection. Needs [`ClipTextConfig::projection_dim`].
+    /// Like [`ClipTextModel::forward`], and also the pooled output: the last layer's hidden
+    /// state of sequence `b` at token `pool_at[b]` (the first end-of-text token: transformers
+    /// and OpenCLIP take the position of the largest id, which is end-of-text in the CLIP
+    /// vocabulary), final layer norm, then the text projection when the model has one
+    /// (`[projection_dim, B]`; bigG's `text_embeds`), else unprojected (`[hidden, B]`;
+    /// transformers' `pooler_output`, what FLUX.1 takes from CLIP-L). Needs the final layer
+    /// norm.
     pub fn forward_with_pooled(
         &self,
         g: &mut GraphCtx,
         input_ids: &GTensor,
         pool_at: &[usize],
     ) -> Result<(GTensor, GTensor)> {
-        let (proj, ln) = match (&self.text_projection, &self.final_layer_norm) {
-            (Some(p), Some(ln)) => (p, ln),
-            _ => {
-                return Err(ModelError::Config(
-                    "pooled output asked of a CLIP text model without a projection".into(),
-                ))
-            }
+        let Some(ln) = &self.final_layer_norm else {
+            return Err(ModelError::Config(
+                "pooled output asked of a CLIP text model without its final layer norm".into(),
+            ));
         };
         let [n, b, _, _] = input_ids.ne();
         if pool_at.len() != b || pool_at.iter().any(|&p| p >= n) {
@@ -372,7 +371,10 @@ impl ClipTextModel {
         let flat = ctx.reshape(&last, &[h, n * b])?;
         let pooled = ctx.get_rows(&flat, &idx)?; // [h, B]
         let pooled = ln.forward(&ctx, &pooled)?;
-        Ok((hidden, proj.forward(&ctx, &pooled)?))
+        match &self.text_projection {
+            Some(proj) => Ok((hidden, proj.forward(&ctx, &pooled)?)),
+            None => Ok((hidden, pooled)),
+        }
     }
 
     /// Runs `run` layers; returns the hidden state of layer `layers_used` (final layer norm

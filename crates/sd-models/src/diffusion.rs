@@ -136,6 +136,14 @@ impl DiffusionNet {
         }
     }
 
+    /// Whether the network embeds a distilled guidance strength (FLUX.1-dev).
+    pub fn embeds_guidance(&self) -> bool {
+        match self {
+            DiffusionNet::Unet(_) => false,
+            DiffusionNet::Flux(f) => f.guidance_in.is_some(),
+        }
+    }
+
     /// Descriptor and node capacity of one evaluation's graph.
     pub fn graph_size(&self) -> usize {
         match self {

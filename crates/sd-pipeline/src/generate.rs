@@ -28,8 +28,9 @@ pub use crate::params::Txt2Img;
 use crate::pipeline::runtime_err;
 pub use crate::pipeline::{LoadOptions, ModelFiles, Pipeline, PipelineModels};
 use crate::runtime::{BuiltGraph, Runtime, RuntimeError, RuntimeOptions};
+use crate::sampling::SampleMethod;
 use crate::sampling::{sample_with_progress, KDenoiser};
-use crate::schedule::Schedule;
+use crate::schedule::{flow_sigmas, NoiseSchedule, Schedule};
 use crate::vae_tiling::{decode_tiled, encode_tiled, VaeTiling};
 
 /// Reads the detected family and configuration of a model file without loading its weights.
@@ -265,15 +266,6 @@ impl Pipeline {
         if let Some((image, strength)) = init {
             check_init(params, image, strength)?;
         }
-        let Schedule::Ddpm(schedule) = self.spec.schedule.clone() else {
-            return Err(GenerateError::Config {
-                path: self.path.clone(),
-                source: ModelConfigError::Unsupported(format!(
-                    "{}: flow-matching sampling is not implemented yet",
-                    self.spec.family.name()
-                )),
-            });
-        };
         let params = &self.preflight(params, init.map(|i| i.0))?.apply(params);
         let init_latents = match init {
             Some((image, _)) => Some(self.encode(image, params.vae_tiling)?),
@@ -285,7 +277,22 @@ impl Pipeline {
             None => None,
         };
 
-        let all_sigmas = params.scheduler.sigmas(params.steps, &schedule)?;
+        // Flow models sample their own sigmas (the model's time is sigma; `--scheduler` does
+        // not apply); the noise schedule is then only a placeholder the flow samplers never
+        // read.
+        let (schedule, all_sigmas, flow) = match &self.spec.schedule {
+            Schedule::Ddpm(s) => (s.clone(), params.scheduler.sigmas(params.steps, s)?, false),
+            Schedule::Flow {
+                shift,
+                resolution_shift,
+            } => {
+                check_flow_sampler(params.sampler)?;
+                let f = self.spec.size_multiple().max(1);
+                let tokens = (params.width / f) * (params.height / f);
+                let sigmas = flow_sigmas(params.steps, *shift, resolution_shift.then_some(tokens))?;
+                (NoiseSchedule::scaled_linear(), sigmas, true)
+            }
+        };
         let sigmas = match init {
             Some((_, strength)) => img2img_sigmas(&all_sigmas, strength).to_vec(),
             None => all_sigmas,
@@ -298,15 +305,17 @@ impl Pipeline {
             let noise = rng.randn_tensor(&shape)?;
             let mut x = noise.scale(sigmas[0]);
             if let Some(init) = &init_latents {
+                // Variance exploding: z + s noise; rectified flow: (1 - s) z + s noise.
+                let keep = if flow { 1.0 - sigmas[0] } else { 1.0 };
                 for (v, z) in x.data_mut().iter_mut().zip(init.data()) {
-                    *v += z;
+                    *v += keep * z;
                 }
             }
             let latents = self.sample(
                 params,
                 (&cond, refiner_cond.as_ref()),
                 x,
-                &sigmas,
+                (&sigmas, &schedule),
                 rng.as_mut(),
                 &mut *callbacks.on_step,
             )?;
@@ -335,17 +344,11 @@ impl Pipeline {
         params: &Txt2Img,
         (cond, refiner_cond): (&Conditioning, Option<&Conditioning>),
         x: Tensor<f32>,
-        sigmas: &[f32],
+        (sigmas, schedule): (&[f32], &NoiseSchedule),
         rng: &mut dyn crate::rng::Rng,
         on_step: &mut dyn FnMut(usize, usize),
     ) -> Result<Tensor<f32>, GenerateError> {
         let total = sigmas.len().saturating_sub(1);
-        let Schedule::Ddpm(schedule) = &self.spec.schedule else {
-            return Err(GenerateError::Config {
-                path: self.path.clone(),
-                source: ModelConfigError::Unsupported("not a DDPM schedule".into()),
-            });
-        };
         let split = match (&self.refiner, refiner_cond) {
             (Some(r), Some(_)) => crate::refiner::switch_index(sigmas, schedule, r.start),
             _ => total,
@@ -358,6 +361,11 @@ impl Pipeline {
                 net: &self.diffusion.1,
                 cond,
                 cfg_scale: params.cfg_scale,
+                guidance: self
+                    .diffusion
+                    .1
+                    .embeds_guidance()
+                    .then_some(params.guidance),
             };
             let mut denoiser = KDenoiser::new(model, self.spec.prediction, schedule);
             x = sample_with_progress(
@@ -389,6 +397,7 @@ impl Pipeline {
                     net: &r.diffusion.1,
                     cond: rc,
                     cfg_scale: params.cfg_scale,
+                    guidance: r.diffusion.1.embeds_guidance().then_some(params.guidance),
                 };
                 let mut denoiser = KDenoiser::new(model, r.spec.prediction, rs);
                 x = sample_with_progress(
@@ -490,6 +499,29 @@ impl Pipeline {
             return Err(GenerateError::NonFiniteDecode { count });
         }
         Ok(Tensor::new([1, c, h, w], out.data)?)
+    }
+}
+
+/// Refuses the samplers that need a DDPM schedule or re-noise the variance-exploding way
+/// (ancestral, LCM, DDIM, TCD) for a flow model; the ODE samplers work on flow sigmas
+/// unchanged.
+fn check_flow_sampler(sampler: SampleMethod) -> Result<(), GenerateError> {
+    match sampler {
+        SampleMethod::Euler
+        | SampleMethod::Heun
+        | SampleMethod::Dpm2
+        | SampleMethod::Dpmpp2m
+        | SampleMethod::Dpmpp2mV2
+        | SampleMethod::Ipndm
+        | SampleMethod::IpndmV => Ok(()),
+        other => Err(GenerateError::InvalidSetting {
+            flag: "sampling-method",
+            message: format!(
+                "{} does not run on a flow model yet (use euler, heun, dpm2, dpm++2m, \
+                 dpm++2mv2, ipndm or ipndm_v)",
+                other.name()
+            ),
+        }),
     }
 }
 

@@ -22,6 +22,9 @@ pub struct Guided<'a> {
     pub cond: &'a Conditioning,
     /// The guidance scale (1: the prompt only, one evaluation per step).
     pub cfg_scale: f32,
+    /// A distilled guidance strength the network embeds (FLUX.1-dev), for every sequence of
+    /// the batch; `None` for networks without one.
+    pub guidance: Option<f32>,
 }
 
 /// `[context, hidden]` rows of each part, concatenated (a batch along the outer axis).
@@ -72,6 +75,7 @@ impl Guided<'_> {
             None => None,
         };
         let net = self.net;
+        let guidance = self.guidance;
         let out = self
             .runtime
             .run(self.handle, "diffusion", net.graph_size(), |g| {
@@ -82,9 +86,14 @@ impl Guided<'_> {
                     Some((adm, _)) => Some(g.ctx.new_tensor(DType::F32, &[*adm, batch])?),
                     None => None,
                 };
+                let gt = match guidance {
+                    Some(_) => Some(g.ctx.new_tensor(DType::F32, &[batch])?),
+                    None => None,
+                };
                 let mut inputs = DiffusionInputs::new(&x, &t);
                 inputs.context = Some(&ctx);
                 inputs.y = yt.as_ref();
+                inputs.guidance = gt.as_ref();
                 let output = net.forward(g, &inputs)?;
                 let mut data = vec![
                     (x.clone(), HostData::F32(xs)),
@@ -93,6 +102,9 @@ impl Guided<'_> {
                 ];
                 if let (Some(yt), Some((_, yd))) = (yt, y) {
                     data.push((yt, HostData::F32(yd)));
+                }
+                if let (Some(gt), Some(v)) = (gt, guidance) {
+                    data.push((gt, HostData::F32(vec![v; batch])));
                 }
                 Ok(BuiltGraph {
                     output,

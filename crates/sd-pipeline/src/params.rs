@@ -22,6 +22,9 @@ pub struct Txt2Img {
     pub steps: usize,
     /// Classifier-free guidance scale (1: no guidance, the UNet runs on the prompt only).
     pub cfg_scale: f32,
+    /// Distilled guidance strength for networks that embed one (FLUX.1-dev's `--guidance`,
+    /// default 3.5); ignored by the others.
+    pub guidance: f32,
     /// Seed of the first image; image `i` of a batch uses `seed + i`.
     pub seed: u64,
     /// The sampler.
@@ -48,6 +51,7 @@ impl Default for Txt2Img {
             height: 512,
             steps: 20,
             cfg_scale: 7.0,
+            guidance: 3.5,
             seed: 42,
             sampler: SampleMethod::Euler,
             scheduler: Scheduler::Discrete,

@@ -13,7 +13,7 @@
 //! The plans are cached by the engine, so the runs that follow do not plan again.
 
 use sd_exec::{ExecError, PlanSummary};
-use sd_models::diffusion::{DiffusionArch, DiffusionInputs};
+use sd_models::diffusion::{DiffusionInputs, DiffusionNet};
 use sd_models::HostData;
 use sd_tensor::{DType, Image};
 
@@ -161,20 +161,26 @@ impl Pipeline {
     pub fn plan_diffusion(&mut self, params: &Txt2Img) -> Result<PlanSummary, RuntimeError> {
         let f = self.first_stage.1.downsample_factor().max(1);
         let (lw, lh) = (params.width / f, params.height / f);
-        let (c, ctx_dim, adm, guidance) = match &self.spec.diffusion.1 {
-            DiffusionArch::Unet(u) => (u.in_channels, u.context_dim, u.adm_in_channels, false),
-            DiffusionArch::Flux(fc) => (
-                fc.in_channels / 4,
-                fc.context_in_dim,
-                Some(fc.vec_in_dim),
-                fc.guidance_embed,
+        // Sizes from the loaded network (a FLUX transformer reads them from its tensors).
+        let (c, ctx_dim, adm, guidance, tokens) = match &self.diffusion.1 {
+            DiffusionNet::Unet(u) => (
+                u.config.in_channels,
+                u.config.context_dim,
+                u.config.adm_in_channels,
+                false,
+                self.spec
+                    .text_encoders
+                    .first()
+                    .map_or(77, |t| t.1.max_tokens()),
+            ),
+            DiffusionNet::Flux(f) => (
+                f.config.in_channels / 4,
+                f.config.context_in_dim,
+                Some(f.config.vec_in_dim),
+                f.guidance_in.is_some(),
+                crate::family::flux::T5_TOKENS,
             ),
         };
-        let tokens = self
-            .spec
-            .text_encoders
-            .first()
-            .map_or(77, |t| t.1.max_tokens());
         let batch = if params.cfg_scale != 1.0 { 2 } else { 1 };
         let net = &self.diffusion.1;
         self.runtime

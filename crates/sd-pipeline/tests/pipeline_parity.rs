@@ -89,6 +89,7 @@ fn runs_of(stem: &str) -> Vec<Run> {
                     height: u("height"),
                     steps: u("steps"),
                     cfg_scale: r["cfg_scale"].as_f64().unwrap() as f32,
+                    guidance: 3.5,
                     seed: r["seed"].as_u64().unwrap(),
                     sampler,
                     scheduler,

@@ -12,6 +12,7 @@
 //! ([`crate::pipeline::Pipeline`], [`crate::generate`], the CLI) is family-agnostic. Adding a
 //! family is a new file here, its entry in [`FAMILIES`], and its networks in `sd-models`.
 
+pub mod flux;
 pub mod ldm;
 pub mod sd1;
 pub mod sd2;
@@ -38,7 +39,13 @@ use crate::schedule::{AysTable, Schedule, Scheduler};
 pub const CONFIG_KEY: &str = "sd-rs.config";
 
 /// Every family, in detection order.
-pub static FAMILIES: &[&dyn Family] = &[&sd1::Sd1, &sd2::Sd2, &sdxl::Sdxl, &sdxl::SdxlRefiner];
+pub static FAMILIES: &[&dyn Family] = &[
+    &sd1::Sd1,
+    &sd2::Sd2,
+    &sdxl::Sdxl,
+    &sdxl::SdxlRefiner,
+    &flux::Flux,
+];
 
 /// An error of family detection or configuration.
 #[derive(Debug, Error)]
@@ -321,6 +328,10 @@ pub trait Family: Sync + Send {
     /// has one, else the family's defaults.
     fn spec(&'static self, config: Option<&str>) -> Result<ModelSpec, ModelConfigError>;
 
+    /// Adjusts `spec` to what the tensors tell beyond the detected version (FLUX.1 schnell
+    /// vs dev); the default changes nothing.
+    fn refine(&self, _spec: &mut ModelSpec, _catalog: &TensorCatalog) {}
+
     /// Encodes `prompt` and `negative` for an image of `size` (width, height).
     fn condition(
         &self,
@@ -365,7 +376,10 @@ pub fn detect(loader: &TensorCatalog) -> Result<ModelSpec, ModelConfigError> {
     for f in loader.files() {
         if let FileMetadata::Safetensors(map) = &f.metadata {
             if let Some(text) = map.get(CONFIG_KEY) {
-                return metadata_family(text)?.spec(Some(text));
+                let family = metadata_family(text)?;
+                let mut spec = family.spec(Some(text))?;
+                family.refine(&mut spec, loader);
+                return Ok(spec);
             }
         }
     }
@@ -389,7 +403,9 @@ pub fn detect(loader: &TensorCatalog) -> Result<ModelSpec, ModelConfigError> {
                 known_ids()
             ))
         })?;
-    family.spec(None)
+    let mut spec = family.spec(None)?;
+    family.refine(&mut spec, loader);
+    Ok(spec)
 }
 
 #[cfg(test)]

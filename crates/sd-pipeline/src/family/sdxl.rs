@@ -203,14 +203,14 @@ static REFINER_SLOTS: [Slot; 3] = [CLIP_G_SLOT, DIFFUSION_SLOT, VAE_SLOT];
 
 /// The token position the pooled output is read at: the first largest id (end of text in
 /// the CLIP vocabulary), as transformers and OpenCLIP take it.
-fn pool_position(ids: &[i32]) -> usize {
+pub(crate) fn pool_position(ids: &[i32]) -> usize {
     let max = ids.iter().copied().max().unwrap_or(0);
     ids.iter().position(|&v| v == max).unwrap_or(0)
 }
 
 /// Encodes `tokens` with text encoder `index`; with `pooled`, also the pooled output of the
 /// first chunk.
-fn encode(
+pub(crate) fn encode(
     text: &mut dyn TextEncode,
     index: usize,
     tokens: &WeightedTokens,

@@ -118,7 +118,11 @@ impl<'s, M: Denoise> KDenoiser<'s, M> {
 impl<M: Denoise> Denoised for KDenoiser<'_, M> {
     fn denoised(&mut self, x: &Tensor<f32>, sigma: f32) -> Result<Tensor<f32>, SamplingError> {
         let s = self.prediction.scalings(sigma);
-        let t = self.schedule.sigma_to_t(sigma);
+        // A flow model's time is sigma itself.
+        let t = match self.prediction {
+            Prediction::Flow { .. } => sigma,
+            _ => self.schedule.sigma_to_t(sigma),
+        };
         let x_in = x.scale(s.c_in);
         let out = self.model.predict(&x_in, sigma, t)?;
         if out.shape() != x.shape() {

@@ -47,6 +47,23 @@ pub fn flux_sigmas(steps: usize, image_tokens: Option<usize>) -> Result<Vec<f32>
     Ok(out)
 }
 
+/// The `steps + 1` sigmas of a flow model: FLUX.1-dev's resolution shift when
+/// `image_tokens` is given, else `linspace(1, 1/steps)` shifted by a constant `shift`
+/// (`shift s / (1 + (shift - 1) s)`, SD3's; 1: none), a final 0 appended.
+pub fn flow_sigmas(
+    steps: usize,
+    shift: f32,
+    image_tokens: Option<usize>,
+) -> Result<Vec<f32>, SamplingError> {
+    let mut out = flux_sigmas(steps, image_tokens)?;
+    if image_tokens.is_none() && shift != 1.0 {
+        for s in &mut out {
+            *s = shift * *s / (1.0 + (shift - 1.0) * *s);
+        }
+    }
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

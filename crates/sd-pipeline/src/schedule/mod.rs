@@ -9,7 +9,7 @@ mod noise;
 use std::str::FromStr;
 
 pub use ays::AysTable;
-pub use flow::{flux_mu, flux_sigmas};
+pub use flow::{flow_sigmas, flux_mu, flux_sigmas};
 pub use noise::{NoiseSchedule, SCALED_LINEAR_BETA_END, SCALED_LINEAR_BETA_START, TIMESTEPS};
 
 use crate::sampling::SamplingError;
@@ -22,8 +22,10 @@ pub enum Schedule {
     /// Rectified flow (SD3, Flux, Qwen-Image): `sigma` in `[0, 1]` is the time itself,
     /// shifted by `shift` (`shift t / (1 + (shift - 1) t)`).
     Flow {
-        /// The timestep shift.
+        /// The timestep shift (1: none); used when `resolution_shift` is off.
         shift: f32,
+        /// FLUX.1-dev's shift, which grows with the image's token count ([`flux_sigmas`]).
+        resolution_shift: bool,
     },
 }
 

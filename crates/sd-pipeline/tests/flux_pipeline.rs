@@ -1,0 +1,101 @@
+//! FLUX.1-dev end to end against diffusers' `FluxPipeline` steps: a tiny random checkpoint
+//! (transformer with BFL names, CLIP-L, T5 with the real vocabulary, 16-channel VAE;
+//! `scripts/fixtures/make_flux_fixtures.py pipeline`), the prompt through both tokenizers,
+//! the resolution-shifted flow sigmas, guidance 3.5, Euler steps, decode with scale and
+//! shift: latents within relative L2 1e-3, images within 1 level.
+
+use std::path::PathBuf;
+
+use sd_pipeline::generate::{Callbacks, Pipeline, Txt2Img};
+use sd_pipeline::rng::RngKind;
+use sd_pipeline::runtime::RuntimeOptions;
+use sd_pipeline::sampling::SampleMethod;
+use sd_pipeline::tokenizer_t5::T5Tokenizer;
+use sd_tensor::host::PixelRange;
+use sd_testutil::rel_l2;
+use serde_json::Value;
+
+fn fixtures() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/pipeline")
+}
+
+/// A reference tensor of `runs_flux.safetensors`.
+fn reference(name: &str) -> Vec<f32> {
+    let mut cat = sd_formats::files::TensorCatalog::new();
+    cat.add_file(fixtures().join("runs_flux.safetensors"), None)
+        .unwrap();
+    cat.read_converted(name, sd_tensor::DType::F32)
+        .unwrap()
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
+}
+
+#[test]
+fn tiny_flux_dev_matches_diffusers() {
+    let text = std::fs::read_to_string(fixtures().join("runs_flux.json")).unwrap();
+    let v: Value = serde_json::from_str(&text).unwrap();
+    let mut p = Pipeline::load(
+        fixtures().join("tiny_flux.safetensors"),
+        RuntimeOptions {
+            threads: 2,
+            ..RuntimeOptions::default()
+        },
+    )
+    .unwrap();
+    assert_eq!(p.spec().family.id(), "flux");
+    let t5 = T5Tokenizer::builtin().unwrap();
+    for run in v["runs"].as_array().unwrap() {
+        let name = run["name"].as_str().unwrap();
+        let prompt = run["prompt"].as_str().unwrap();
+        let want_ids: Vec<i32> = run["t5_ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_i64().unwrap() as i32)
+            .collect();
+        assert_eq!(t5.encode_padded(prompt, 512).unwrap(), want_ids, "{name}");
+        let size = run["width"].as_u64().unwrap() as usize;
+        let params = Txt2Img {
+            prompt: prompt.into(),
+            negative: String::new(),
+            width: size,
+            height: size,
+            steps: run["steps"].as_u64().unwrap() as usize,
+            cfg_scale: 1.0,
+            guidance: run["guidance"].as_f64().unwrap() as f32,
+            seed: run["seed"].as_u64().unwrap(),
+            sampler: SampleMethod::Euler,
+            threads: 2,
+            rng: RngKind::Cpu,
+            ..Txt2Img::default()
+        };
+        let mut latents = Vec::new();
+        let images = p
+            .generate(
+                &params,
+                None,
+                Callbacks {
+                    on_step: &mut |_, _| {},
+                    on_latents: &mut |_, l| latents = l.data().to_vec(),
+                    on_image: &mut |_, _| {},
+                },
+            )
+            .unwrap();
+        let e = rel_l2(&latents, &reference(&format!("{name}.latents")));
+        let want = reference(&format!("{name}.image"));
+        let img = &images[0];
+        let (h, w) = (img.height(), img.width());
+        let mut max = 0i32;
+        for c in 0..3 {
+            for i in 0..h * w {
+                let ours = img.pixels()[i * 3 + c] as i32;
+                let theirs = PixelRange::MinusOneToOne.to_pixel(want[c * h * w + i]) as i32;
+                max = max.max((ours - theirs).abs());
+            }
+        }
+        println!("{name}: latents relative L2 {e:.2e}, image max difference {max} levels");
+        assert!(e <= 1e-3, "{name}: latents relative L2 {e:.3e}");
+        assert!(max <= 1, "{name}: a pixel differs by {max} levels");
+    }
+}
