@@ -393,6 +393,28 @@ fn cases() -> Vec<Case> {
             check: no_check,
         },
         Case {
+            name: "a FLUX.1 transformer file alone: names the missing encoders' flags",
+            setup: none,
+            args: |d| {
+                let mut v: Vec<OsString> = vec![
+                    "-m".into(),
+                    sdxl_fixture("../../../../sd-models/tests/fixtures/flux/flux_tiny.safetensors")
+                        .into(),
+                ];
+                for a in ["-p", "a fox", "--steps", "2", "-W", "32", "-H", "32"] {
+                    v.push(a.into());
+                }
+                v.push("-o".into());
+                v.push(d.join("o.png").into());
+                v
+            },
+            code: 1,
+            stderr: &["flux_tiny.safetensors", "CLIP-L", "--clip_l"],
+            stdout: &[],
+            files: &[],
+            check: no_check,
+        },
+        Case {
             name: "FLUX.1 with an ancestral sampler: refused by name",
             setup: none,
             args: |d| {

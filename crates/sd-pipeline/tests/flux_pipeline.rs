@@ -99,3 +99,31 @@ fn tiny_flux_dev_matches_diffusers() {
         assert!(max <= 1, "{name}: a pixel differs by {max} levels");
     }
 }
+
+/// BFL transformer files without sd-rs metadata are detected as FLUX.1 from their tensor
+/// names; the one without a guidance embedding is schnell (unshifted sigmas, 4 steps).
+#[test]
+fn flux_dev_and_schnell_are_told_apart_by_their_tensors() {
+    use sd_pipeline::family::ModelSpec;
+    use sd_pipeline::schedule::Schedule;
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../sd-models/tests/fixtures/flux");
+    for (file, shifted, steps) in [
+        ("flux_tiny.safetensors", true, 28),
+        ("flux_tiny_schnell.safetensors", false, 4),
+    ] {
+        let mut cat = sd_formats::files::TensorCatalog::new();
+        cat.add_file(dir.join(file), None).unwrap();
+        let spec = ModelSpec::detect(&cat).unwrap();
+        assert_eq!(spec.family.id(), "flux", "{file}");
+        assert_eq!(
+            spec.schedule,
+            Schedule::Flow {
+                shift: 1.0,
+                resolution_shift: shifted
+            },
+            "{file}"
+        );
+        assert_eq!(spec.defaults.steps, steps, "{file}");
+        assert_eq!(spec.defaults.cfg_scale, 1.0);
+    }
+}

@@ -439,7 +439,16 @@ mod tests {
             let found = FAMILIES.iter().find(|f| f.detects(v)).map(|f| f.id());
             assert_eq!(found, id);
         }
-        assert!(FAMILIES.iter().all(|f| !f.detects(SdVersion::Flux)));
+        // SD3 has no family yet: detected, then refused by name.
+        assert!(FAMILIES.iter().all(|f| !f.detects(SdVersion::Sd3)));
+        assert_eq!(
+            FAMILIES
+                .iter()
+                .filter(|f| f.detects(SdVersion::Flux))
+                .map(|f| f.id())
+                .collect::<Vec<_>>(),
+            ["flux"]
+        );
         let Err(e) = metadata_family(r#"{"family":"sd9"}"#) else {
             panic!("unknown family accepted");
         };
