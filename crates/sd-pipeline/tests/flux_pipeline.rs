@@ -1,8 +1,10 @@
-//! FLUX.1-dev end to end against diffusers' `FluxPipeline` steps: a tiny random checkpoint
+//! FLUX.1-dev and schnell end to end against diffusers' `FluxPipeline` steps: a tiny random checkpoint
 //! (transformer with BFL names, CLIP-L, T5 with the real vocabulary, 16-channel VAE;
 //! `scripts/fixtures/make_flux_fixtures.py pipeline`), the prompt through both tokenizers,
 //! the resolution-shifted flow sigmas, guidance 3.5, Euler steps, decode with scale and
 //! shift: latents within relative L2 1e-3, images within 1 level.
+
+mod common;
 
 use std::path::PathBuf;
 
@@ -32,21 +34,35 @@ fn reference(name: &str) -> Vec<f32> {
 }
 
 #[test]
-fn tiny_flux_dev_matches_diffusers() {
+fn tiny_flux_dev_and_schnell_match_diffusers() {
     let text = std::fs::read_to_string(fixtures().join("runs_flux.json")).unwrap();
     let v: Value = serde_json::from_str(&text).unwrap();
-    let mut p = Pipeline::load(
-        fixtures().join("tiny_flux.safetensors"),
-        RuntimeOptions {
-            threads: 2,
-            ..RuntimeOptions::default()
-        },
-    )
-    .unwrap();
-    assert_eq!(p.spec().family.id(), "flux");
+    let options = || RuntimeOptions {
+        threads: 2,
+        ..RuntimeOptions::default()
+    };
+    let mut dev = Pipeline::load(fixtures().join("tiny_flux.safetensors"), options()).unwrap();
+    assert_eq!(dev.spec().family.id(), "flux");
+    // schnell: the same checkpoint without its guidance embedding.
+    let tmp = std::env::temp_dir().join(format!("sd-rs-flux-schnell-{}", std::process::id()));
+    std::fs::create_dir_all(&tmp).unwrap();
+    let schnell_file = tmp.join("tiny_flux_schnell.safetensors");
+    common::files::without(
+        &fixtures().join("tiny_flux.safetensors"),
+        "model.diffusion_model.guidance_in.",
+        &schnell_file,
+    );
+    let mut schnell = Pipeline::load(&schnell_file, options()).unwrap();
+    std::fs::remove_dir_all(&tmp).ok();
+    assert_eq!(schnell.spec().defaults.steps, 4);
     let t5 = T5Tokenizer::builtin().unwrap();
     for run in v["runs"].as_array().unwrap() {
         let name = run["name"].as_str().unwrap();
+        let p = if name.contains("schnell") {
+            &mut schnell
+        } else {
+            &mut dev
+        };
         let prompt = run["prompt"].as_str().unwrap();
         let want_ids: Vec<i32> = run["t5_ids"]
             .as_array()
@@ -63,7 +79,8 @@ fn tiny_flux_dev_matches_diffusers() {
             height: size,
             steps: run["steps"].as_u64().unwrap() as usize,
             cfg_scale: 1.0,
-            guidance: run["guidance"].as_f64().unwrap() as f32,
+            // schnell ignores it (no guidance embedding).
+            guidance: run["guidance"].as_f64().unwrap_or(3.5) as f32,
             seed: run["seed"].as_u64().unwrap(),
             sampler: SampleMethod::Euler,
             threads: 2,

@@ -1,4 +1,5 @@
 //! Helpers shared by the sd-pipeline tests (each test binary uses some of them).
 #![allow(dead_code)]
 
+pub mod files;
 pub mod sim;
