@@ -415,7 +415,7 @@ fn cases() -> Vec<Case> {
             check: no_check,
         },
         Case {
-            name: "FLUX.1 with an ancestral sampler: refused by name",
+            name: "FLUX.1 with dpm++2s_a (no flow form yet): refused by name",
             setup: none,
             args: |d| {
                 let mut v: Vec<OsString> =
@@ -430,7 +430,7 @@ fn cases() -> Vec<Case> {
                     "-H",
                     "32",
                     "--sampling-method",
-                    "euler_a",
+                    "dpm++2s_a",
                 ] {
                     v.push(a.into());
                 }
@@ -439,7 +439,7 @@ fn cases() -> Vec<Case> {
                 v
             },
             code: 2,
-            stderr: &["euler_a", "flow model"],
+            stderr: &["dpm++2s_a", "flow model"],
             stdout: &[],
             files: &[],
             check: no_check,

@@ -503,11 +503,12 @@ impl Pipeline {
 }
 
 /// Refuses the samplers that need a DDPM schedule or re-noise the variance-exploding way
-/// (ancestral, LCM, DDIM, TCD) for a flow model; the ODE samplers work on flow sigmas
-/// unchanged.
+/// (dpm++2s_a, LCM, DDIM, TCD) for a flow model; the ODE samplers work on flow sigmas
+/// unchanged, euler_a re-noises the flow way.
 fn check_flow_sampler(sampler: SampleMethod) -> Result<(), GenerateError> {
     match sampler {
         SampleMethod::Euler
+        | SampleMethod::EulerA
         | SampleMethod::Heun
         | SampleMethod::Dpm2
         | SampleMethod::Dpmpp2m
@@ -517,8 +518,8 @@ fn check_flow_sampler(sampler: SampleMethod) -> Result<(), GenerateError> {
         other => Err(GenerateError::InvalidSetting {
             flag: "sampling-method",
             message: format!(
-                "{} does not run on a flow model yet (use euler, heun, dpm2, dpm++2m, \
-                 dpm++2mv2, ipndm or ipndm_v)",
+                "{} does not run on a flow model yet (use euler, euler_a, heun, dpm2, \
+                 dpm++2m, dpm++2mv2, ipndm or ipndm_v)",
                 other.name()
             ),
         }),

@@ -82,6 +82,12 @@ pub trait Denoise {
 pub trait Denoised {
     /// The denoised estimate of `x` at noise level `sigma` (same shape as `x`).
     fn denoised(&mut self, x: &Tensor<f32>, sigma: f32) -> Result<Tensor<f32>, SamplingError>;
+
+    /// Whether the model is a rectified flow (`x = (1 - s) x0 + s noise`): ancestral
+    /// samplers re-noise differently.
+    fn flow(&self) -> bool {
+        false
+    }
 }
 
 impl<F> Denoised for F
@@ -116,6 +122,10 @@ impl<'s, M: Denoise> KDenoiser<'s, M> {
 }
 
 impl<M: Denoise> Denoised for KDenoiser<'_, M> {
+    fn flow(&self) -> bool {
+        matches!(self.prediction, Prediction::Flow { .. })
+    }
+
     fn denoised(&mut self, x: &Tensor<f32>, sigma: f32) -> Result<Tensor<f32>, SamplingError> {
         let s = self.prediction.scalings(sigma);
         // A flow model's time is sigma itself.

@@ -78,6 +78,8 @@ pub(crate) fn euler_ancestral(
         } else if eta == 0.0 {
             let r = next / sigma;
             x = lin(r, &x, 1.0 - r, &den)?;
+        } else if model.flow() {
+            x = flow_ancestral_step(&x, &den, sigma, next, eta, rng)?;
         } else {
             let (down, up) = ancestral_step(sigma, next, eta);
             let r = down / sigma;
@@ -88,6 +90,33 @@ pub(crate) fn euler_ancestral(
         }
     }
     Ok(x)
+}
+
+/// One ancestral step of a rectified-flow model from `sigma` to `next` (ComfyUI's
+/// `sample_euler_ancestral_RF`, the flow form of k-diffusion's ancestral Euler): step
+/// deterministically to `sigma_down = next (1 + (next / sigma - 1) eta)`, then rescale to
+/// `next`'s signal level `(1 - next) / (1 - sigma_down)` and add the noise that brings the
+/// total back to `next`: `sqrt(next^2 - sigma_down^2 (1 - next)^2 / (1 - sigma_down)^2)`.
+fn flow_ancestral_step(
+    x: &Tensor<f32>,
+    den: &Tensor<f32>,
+    sigma: f32,
+    next: f32,
+    eta: f32,
+    rng: &mut dyn Rng,
+) -> Res {
+    let down = next * (1.0 + (next / sigma - 1.0) * eta);
+    let (alpha_next, alpha_down) = (1.0 - next, 1.0 - down);
+    let renoise = (next * next - down * down * alpha_next * alpha_next / (alpha_down * alpha_down))
+        .max(0.0)
+        .sqrt();
+    let r = down / sigma;
+    let x = lin(r, x, 1.0 - r, den)?.scale(alpha_next / alpha_down);
+    if renoise > 0.0 {
+        add_noise(&x, rng, renoise)
+    } else {
+        Ok(x)
+    }
 }
 
 pub(crate) fn heun(
@@ -317,4 +346,48 @@ pub(crate) fn tcd(
         }
     }
     Ok(x)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rng::CpuRng;
+
+    /// A flow "model" whose denoised estimate is half the input.
+    struct HalfFlow;
+
+    impl Denoised for HalfFlow {
+        fn denoised(&mut self, x: &Tensor<f32>, _sigma: f32) -> Res {
+            Ok(x.scale(0.5))
+        }
+
+        fn flow(&self) -> bool {
+            true
+        }
+    }
+
+    #[test]
+    fn euler_a_on_a_flow_model_renoises_the_flow_way() {
+        let x = Tensor::new([1, 1, 2, 2], vec![1.0, -2.0, 0.5, 3.0]).unwrap();
+        let mut rng = CpuRng::new(3);
+        let got = euler_ancestral(
+            &mut HalfFlow,
+            &mut |_, _| {},
+            x.clone(),
+            &[1.0, 0.5, 0.0],
+            &mut rng,
+            1.0,
+        )
+        .unwrap();
+        // Step 1 (1 -> 0.5, eta 1): sigma_down 0.25, x1 = 0.25 x + 0.75 (0.5 x) = 0.625 x,
+        // rescaled by (1 - 0.5) / (1 - 0.25), plus noise * sqrt(0.25 - 0.0625 * 0.25 / 0.5625).
+        // Step 2 (to 0): the denoised estimate, half of that.
+        let mut noise_rng = CpuRng::new(3);
+        let noise = noise_rng.randn_tensor(&[1, 1, 2, 2]).unwrap();
+        let renoise = (0.25f32 - 0.0625 * 0.25 / 0.5625).sqrt();
+        for i in 0..4 {
+            let x1 = 0.625 * x.data()[i] * (0.5 / 0.75) + noise.data()[i] * renoise;
+            assert!((got.data()[i] - 0.5 * x1).abs() < 1e-5, "{i}: {got:?}");
+        }
+    }
 }
