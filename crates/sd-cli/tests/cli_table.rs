@@ -378,6 +378,68 @@ fn cases() -> Vec<Case> {
             },
         },
         Case {
+            name: "FLUX.1 under --max-vram 12M on a simulated GPU: the unbudgeted image",
+            setup: none,
+            args: |d| {
+                let mut v: Vec<OsString> =
+                    vec!["-m".into(), sdxl_fixture("tiny_flux.safetensors").into()];
+                for a in [
+                    "-p",
+                    "a red fox",
+                    "--steps",
+                    "2",
+                    "-W",
+                    "32",
+                    "-H",
+                    "32",
+                    "-t",
+                    "2",
+                    "--backend",
+                    "sim:64",
+                    "--max-vram",
+                    "12M",
+                ] {
+                    v.push(a.into());
+                }
+                v.push("-o".into());
+                v.push(d.join("o.png").into());
+                v
+            },
+            code: 0,
+            stderr: &[],
+            stdout: &["saved"],
+            files: &["o.png"],
+            check: |d, _| {
+                let mut v: Vec<OsString> =
+                    vec!["-m".into(), sdxl_fixture("tiny_flux.safetensors").into()];
+                for a in [
+                    "-p",
+                    "a red fox",
+                    "--steps",
+                    "2",
+                    "-W",
+                    "32",
+                    "-H",
+                    "32",
+                    "-t",
+                    "2",
+                    "--backend",
+                    "sim:64",
+                ] {
+                    v.push(a.into());
+                }
+                v.push("-o".into());
+                v.push(d.join("whole.png").into());
+                let out = Command::new(env!("CARGO_BIN_EXE_sd"))
+                    .args(v)
+                    .output()
+                    .unwrap();
+                assert!(out.status.success());
+                let img = |p: &Path| sd_tensor::Image::load_png(p).unwrap().into_pixels();
+                assert!(img(&d.join("o.png")) == img(&d.join("whole.png")));
+            },
+        },
+        Case {
             name: "--t5xxl with an SD1 model: names the flag and the family",
             setup: none,
             args: |d| {

@@ -377,6 +377,10 @@ impl Pipeline {
         };
         let (text, diffusion) =
             crate::refiner::add_networks(&mut runtime, &spec, main, "", &slot_file)?;
+        // A transformer reads its sizes from the tensors: the spec describes the loaded one.
+        if let DiffusionNet::Flux(m) = &diffusion.1 {
+            spec.diffusion.1 = sd_models::diffusion::DiffusionArch::Flux(m.config.clone());
+        }
         let (fslot, mut farch) = spec.first_stage.clone();
         let has_encoder = runtime
             .catalog(main)
