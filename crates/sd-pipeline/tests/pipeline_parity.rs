@@ -142,19 +142,7 @@ fn reference(run: &Run, what: &str) -> (Vec<u64>, Vec<f32>) {
 fn image_diff(run: &Run) -> (f64, f64, u8) {
     let images = txt2img(model_path(&run.model), &run.params, &mut |_, _| {}).unwrap();
     assert_eq!(images.len(), 1);
-    let img = &images[0];
-    let (shape, want) = reference(run, "image");
-    let (h, w) = (shape[1] as usize, shape[2] as usize);
-    assert_eq!((img.width(), img.height(), img.channels()), (w, h, 3));
-    // Ours is interleaved RGB; the reference planar CHW.
-    let mut ours = Vec::with_capacity(3 * h * w);
-    let mut theirs = Vec::with_capacity(3 * h * w);
-    for c in 0..3 {
-        for i in 0..h * w {
-            ours.push(img.pixels()[i * 3 + c] as f32);
-            theirs.push(PixelRange::MinusOneToOne.to_pixel(want[c * h * w + i]) as f32);
-        }
-    }
+    let (ours, theirs) = pixels_and_reference(run, &images[0]);
     let max = ours
         .iter()
         .zip(&theirs)
