@@ -47,6 +47,19 @@ fn sdxl_gen(out: impl AsRef<OsStr>) -> Vec<OsString> {
     v
 }
 
+/// Arguments of a 32x32 generation with the tiny FLUX.1-dev checkpoint ("a red fox", 2
+/// threads) writing `out`, then `extra`.
+fn flux_gen(out: impl AsRef<OsStr>, extra: &[&str]) -> Vec<OsString> {
+    let mut v: Vec<OsString> = vec!["-m".into(), sdxl_fixture("tiny_flux.safetensors").into()];
+    for a in ["-p", "a red fox", "-W", "32", "-H", "32", "-t", "2"] {
+        v.push(a.into());
+    }
+    v.extend(extra.iter().map(OsString::from));
+    v.push("-o".into());
+    v.push(out.as_ref().to_owned());
+    v
+}
+
 const PNG: &[u8] = b"\x89PNG\r\n\x1a\n";
 
 /// Arguments of a quick generation writing `out`.
@@ -346,27 +359,7 @@ fn cases() -> Vec<Case> {
         Case {
             name: "FLUX.1-dev through sd: 3 steps, guidance 3.5, cfg 1 (the model's defaults)",
             setup: none,
-            args: |d| {
-                let mut v: Vec<OsString> =
-                    vec!["-m".into(), sdxl_fixture("tiny_flux.safetensors").into()];
-                for a in [
-                    "-p",
-                    "a red fox",
-                    "--steps",
-                    "3",
-                    "-W",
-                    "32",
-                    "-H",
-                    "32",
-                    "-t",
-                    "2",
-                ] {
-                    v.push(a.into());
-                }
-                v.push("-o".into());
-                v.push(d.join("o.png").into());
-                v
-            },
+            args: |d| flux_gen(d.join("o.png"), &["--steps", "3"]),
             code: 0,
             stderr: &[],
             stdout: &["saved", "32x32"],
@@ -381,55 +374,20 @@ fn cases() -> Vec<Case> {
             name: "FLUX.1 under --max-vram 12M on a simulated GPU: the unbudgeted image",
             setup: none,
             args: |d| {
-                let mut v: Vec<OsString> =
-                    vec!["-m".into(), sdxl_fixture("tiny_flux.safetensors").into()];
-                for a in [
-                    "-p",
-                    "a red fox",
-                    "--steps",
-                    "2",
-                    "-W",
-                    "32",
-                    "-H",
-                    "32",
-                    "-t",
-                    "2",
-                    "--backend",
-                    "sim:64",
-                    "--max-vram",
-                    "12M",
-                ] {
-                    v.push(a.into());
-                }
-                v.push("-o".into());
-                v.push(d.join("o.png").into());
-                v
+                flux_gen(
+                    d.join("o.png"),
+                    &["--steps", "2", "--backend", "sim:64", "--max-vram", "12M"],
+                )
             },
             code: 0,
             stderr: &[],
             stdout: &["saved"],
             files: &["o.png"],
             check: |d, _| {
-                let mut v: Vec<OsString> =
-                    vec!["-m".into(), sdxl_fixture("tiny_flux.safetensors").into()];
-                for a in [
-                    "-p",
-                    "a red fox",
-                    "--steps",
-                    "2",
-                    "-W",
-                    "32",
-                    "-H",
-                    "32",
-                    "-t",
-                    "2",
-                    "--backend",
-                    "sim:64",
-                ] {
-                    v.push(a.into());
-                }
-                v.push("-o".into());
-                v.push(d.join("whole.png").into());
+                let v = flux_gen(
+                    d.join("whole.png"),
+                    &["--steps", "2", "--backend", "sim:64"],
+                );
                 let out = Command::new(env!("CARGO_BIN_EXE_sd"))
                     .args(v)
                     .output()
@@ -480,25 +438,10 @@ fn cases() -> Vec<Case> {
             name: "FLUX.1 with dpm++2s_a (no flow form yet): refused by name",
             setup: none,
             args: |d| {
-                let mut v: Vec<OsString> =
-                    vec!["-m".into(), sdxl_fixture("tiny_flux.safetensors").into()];
-                for a in [
-                    "-p",
-                    "a fox",
-                    "--steps",
-                    "2",
-                    "-W",
-                    "32",
-                    "-H",
-                    "32",
-                    "--sampling-method",
-                    "dpm++2s_a",
-                ] {
-                    v.push(a.into());
-                }
-                v.push("-o".into());
-                v.push(d.join("o.png").into());
-                v
+                flux_gen(
+                    d.join("o.png"),
+                    &["--steps", "2", "--sampling-method", "dpm++2s_a"],
+                )
             },
             code: 2,
             stderr: &["dpm++2s_a", "flow model"],
