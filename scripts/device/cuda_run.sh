@@ -16,7 +16,10 @@
 #                module-*.part of an earlier SAVE_MODULE=1 run) to use instead of building
 #   WHEELS       diffusers wheels to install [.whl]
 #   PHASES       which phases to run [build,check,bw,resident,diffusers,budgets]; also
-#                `ab`: coalesced vs per-tensor weight uploads, interleaved
+#                `ab`: coalesced vs per-tensor weight uploads, interleaved;
+#                `async`: prefetch uploads on a copy stream vs a transfer thread
+#                (`sd-bench unet --async-upload on|off`), interleaved, at ASYNC_BUDGETS
+#                [0.5 0.35], pinned params, after a resident run (the floor)
 #   BUDGETS      --max-vram fractions [0.75 0.5 0.25 0.1];  MODES  [pinned disk]
 #   STEPS        timed steps per budgeted run [10];  DEADLINE  seconds to stop starting runs [540]
 #   CONFIG       the UNet: sd15 or sdxl [sd15] (the `diffusers` phase runs the SD1.5 peer only;
@@ -128,7 +131,7 @@ fi
 phase bw && run_json copy-bw "$BENCH" copy-bw --backend CUDA0 --mib 1024
 
 W=$WORK/weights
-if phase resident || phase diffusers || phase budgets || phase ab; then
+if phase resident || phase diffusers || phase budgets || phase ab || phase async; then
     run_json write-weights "$BENCH" write-weights "$W" --config "$CONFIG" || exit 1
 fi
 if phase resident; then
@@ -169,6 +172,23 @@ if phase ab; then
 import json, sys
 for l in sys.stdin:
     r = json.loads(l); print(r["label"], round(r["step_ms_median"], 2), r["coalesced_uploads"])'
+fi
+if phase async; then
+    run_json "async-resident" "$BENCH" unet --config "$CONFIG" --weights "$W/unet.safetensors" --backend CUDA0 --params device --steps "$STEPS"
+    for f in ${ASYNC_BUDGETS:-0.5 0.35}; do
+        for rep in a b; do
+            for au in on off; do
+                run_json "async-$f-$au-$rep" "$BENCH" unet --config "$CONFIG" --weights "$W/unet.safetensors" --backend CUDA0 --params pinned --max-vram "$f" --steps "$STEPS" --async-upload "$au"
+            done
+        done
+    done
+    grep '"label": "async-' "$RESULTS" | python3 -c '
+import json, sys
+for l in sys.stdin:
+    r = json.loads(l); t = r.get("last_step_timing_ms", {})
+    print(r["label"], round(r["step_ms_median"], 1), "copy_stream", r.get("copy_stream"),
+          "segments", r.get("segments"), "prefetched", r.get("prefetched"),
+          " ".join(f"{k} {v:.1f}" for k, v in t.items()))'
 fi
 say "== summary"
 python3 "$HERE/summarize.py" "$RESULTS" "$LOG/summary.md" "$LOG/benchmarks.png"

@@ -184,6 +184,23 @@ pub struct Cli {
     /// Distilled guidance of FLUX.1-dev (default 3.5; other models ignore it)
     #[arg(long = "guidance", value_parser = parse_cfg_scale, help_heading = "Generation")]
     pub guidance: Option<f32>,
+    /// Timestep shift of flow models (default the model's: SD3 3; for FLUX.1 a fixed `mu`
+    /// replacing the resolution-dependent shift, as stable-diffusion.cpp)
+    #[arg(long = "flow-shift", value_parser = parse_cfg_scale, help_heading = "Generation")]
+    pub flow_shift: Option<f32>,
+    /// Skip-layer guidance strength, SD3 models (default 0: off; 2.5 suggested for SD3.5
+    /// Medium)
+    #[arg(long = "slg-scale", value_parser = parse_cfg_scale, help_heading = "Generation")]
+    pub slg_scale: Option<f32>,
+    /// The blocks skip-layer guidance leaves out (default [7,8,9])
+    #[arg(long = "skip-layers", value_name = "LIST", value_parser = parse_layers, help_heading = "Generation")]
+    pub skip_layers: Option<LayerList>,
+    /// Fraction of the steps after which skip-layer guidance starts (default 0.01)
+    #[arg(long = "skip-layer-start", value_name = "FRACTION", value_parser = parse_fraction, help_heading = "Generation")]
+    pub skip_layer_start: Option<f32>,
+    /// Fraction of the steps before which skip-layer guidance stops (default 0.2)
+    #[arg(long = "skip-layer-end", value_name = "FRACTION", value_parser = parse_fraction, help_heading = "Generation")]
+    pub skip_layer_end: Option<f32>,
     /// Seed; negative: a random seed, printed (image i of a batch uses SEED+i)
     #[arg(
         short = 's',
@@ -371,9 +388,7 @@ pub const UNSUPPORTED: &[(&str, bool)] = &[
     ("--end-img", true),
     ("--ref-image", true),
     ("--img-cfg-scale", true),
-    ("--slg-scale", true),
     ("--eta", true),
-    ("--flow-shift", true),
     ("--sigmas", true),
     ("--vae-tile-size", true),
     ("--vae-tile-overlap", true),
@@ -719,6 +734,31 @@ pub fn hires_fix(
         strength: cli.hires_strength.unwrap_or(0.7),
         upscaler,
     }))
+}
+
+/// Block indices, as stable-diffusion.cpp writes them (`[7,8,9]`; brackets optional).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LayerList(pub Vec<usize>);
+
+fn parse_layers(text: &str) -> Result<LayerList, String> {
+    let inner = text.trim().trim_start_matches('[').trim_end_matches(']');
+    let layers: Result<Vec<usize>, _> = inner
+        .split(',')
+        .map(str::trim)
+        .filter(|t| !t.is_empty())
+        .map(str::parse::<usize>)
+        .collect();
+    match layers {
+        Ok(v) if !v.is_empty() => Ok(LayerList(v)),
+        _ => Err(format!("needs block numbers like [7,8,9], got '{text}'")),
+    }
+}
+
+fn parse_fraction(text: &str) -> Result<f32, String> {
+    match text.parse::<f32>() {
+        Ok(s) if (0.0..=1.0).contains(&s) => Ok(s),
+        _ => Err(format!("needs a number from 0 to 1, got '{text}'")),
+    }
 }
 
 fn parse_refiner_start(text: &str) -> Result<f32, String> {

@@ -29,6 +29,7 @@ use output::Target;
 use progress::Progress;
 use sd_pipeline::generate::{GenerateError, LoadOptions, ModelFiles, Pipeline, Txt2Img};
 use sd_pipeline::hires::hires_upscale;
+use sd_pipeline::params::SkipLayerGuidance;
 use sd_pipeline::runtime::{ComputeDevice, RuntimeOptions};
 use sd_pipeline::schedule::Scheduler;
 use sd_pipeline::vae_tiling::VaeTiling;
@@ -338,6 +339,11 @@ fn memory_preflight(
             let n = (w / f / 2) as f64 * (h / f / 2) as f64 + 512.0;
             fc.num_heads as f64 * n * n * 4.0
         }
+        // SD3's joint attention over 2x2 patches and 333 text tokens, cond and uncond.
+        sd_models::diffusion::DiffusionArch::Mmdit(mc) if !flash => {
+            let n = (w / f / mc.patch_size) as f64 * (h / f / mc.patch_size) as f64 + 333.0;
+            2.0 * mc.num_heads as f64 * n * n * 4.0
+        }
         _ => 0.0,
     };
     let decode = if tiled || !limit.cpu {
@@ -547,6 +553,29 @@ fn generate(cli: &Cli, threads: usize) -> Result<(), Fail> {
         other => other,
     };
     let sampler = cli.sampler.unwrap_or(defaults.sampler);
+    let slg = match cli.slg_scale {
+        Some(scale) if scale != 0.0 => {
+            let d = SkipLayerGuidance::default();
+            Some(SkipLayerGuidance {
+                scale,
+                layers: cli.skip_layers.clone().map_or(d.layers, |l| l.0),
+                start: cli.skip_layer_start.unwrap_or(d.start),
+                end: cli.skip_layer_end.unwrap_or(d.end),
+            })
+        }
+        _ => {
+            if cli.skip_layers.is_some()
+                || cli.skip_layer_start.is_some()
+                || cli.skip_layer_end.is_some()
+            {
+                return Err(Fail::Usage(
+                    "--skip-layers, --skip-layer-start and --skip-layer-end need --slg-scale"
+                        .into(),
+                ));
+            }
+            None
+        }
+    };
     let params = Txt2Img {
         prompt,
         negative: cli.negative.clone(),
@@ -568,6 +597,8 @@ fn generate(cli: &Cli, threads: usize) -> Result<(), Fail> {
         batch: 1,
         rng,
         vae_tiling: cli.vae_tiling.then(VaeTiling::default),
+        slg,
+        flow_shift: cli.flow_shift,
     };
     let name = if spec.name.is_empty() {
         files

@@ -47,18 +47,102 @@ fn sdxl_gen(out: impl AsRef<OsStr>) -> Vec<OsString> {
     v
 }
 
-/// Arguments of a 32x32 generation with the tiny FLUX.1-dev checkpoint ("a red fox", 2
-/// threads) writing `out`, then `extra`.
-fn flux_gen(out: impl AsRef<OsStr>, extra: &[&str]) -> Vec<OsString> {
-    let mut v: Vec<OsString> = vec!["-m".into(), sdxl_fixture("tiny_flux.safetensors").into()];
+/// Arguments of a 32x32 generation with the tiny FLUX.1-dev checkpoint `d/flux.safetensors`
+/// ("a red fox", 2 threads) writing `d/out`, then `extra`.
+fn flux_gen(d: &Path, out: &str, extra: &[&str]) -> Vec<OsString> {
+    let mut v: Vec<OsString> = vec!["-m".into(), d.join("flux.safetensors").into()];
     for a in ["-p", "a red fox", "-W", "32", "-H", "32", "-t", "2"] {
         v.push(a.into());
     }
     v.extend(extra.iter().map(OsString::from));
     v.push("-o".into());
-    v.push(out.as_ref().to_owned());
+    v.push(d.join(out).into());
     v
 }
+
+/// Writes the tiny FLUX.1-dev checkpoint (token embeddings made whole) as
+/// `d/flux.safetensors`.
+fn flux_setup(d: &Path) {
+    files::expand_sparse(
+        &sdxl_fixture("tiny_flux.safetensors"),
+        &d.join("flux.safetensors"),
+    );
+}
+
+/// The sd-pipeline tests' fixture-file rewriting (sparse vocabularies, component files).
+#[allow(dead_code)]
+#[path = "../../sd-pipeline/tests/common/files.rs"]
+mod files;
+
+/// Writes the tiny SD3.5 single file (token embeddings made whole) as `d/sd3.safetensors`.
+fn sd3_setup(d: &Path) {
+    files::expand_sparse(
+        &sdxl_fixture("tiny_sd3.safetensors"),
+        &d.join("sd3.safetensors"),
+    );
+}
+
+/// [`sd3_setup`], then each component in a file of its own: `dit`, `l`, `g`, `t5`, `vae`
+/// (`.safetensors`), each with the checkpoint's sd-rs metadata.
+fn sd3_components(d: &Path) {
+    sd3_setup(d);
+    let whole = d.join("sd3.safetensors");
+    for (name, prefix) in [
+        ("dit", "model.diffusion_model."),
+        ("l", "text_encoders.clip_l."),
+        ("g", "text_encoders.clip_g."),
+        ("t5", "text_encoders.t5xxl."),
+        ("vae", "vae."),
+    ] {
+        files::only(&whole, &[prefix], &d.join(format!("{name}.safetensors")));
+    }
+}
+
+/// Arguments of a 2-step 32x32 SD3.5 generation ("a red fox", negative "blurry", 2
+/// threads) writing `d/<out>`, the model given by `model` (flags and files in `d`).
+fn sd3_gen(d: &Path, model: &[&str], out: &str) -> Vec<OsString> {
+    let mut v: Vec<OsString> = Vec::new();
+    for (i, a) in model.iter().enumerate() {
+        v.push(if i % 2 == 1 {
+            d.join(a).into_os_string()
+        } else {
+            a.into()
+        });
+    }
+    for a in [
+        "-p",
+        "a red fox",
+        "-n",
+        "blurry",
+        "-W",
+        "32",
+        "-H",
+        "32",
+        "--steps",
+        "2",
+        "-t",
+        "2",
+    ] {
+        v.push(a.into());
+    }
+    v.push("-o".into());
+    v.push(d.join(out).into());
+    v
+}
+
+/// The split SD3.5 components as flags.
+const SD3_PARTS: &[&str] = &[
+    "--diffusion-model",
+    "dit.safetensors",
+    "--clip_l",
+    "l.safetensors",
+    "--clip_g",
+    "g.safetensors",
+    "--t5xxl",
+    "t5.safetensors",
+    "--vae",
+    "vae.safetensors",
+];
 
 const PNG: &[u8] = b"\x89PNG\r\n\x1a\n";
 
@@ -358,12 +442,12 @@ fn cases() -> Vec<Case> {
         },
         Case {
             name: "FLUX.1-dev through sd: 3 steps, guidance 3.5, cfg 1 (the model's defaults)",
-            setup: none,
-            args: |d| flux_gen(d.join("o.png"), &["--steps", "3"]),
+            setup: flux_setup,
+            args: |d| flux_gen(d, "o.png", &["--steps", "3"]),
             code: 0,
             stderr: &[],
             stdout: &["saved", "32x32"],
-            files: &["o.png"],
+            files: &["flux.safetensors", "o.png"],
             check: |d, _| {
                 let bytes = std::fs::read(d.join("o.png")).unwrap();
                 let text = String::from_utf8_lossy(&bytes);
@@ -372,22 +456,20 @@ fn cases() -> Vec<Case> {
         },
         Case {
             name: "FLUX.1 under --max-vram 12M on a simulated GPU: the unbudgeted image",
-            setup: none,
+            setup: flux_setup,
             args: |d| {
                 flux_gen(
-                    d.join("o.png"),
+                    d,
+                    "o.png",
                     &["--steps", "2", "--backend", "sim:64", "--max-vram", "12M"],
                 )
             },
             code: 0,
             stderr: &[],
             stdout: &["saved"],
-            files: &["o.png"],
+            files: &["flux.safetensors", "o.png"],
             check: |d, _| {
-                let v = flux_gen(
-                    d.join("whole.png"),
-                    &["--steps", "2", "--backend", "sim:64"],
-                );
+                let v = flux_gen(d, "whole.png", &["--steps", "2", "--backend", "sim:64"]);
                 let out = Command::new(env!("CARGO_BIN_EXE_sd"))
                     .args(v)
                     .output()
@@ -396,6 +478,236 @@ fn cases() -> Vec<Case> {
                 let img = |p: &Path| sd_tensor::Image::load_png(p).unwrap().into_pixels();
                 assert!(img(&d.join("o.png")) == img(&d.join("whole.png")));
             },
+        },
+        Case {
+            name: "SD3.5 through sd: one file with its encoders, CFG 7 (the model's default)",
+            setup: sd3_setup,
+            args: |d| sd3_gen(d, &["-m", "sd3.safetensors"], "o.png"),
+            code: 0,
+            stderr: &[],
+            stdout: &["saved", "32x32"],
+            files: &["o.png", "sd3.safetensors"],
+            check: |d, _| {
+                let bytes = std::fs::read(d.join("o.png")).unwrap();
+                let text = String::from_utf8_lossy(&bytes);
+                assert!(text.contains("CFG scale: 7"), "parameters text");
+            },
+        },
+        Case {
+            name: "SD3.5 from separate files (--diffusion-model, --clip_l, --clip_g, --t5xxl, --vae): the single file's image",
+            setup: sd3_components,
+            args: |d| sd3_gen(d, SD3_PARTS, "o.png"),
+            code: 0,
+            stderr: &[],
+            stdout: &["saved"],
+            files: &[
+                "dit.safetensors",
+                "g.safetensors",
+                "l.safetensors",
+                "o.png",
+                "sd3.safetensors",
+                "t5.safetensors",
+                "vae.safetensors",
+            ],
+            check: |d, _| {
+                let out = Command::new(env!("CARGO_BIN_EXE_sd"))
+                    .args(sd3_gen(d, &["-m", "sd3.safetensors"], "one.png"))
+                    .output()
+                    .unwrap();
+                assert!(out.status.success());
+                let img = |p: &Path| sd_tensor::Image::load_png(p).unwrap().into_pixels();
+                assert!(img(&d.join("o.png")) == img(&d.join("one.png")));
+            },
+        },
+        Case {
+            name: "--diffusion-model with bare transformer names (Stability's, city96's files): the single file's image",
+            setup: |d| {
+                sd3_components(d);
+                files::strip(
+                    &d.join("sd3.safetensors"),
+                    "model.diffusion_model.",
+                    &d.join("bare.safetensors"),
+                );
+            },
+            args: |d| {
+                let mut parts = SD3_PARTS.to_vec();
+                parts[1] = "bare.safetensors";
+                sd3_gen(d, &parts, "o.png")
+            },
+            code: 0,
+            stderr: &[],
+            stdout: &["saved"],
+            files: &[
+                "bare.safetensors",
+                "dit.safetensors",
+                "g.safetensors",
+                "l.safetensors",
+                "o.png",
+                "sd3.safetensors",
+                "t5.safetensors",
+                "vae.safetensors",
+            ],
+            check: |d, _| {
+                let out = Command::new(env!("CARGO_BIN_EXE_sd"))
+                    .args(sd3_gen(d, &["-m", "sd3.safetensors"], "one.png"))
+                    .output()
+                    .unwrap();
+                assert!(out.status.success());
+                let img = |p: &Path| sd_tensor::Image::load_png(p).unwrap().into_pixels();
+                assert!(img(&d.join("o.png")) == img(&d.join("one.png")));
+            },
+        },
+        Case {
+            name: "SD3.5 with skip-layer guidance (--slg-scale, --skip-layers, --skip-layer-end): another image",
+            setup: sd3_setup,
+            args: |d| {
+                let mut v = sd3_gen(d, &["-m", "sd3.safetensors"], "o.png");
+                for a in [
+                    "--steps",
+                    "4",
+                    "--slg-scale",
+                    "2.5",
+                    "--skip-layers",
+                    "[0]",
+                    "--skip-layer-end",
+                    "0.9",
+                ] {
+                    v.push(a.into());
+                }
+                v
+            },
+            code: 0,
+            stderr: &[],
+            stdout: &["saved"],
+            files: &["o.png", "sd3.safetensors"],
+            check: |d, _| {
+                let mut v = sd3_gen(d, &["-m", "sd3.safetensors"], "plain.png");
+                v.push("--steps".into());
+                v.push("4".into());
+                let out = Command::new(env!("CARGO_BIN_EXE_sd"))
+                    .args(v)
+                    .output()
+                    .unwrap();
+                assert!(out.status.success());
+                let img = |p: &Path| sd_tensor::Image::load_png(p).unwrap().into_pixels();
+                assert!(img(&d.join("o.png")) != img(&d.join("plain.png")));
+            },
+        },
+        Case {
+            name: "--flow-shift 1 with SD3.5 (unshifted sigmas): another image than its default 3",
+            setup: sd3_setup,
+            args: |d| {
+                let mut v = sd3_gen(d, &["-m", "sd3.safetensors"], "o.png");
+                v.push("--flow-shift".into());
+                v.push("1".into());
+                v
+            },
+            code: 0,
+            stderr: &[],
+            stdout: &["saved"],
+            files: &["o.png", "sd3.safetensors"],
+            check: |d, _| {
+                let out = Command::new(env!("CARGO_BIN_EXE_sd"))
+                    .args(sd3_gen(d, &["-m", "sd3.safetensors"], "default.png"))
+                    .output()
+                    .unwrap();
+                assert!(out.status.success());
+                let img = |p: &Path| sd_tensor::Image::load_png(p).unwrap().into_pixels();
+                assert!(img(&d.join("o.png")) != img(&d.join("default.png")));
+            },
+        },
+        Case {
+            name: "--flow-shift with an SD1 model: exit 2",
+            setup: none,
+            args: |d| with(gen(d.join("o.png")), &["--flow-shift", "3"]),
+            code: 2,
+            stderr: &["flow-shift", "not a flow model"],
+            stdout: &[],
+            files: &[],
+            check: no_check,
+        },
+        Case {
+            name: "--skip-layers past the model's blocks: exit 2 naming the block",
+            setup: sd3_setup,
+            args: |d| {
+                let mut v = sd3_gen(d, &["-m", "sd3.safetensors"], "o.png");
+                for a in ["--slg-scale", "2.5", "--skip-layers", "[7,8,9]"] {
+                    v.push(a.into());
+                }
+                v
+            },
+            code: 2,
+            stderr: &["skip-layers", "block 7", "2 joint blocks"],
+            stdout: &[],
+            files: &["sd3.safetensors"],
+            check: no_check,
+        },
+        Case {
+            name: "--slg-scale with an SD1 model: exit 2",
+            setup: none,
+            args: |d| with(gen(d.join("o.png")), &["--slg-scale", "2.5"]),
+            code: 2,
+            stderr: &["slg-scale", "SD3"],
+            stdout: &[],
+            files: &[],
+            check: no_check,
+        },
+        Case {
+            name: "--skip-layers without --slg-scale: exit 2",
+            setup: none,
+            args: |d| with(gen(d.join("o.png")), &["--skip-layers", "[1]"]),
+            code: 2,
+            stderr: &["--slg-scale"],
+            stdout: &[],
+            files: &[],
+            check: no_check,
+        },
+        Case {
+            name: "SD3.5 without --clip_g: names the missing encoder's flag",
+            setup: sd3_components,
+            args: |d| {
+                let parts: Vec<&str> = SD3_PARTS
+                    .chunks(2)
+                    .filter(|p| p[0] != "--clip_g")
+                    .flatten()
+                    .copied()
+                    .collect();
+                sd3_gen(d, &parts, "o.png")
+            },
+            code: 1,
+            stderr: &["bigG", "--clip_g"],
+            stdout: &[],
+            files: &[
+                "dit.safetensors",
+                "g.safetensors",
+                "l.safetensors",
+                "sd3.safetensors",
+                "t5.safetensors",
+                "vae.safetensors",
+            ],
+            check: no_check,
+        },
+        Case {
+            name: "an SD3.5 transformer file alone: names the missing encoders' flags",
+            setup: none,
+            args: |d| {
+                let mut v: Vec<OsString> = vec![
+                    "-m".into(),
+                    sdxl_fixture("../../../../sd-models/tests/fixtures/sd3/sd35_tiny.safetensors")
+                        .into(),
+                ];
+                for a in ["-p", "a fox", "--steps", "2", "-W", "32", "-H", "32"] {
+                    v.push(a.into());
+                }
+                v.push("-o".into());
+                v.push(d.join("o.png").into());
+                v
+            },
+            code: 1,
+            stderr: &["sd35_tiny.safetensors", "CLIP-L", "--clip_l"],
+            stdout: &[],
+            files: &[],
+            check: no_check,
         },
         Case {
             name: "--t5xxl with an SD1 model: names the flag and the family",
@@ -435,18 +747,55 @@ fn cases() -> Vec<Case> {
             check: no_check,
         },
         Case {
-            name: "FLUX.1 with dpm++2s_a (no flow form yet): refused by name",
-            setup: none,
+            name: "FLUX.1 with true CFG (--cfg-scale 3 and a negative prompt): another image",
+            setup: flux_setup,
             args: |d| {
                 flux_gen(
-                    d.join("o.png"),
+                    d,
+                    "o.png",
+                    &["--steps", "2", "--cfg-scale", "3", "-n", "blurry"],
+                )
+            },
+            code: 0,
+            stderr: &[],
+            stdout: &["saved"],
+            files: &["flux.safetensors", "o.png"],
+            check: |d, _| {
+                let out = Command::new(env!("CARGO_BIN_EXE_sd"))
+                    .args(flux_gen(d, "plain.png", &["--steps", "2"]))
+                    .output()
+                    .unwrap();
+                assert!(out.status.success());
+                let img = |p: &Path| sd_tensor::Image::load_png(p).unwrap().into_pixels();
+                assert!(img(&d.join("o.png")) != img(&d.join("plain.png")));
+                let bytes = std::fs::read(d.join("o.png")).unwrap();
+                assert!(String::from_utf8_lossy(&bytes).contains("CFG scale: 3"));
+            },
+        },
+        Case {
+            name: "FLUX.1 with lcm (re-noised the flow way) runs",
+            setup: flux_setup,
+            args: |d| flux_gen(d, "o.png", &["--steps", "2", "--sampling-method", "lcm"]),
+            code: 0,
+            stderr: &[],
+            stdout: &["saved"],
+            files: &["flux.safetensors", "o.png"],
+            check: no_check,
+        },
+        Case {
+            name: "FLUX.1 with dpm++2s_a (no flow form yet): refused by name",
+            setup: flux_setup,
+            args: |d| {
+                flux_gen(
+                    d,
+                    "o.png",
                     &["--steps", "2", "--sampling-method", "dpm++2s_a"],
                 )
             },
             code: 2,
             stderr: &["dpm++2s_a", "flow model"],
             stdout: &[],
-            files: &[],
+            files: &["flux.safetensors"],
             check: no_check,
         },
         Case {

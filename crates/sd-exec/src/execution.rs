@@ -14,9 +14,13 @@
 //!    preferred eviction order [`eviction_order`] (furthest next use first);
 //! 5. `prepare_params` (load, stage, pin) the segment's weights;
 //! 6. build the segment graph (cached cuts bound as inputs), allocate it, upload host inputs;
-//! 7. best effort: prefetch the next segment's missing weights if they fit now;
-//! 8. compute; store outputs later segments or the caller need; unpin; prune the cache to
-//!    the future cuts; push the runtime residency to the manager.
+//! 7. best effort: prefetch the next segment's missing weights if they fit now (their
+//!    uploads queued on the device's copy stream where it has one, ordered after the compute
+//!    queued so far; the compute of their segment waits on their event);
+//! 8. wait for the uploads this segment's compute is ordered after (timed as
+//!    [`ExecTiming::upload_wait`]), compute; store outputs later segments or the caller
+//!    need; unpin; prune the cache to the future cuts; push the runtime residency to the
+//!    manager.
 //!
 //! Layer split (a session with extra devices): the plan's segments are assigned to
 //! devices in contiguous ranges ([`Exec::assign_layer_split`]); each segment computes on
@@ -876,6 +880,11 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
             *queued = self.enqueue_prefetch(task, p, k, store_bytes);
             timing.wait += t.elapsed();
         }
+        // Weights uploaded on the copy stream: the compute backend already waits for them in
+        // its queue; the host waits here, so that the wait is measured apart from compute.
+        let t = Instant::now();
+        self.manager.wait_for_uploads();
+        timing.upload_wait += t.elapsed();
         let slot = &mut self.session.slots[d];
         let Some(sg) = slot.workspace.current() else {
             return Err(ExecError::Ggml {

@@ -132,9 +132,13 @@ pub struct ExecTiming {
     pub capacity: Duration,
     /// Loading, staging and uploading the segments' weights (synchronous copies).
     pub staging: Duration,
-    /// Waiting for prefetched weights (activating a prefetch joins its copies) and
-    /// scheduling prefetches.
+    /// Activating prefetched weights (joining a transfer thread's copies; copies queued on
+    /// a copy stream are only ordered before the compute here) and scheduling prefetches.
     pub wait: Duration,
+    /// Waiting on the host, just before computing a segment, for its weights' uploads
+    /// queued on the device's copy stream: the part of the asynchronous uploads that the
+    /// previous segment's compute did not hide (0 without a copy stream).
+    pub upload_wait: Duration,
     /// Uploading the task's inputs and computing the segment graphs.
     pub compute: Duration,
     /// The rest of `total`.
@@ -148,7 +152,8 @@ pub struct ExecTiming {
 impl ExecTiming {
     /// Fills `overhead` from `total` and the measured parts.
     pub fn finish(&mut self) {
-        let parts = self.plan + self.capacity + self.staging + self.wait + self.compute;
+        let parts =
+            self.plan + self.capacity + self.staging + self.wait + self.upload_wait + self.compute;
         self.overhead = self.total.saturating_sub(parts);
     }
 
@@ -166,6 +171,7 @@ impl ExecTiming {
             capacity_ms = Self::ms(self.capacity),
             staging_ms = Self::ms(self.staging),
             wait_ms = Self::ms(self.wait),
+            upload_wait_ms = Self::ms(self.upload_wait),
             compute_ms = Self::ms(self.compute),
             overhead_ms = Self::ms(self.overhead),
             segments = self.segments,

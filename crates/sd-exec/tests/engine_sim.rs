@@ -3,7 +3,8 @@
 //! (with and without prefetch); the SimDevice's own high-water mark never exceeds the
 //! budget; a second session reclaims the first's idle workspace before its weights; an
 //! impossible budget fails before running, naming the segment and the minimum budget, and
-//! the session stays usable.
+//! the session stays usable; weight uploads queued on a copy stream of a device with
+//! queued copies and events give the same bits within the budget, the staging pool fixed.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -95,7 +96,11 @@ struct Rig {
 }
 
 fn rig(name: &str, prefetch: bool) -> Rig {
-    let sim = SimDevice::new(name, 64 << 20, SimOptions::default()).unwrap();
+    rig_with(name, prefetch, SimOptions::default())
+}
+
+fn rig_with(name: &str, prefetch: bool, options: SimOptions) -> Rig {
+    let sim = SimDevice::new(name, 64 << 20, options).unwrap();
     let mut loader = TensorCatalog::new();
     loader.add_file(write_model(), None).unwrap();
     let mut mm = ModelManager::new(loader);
@@ -1006,11 +1011,107 @@ fn execution_timing_is_reported() {
             assert_eq!(t.segments, res.segments.len());
             assert!(t.compute > std::time::Duration::ZERO, "{t:?}");
             assert!(t.plan > std::time::Duration::ZERO, "{t:?}");
-            let parts = t.plan + t.capacity + t.staging + t.wait + t.compute + t.overhead;
+            let parts =
+                t.plan + t.capacity + t.staging + t.wait + t.upload_wait + t.compute + t.overhead;
             assert_eq!(parts, t.total, "{t:?}");
             assert!(t.total >= t.compute + t.plan, "{t:?}");
             println!("{policy:?}: {t:?}");
         }
         r.engine.end(id).unwrap();
     }
+}
+
+/// Streaming a UNet step by step under a budget of about half its weights on a device
+/// with queued copies and events (`SimOptions::async_transfers`: a queued copy takes effect
+/// only when something orders after it, so a compute not ordered after its weights'
+/// uploads would read stale memory): prefetch uploads go to the copy stream (queued copies
+/// counted), the output is the whole graph's bit for bit every step, the device peak stays
+/// within the budget, the staging pool keeps its size from step to step and the queued
+/// uploads allocate no device memory (the same allocations per step as the synchronous
+/// path, which the same device runs with async uploads off).
+#[test]
+fn async_uploads_on_a_copy_stream_equal_whole_within_budget_with_a_fixed_pool() {
+    let (whole, _) = run("ASYNC_REF", unet, None, SegmentationPolicy::Never, false);
+    let (seg, _) = run("ASYNC_PROBE", unet, None, SegmentationPolicy::Always, false);
+    let weights = weight_bytes(&rig("ASYNC_W", false), "unet.");
+    let footprint = seg.segments.iter().map(|s| s.footprint()).max().unwrap();
+    let budget = weights / 2 + footprint + 8192;
+    let inputs = (8 * 8 * 4 + C) as u64 * 4;
+    // Chosen by capability: a device without queued copies and events has no copy stream.
+    let mut plain = rig("ASYNC_PLAIN", true);
+    assert!(!plain.engine.manager_mut().uploads_async(plain.gpu));
+    let mut allocs: HashMap<bool, Vec<u64>> = HashMap::new();
+    for async_on in [true, false] {
+        let mut r = rig_with(
+            &format!("ASYNC_{async_on}"),
+            true,
+            SimOptions {
+                async_transfers: true,
+                ..SimOptions::default()
+            },
+        );
+        r.engine.manager_mut().set_async_uploads(async_on);
+        assert_eq!(r.engine.manager_mut().uploads_async(r.gpu), async_on);
+        let id = r.engine.create_session(
+            SessionConfig::new("test", r.backend.clone(), r.gpu)
+                .with_budget(Some(budget))
+                .with_prefetch(true)
+                .with_staging_pool(true),
+        );
+        r.engine.start(id).unwrap();
+        let mut pool = None;
+        for step in 0..4 {
+            let before = r.sim.stats();
+            let out = r.engine.execute(id, &unet(&r.w)).unwrap();
+            let after = r.sim.stats();
+            let tag = format!("async {async_on} step {step}");
+            assert!(out.segmented, "{tag}: not segmented under {budget}");
+            assert_eq!(
+                out.output, whole.output,
+                "{tag}: differs from the whole graph"
+            );
+            let prefetched = out.segments.iter().filter(|s| s.prefetched).count();
+            assert!(prefetched > 0, "{tag}: nothing prefetched");
+            println!(
+                "{tag}: {prefetched} of {} segments prefetched; {:?}",
+                out.segments.len(),
+                out.timing
+            );
+            let queued = after.queued_host_to_device_copies - before.queued_host_to_device_copies;
+            if async_on {
+                assert!(queued > 0, "{tag}: no upload was queued");
+            } else {
+                assert_eq!(queued, 0, "{tag}: uploads queued with async uploads off");
+            }
+            // Every queued copy took effect within the step, and is counted as streamed.
+            assert_eq!(
+                out.weight_upload_bytes + inputs,
+                after.host_to_device_bytes - before.host_to_device_bytes,
+                "{tag}"
+            );
+            assert_eq!(after.faults, 0, "{tag}: device faults");
+            let size = r.engine.manager().staging_pool_bytes(r.gpu).map(|p| p.0);
+            assert!(size.is_some(), "{tag}: no staging pool");
+            match pool {
+                None => pool = size,
+                Some(_) => assert_eq!(size, pool, "{tag}: the pool changed size"),
+            }
+            allocs
+                .entry(async_on)
+                .or_default()
+                .push(after.allocations - before.allocations);
+        }
+        assert!(
+            r.sim.peak_bytes() <= budget,
+            "async {async_on}: peak {} > budget {budget}",
+            r.sim.peak_bytes()
+        );
+        r.engine.end(id).unwrap();
+    }
+    println!("device allocations per step: {allocs:?}");
+    assert_eq!(
+        allocs[&true][1..],
+        allocs[&false][1..],
+        "queued uploads allocate no device memory of their own"
+    );
 }

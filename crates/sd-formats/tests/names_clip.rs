@@ -290,3 +290,45 @@ fn bare_prefixless_names_need_their_component_marker() {
         "model.diffusion_model.input_blocks.1.1.transformer_blocks.0.attn1.to_q.lora_A.weight"
     );
 }
+
+/// Stability's SD3 single files keep CLIP-L and bigG under `text_encoders.clip_{l,g}.
+/// transformer.` (transformers names below); they land in the canonical CLIP slots whatever
+/// the family, while the DiT's own names stay.
+#[test]
+fn sd3_single_file_encoders_move_to_the_clip_slots() {
+    let input = vec![
+        storage(
+            "text_encoders.clip_l.transformer.text_model.embeddings.token_embedding.weight",
+            DType::F16,
+            &[49408, 768],
+            0,
+            49408 * 768 * 2,
+        ),
+        storage(
+            "text_encoders.clip_g.transformer.text_projection.weight",
+            DType::F16,
+            &[1280, 1280],
+            0,
+            1280 * 1280 * 2,
+        ),
+        storage(
+            "model.diffusion_model.joint_blocks.0.x_block.attn.qkv.weight",
+            DType::F16,
+            &[4608, 1536],
+            0,
+            4608 * 1536 * 2,
+        ),
+    ];
+    for version in [Some(SdVersion::Sd3), None] {
+        let out = convert_to_canonical(input.clone(), version).unwrap();
+        find(
+            &out,
+            &format!("{CLIP_PREFIX}text_model.embeddings.token_embedding.weight"),
+        );
+        find(&out, &format!("{CLIP_G_PREFIX}text_projection.weight"));
+        find(
+            &out,
+            "model.diffusion_model.joint_blocks.0.x_block.attn.qkv.weight",
+        );
+    }
+}

@@ -138,7 +138,30 @@ impl CutMarks {
     /// The same errors as [`CutMarks::mark`]; a level of 0 is an invalid name.
     #[track_caller]
     pub fn mark_fine(&mut self, tensor: &GTensor, level: u8, label: &str) -> Result<()> {
-        let at = Location::caller();
+        self.mark_fine_at(tensor, level, label, "h", Location::caller())
+    }
+
+    /// Like [`CutMarks::mark_fine`], naming the output: a fine cut that carries several
+    /// tensors (a transformer block's image and text streams) marks each under one label.
+    #[track_caller]
+    pub fn mark_fine_output(
+        &mut self,
+        tensor: &GTensor,
+        level: u8,
+        label: &str,
+        output: &str,
+    ) -> Result<()> {
+        self.mark_fine_at(tensor, level, label, output, Location::caller())
+    }
+
+    fn mark_fine_at(
+        &mut self,
+        tensor: &GTensor,
+        level: u8,
+        label: &str,
+        output: &str,
+        at: &'static Location<'static>,
+    ) -> Result<()> {
         let group = if self.scope.is_empty() {
             label.to_string()
         } else {
@@ -147,12 +170,12 @@ impl CutMarks {
         if level == 0 {
             return Err(GraphCutError::InvalidCutName {
                 group,
-                output: "h".into(),
+                output: output.into(),
                 reason: "a fine mark needs a level of at least 1".into(),
                 at: at.to_string(),
             });
         }
-        self.mark_level(tensor, &group, "h", level, at)
+        self.mark_level(tensor, &group, output, level, at)
     }
 
     fn mark_level(

@@ -1,7 +1,7 @@
 //! The planner: turns a [`GraphView`] with cut marks into a [`Plan`].
 //!
 //! 1. Cut nodes are grouped by cut group; groups become segments in the order their first
-//!    cut appears in the graph. The graph outputs that are not cuts (nodes nothing consumes,
+//!    cut appears in the graph, moved after the groups whose cuts they read. The graph outputs that are not cuts (nodes nothing consumes,
 //!    and OUTPUT-flagged nodes) form a final segment after them.
 //! 2. Each segment walks backwards from its outputs through sources. A leaf becomes a
 //!    parameter or external input; a cut produced by an earlier segment becomes a
@@ -106,6 +106,22 @@ pub fn plan_view(
             }
             None if is_graph_output(i) => final_roots.push(i),
             None => {}
+        }
+    }
+    // Segments follow the groups' dependencies: a group comes after every group whose cuts
+    // it reads, first appearance breaking ties. (A block whose outputs are several streams,
+    // a DiT's image and text tokens, can finish one stream early in the graph's order,
+    // before fine cuts inside it that its other stream reads.)
+    let order = dependency_order(nodes, &seeds, &cut_segment);
+    if order.iter().enumerate().any(|(i, &g)| i != g) {
+        let mut remap = vec![0usize; seeds.len()];
+        for (new, &old) in order.iter().enumerate() {
+            remap[old] = new;
+        }
+        let mut taken: Vec<Option<Seed>> = seeds.into_iter().map(Some).collect();
+        seeds = order.iter().filter_map(|&g| taken[g].take()).collect();
+        for c in cut_segment.iter_mut().flatten() {
+            *c = remap[*c];
         }
     }
     let has_cuts = !seeds.is_empty();
@@ -372,4 +388,53 @@ pub fn plan_view(
         "graph planned"
     );
     Ok(plan)
+}
+
+/// The order of the cut groups `seeds`: a topological order of "reads a cut of" (walking
+/// back from a group's outputs through nodes that are not cuts of another group), the
+/// first-appearance order among groups that are free to go. Groups caught in a cycle keep
+/// their first-appearance order (the planner then recomputes and warns, as before).
+fn dependency_order(
+    nodes: &[crate::view::TensorDesc],
+    seeds: &[Seed],
+    cut_segment: &[Option<usize>],
+) -> Vec<usize> {
+    let g_count = seeds.len();
+    let mut preds: Vec<Vec<usize>> = vec![Vec::new(); g_count];
+    let mut seen = vec![usize::MAX; nodes.len()];
+    for (g, seed) in seeds.iter().enumerate() {
+        let mut stack: Vec<usize> = seed.outputs.clone();
+        while let Some(m) = stack.pop() {
+            if seen[m] == g {
+                continue;
+            }
+            seen[m] = g;
+            if let Some(h) = cut_segment[m] {
+                if h != g {
+                    if !preds[g].contains(&h) {
+                        preds[g].push(h);
+                    }
+                    continue;
+                }
+            }
+            for src in nodes[m].sources().chain(nodes[m].view_src) {
+                if let TensorRef::Node(j) = src {
+                    if j != m {
+                        stack.push(j);
+                    }
+                }
+            }
+        }
+    }
+    let mut placed = vec![false; g_count];
+    let mut order = Vec::with_capacity(g_count);
+    while order.len() < g_count {
+        let next = (0..g_count)
+            .find(|&g| !placed[g] && preds[g].iter().all(|&h| placed[h]))
+            .or_else(|| (0..g_count).find(|&g| !placed[g]));
+        let Some(g) = next else { break };
+        placed[g] = true;
+        order.push(g);
+    }
+    order
 }

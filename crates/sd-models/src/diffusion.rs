@@ -4,12 +4,13 @@
 //! A network takes what it needs from the inputs and rejects what it cannot use (a `y` given
 //! to a UNet without `label_emb`, guidance given to a network that is not guidance
 //! distilled), so a family that wires its inputs wrongly fails with [`ModelError::Input`]
-//! instead of computing something else. Later networks (MMDiT, Flux, Qwen-Image) are new
+//! instead of computing something else. Later networks (Qwen-Image) are new
 //! variants of both enums.
 
 use sd_tensor::ggml::GTensor;
 
 use crate::flux::{FluxConfig, FluxModel};
+use crate::mmdit::{MmditConfig, MmditModel};
 use crate::unet::{UnetConfig, UnetModel};
 use crate::weights::ParamBuilder;
 use crate::{GraphCtx, ModelError, Result};
@@ -29,6 +30,8 @@ pub struct DiffusionInputs<'a> {
     pub guidance: Option<&'a GTensor>,
     /// Position ids of the tokens (RoPE networks).
     pub pos_ids: Option<&'a GTensor>,
+    /// Blocks to skip (skip-layer guidance's extra pass; MMDiT only).
+    pub skip_blocks: &'a [usize],
 }
 
 impl<'a> DiffusionInputs<'a> {
@@ -41,6 +44,7 @@ impl<'a> DiffusionInputs<'a> {
             y: None,
             guidance: None,
             pos_ids: None,
+            skip_blocks: &[],
         }
     }
 }
@@ -52,6 +56,8 @@ pub enum DiffusionArch {
     Unet(UnetConfig),
     /// The FLUX.1 transformer (dev, schnell).
     Flux(FluxConfig),
+    /// The SD3 / SD3.5 MMDiT.
+    Mmdit(MmditConfig),
 }
 
 impl DiffusionArch {
@@ -60,6 +66,7 @@ impl DiffusionArch {
         match self {
             DiffusionArch::Unet(c) => c.in_channels,
             DiffusionArch::Flux(c) => c.in_channels / 4,
+            DiffusionArch::Mmdit(c) => c.in_channels,
         }
     }
 
@@ -69,6 +76,7 @@ impl DiffusionArch {
             DiffusionArch::Unet(c) => 1 << c.channel_mult.len().saturating_sub(1),
             // 2x2 patches.
             DiffusionArch::Flux(_) => 2,
+            DiffusionArch::Mmdit(c) => c.patch_size,
         }
     }
 
@@ -77,6 +85,7 @@ impl DiffusionArch {
         match self {
             DiffusionArch::Unet(c) => c.prefix = prefix.trim_end_matches('.').to_string(),
             DiffusionArch::Flux(c) => c.prefix = prefix.trim_end_matches('.').to_string(),
+            DiffusionArch::Mmdit(c) => c.prefix = prefix.trim_end_matches('.').to_string(),
         }
     }
 }
@@ -88,6 +97,8 @@ pub enum DiffusionNet {
     Unet(UnetModel),
     /// The FLUX.1 transformer.
     Flux(FluxModel),
+    /// The SD3 / SD3.5 MMDiT.
+    Mmdit(MmditModel),
 }
 
 /// Graph nodes of one UNet evaluation per transformer block, plus a base for the
@@ -102,12 +113,19 @@ impl DiffusionNet {
         Ok(match arch {
             DiffusionArch::Unet(c) => DiffusionNet::Unet(UnetModel::new(pb, c.clone())?),
             DiffusionArch::Flux(c) => DiffusionNet::Flux(FluxModel::new(pb, c.clone())?),
+            DiffusionArch::Mmdit(c) => DiffusionNet::Mmdit(MmditModel::new(pb, c.clone())?),
         })
     }
 
     /// Builds one evaluation; returns the prediction, shaped as `inputs.x`.
     pub fn forward(&self, g: &mut GraphCtx, inputs: &DiffusionInputs<'_>) -> Result<GTensor> {
         match self {
+            DiffusionNet::Unet(_) | DiffusionNet::Flux(_) if !inputs.skip_blocks.is_empty() => {
+                Err(ModelError::Input {
+                    name: "skip_blocks",
+                    detail: "skipping blocks (skip-layer guidance) needs an MMDiT (SD3)".into(),
+                })
+            }
             DiffusionNet::Unet(unet) => {
                 reject(inputs.guidance, "guidance", "a UNet")?;
                 reject(inputs.pos_ids, "pos_ids", "a UNet")?;
@@ -133,13 +151,33 @@ impl DiffusionNet {
                 })?;
                 flux.forward(g, inputs.x, inputs.timesteps, context, y, inputs.guidance)
             }
+            DiffusionNet::Mmdit(mmdit) => {
+                reject(inputs.guidance, "guidance", "an MMDiT")?;
+                reject(inputs.pos_ids, "pos_ids", "an MMDiT")?;
+                let context = inputs.context.ok_or_else(|| ModelError::Input {
+                    name: "context",
+                    detail: "an MMDiT needs text context".into(),
+                })?;
+                let y = inputs.y.ok_or_else(|| ModelError::Input {
+                    name: "y",
+                    detail: "an MMDiT needs the pooled text vector".into(),
+                })?;
+                mmdit.forward_skipping(
+                    g,
+                    inputs.x,
+                    inputs.timesteps,
+                    context,
+                    y,
+                    inputs.skip_blocks,
+                )
+            }
         }
     }
 
     /// Whether the network embeds a distilled guidance strength (FLUX.1-dev).
     pub fn embeds_guidance(&self) -> bool {
         match self {
-            DiffusionNet::Unet(_) => false,
+            DiffusionNet::Unet(_) | DiffusionNet::Mmdit(_) => false,
             DiffusionNet::Flux(f) => f.guidance_in.is_some(),
         }
     }
@@ -162,6 +200,7 @@ impl DiffusionNet {
                 (UNET_NODES_BASE + UNET_NODES_PER_TRANSFORMER * transformers).next_power_of_two()
             }
             DiffusionNet::Flux(flux) => flux.graph_size(),
+            DiffusionNet::Mmdit(mmdit) => mmdit.graph_size(),
         }
     }
 }

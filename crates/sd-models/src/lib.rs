@@ -30,9 +30,11 @@
 pub mod bench;
 pub mod clip;
 pub mod diffusion;
+pub mod dit;
 pub mod esrgan;
 pub mod first_stage;
 pub mod flux;
+pub mod mmdit;
 pub mod mosr;
 pub mod nn;
 pub mod run;

@@ -169,6 +169,12 @@ impl<'a> ParamBuilder<'a> {
         }
     }
 
+    /// Whether parameters come from a catalog (false: synthetic parameters declared from a
+    /// configuration alone, as benchmarks and `sd-bench write-weights` use them).
+    pub fn has_catalog(&self) -> bool {
+        self.inner.borrow().catalog.is_some()
+    }
+
     /// Whether the catalog holds `name` (always true without a catalog).
     pub fn contains(&self, name: &str) -> bool {
         let full = self.full(name);

@@ -29,7 +29,20 @@ fn run(name: &str) -> (FluxConfig, f64) {
     let model = FluxModel::new(&pb, FluxConfig::dev()).unwrap();
     let params = pb.finish();
     assert_eq!(params.tensors.len(), cat.len(), "every tensor is used");
-    let _buf = load_all_to_cpu(&params, &cat).unwrap();
+    let e = run_model(&model, &params, &cat, name, "out");
+    (model.config.clone(), e)
+}
+
+/// Runs `model` (its parameters `params` from `cat`) on the inputs of fixture `name`;
+/// returns the relative L2 error against diffusers.
+fn run_model(
+    model: &FluxModel,
+    params: &sd_models::Params,
+    cat: &TensorCatalog,
+    name: &str,
+    want: &str,
+) -> f64 {
+    let _buf = load_all_to_cpu(params, cat).unwrap();
     let io = io_in(&dir(), name);
     let mut g = GraphCtx::new(
         model.graph_size(),
@@ -72,7 +85,7 @@ fn run(name: &str) -> (FluxConfig, f64) {
         inputs.push((gt, HostData::F32(io["guidance"].data.clone())));
     }
     let got = run_cpu(&g, &[&out], &inputs, model.graph_size(), 2).unwrap();
-    (model.config.clone(), rel_l2(&got[0], &io["out"].data))
+    rel_l2(&got[0], &io[want].data)
 }
 
 #[test]
@@ -237,4 +250,102 @@ fn the_16_channel_autoencoder_matches_diffusers() {
         println!("16-channel VAE {want}: relative L2 {e:.2e}");
         assert!(e < 1e-4, "{want}: relative L2 {e:.3e}");
     }
+}
+
+/// diffusers' names (`FluxTransformer2DModel`'s state dict: q/k/v and a single block's MLP
+/// input apart, the final modulation as (scale, shift)), made from the BFL fixture and read
+/// as they are, give the same output.
+#[test]
+fn diffusers_names_match_diffusers() {
+    use common::{rewrite_f32, row_slice};
+    use sd_models::flux::FluxLayout;
+    let tmp = std::env::temp_dir().join(format!("sd-rs-flux-diffusers-{}", std::process::id()));
+    std::fs::create_dir_all(&tmp).unwrap();
+    let dst = tmp.join("flux_tiny_diffusers.safetensors");
+    let prefix = "model.diffusion_model.";
+    let d = |bfl: &str| format!("transformer.{}", FluxLayout::Diffusers.name(bfl));
+    rewrite_f32(&dir().join("flux_tiny.safetensors"), &dst, |t| {
+        let rel = t.0.strip_prefix(prefix).unwrap().to_string();
+        let (stem, leaf) = rel.rsplit_once('.').unwrap();
+        let h = 64;
+        let parts = |names: &[(&str, usize)]| -> Vec<common::F32Tensor> {
+            let mut from = 0;
+            names
+                .iter()
+                .map(|(n, rows)| {
+                    let (s, v) = row_slice(&t, from, *rows);
+                    from += rows;
+                    (d(&format!("{n}.{leaf}")), s, v)
+                })
+                .collect()
+        };
+        if let Some(base) = stem.strip_suffix(".qkv") {
+            return parts(&[
+                (&format!("{base}.q"), h),
+                (&format!("{base}.k"), h),
+                (&format!("{base}.v"), h),
+            ]);
+        }
+        if let Some(base) = stem.strip_suffix(".linear1") {
+            let m = t.1[0] - 3 * h;
+            return parts(&[
+                (&format!("{base}.q"), h),
+                (&format!("{base}.k"), h),
+                (&format!("{base}.v"), h),
+                (&format!("{base}.mlp_in"), m),
+            ]);
+        }
+        if stem == "final_layer.adaLN_modulation.1" {
+            let (s1, shift) = row_slice(&t, 0, h);
+            let (_, scale) = row_slice(&t, h, h);
+            let mut shape = s1;
+            shape[0] = 2 * h;
+            return vec![(d(&rel), shape, [scale, shift].concat())];
+        }
+        vec![(d(&rel), t.1.clone(), t.2.clone())]
+    });
+    let mut cat = TensorCatalog::new();
+    cat.add_file(&dst, None).unwrap();
+    std::fs::remove_dir_all(&tmp).ok();
+    let pb = ParamBuilder::new(Some(&cat), 1024).unwrap();
+    let model = FluxModel::new(
+        &pb,
+        FluxConfig {
+            prefix: "transformer".into(),
+            ..FluxConfig::dev()
+        },
+    )
+    .unwrap();
+    assert_eq!(model.config.layout, FluxLayout::Diffusers);
+    let params = pb.finish();
+    assert_eq!(params.tensors.len(), cat.len(), "every tensor is used");
+    let e = run_model(&model, &params, &cat, "flux_tiny", "out");
+    println!("flux dev tiny, diffusers names: relative L2 {e:.2e}");
+    assert!(e < 1e-4, "relative L2 {e:.3e}");
+}
+
+/// A city96-style GGUF (BFL's names without prefix, matrices q8_0, kept quantized) against
+/// the reference on the same weights quantized and back (ggml also quantizes the
+/// activations it multiplies q8_0 matrices with: a looser bound).
+#[test]
+fn q8_0_gguf_matches_diffusers_on_its_weights() {
+    let mut cat = TensorCatalog::new();
+    cat.add_file(
+        dir().join("flux_tiny_q8_0.gguf"),
+        Some("model.diffusion_model."),
+    )
+    .unwrap();
+    assert_eq!(
+        cat.get("model.diffusion_model.double_blocks.0.img_attn.qkv.weight")
+            .map(|t| t.dtype),
+        Some(DType::Q8_0)
+    );
+    let pb = ParamBuilder::new(Some(&cat), 1024).unwrap();
+    let model = FluxModel::new(&pb, FluxConfig::dev()).unwrap();
+    let params = pb.finish();
+    assert_eq!(params.tensors.len(), cat.len(), "every tensor is used");
+    let e = run_model(&model, &params, &cat, "flux_tiny", "out_q8_0");
+    let e_f32 = run_model(&model, &params, &cat, "flux_tiny", "out");
+    println!("flux dev tiny, q8_0 GGUF: relative L2 {e:.2e} ({e_f32:.2e} to the f32 weights')");
+    assert!(e < 3e-2, "relative L2 {e:.3e}");
 }

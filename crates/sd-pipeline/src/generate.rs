@@ -22,7 +22,7 @@ use sd_tensor::{DType, Image, Tensor};
 
 pub use crate::error::GenerateError;
 use crate::family::{Conditioning, ModelConfigError, ModelSpec, TextEncode};
-use crate::guidance::Guided;
+use crate::guidance::{Guided, SlgSteps};
 use crate::params::check_settings;
 pub use crate::params::Txt2Img;
 use crate::pipeline::runtime_err;
@@ -285,11 +285,18 @@ impl Pipeline {
             Schedule::Flow {
                 shift,
                 resolution_shift,
+                spacing,
             } => {
                 check_flow_sampler(params.sampler)?;
                 let f = self.spec.size_multiple().max(1);
                 let tokens = (params.width / f) * (params.height / f);
-                let sigmas = flow_sigmas(params.steps, *shift, resolution_shift.then_some(tokens))?;
+                // `--flow-shift`: SD3's shift, or FLUX's fixed mu (shift e^mu).
+                let (shift, resolution) = match params.flow_shift {
+                    Some(s) if *resolution_shift => (s.exp(), None),
+                    Some(s) => (s, None),
+                    None => (*shift, resolution_shift.then_some(tokens)),
+                };
+                let sigmas = flow_sigmas(params.steps, shift, resolution, *spacing)?;
                 (NoiseSchedule::scaled_linear(), sigmas, true)
             }
         };
@@ -354,6 +361,13 @@ impl Pipeline {
             _ => total,
         };
         let mut x = x;
+        let slg = params.slg.as_ref().map(|slg| SlgSteps {
+            slg,
+            sigmas: (0..total)
+                .filter(|&i| slg.active(i, total))
+                .map(|i| sigmas[i])
+                .collect(),
+        });
         if split > 0 {
             let model = Guided {
                 runtime: &mut self.runtime,
@@ -366,6 +380,7 @@ impl Pipeline {
                     .1
                     .embeds_guidance()
                     .then_some(params.guidance),
+                slg,
             };
             let mut denoiser = KDenoiser::new(model, self.spec.prediction, schedule);
             x = sample_with_progress(
@@ -398,6 +413,7 @@ impl Pipeline {
                     cond: rc,
                     cfg_scale: params.cfg_scale,
                     guidance: r.diffusion.1.embeds_guidance().then_some(params.guidance),
+                    slg: None,
                 };
                 let mut denoiser = KDenoiser::new(model, r.spec.prediction, rs);
                 x = sample_with_progress(
@@ -514,12 +530,13 @@ fn check_flow_sampler(sampler: SampleMethod) -> Result<(), GenerateError> {
         | SampleMethod::Dpmpp2m
         | SampleMethod::Dpmpp2mV2
         | SampleMethod::Ipndm
-        | SampleMethod::IpndmV => Ok(()),
+        | SampleMethod::IpndmV
+        | SampleMethod::Lcm => Ok(()),
         other => Err(GenerateError::InvalidSetting {
             flag: "sampling-method",
             message: format!(
                 "{} does not run on a flow model yet (use euler, euler_a, heun, dpm2, \
-                 dpm++2m, dpm++2mv2, ipndm or ipndm_v)",
+                 dpm++2m, dpm++2mv2, ipndm, ipndm_v or lcm)",
                 other.name()
             ),
         }),

@@ -7,6 +7,7 @@ use sd_models::{HostData, ModelError};
 use sd_tensor::{DType, Tensor};
 
 use crate::family::{Conditioning, TextCond};
+use crate::params::SkipLayerGuidance;
 use crate::runtime::{BuiltGraph, ModelHandle, Runtime, RuntimeError};
 use crate::sampling::{Denoise, SamplingError};
 
@@ -25,6 +26,17 @@ pub struct Guided<'a> {
     /// A distilled guidance strength the network embeds (FLUX.1-dev), for every sequence of
     /// the batch; `None` for networks without one.
     pub guidance: Option<f32>,
+    /// Skip-layer guidance: its scale and blocks, and the sigmas of the steps that get it.
+    pub slg: Option<SlgSteps<'a>>,
+}
+
+/// Where skip-layer guidance applies in one sampling run.
+#[derive(Clone, Debug)]
+pub struct SlgSteps<'a> {
+    /// The settings.
+    pub slg: &'a SkipLayerGuidance,
+    /// The sigmas of the steps that get the extra pass.
+    pub sigmas: Vec<f32>,
 }
 
 /// `[context, hidden]` rows of each part, concatenated (a batch along the outer axis).
@@ -33,12 +45,14 @@ fn stack<'t>(parts: impl Iterator<Item = &'t Tensor<f32>>) -> Vec<f32> {
 }
 
 impl Guided<'_> {
-    /// Runs the network on `x_in` (`[1, C, h, w]`) at `timestep` for the parts in `conds`.
+    /// Runs the network on `x_in` (`[1, C, h, w]`) at `timestep` for the parts in `conds`,
+    /// without the blocks in `skip`.
     fn run(
         &mut self,
         x_in: &Tensor<f32>,
         timestep: f32,
         conds: &[&TextCond],
+        skip: &[usize],
     ) -> Result<Vec<f32>, RuntimeError> {
         let batch = conds.len();
         let shape = x_in.shape();
@@ -94,6 +108,7 @@ impl Guided<'_> {
                 inputs.context = Some(&ctx);
                 inputs.y = yt.as_ref();
                 inputs.guidance = gt.as_ref();
+                inputs.skip_blocks = skip;
                 let output = net.forward(g, &inputs)?;
                 let mut data = vec![
                     (x.clone(), HostData::F32(xs)),
@@ -130,7 +145,7 @@ impl Denoise for Guided<'_> {
             vec![&cond.cond]
         };
         let out = self
-            .run(x_in, timestep, &parts)
+            .run(x_in, timestep, &parts, &[])
             .map_err(|e| SamplingError::Model(Box::new(e)))?;
         let n = x_in.data().len();
         if out.len() != parts.len() * n {
@@ -147,7 +162,22 @@ impl Denoise for Guided<'_> {
                 .map(|(&u, &c)| u + self.cfg_scale * (c - u))
                 .collect()
         } else {
-            out
+            out.clone()
+        };
+        let data = match &self.slg {
+            Some(s) if s.sigmas.contains(&sigma) => {
+                // The prompt's prediction moves away from the one without the blocks.
+                let (scale, layers) = (s.slg.scale, s.slg.layers.clone());
+                let skipped = self
+                    .run(x_in, timestep, &[&cond.cond], &layers)
+                    .map_err(|e| SamplingError::Model(Box::new(e)))?;
+                let text = &out[out.len() - n..];
+                data.iter()
+                    .zip(text.iter().zip(&skipped))
+                    .map(|(&d, (&c, &k))| d + scale * (c - k))
+                    .collect()
+            }
+            _ => data,
         };
         let count = crate::error::non_finite(&data);
         if count > 0 {

@@ -183,6 +183,9 @@ pub(crate) fn open_catalog(files: &ModelFiles) -> Result<TensorCatalog, Generate
         let id = loader.add_file(path, None)?;
         check_text_encoder_kind(&slot, path, loader.names_in_file(id))?;
         sd_models::weights::canonicalize(&mut loader, None).map_err(weights(path))?;
+        if prefix_bare_file(&mut loader, id, &slot)? {
+            sd_models::weights::canonicalize(&mut loader, None).map_err(weights(path))?;
+        }
         if loader.names_with_prefix(slot.prefix).next().is_none() {
             return Err(unsupported(
                 path,
@@ -194,6 +197,33 @@ pub(crate) fn open_catalog(files: &ModelFiles) -> Result<TensorCatalog, Generate
         }
     }
     Ok(loader)
+}
+
+/// Gives the slot's prefix to the tensors of file `id` when it is a diffusion-model file
+/// whose names are bare (Black Forest Labs' `flux1-dev.safetensors`, Stability's and
+/// city96's transformer files: no name under any component prefix, even after name
+/// conversion). Returns whether it renamed anything.
+fn prefix_bare_file(
+    loader: &mut TensorCatalog,
+    id: sd_formats::FileId,
+    slot: &Slot,
+) -> Result<bool, sd_formats::files::FileError> {
+    let slots = all_slots();
+    let bare = slot.kind == SlotKind::Diffusion
+        && loader
+            .names_in_file(id)
+            .all(|n| !slots.iter().any(|s| n.starts_with(s.prefix)));
+    if bare {
+        let prefix = slot.prefix;
+        loader.rename(|t| {
+            let mut t = t.clone();
+            if t.file == id {
+                t.name.insert_str(0, prefix);
+            }
+            vec![t]
+        })?;
+    }
+    Ok(bare)
 }
 
 /// The slot name of the T5 encoder (`--t5xxl`) of the DiT families.
@@ -378,8 +408,14 @@ impl Pipeline {
         let (text, diffusion) =
             crate::refiner::add_networks(&mut runtime, &spec, main, "", &slot_file)?;
         // A transformer reads its sizes from the tensors: the spec describes the loaded one.
-        if let DiffusionNet::Flux(m) = &diffusion.1 {
-            spec.diffusion.1 = sd_models::diffusion::DiffusionArch::Flux(m.config.clone());
+        match &diffusion.1 {
+            DiffusionNet::Flux(m) => {
+                spec.diffusion.1 = sd_models::diffusion::DiffusionArch::Flux(m.config.clone())
+            }
+            DiffusionNet::Mmdit(m) => {
+                spec.diffusion.1 = sd_models::diffusion::DiffusionArch::Mmdit(m.config.clone())
+            }
+            DiffusionNet::Unet(_) => {}
         }
         let (fslot, mut farch) = spec.first_stage.clone();
         let has_encoder = runtime

@@ -161,7 +161,7 @@ impl Pipeline {
     pub fn plan_diffusion(&mut self, params: &Txt2Img) -> Result<PlanSummary, RuntimeError> {
         let f = self.first_stage.1.downsample_factor().max(1);
         let (lw, lh) = (params.width / f, params.height / f);
-        // Sizes from the loaded network (a FLUX transformer reads them from its tensors).
+        // Sizes from the loaded network (a DiT reads them from its tensors).
         let (c, ctx_dim, adm, guidance, tokens) = match &self.diffusion.1 {
             DiffusionNet::Unet(u) => (
                 u.config.in_channels,
@@ -179,6 +179,13 @@ impl Pipeline {
                 Some(f.config.vec_in_dim),
                 f.guidance_in.is_some(),
                 crate::family::flux::T5_TOKENS,
+            ),
+            DiffusionNet::Mmdit(m) => (
+                m.config.in_channels,
+                m.config.context_dim,
+                Some(m.config.pooled_dim),
+                false,
+                crate::family::sd3::CONTEXT_TOKENS,
             ),
         };
         let batch = if params.cfg_scale != 1.0 { 2 } else { 1 };

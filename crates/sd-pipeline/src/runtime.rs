@@ -314,6 +314,9 @@ impl Runtime {
                         *bytes,
                         SimOptions {
                             threads,
+                            // Queued copies and events, as a GPU has: streamed weights
+                            // take the copy-stream path (see `sd_tensor::ggml::CopyStream`).
+                            async_transfers: true,
                             ..SimOptions::default()
                         },
                     )

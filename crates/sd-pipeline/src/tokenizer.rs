@@ -290,6 +290,14 @@ impl WeightedTokens {
         }
     }
 
+    /// Keeps the first `n` chunks (at least one): the truncation of encoders that read a
+    /// single 77-token window (diffusers' `truncation=True`, SD3).
+    pub fn truncate_to_chunks(&mut self, n: usize) {
+        let keep = n.max(1) * CHUNK_LEN;
+        self.tokens.truncate(keep);
+        self.weights.truncate(keep);
+    }
+
     /// Whether every weight is 1 (weighting is then skipped).
     pub fn is_unweighted(&self) -> bool {
         self.weights.iter().all(|&w| w == 1.0)

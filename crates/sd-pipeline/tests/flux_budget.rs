@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::sim::{sim_runtime, SimRun};
+use common::sim::{assert_fine_cuts_fit, sim_runtime, values, SimRun};
 use sd_formats::files::TensorCatalog;
 use sd_models::diffusion::{DiffusionArch, DiffusionInputs, DiffusionNet};
 use sd_models::flux::FluxConfig;
@@ -18,12 +18,6 @@ use sd_tensor::DType;
 fn tiny() -> std::path::PathBuf {
     std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../sd-models/tests/fixtures/flux/flux_tiny.safetensors")
-}
-
-fn values(n: usize, seed: u32) -> Vec<f32> {
-    (0..n)
-        .map(|i| (((i as u32).wrapping_mul(2_654_435_761) ^ seed) % 2000) as f32 / 1000.0 - 1.0)
-        .collect()
 }
 
 /// One evaluation on 16x16 latents (64 image tokens) and 8 text tokens, batch 1, on a
@@ -85,4 +79,39 @@ fn flux_streams_within_a_third_of_its_weights_with_the_same_bits() {
         tight.peak
     );
     assert_eq!(tight.out, whole.out, "segmented output differs");
+}
+
+/// At a tenth of its weights (and 704 KiB for the workspace) the transformer runs with
+/// cuts inside its blocks (modulation, joint q/k/v, after attention, MLP halves; a single
+/// block's q/k/v/MLP input), with the whole run's bits, inside the budget.
+#[test]
+fn flux_streams_within_a_tenth_of_its_weights_inside_its_blocks() {
+    let (whole, tight, budget) = tenth(704 << 10);
+    assert_fine_cuts_fit(&whole, &tight.unwrap(), budget);
+}
+
+/// The whole run, a run at a tenth of the weights plus `allowance`, and that budget.
+fn tenth(allowance: u64) -> (SimRun, Result<SimRun, RuntimeError>, u64) {
+    let whole = step(None).unwrap();
+    let budget = whole.weights / 10 + allowance;
+    let tight = step(Some(budget));
+    (whole, tight, budget)
+}
+
+/// A known engine bug (issue 19): with 512-640 KiB of allowance the plan says every
+/// segment fits, yet at run time a single block's segment finds less budget than it needs
+/// (`ExecError::Capacity`, 512 KiB) or the device's peak passes the budget by 38 KB
+/// (640 KiB). Either the run fits or it is refused before anything runs; run with
+/// `--ignored` to see it.
+#[test]
+#[ignore = "engine bug: runtime budget accounting of fine-cut DiT segments (issue 19)"]
+fn flux_budgets_are_met_or_refused_up_front() {
+    for allowance in [512u64 << 10, 640 << 10] {
+        let (_, tight, budget) = tenth(allowance);
+        match tight {
+            Ok(run) => assert!(run.peak <= budget, "peak {} > budget {budget}", run.peak),
+            Err(RuntimeError::Exec(sd_exec::ExecError::BudgetTooSmall(_))) => {}
+            Err(e) => panic!("allowance {allowance}: {e}"),
+        }
+    }
 }

@@ -13,7 +13,6 @@ use sd_pipeline::rng::RngKind;
 use sd_pipeline::runtime::RuntimeOptions;
 use sd_pipeline::sampling::SampleMethod;
 use sd_pipeline::tokenizer_t5::T5Tokenizer;
-use sd_tensor::host::PixelRange;
 use sd_testutil::rel_l2;
 use serde_json::Value;
 
@@ -23,14 +22,7 @@ fn fixtures() -> PathBuf {
 
 /// A reference tensor of `runs_flux.safetensors`.
 fn reference(name: &str) -> Vec<f32> {
-    let mut cat = sd_formats::files::TensorCatalog::new();
-    cat.add_file(fixtures().join("runs_flux.safetensors"), None)
-        .unwrap();
-    cat.read_converted(name, sd_tensor::DType::F32)
-        .unwrap()
-        .chunks_exact(4)
-        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .collect()
+    common::reference::tensor(&fixtures().join("runs_flux.safetensors"), name)
 }
 
 #[test]
@@ -41,14 +33,17 @@ fn tiny_flux_dev_and_schnell_match_diffusers() {
         threads: 2,
         ..RuntimeOptions::default()
     };
-    let mut dev = Pipeline::load(fixtures().join("tiny_flux.safetensors"), options()).unwrap();
-    assert_eq!(dev.spec().family.id(), "flux");
-    // schnell: the same checkpoint without its guidance embedding.
+    // The checkpoint with its token embeddings made whole.
     let tmp = std::env::temp_dir().join(format!("sd-rs-flux-schnell-{}", std::process::id()));
     std::fs::create_dir_all(&tmp).unwrap();
+    let dev_file = tmp.join("tiny_flux.safetensors");
+    common::files::expand_sparse(&fixtures().join("tiny_flux.safetensors"), &dev_file);
+    let mut dev = Pipeline::load(&dev_file, options()).unwrap();
+    assert_eq!(dev.spec().family.id(), "flux");
+    // schnell: the same checkpoint without its guidance embedding.
     let schnell_file = tmp.join("tiny_flux_schnell.safetensors");
     common::files::without(
-        &fixtures().join("tiny_flux.safetensors"),
+        &dev_file,
         "model.diffusion_model.guidance_in.",
         &schnell_file,
     );
@@ -101,16 +96,7 @@ fn tiny_flux_dev_and_schnell_match_diffusers() {
             .unwrap();
         let e = rel_l2(&latents, &reference(&format!("{name}.latents")));
         let want = reference(&format!("{name}.image"));
-        let img = &images[0];
-        let (h, w) = (img.height(), img.width());
-        let mut max = 0i32;
-        for c in 0..3 {
-            for i in 0..h * w {
-                let ours = img.pixels()[i * 3 + c] as i32;
-                let theirs = PixelRange::MinusOneToOne.to_pixel(want[c * h * w + i]) as i32;
-                max = max.max((ours - theirs).abs());
-            }
-        }
+        let max = common::reference::max_level_diff(&images[0], &want);
         println!("{name}: latents relative L2 {e:.2e}, image max difference {max} levels");
         assert!(e <= 1e-3, "{name}: latents relative L2 {e:.3e}");
         assert!(max <= 1, "{name}: a pixel differs by {max} levels");
@@ -136,7 +122,8 @@ fn flux_dev_and_schnell_are_told_apart_by_their_tensors() {
             spec.schedule,
             Schedule::Flow {
                 shift: 1.0,
-                resolution_shift: shifted
+                resolution_shift: shifted,
+                spacing: sd_pipeline::schedule::FlowSpacing::Linspace,
             },
             "{file}"
         );

@@ -98,6 +98,8 @@ fn runs_of(stem: &str) -> Vec<Run> {
                     // torch.randn on the CPU, as the reference draws its noise.
                     rng: RngKind::Cpu,
                     vae_tiling: None,
+                    slg: None,
+                    flow_shift: None,
                 },
                 token_ids: r["token_ids"]
                     .as_array()

@@ -340,4 +340,10 @@ pub trait DeviceResidencyManager {
     fn staging_pool(&self, _backend: BackendId) -> Option<(OwnerId, u64)> {
         None
     }
+
+    /// Waits on the host for the queued uploads of the prefetches made current so far
+    /// (those a compute backend already waits on in its queue); the caller calls it just
+    /// before computing and times it as the upload wait: the part of the asynchronous
+    /// uploads that the previous compute did not hide. No-op where uploads are not queued.
+    fn wait_for_uploads(&mut self) {}
 }

@@ -2,9 +2,10 @@
 //! lines (one object per run). Driven on the GPU machine by `scripts/device/cuda_run.sh`.
 //!
 //! ```text
-//! sd-bench write-weights DIR [--config sd15|sdxl|tiny]  random f16 UNet weights (LDM layout)
+//! sd-bench write-weights DIR [--config sd15|sdxl|tiny|sd35-large|sd35-medium|flux-dev]
+//!                                                       random f16 weights (checkpoint names)
 //! sd-bench unet --weights FILE --backend NAME [--max-vram FRAC|BYTES] [--params MODE]
-//!               [--steps N] [--flash-attn auto|on|off] [--dump DIR] [--config sd15|sdxl|tiny]
+//!               [--steps N] [--flash-attn auto|on|off] [--dump DIR] [--config NAME]
 //!               [--runtime-reserve BYTES] [--direct on]
 //! sd-bench check --backend NAME                         tiny UNet: backend vs CPU, resident
 //!                                                       and streamed through a budget
@@ -47,7 +48,10 @@ use sd_exec::{
     SessionId,
 };
 use sd_formats::files::{FileError, TensorCatalog};
-use sd_models::unet::{HeadSpec, UnetConfig, UnetModel};
+use sd_models::diffusion::{DiffusionArch, DiffusionInputs, DiffusionNet};
+use sd_models::flux::FluxConfig;
+use sd_models::mmdit::MmditConfig;
+use sd_models::unet::{HeadSpec, UnetConfig};
 use sd_models::weights::DEFAULT_PARAM_CAPACITY;
 use sd_models::{ComputeOptions, GraphCtx, HostData, ModelError, ParamBuilder, Params};
 use sd_residency::{Component, ModelManager, ParamSpec, ResidencyError, ResidencyMode, SourceId};
@@ -136,6 +140,21 @@ enum ConfigName {
     Tiny,
     /// The SDXL base UNet (1024x1024: 128x128 latents, 2048-wide context, `y` of 2816).
     Sdxl,
+    /// The SD3.5 Large MMDiT (8.1 B; 1024x1024 with CFG: batch 2, 333x4096 context,
+    /// pooled 2048).
+    #[value(name = "sd35-large")]
+    Sd35Large,
+    /// The SD3.5 Medium MMDiT-X (2.5 B; inputs as `sd35-large`).
+    #[value(name = "sd35-medium")]
+    Sd35Medium,
+    /// The FLUX.1-dev transformer (11.9 B; 1024x1024 without CFG: batch 1, 512x4096 T5
+    /// context, pooled 768, guidance 3.5).
+    #[value(name = "flux-dev")]
+    FluxDev,
+    /// A small SD3.5-style MMDiT (2 blocks of 128, QK norm, MMDiT-X attention in block 0;
+    /// 16x16 latents, 8x64 context): the DiT path on any machine.
+    #[value(name = "tiny-dit")]
+    TinyDit,
 }
 
 /// `--flash-attn`.
@@ -229,6 +248,11 @@ struct UnetArgs {
     /// The staging pool of streamed weights (one device buffer per session)
     #[arg(long = "staging-pool", value_enum, default_value = "on")]
     staging_pool: OnOff,
+    /// Prefetch uploads queued on a copy stream of the device (a second backend, ordered
+    /// against compute with events) where the backend has one; off: copied on a transfer
+    /// thread
+    #[arg(long = "async-upload", value_enum, default_value = "off")]
+    async_upload: OnOff,
 }
 
 fn main() -> ExitCode {
@@ -279,11 +303,24 @@ fn run(args: Args) -> Result<()> {
     }
 }
 
-fn config_of(name: ConfigName) -> UnetConfig {
+fn config_of(name: ConfigName) -> DiffusionArch {
     match name {
-        ConfigName::Sd15 => UnetConfig::sd1(),
-        ConfigName::Tiny => tiny_config(),
-        ConfigName::Sdxl => UnetConfig::sdxl(),
+        ConfigName::Sd15 => DiffusionArch::Unet(UnetConfig::sd1()),
+        ConfigName::Tiny => DiffusionArch::Unet(tiny_config()),
+        ConfigName::Sdxl => DiffusionArch::Unet(UnetConfig::sdxl()),
+        ConfigName::Sd35Large => DiffusionArch::Mmdit(MmditConfig::sd35_large()),
+        ConfigName::Sd35Medium => DiffusionArch::Mmdit(MmditConfig::sd35_medium()),
+        ConfigName::FluxDev => DiffusionArch::Flux(FluxConfig::dev()),
+        ConfigName::TinyDit => DiffusionArch::Mmdit(MmditConfig {
+            hidden_size: 128,
+            num_heads: 2,
+            depth: 2,
+            context_dim: 64,
+            pooled_dim: 64,
+            pos_embed_max_size: 16,
+            dual_attention_layers: vec![0],
+            ..MmditConfig::sd35_large()
+        }),
     }
 }
 
@@ -301,10 +338,10 @@ fn tiny_config() -> UnetConfig {
     }
 }
 
-/// Declares the UNet's parameters (from `catalog`, or synthetic f32 without one).
-fn declare(cfg: &UnetConfig, catalog: Option<&TensorCatalog>) -> Result<(UnetModel, Params)> {
+/// Declares the network's parameters (from `catalog`, or synthetic f32 without one).
+fn declare(cfg: &DiffusionArch, catalog: Option<&TensorCatalog>) -> Result<(DiffusionNet, Params)> {
     let pb = ParamBuilder::new(catalog, DEFAULT_PARAM_CAPACITY)?;
-    let model = UnetModel::new(&pb, cfg.clone())?;
+    let model = DiffusionNet::new(&pb, cfg)?;
     Ok((model, pb.finish()))
 }
 
@@ -323,7 +360,7 @@ impl Rng {
 /// Writes random f16 weights for `cfg` in the LDM layout (`model.diffusion_model.*`, as SD1.5
 /// checkpoints store them) to `path`; returns the data bytes. Matrices and kernels are
 /// uniform with variance 1/(3 fan_in); norm gains 1 ± 0.1; biases ± 0.02.
-fn write_weights(cfg: &UnetConfig, path: &Path, seed: u64) -> Result<u64> {
+fn write_weights(cfg: &DiffusionArch, path: &Path, seed: u64) -> Result<u64> {
     let (_, params) = declare(cfg, None)?;
     let mut header = String::from("{");
     let mut offset = 0u64;
@@ -418,39 +455,59 @@ impl Drop for PeakSampler {
     }
 }
 
-/// Deterministic UNet inputs: latents `[W, H, C, B]`, timesteps `[B]`, context `[D, N, B]`.
+/// Deterministic inputs of one step: latents `[W, H, C, B]`, timesteps `[B]`, context
+/// `[D, N, B]`, and what the network also reads.
 struct Inputs {
     w: usize,
     b: usize,
     n_ctx: usize,
+    /// Latent channels.
+    c: usize,
+    /// Context width.
+    d: usize,
     x: Vec<f32>,
     t: Vec<f32>,
     ctx: Vec<f32>,
-    /// The class vector `[adm_in_channels, B]` of models with one (SDXL).
-    y: Option<Vec<f32>>,
+    /// The class / pooled vector `[width, B]` of models with one (SDXL, SD3, FLUX).
+    y: Option<(usize, Vec<f32>)>,
+    /// The distilled guidance `[B]` (FLUX.1-dev).
+    guidance: Option<Vec<f32>>,
 }
 
 impl Inputs {
-    fn new(cfg: &UnetConfig, w: usize, b: usize, n_ctx: usize) -> Inputs {
+    fn new(cfg: &DiffusionArch, w: usize, b: usize, n_ctx: usize) -> Inputs {
         let mut rng = Rng(77);
-        let x = (0..w * w * cfg.in_channels * b)
-            .map(|_| rng.next())
-            .collect();
-        let t = (0..b).map(|i| 999.0 - 500.0 * i as f32).collect();
-        let ctx = (0..cfg.context_dim * n_ctx * b)
-            .map(|_| rng.next())
-            .collect();
-        let y = cfg
-            .adm_in_channels
-            .map(|adm| (0..adm * b).map(|_| rng.next()).collect());
+        let c = cfg.in_channels();
+        let x = (0..w * w * c * b).map(|_| rng.next()).collect();
+        // The network's time: a DDPM timestep, sigma x 1000 (SD3) or sigma (FLUX).
+        let (d, y, t, guidance) = match cfg {
+            DiffusionArch::Unet(u) => (
+                u.context_dim,
+                u.adm_in_channels,
+                (0..b).map(|i| 999.0 - 500.0 * i as f32).collect(),
+                None,
+            ),
+            DiffusionArch::Mmdit(m) => (m.context_dim, Some(m.pooled_dim), vec![700.0; b], None),
+            DiffusionArch::Flux(f) => (
+                f.context_in_dim,
+                Some(f.vec_in_dim),
+                vec![0.7; b],
+                f.guidance_embed.then(|| vec![3.5; b]),
+            ),
+        };
+        let ctx = (0..d * n_ctx * b).map(|_| rng.next()).collect();
+        let y = y.map(|n| (n, (0..n * b).map(|_| rng.next()).collect()));
         Inputs {
-            y,
             w,
             b,
             n_ctx,
+            c,
+            d,
             x,
             t,
             ctx,
+            y,
+            guidance,
         }
     }
 }
@@ -462,15 +519,17 @@ fn f32_bytes(v: &[f32]) -> Vec<u8> {
 /// One UNet step wired through an engine session.
 struct Rig {
     engine: ExecutionEngine<ModelManager>,
+    /// Matrix-product and attention FLOPs of one step, counted from the graph.
+    flops: f64,
     session: SessionId,
     task: ComputeTask,
     _g: GraphCtx,
-    _model: UnetModel,
+    _model: DiffusionNet,
     _params: Params,
 }
 
 struct RigOptions<'a> {
-    cfg: &'a UnetConfig,
+    cfg: &'a DiffusionArch,
     weights: &'a Path,
     backend: Arc<Backend>,
     mode: ParamsMode,
@@ -480,6 +539,8 @@ struct RigOptions<'a> {
     threads: usize,
     /// Whether the session sub-allocates streamed weights from one staging pool.
     staging_pool: bool,
+    /// Whether prefetch uploads go to the device's copy stream where it has one.
+    async_upload: bool,
 }
 
 fn build_rig(o: RigOptions<'_>, inputs: &Inputs) -> Result<Rig> {
@@ -493,6 +554,7 @@ fn build_rig(o: RigOptions<'_>, inputs: &Inputs) -> Result<Rig> {
     mm.set_pinned_host_params(o.mode != ParamsMode::Ram);
     // A/B switch for the coalesced uploads (SD_BENCH_COALESCE=1: on; default off).
     mm.set_coalesce_uploads(std::env::var("SD_BENCH_COALESCE").is_ok_and(|v| v == "1"));
+    mm.set_async_uploads(o.async_upload);
     let gpu = mm.add_backend(o.backend.clone())?;
     let params_backend = match o.mode {
         ParamsMode::Device => gpu,
@@ -539,7 +601,8 @@ fn build_rig(o: RigOptions<'_>, inputs: &Inputs) -> Result<Rig> {
     let session = engine.create_session(config);
     engine.start(session)?;
 
-    let (g, graph, out, feeds) = unet_graph(&model, o.cfg, inputs, &o.flash_attn)?;
+    let (g, graph, out, feeds) = unet_graph(&model, inputs, &o.flash_attn)?;
+    let flops = sd_models::bench::graph_flops(&graph);
     let mut task = ComputeTask::new("unet step", graph, out)
         .with_marks(g.marks.clone())
         .with_weights(params.tensors.values());
@@ -550,6 +613,7 @@ fn build_rig(o: RigOptions<'_>, inputs: &Inputs) -> Result<Rig> {
         engine,
         session,
         task,
+        flops,
         _g: g,
         _model: model,
         _params: params,
@@ -558,12 +622,12 @@ fn build_rig(o: RigOptions<'_>, inputs: &Inputs) -> Result<Rig> {
 
 const GRAPH: usize = 32768;
 
-/// The UNet step's graph: its context (with cut marks), the graph, the output and the input
-/// leaves with their bytes (latents, timesteps, context, and any auxiliary inputs).
+/// The step's graph: its context (with cut marks), the graph, the output and the input
+/// leaves with their bytes (latents, timesteps, context, `y`, guidance, and any auxiliary
+/// inputs).
 #[allow(clippy::type_complexity)]
 fn unet_graph(
-    model: &UnetModel,
-    cfg: &UnetConfig,
+    model: &DiffusionNet,
     inputs: &Inputs,
     flash_attn: &[usize],
 ) -> Result<(
@@ -582,25 +646,28 @@ fn unet_graph(
     )?;
     g.flash_attn_head_dims = Some(flash_attn.to_vec());
     let ctx = g.ctx.clone();
-    let x = ctx.new_tensor(DType::F32, &[inputs.w, inputs.w, cfg.in_channels, inputs.b])?;
-    x.set_name("x");
-    x.set_input();
-    let t = ctx.new_tensor(DType::F32, &[inputs.b])?;
-    t.set_name("timesteps");
-    t.set_input();
-    let c = ctx.new_tensor(DType::F32, &[cfg.context_dim, inputs.n_ctx, inputs.b])?;
-    c.set_name("context");
-    c.set_input();
-    let y = match (&inputs.y, cfg.adm_in_channels) {
-        (Some(_), Some(adm)) => {
-            let y = ctx.new_tensor(DType::F32, &[adm, inputs.b])?;
-            y.set_name("y");
-            y.set_input();
-            Some(y)
-        }
-        _ => None,
+    let input = |name: &str, ne: &[usize]| -> Result<GTensor> {
+        let t = ctx.new_tensor(DType::F32, ne)?;
+        t.set_name(name);
+        t.set_input();
+        Ok(t)
     };
-    let out = model.forward(&mut g, &x, &t, &c, y.as_ref())?;
+    let x = input("x", &[inputs.w, inputs.w, inputs.c, inputs.b])?;
+    let t = input("timesteps", &[inputs.b])?;
+    let c = input("context", &[inputs.d, inputs.n_ctx, inputs.b])?;
+    let y = match &inputs.y {
+        Some((n, _)) => Some(input("y", &[*n, inputs.b])?),
+        None => None,
+    };
+    let gd = match &inputs.guidance {
+        Some(_) => Some(input("guidance", &[inputs.b])?),
+        None => None,
+    };
+    let mut di = DiffusionInputs::new(&x, &t);
+    di.context = Some(&c);
+    di.y = y.as_ref();
+    di.guidance = gd.as_ref();
+    let out = model.forward(&mut g, &di)?;
     out.set_output();
     let mut graph = sd_tensor::ggml::Graph::new(&ctx, GRAPH)?;
     graph.build_forward_expand(&out)?;
@@ -609,8 +676,11 @@ fn unet_graph(
         (t, f32_bytes(&inputs.t)),
         (c, f32_bytes(&inputs.ctx)),
     ];
-    if let (Some(y), Some(data)) = (y, &inputs.y) {
+    if let (Some(y), Some((_, data))) = (y, &inputs.y) {
         feeds.push((y, f32_bytes(data)));
+    }
+    if let (Some(gd), Some(data)) = (gd, &inputs.guidance) {
+        feeds.push((gd, f32_bytes(data)));
     }
     for aux in &g.aux {
         let bytes = match &aux.data {
@@ -626,7 +696,7 @@ fn unet_graph(
 /// with ggml's graph allocator, then `compute` + `synchronize` timed `steps` times (the
 /// engine's per-step overhead is the difference to the resident engine step).
 fn direct_step_ms(
-    cfg: &UnetConfig,
+    cfg: &DiffusionArch,
     weights: &Path,
     backend: &Backend,
     inputs: &Inputs,
@@ -643,7 +713,7 @@ fn direct_step_ms(
             .ok_or_else(|| BenchError::Check(format!("`{name}` has no dtype")))?;
         t.write_bytes(0, &loader.read_converted(name, dtype)?)?;
     }
-    let (_g, graph, _out, feeds) = unet_graph(&model, cfg, inputs, flash_attn)?;
+    let (_g, graph, _out, feeds) = unet_graph(&model, inputs, flash_attn)?;
     let mut galloc = sd_tensor::ggml::Gallocr::new(backend.buffer_type())?;
     galloc.alloc_graph(&graph)?;
     for (t, bytes) in &feeds {
@@ -668,17 +738,15 @@ impl Rig {
 }
 
 /// The head widths of `cfg` whose `flash_attn_ext` (f32 Q, f16 K/V) `backend` runs.
-fn flash_attn_dims(backend: &Backend, cfg: &UnetConfig) -> Result<Vec<usize>> {
+fn flash_attn_dims(backend: &Backend, cfg: &DiffusionArch) -> Result<Vec<usize>> {
     let ctx = Context::new_descriptors(64, 1, 0)?;
     let mut dims = Vec::new();
-    for mult in &cfg.channel_mult {
-        let ch = cfg.model_channels * mult;
-        let (heads, d) = cfg.heads.split(ch)?;
-        let q = ctx.new_tensor(DType::F32, &[d, 256, heads, 1])?;
-        let k = ctx.new_tensor(DType::F16, &[d, 256, heads, 1])?;
-        let v = ctx.new_tensor(DType::F16, &[d, 256, heads, 1])?;
+    for d in all_head_dims(cfg)? {
+        let q = ctx.new_tensor(DType::F32, &[d, 256, 2, 1])?;
+        let k = ctx.new_tensor(DType::F16, &[d, 256, 2, 1])?;
+        let v = ctx.new_tensor(DType::F16, &[d, 256, 2, 1])?;
         let o = ctx.flash_attn_ext(&q, &k, &v, None, 0.125)?;
-        if backend.supports_op(&o) && !dims.contains(&d) {
+        if backend.supports_op(&o) {
             dims.push(d);
         }
     }
@@ -686,13 +754,19 @@ fn flash_attn_dims(backend: &Backend, cfg: &UnetConfig) -> Result<Vec<usize>> {
 }
 
 /// Every head width of `cfg`.
-fn all_head_dims(cfg: &UnetConfig) -> Result<Vec<usize>> {
+fn all_head_dims(cfg: &DiffusionArch) -> Result<Vec<usize>> {
     let mut dims = Vec::new();
-    for mult in &cfg.channel_mult {
-        let d = cfg.heads.split(cfg.model_channels * mult)?.1;
-        if !dims.contains(&d) {
-            dims.push(d);
+    match cfg {
+        DiffusionArch::Unet(u) => {
+            for mult in &u.channel_mult {
+                let d = u.heads.split(u.model_channels * mult)?.1;
+                if !dims.contains(&d) {
+                    dims.push(d);
+                }
+            }
         }
+        DiffusionArch::Mmdit(m) => dims.push(m.head_dim()),
+        DiffusionArch::Flux(f) => dims.push(f.head_dim()),
     }
     Ok(dims)
 }
@@ -759,6 +833,9 @@ fn cmd_unet(a: &UnetArgs) -> Result<()> {
         ConfigName::Sd15 => (64, 2, 77),
         ConfigName::Sdxl => (128, 2, 77),
         ConfigName::Tiny => (16, 2, 8),
+        ConfigName::Sd35Large | ConfigName::Sd35Medium => (128, 2, 333),
+        ConfigName::FluxDev => (128, 1, 512),
+        ConfigName::TinyDit => (16, 2, 8),
     };
     let inputs = Inputs::new(&cfg, w, b, n_ctx);
 
@@ -796,6 +873,7 @@ fn cmd_unet(a: &UnetArgs) -> Result<()> {
             flash_attn: flash_attn.clone(),
             threads,
             staging_pool: a.staging_pool == OnOff::On,
+            async_upload: a.async_upload == OnOff::On,
         },
         &inputs,
     )?;
@@ -811,6 +889,8 @@ fn cmd_unet(a: &UnetArgs) -> Result<()> {
         times.push(t0.elapsed().as_secs_f64());
     }
     let uploaded = rig.engine.manager().upload_bytes() - up0;
+    let backend_id = rig.engine.session(rig.session).map(|s| s.backend_id());
+    let copy_stream = backend_id.is_some_and(|id| rig.engine.manager_mut().uploads_async(id));
     let peak_used = free_before.saturating_sub(sampler.min_free());
     drop(sampler);
     let out = last.output_f32().unwrap_or_default();
@@ -849,9 +929,13 @@ fn cmd_unet(a: &UnetArgs) -> Result<()> {
             "budget_bytes": budget,
             "runtime_reserve_bytes": reserve,
             "coalesced_uploads": std::env::var("SD_BENCH_COALESCE").is_ok_and(|v| v == "1"),
+            "async_upload": a.async_upload == OnOff::On,
+            // Whether prefetch uploads went to a copy stream (the backend has one).
+            "copy_stream": copy_stream,
             "weight_bytes": weight_bytes,
+            "graph_tflops": rig.flops / 1e12,
             "flash_attn_head_dims": flash_attn,
-            "latent": [b, cfg.in_channels, w, w],
+            "latent": [b, cfg.in_channels(), w, w],
             "steps": steps,
             "step_ms_median": median(times.clone()) * 1e3,
             "step_ms_min": times.iter().cloned().fold(f64::MAX, f64::min) * 1e3,
@@ -871,6 +955,7 @@ fn cmd_unet(a: &UnetArgs) -> Result<()> {
                 "capacity": last.timing.capacity.as_secs_f64() * 1e3,
                 "staging": last.timing.staging.as_secs_f64() * 1e3,
                 "wait": last.timing.wait.as_secs_f64() * 1e3,
+                "upload_wait": last.timing.upload_wait.as_secs_f64() * 1e3,
                 "compute": last.timing.compute.as_secs_f64() * 1e3,
                 "overhead": last.timing.overhead.as_secs_f64() * 1e3,
                 "total": last.timing.total.as_secs_f64() * 1e3,
@@ -901,12 +986,17 @@ fn rel_l2(a: &[f32], r: &[f32]) -> f64 {
 /// streamed from pinned/pageable RAM or disk through a budget of half the weights; every
 /// result must match the CPU's within f16 tolerance.
 fn cmd_check(name: &str, threads: usize) -> Result<()> {
-    let cfg = tiny_config();
+    let cfg = DiffusionArch::Unet(tiny_config());
     let dir = std::env::temp_dir().join(format!("sd-bench-check-{}", std::process::id()));
     let weights = dir.join("unet.safetensors");
     let weight_bytes = write_weights(&cfg, &weights, 5)?;
     let inputs = Inputs::new(&cfg, 16, 2, 8);
-    let run = |backend: Arc<Backend>, mode, budget, flash_attn: &Vec<usize>| -> Result<Vec<f32>> {
+    let run = |backend: Arc<Backend>,
+               mode,
+               budget,
+               flash_attn: &Vec<usize>,
+               async_upload: bool|
+     -> Result<Vec<f32>> {
         let mut rig = build_rig(
             RigOptions {
                 cfg: &cfg,
@@ -917,6 +1007,7 @@ fn cmd_check(name: &str, threads: usize) -> Result<()> {
                 flash_attn: flash_attn.clone(),
                 threads,
                 staging_pool: true,
+                async_upload,
             },
             &inputs,
         )?;
@@ -927,28 +1018,42 @@ fn cmd_check(name: &str, threads: usize) -> Result<()> {
     let cpu = Arc::new(Backend::cpu(threads)?);
     let dev = Arc::new(Backend::by_name(name)?);
     let none = Vec::new();
-    let reference = run(cpu.clone(), ParamsMode::Device, None, &none)?;
+    let reference = run(cpu.clone(), ParamsMode::Device, None, &none, true)?;
     let fa = flash_attn_dims(&dev, &cfg)?;
-    let reference_fa = run(cpu, ParamsMode::Device, None, &fa)?;
+    let reference_fa = run(cpu, ParamsMode::Device, None, &fa, true)?;
     let half = Some(weight_bytes / 2);
     let mut cases = vec![
-        ("resident", ParamsMode::Device, None, &none),
-        ("pinned, budget 1/2", ParamsMode::Pinned, half, &none),
-        ("ram, budget 1/2", ParamsMode::Ram, half, &none),
-        ("disk, budget 1/2", ParamsMode::Disk, half, &none),
+        ("resident", ParamsMode::Device, None, &none, true),
+        ("pinned, budget 1/2", ParamsMode::Pinned, half, &none, true),
+        (
+            "pinned, budget 1/2, synchronous uploads",
+            ParamsMode::Pinned,
+            half,
+            &none,
+            false,
+        ),
+        ("ram, budget 1/2", ParamsMode::Ram, half, &none, true),
+        ("disk, budget 1/2", ParamsMode::Disk, half, &none, true),
     ];
     if !fa.is_empty() {
-        cases.push(("resident, flash attention", ParamsMode::Device, None, &fa));
+        cases.push((
+            "resident, flash attention",
+            ParamsMode::Device,
+            None,
+            &fa,
+            true,
+        ));
         cases.push((
             "pinned, budget 1/2, flash attention",
             ParamsMode::Pinned,
             half,
             &fa,
+            true,
         ));
     }
     let mut worst = 0.0f64;
-    for (label, mode, budget, flash) in cases {
-        let out = run(dev.clone(), mode, budget, flash)?;
+    for (label, mode, budget, flash, async_upload) in cases {
+        let out = run(dev.clone(), mode, budget, flash, async_upload)?;
         let err = rel_l2(
             &out,
             if flash.is_empty() {

@@ -44,8 +44,14 @@
 //! `text_model.*` / `embeddings.token_embedding.weight` (a transformers text encoder, put in
 //! the second slot when 1280 wide, else the first).
 //!
-//! Anything else keeps its name: LoRA and other adapter tensors, DiT (SD3, Flux, Qwen-Image)
-//! tensors, CLIP text encoders of DiT models, `logit_scale`, EMA copies. Structural renames
+//! For DiT models (SD3, Flux, Qwen-Image) the CLIP encoders under Stability's
+//! `text_encoders.clip_l.transformer.` / `text_encoders.clip_g.transformer.` and a diffusers
+//! folder's `text_encoder.` / `text_encoder_2.` go to the canonical CLIP slots, and a
+//! diffusers folder's `transformer.` moves under `model.diffusion_model.` as it is (the DiT
+//! reads diffusers' names itself).
+//!
+//! Anything else keeps its name: LoRA and other adapter tensors, DiT tensors, `logit_scale`,
+//! EMA copies. Structural renames
 //! do apply to adapter tensors that use the layouts above, e.g. a PEFT LoRA's
 //! `unet.down_blocks.0.attentions.0....to_q.lora_A.weight`.
 
@@ -79,6 +85,8 @@ pub const DIFFUSERS_VAE: &str = "vae.";
 pub const DIFFUSERS_TEXT_ENCODER: &str = "text_encoder.";
 /// Prefix a reader gives the tensors of a diffusers pipeline's `text_encoder_2/` folder.
 pub const DIFFUSERS_TEXT_ENCODER_2: &str = "text_encoder_2.";
+/// Name prefix of a diffusers pipeline's DiT (its `transformer/` folder).
+pub const DIFFUSERS_TRANSFORMER: &str = "transformer.";
 
 /// Why a set of tensors could not be brought to canonical names.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
@@ -188,6 +196,7 @@ pub fn convert_to_canonical_report(
                 }
             }
             Plan::UnetPrefix => Target::Name(format!("{UNET_PREFIX}{source}")),
+            Plan::Transformer(start) => Target::Name(format!("{UNET_PREFIX}{}", &source[start..])),
             Plan::T5(start) => match t5::to_canonical(&source[start..]) {
                 Some(c) => Target::Name(format!("{T5_PREFIX}{c}")),
                 None => Target::Name(source.clone()),
@@ -290,6 +299,9 @@ enum Plan {
     ClipOpen(Slot, usize),
     /// A T5 encoder name (transformers or GGUF layout), relative part from the offset.
     T5(usize),
+    /// A diffusers DiT name (`transformer.` folder): moved under the diffusion prefix as
+    /// it is (the network reads diffusers' names itself), relative part from the offset.
+    Transformer(usize),
 }
 
 /// Marker tensors that make prefix-less names of a single component file safe to convert.
@@ -328,6 +340,11 @@ impl BareMarkers {
     }
 }
 
+/// Where Stability's SD3 single files keep CLIP-L (transformers names below it).
+pub const SAI_CLIP_L_PREFIX: &str = "text_encoders.clip_l.transformer.";
+/// Where Stability's SD3 single files keep OpenCLIP bigG (transformers names below it).
+pub const SAI_CLIP_G_PREFIX: &str = "text_encoders.clip_g.transformer.";
+
 /// Decides how `name` is converted. `dit`: the model is not a UNet family, so UNet and CLIP
 /// conversions stay off.
 fn classify(name: &str, bare: &BareMarkers, dit: bool) -> Plan {
@@ -344,8 +361,35 @@ fn classify(name: &str, bare: &BareMarkers, dit: bool) -> Plan {
             Plan::Keep
         };
     }
+    // Stability's SD3 files (and FLUX files that bundle their encoders) keep the CLIP
+    // encoders under their own prefixes; a DiT's diffusers folder its CLIP encoders under
+    // the folders' names (T5 in `text_encoder_2/3` was claimed above).
+    let dit_clips: &[(&str, Slot)] = if dit {
+        &[
+            (SAI_CLIP_L_PREFIX, Slot::First),
+            (SAI_CLIP_G_PREFIX, Slot::Second),
+            (DIFFUSERS_TEXT_ENCODER, Slot::First),
+            (DIFFUSERS_TEXT_ENCODER_2, Slot::Second),
+        ]
+    } else {
+        &[
+            (SAI_CLIP_L_PREFIX, Slot::First),
+            (SAI_CLIP_G_PREFIX, Slot::Second),
+        ]
+    };
+    for &(prefix, slot) in dit_clips {
+        if name.starts_with(prefix) {
+            return Plan::ClipTransformers(slot, prefix.len());
+        }
+    }
     if dit {
-        return Plan::Keep;
+        // (Not names a UNet has: those would read as a UNet's once moved.)
+        return match name.strip_prefix(DIFFUSERS_TRANSFORMER) {
+            Some(rel) if !unet::is_diffusers_name(rel) && !unet::is_original_name(rel) => {
+                Plan::Transformer(DIFFUSERS_TRANSFORMER.len())
+            }
+            _ => Plan::Keep,
+        };
     }
     for prefix in [UNET_PREFIX, DIFFUSERS_UNET] {
         if let Some(rel) = name.strip_prefix(prefix) {

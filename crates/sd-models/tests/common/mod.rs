@@ -81,3 +81,50 @@ pub fn config(name: &str) -> serde_json::Value {
 pub fn ne(shape: &[usize]) -> Vec<usize> {
     shape.iter().rev().copied().collect()
 }
+
+/// One f32 tensor of a rewritten file: name, PyTorch shape, values.
+pub type F32Tensor = (String, Vec<usize>, Vec<f32>);
+
+/// Rewrites the f32 safetensors file `src` as `dst`, each tensor replaced by what `f`
+/// returns for it (renamed, split, reordered; none: dropped).
+pub fn rewrite_f32(
+    src: &std::path::Path,
+    dst: &std::path::Path,
+    f: impl Fn(F32Tensor) -> Vec<F32Tensor>,
+) {
+    let bytes = std::fs::read(src).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut out: Vec<F32Tensor> = Vec::new();
+    for (name, v) in st.tensors() {
+        assert_eq!(v.dtype(), safetensors::Dtype::F32, "{name}");
+        let data: Vec<f32> = v
+            .data()
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        out.extend(f((name, v.shape().to_vec(), data)));
+    }
+    let raw: Vec<(String, Vec<usize>, Vec<u8>)> = out
+        .into_iter()
+        .map(|(n, s, d)| (n, s, d.iter().flat_map(|x| x.to_le_bytes()).collect()))
+        .collect();
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = raw
+        .iter()
+        .map(|(n, s, d)| {
+            (
+                n.clone(),
+                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), d)
+                    .unwrap(),
+            )
+        })
+        .collect();
+    safetensors::serialize_to_file(views, &None, dst).unwrap();
+}
+
+/// Rows `[from, from + n)` of a row-major `[rows, ...]` tensor.
+pub fn row_slice(t: &F32Tensor, from: usize, n: usize) -> (Vec<usize>, Vec<f32>) {
+    let row: usize = t.1[1..].iter().product();
+    let mut shape = t.1.clone();
+    shape[0] = n;
+    (shape, t.2[from * row..(from + n) * row].to_vec())
+}

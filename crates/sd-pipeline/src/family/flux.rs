@@ -20,14 +20,13 @@ use sd_formats::names::{SdVersion, T5_PREFIX};
 use sd_models::clip::ClipTextConfig;
 use sd_models::diffusion::DiffusionArch;
 use sd_models::first_stage::FirstStageArch;
-use sd_models::flux::FluxConfig;
+use sd_models::flux::{FluxConfig, FluxLayout};
 use sd_models::t5::T5Config;
 use sd_models::text_encoder::TextEncoderArch;
 use sd_models::vae::VaeConfig;
 use serde::{Deserialize, Serialize};
-use serde_json::Value;
 
-use super::ldm::merge;
+use super::ldm::config_over;
 use super::sdxl::{encode, pool_position};
 use super::{
     Conditioning, Defaults, Family, LatentFormat, ModelConfigError, ModelSpec, Slot, SlotKind,
@@ -35,7 +34,7 @@ use super::{
 };
 use crate::conditioning::ConditioningError;
 use crate::sampling::{Prediction, SampleMethod};
-use crate::schedule::{AysTable, Schedule};
+use crate::schedule::{AysTable, FlowSpacing, Schedule};
 use crate::tokenizer::ClipTokenizer;
 use crate::tokenizer_t5::T5Tokenizer;
 
@@ -106,14 +105,7 @@ pub fn config() -> FluxFamilyConfig {
 impl FluxFamilyConfig {
     /// Parses sd-rs metadata `text` over `defaults` (nested objects merge key by key).
     pub fn from_json_over(defaults: &Self, text: &str) -> Result<Self, ModelConfigError> {
-        let inv = |e: String| ModelConfigError::Invalid(e);
-        let over: Value = serde_json::from_str(text).map_err(|e| inv(e.to_string()))?;
-        if !over.is_object() {
-            return Err(inv("not a JSON object".into()));
-        }
-        let mut base = serde_json::to_value(defaults).map_err(|e| inv(e.to_string()))?;
-        merge(&mut base, over);
-        serde_json::from_value(base).map_err(|e| inv(e.to_string()))
+        config_over(defaults, text, |_| {})
     }
 }
 
@@ -169,10 +161,11 @@ impl Family for Flux {
             text_encoders: vec![(CLIP_L_SLOT, clip), (T5_SLOT, t5)],
             diffusion: (DIFFUSION_SLOT, net),
             first_stage: (VAE_SLOT, vae),
-            prediction: Prediction::Flow { shift: 1.0 },
+            prediction: Prediction::Flow { time_scale: 1.0 },
             schedule: Schedule::Flow {
                 shift: 1.0,
                 resolution_shift: true,
+                spacing: FlowSpacing::Linspace,
             },
             latent: LatentFormat {
                 scale: c.scaling_factor,
@@ -189,11 +182,17 @@ impl Family for Flux {
 
     fn refine(&self, spec: &mut ModelSpec, catalog: &TensorCatalog) {
         // schnell has no guidance embedding: unshifted sigmas, 4 steps.
-        let probe = format!("{}guidance_in.in_layer.weight", DIFFUSION_SLOT.prefix);
-        if catalog.get(&probe).is_none() {
+        let guided = [FluxLayout::Bfl, FluxLayout::Diffusers].iter().any(|l| {
+            let probe = l.name("guidance_in.in_layer.weight");
+            catalog
+                .get(&format!("{}{probe}", DIFFUSION_SLOT.prefix))
+                .is_some()
+        });
+        if !guided {
             spec.schedule = Schedule::Flow {
                 shift: 1.0,
                 resolution_shift: false,
+                spacing: FlowSpacing::Linspace,
             };
             spec.defaults.steps = 4;
             if let DiffusionArch::Flux(c) = &mut spec.diffusion.1 {

@@ -92,27 +92,42 @@ pub(crate) fn merge(base: &mut Value, over: Value) {
     }
 }
 
+/// Parses the sd-rs metadata `text` (a JSON object) over `defaults`, objects merged key by
+/// key ([`merge`]); `adjust` rewrites the overlay first (the LDM files' `vae.scaling_factor`).
+pub(crate) fn config_over<T: serde::Serialize + serde::de::DeserializeOwned>(
+    defaults: &T,
+    text: &str,
+    adjust: impl FnOnce(&mut serde_json::Map<String, Value>),
+) -> Result<T, ModelConfigError> {
+    let inv = |e: String| ModelConfigError::Invalid(e);
+    let mut over: Value = serde_json::from_str(text).map_err(|e| inv(e.to_string()))?;
+    adjust(
+        over.as_object_mut()
+            .ok_or_else(|| inv("not a JSON object".into()))?,
+    );
+    let mut base = serde_json::to_value(defaults).map_err(|e| inv(e.to_string()))?;
+    merge(&mut base, over);
+    serde_json::from_value(base).map_err(|e| inv(e.to_string()))
+}
+
+/// Moves `vae.scaling_factor` to the top level (where the LDM configs keep it; the file
+/// format keeps it in the `vae` section).
+pub(crate) fn hoist_vae_scale(obj: &mut serde_json::Map<String, Value>) {
+    let scale = match obj.get_mut("vae") {
+        Some(Value::Object(vae)) => vae.remove("scaling_factor"),
+        _ => None,
+    };
+    if let Some(s) = scale {
+        obj.insert("scaling_factor".into(), s);
+    }
+}
+
 impl LdmConfig {
     /// Parses sd-rs metadata `text` over `defaults`.
     pub fn from_json_over(defaults: &LdmConfig, text: &str) -> Result<Self, ModelConfigError> {
-        let inv = |e: String| ModelConfigError::Invalid(e);
-        let mut over: Value = serde_json::from_str(text).map_err(|e| inv(e.to_string()))?;
-        let obj = over
-            .as_object_mut()
-            .ok_or_else(|| inv("not a JSON object".into()))?;
-        // The file format keeps the scaling factor in the `vae` section.
-        let scale = match obj.get_mut("vae") {
-            Some(Value::Object(vae)) => vae.remove("scaling_factor"),
-            _ => None,
-        };
-        if let Some(s) = scale {
-            obj.insert("scaling_factor".into(), s);
-        }
-        let mut base = serde_json::to_value(defaults).map_err(|e| inv(e.to_string()))?;
-        merge(&mut base, over);
-        let cfg: LdmConfig = serde_json::from_value(base).map_err(|e| inv(e.to_string()))?;
+        let cfg = config_over(defaults, text, hoist_vae_scale)?;
         if cfg.vae.ch_mult.is_empty() {
-            return Err(inv("vae.ch_mult is empty".into()));
+            return Err(ModelConfigError::Invalid("vae.ch_mult is empty".into()));
         }
         Ok(cfg)
     }

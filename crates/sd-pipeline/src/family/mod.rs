@@ -1,6 +1,6 @@
 //! Model families: what the pipeline knows about each kind of checkpoint, in one place.
 //!
-//! A [`Family`] (one file each: [`sd1`], [`sd2`]) owns everything that differs between
+//! A [`Family`] (one file each: [`sd1`], [`sd2`], [`sdxl`], [`flux`], [`sd3`]) owns everything that differs between
 //! models above the networks: detection (from [`detect_version`]), its component
 //! [`Slot`]s with their CLI flags and canonical name prefixes, the generation [`Defaults`],
 //! its configuration (a `serde` struct whose defaults cite the upstream YAML/`config.json`),
@@ -16,6 +16,7 @@ pub mod flux;
 pub mod ldm;
 pub mod sd1;
 pub mod sd2;
+pub mod sd3;
 pub mod sdxl;
 
 use std::fmt;
@@ -45,6 +46,7 @@ pub static FAMILIES: &[&dyn Family] = &[
     &sdxl::Sdxl,
     &sdxl::SdxlRefiner,
     &flux::Flux,
+    &sd3::Sd3,
 ];
 
 /// An error of family detection or configuration.
@@ -439,8 +441,16 @@ mod tests {
             let found = FAMILIES.iter().find(|f| f.detects(v)).map(|f| f.id());
             assert_eq!(found, id);
         }
-        // SD3 has no family yet: detected, then refused by name.
-        assert!(FAMILIES.iter().all(|f| !f.detects(SdVersion::Sd3)));
+        // Qwen-Image has no family yet: detected, then refused by name.
+        assert!(FAMILIES.iter().all(|f| !f.detects(SdVersion::QwenImage)));
+        assert_eq!(
+            FAMILIES
+                .iter()
+                .filter(|f| f.detects(SdVersion::Sd3))
+                .map(|f| f.id())
+                .collect::<Vec<_>>(),
+            ["sd3"]
+        );
         assert_eq!(
             FAMILIES
                 .iter()

@@ -27,9 +27,8 @@ use sd_models::unet::UnetConfig;
 use sd_models::vae::VaeConfig;
 use sd_tensor::Tensor;
 use serde::{Deserialize, Serialize};
-use serde_json::Value;
 
-use super::ldm::{merge, PredictionName};
+use super::ldm::{config_over, hoist_vae_scale, PredictionName};
 use super::{
     Conditioning, Defaults, Family, LatentFormat, ModelConfigError, ModelSpec, Slot, TextCond,
     TextEncode, CLIP_G_SLOT, CLIP_L_SLOT, DIFFUSION_SLOT, VAE_SLOT,
@@ -103,21 +102,7 @@ impl SdxlConfig {
     /// Parses sd-rs metadata `text` over `defaults` (`vae.scaling_factor` accepted, as
     /// diffusers keeps it).
     pub fn from_json_over(defaults: &SdxlConfig, text: &str) -> Result<Self, ModelConfigError> {
-        let inv = |e: String| ModelConfigError::Invalid(e);
-        let mut over: Value = serde_json::from_str(text).map_err(|e| inv(e.to_string()))?;
-        let obj = over
-            .as_object_mut()
-            .ok_or_else(|| inv("not a JSON object".into()))?;
-        let scale = match obj.get_mut("vae") {
-            Some(Value::Object(vae)) => vae.remove("scaling_factor"),
-            _ => None,
-        };
-        if let Some(s) = scale {
-            obj.insert("scaling_factor".into(), s);
-        }
-        let mut base = serde_json::to_value(defaults).map_err(|e| inv(e.to_string()))?;
-        merge(&mut base, over);
-        serde_json::from_value(base).map_err(|e| inv(e.to_string()))
+        config_over(defaults, text, hoist_vae_scale)
     }
 
     fn into_spec(self, family: &'static dyn Family, defaults: Defaults) -> ModelSpec {

@@ -15,10 +15,12 @@ pub enum Prediction {
     /// The velocity `v = alpha * eps - sigma_vp * x0` (SD2.x 768-v).
     V,
     /// Rectified flow: `x_t = (1 - t) x0 + t eps` with `t = sigma`, the model predicting
-    /// `eps - x0` (SD3, Flux, Qwen-Image); `shift` is the timestep shift of its schedule.
+    /// `eps - x0` (SD3, Flux, Qwen-Image); the network reads `sigma * time_scale` as its
+    /// time.
     Flow {
-        /// The sigma shift (`shift` of the scheduler config; 3 for SD3, 1.15 for Flux).
-        shift: f32,
+        /// What the network's time is in units of sigma: 1000 for SD3 (diffusers' pipeline
+        /// passes `sigma * num_train_timesteps`), 1 for FLUX.1 (it scales by 1000 inside).
+        time_scale: f32,
     },
 }
 
@@ -128,9 +130,9 @@ impl<M: Denoise> Denoised for KDenoiser<'_, M> {
 
     fn denoised(&mut self, x: &Tensor<f32>, sigma: f32) -> Result<Tensor<f32>, SamplingError> {
         let s = self.prediction.scalings(sigma);
-        // A flow model's time is sigma itself.
+        // A flow model's time is sigma (in its units).
         let t = match self.prediction {
-            Prediction::Flow { .. } => sigma,
+            Prediction::Flow { time_scale } => sigma * time_scale,
             _ => self.schedule.sigma_to_t(sigma),
         };
         let x_in = x.scale(s.c_in);

@@ -307,6 +307,11 @@ pub(crate) fn lcm(
         let (sigma, next) = (w[0], w[1]);
         x = model.denoised(&x, sigma)?;
         if next > 0.0 {
+            // Re-noised to `next`: `x + next noise`, or for a flow model (ComfyUI's
+            // `noise_scaling` of `CONST` models) `(1 - next) x + next noise`.
+            if model.flow() {
+                x = x.scale(1.0 - next);
+            }
             x = add_noise(&x, rng, next)?;
         }
     }
@@ -363,6 +368,26 @@ mod tests {
 
         fn flow(&self) -> bool {
             true
+        }
+    }
+
+    #[test]
+    fn lcm_on_a_flow_model_renoises_the_flow_way() {
+        let x = Tensor::new([1, 1, 1, 2], vec![1.0, -2.0]).unwrap();
+        let mut rng = CpuRng::new(5);
+        let got = lcm(
+            &mut HalfFlow,
+            &mut |_, _| {},
+            x.clone(),
+            &[1.0, 0.25, 0.0],
+            &mut rng,
+        )
+        .unwrap();
+        // Step 1: denoised 0.5 x, re-noised to 0.25: 0.75 (0.5 x) + 0.25 noise; step 2: half.
+        let noise = CpuRng::new(5).randn_tensor(&[1, 1, 1, 2]).unwrap();
+        for i in 0..2 {
+            let x1 = 0.75 * 0.5 * x.data()[i] + 0.25 * noise.data()[i];
+            assert!((got.data()[i] - 0.5 * x1).abs() < 1e-6, "{i}: {got:?}");
         }
     }
 

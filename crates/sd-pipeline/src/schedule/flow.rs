@@ -3,6 +3,12 @@
 //! token count (`calculate_shift`: `mu` linear from 0.5 at 256 tokens to 1.15 at 4096,
 //! then the exponential time shift `e^mu / (e^mu + 1/sigma - 1)`), for schnell unshifted;
 //! a final 0 appended. The model reads `sigma` itself as its time.
+//!
+//! SD3 as `StableDiffusion3Pipeline` makes them ([`sd3_sigmas`]): the scheduler's own
+//! spacing, training times evenly spaced from `1000 * shift(1)` to `1000 * shift(1/1000)`,
+//! divided by 1000 and shifted (again) by the constant `shift` (3). The last non-zero sigma
+//! is then about 0.0089 at shift 3; stable-diffusion.cpp's discrete flow schedule ends at
+//! `shift(0.001)` (0.003) instead. sd-rs follows diffusers.
 
 use crate::sampling::SamplingError;
 
@@ -47,14 +53,50 @@ pub fn flux_sigmas(steps: usize, image_tokens: Option<usize>) -> Result<Vec<f32>
     Ok(out)
 }
 
+/// `shift s / (1 + (shift - 1) s)`.
+fn time_shift(shift: f64, s: f64) -> f64 {
+    shift * s / (1.0 + (shift - 1.0) * s)
+}
+
+/// The `steps + 1` sigmas of an SD3 run with constant `shift` (see the module
+/// documentation).
+pub fn sd3_sigmas(steps: usize, shift: f32) -> Result<Vec<f32>, SamplingError> {
+    if steps == 0 {
+        return Err(SamplingError::InvalidSigmas("0 steps".into()));
+    }
+    let shift = shift as f64;
+    // The scheduler's training sigmas are shifted at construction: its range is
+    // [shift(1/1000), shift(1)] = [shift(1/1000), 1].
+    let (hi, lo) = (
+        1000.0 * time_shift(shift, 1.0),
+        1000.0 * time_shift(shift, 1e-3),
+    );
+    let mut out: Vec<f32> = (0..steps)
+        .map(|i| {
+            let t = if steps == 1 {
+                hi
+            } else {
+                hi + (lo - hi) * i as f64 / (steps - 1) as f64
+            };
+            time_shift(shift, t / 1000.0) as f32
+        })
+        .collect();
+    out.push(0.0);
+    Ok(out)
+}
+
 /// The `steps + 1` sigmas of a flow model: FLUX.1-dev's resolution shift when
-/// `image_tokens` is given, else `linspace(1, 1/steps)` shifted by a constant `shift`
-/// (`shift s / (1 + (shift - 1) s)`, SD3's; 1: none), a final 0 appended.
+/// `image_tokens` is given, else the `spacing`'s sigmas shifted by a constant `shift`
+/// (`shift s / (1 + (shift - 1) s)`; 1: none), a final 0 appended.
 pub fn flow_sigmas(
     steps: usize,
     shift: f32,
     image_tokens: Option<usize>,
+    spacing: super::FlowSpacing,
 ) -> Result<Vec<f32>, SamplingError> {
+    if spacing == super::FlowSpacing::TrainingRange && image_tokens.is_none() {
+        return sd3_sigmas(steps, shift);
+    }
     let mut out = flux_sigmas(steps, image_tokens)?;
     if image_tokens.is_none() && shift != 1.0 {
         for s in &mut out {
@@ -90,5 +132,18 @@ mod tests {
     #[test]
     fn zero_steps_is_an_error() {
         assert!(flux_sigmas(0, None).is_err());
+        assert!(sd3_sigmas(0, 3.0).is_err());
+    }
+
+    /// `FlowMatchEulerDiscreteScheduler(shift=3.0).set_timesteps(4)` (diffusers 0.42):
+    /// sigmas [1.0000, 0.8577, 0.6022, 0.0089, 0].
+    #[test]
+    fn sd3_sigmas_equal_the_scheduler() {
+        let got = sd3_sigmas(4, 3.0).unwrap();
+        let want = [1.0, 0.857_692_3, 0.602_150_6, 0.008_928_6, 0.0];
+        for (g, w) in got.iter().zip(want) {
+            assert!((g - w).abs() < 1e-6, "{got:?}");
+        }
+        assert_eq!(sd3_sigmas(1, 3.0).unwrap(), [1.0, 0.0]);
     }
 }

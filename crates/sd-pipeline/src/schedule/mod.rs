@@ -9,7 +9,7 @@ mod noise;
 use std::str::FromStr;
 
 pub use ays::AysTable;
-pub use flow::{flow_sigmas, flux_mu, flux_sigmas};
+pub use flow::{flow_sigmas, flux_mu, flux_sigmas, sd3_sigmas};
 pub use noise::{NoiseSchedule, SCALED_LINEAR_BETA_END, SCALED_LINEAR_BETA_START, TIMESTEPS};
 
 use crate::sampling::SamplingError;
@@ -26,6 +26,9 @@ pub enum Schedule {
         shift: f32,
         /// FLUX.1-dev's shift, which grows with the image's token count ([`flux_sigmas`]).
         resolution_shift: bool,
+        /// Where the unshifted sigmas lie: `linspace(1, 1/steps)` (FLUX), or evenly in time
+        /// from 1 down to the smallest training sigma (SD3, [`sd3_sigmas`]).
+        spacing: FlowSpacing,
     },
 }
 
@@ -42,6 +45,16 @@ impl Schedule {
             Schedule::Flow { .. } => None,
         }
     }
+}
+
+/// How a flow model's sigmas are spaced before the shift.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FlowSpacing {
+    /// `linspace(1, 1/steps, steps)` (`FluxPipeline`).
+    Linspace,
+    /// Evenly spaced training times from the largest to the smallest shifted training sigma
+    /// (`FlowMatchEulerDiscreteScheduler.set_timesteps` without explicit sigmas: SD3).
+    TrainingRange,
 }
 
 /// A sigma scheduler (sd.cpp's `scheduler_t`, DDPM-model subset).

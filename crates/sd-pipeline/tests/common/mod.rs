@@ -2,4 +2,5 @@
 #![allow(dead_code)]
 
 pub mod files;
+pub mod reference;
 pub mod sim;

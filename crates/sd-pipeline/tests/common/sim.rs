@@ -49,3 +49,30 @@ impl SimRun {
         }
     }
 }
+
+/// `n` deterministic values in [-1, 1) (inputs of the budget tests).
+pub fn values(n: usize, seed: u32) -> Vec<f32> {
+    (0..n)
+        .map(|i| (((i as u32).wrapping_mul(2_654_435_761) ^ seed) % 2000) as f32 / 1000.0 - 1.0)
+        .collect()
+}
+
+/// Checks that `tight` (a run under `budget`) cut inside a block, stayed within the budget
+/// and gave `whole`'s bits; prints what it did.
+pub fn assert_fine_cuts_fit(whole: &SimRun, tight: &SimRun, budget: u64) {
+    let fine = tight.segments.iter().filter(|n| n.contains('/')).count();
+    println!(
+        "weights {} B, budget {budget} B, peak {} B, {} segments ({fine} inside blocks): {:?}",
+        whole.weights,
+        tight.peak,
+        tight.segments.len(),
+        tight.segments
+    );
+    assert!(fine > 0, "no cut inside a block: {:?}", tight.segments);
+    assert!(
+        tight.peak <= budget,
+        "peak {} > budget {budget}",
+        tight.peak
+    );
+    assert_eq!(tight.out, whole.out, "segmented output differs");
+}

@@ -62,6 +62,11 @@ impl LoraState {
         s.source == SourceId::MAIN && self.targeted.contains(&s.name)
     }
 
+    /// Whether any weight has LoRA patches to apply.
+    pub fn has_patches(&self) -> bool {
+        !self.patches.is_empty()
+    }
+
     pub fn forget(&mut self, params: &[ParamId]) {
         for p in params {
             self.patches.remove(p);

@@ -42,7 +42,7 @@ mod transfer;
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
 
-use sd_tensor::ggml::{Backend, Buffer, Device, DeviceKind, GTensor, TensorId};
+use sd_tensor::ggml::{Backend, Buffer, CopyStream, Device, DeviceKind, GTensor, TensorId};
 
 pub use blocks::MAX_RESIDENCY_BLOCK_BYTES;
 pub use lora::LoraSpec;
@@ -109,6 +109,9 @@ pub struct ParamInfo {
 pub struct ModelManager {
     /// Prefetch copies in flight. First field: dropped (joined) before any buffer.
     pub(crate) transfers: Vec<transfer::TransferJob>,
+    /// Copy streams by compute backend (`None`: the backend has none), made on first use.
+    /// Dropped (their copies finished) after the transfers, before any buffer.
+    pub(crate) copy_streams: BTreeMap<BackendId, Option<CopyStream>>,
     backends: Vec<(Arc<Backend>, Device)>,
     pub(crate) sources: BTreeMap<SourceId, TensorCatalog>,
     next_source: u32,
@@ -136,6 +139,7 @@ pub struct ModelManager {
     load_threads: usize,
     pinned_host_params: bool,
     coalesce_uploads: bool,
+    async_uploads: bool,
     upload_bytes: u64,
 }
 
@@ -165,6 +169,7 @@ impl ModelManager {
         sources.insert(SourceId::MAIN, loader);
         ModelManager {
             transfers: Vec::new(),
+            copy_streams: BTreeMap::new(),
             backends: Vec::new(),
             sources,
             next_source: 1,
@@ -189,6 +194,7 @@ impl ModelManager {
             load_threads: 0,
             pinned_host_params: true,
             coalesce_uploads: false,
+            async_uploads: false,
             upload_bytes: 0,
         }
     }
@@ -334,6 +340,49 @@ impl ModelManager {
     /// measurement shows a gain (see docs/benchmarks.md).
     pub fn set_coalesce_uploads(&mut self, on: bool) {
         self.coalesce_uploads = on;
+    }
+
+    /// Whether prefetch uploads are queued on a copy stream of the compute device (a second
+    /// backend of the device, ordered against compute with events; see `transfer`) where
+    /// the backend has queued copies and events (default: off: on an H200 the copy stream
+    /// slowed the kernels beside it, FLUX.1-dev's 8 GiB step 967 ms against 761 ms with
+    /// synchronous uploads; `docs/benchmarks.md`). Off, or on backends without them (the
+    /// CPU), a prefetch copies synchronously on a transfer thread.
+    pub fn set_async_uploads(&mut self, on: bool) {
+        if !on {
+            self.finish_transfers();
+            self.copy_streams.clear();
+        }
+        self.async_uploads = on;
+    }
+
+    /// Whether prefetch uploads to `backend` are queued on a copy stream (the setting is
+    /// on and the backend has one).
+    pub fn uploads_async(&mut self, backend: BackendId) -> bool {
+        self.copy_stream(backend).is_some()
+    }
+
+    /// The copy stream of `backend`, made on first use; `None` when async uploads are off
+    /// or the backend has no queued copies or events.
+    pub(crate) fn copy_stream(&mut self, backend: BackendId) -> Option<&CopyStream> {
+        if !self.async_uploads {
+            return None;
+        }
+        if !self.copy_streams.contains_key(&backend) {
+            let stream = self.backend(backend).and_then(|b| CopyStream::new(b));
+            tracing::debug!(
+                backend = backend.0,
+                copy_stream = stream.is_some(),
+                "weight uploads {}",
+                if stream.is_some() {
+                    "queued on a copy stream"
+                } else {
+                    "on a transfer thread (no queued copies or events)"
+                }
+            );
+            self.copy_streams.insert(backend, stream);
+        }
+        self.copy_streams.get(&backend).and_then(Option::as_ref)
     }
 
     /// Bytes copied from params copies into staging or prefetch blocks on another device
@@ -601,7 +650,11 @@ impl ModelManager {
     /// Drops a staging (or prefetch) block; its members lose their compute copy (a block in
     /// a staging pool unplaces them and returns its region to the pool).
     pub(crate) fn drop_staging_block(&mut self, id: BlockId) {
-        self.finish_transfers();
+        // Only a transfer filling this block writes to its memory: any other may go on
+        // (the block's last reader, a synchronous compute, is done).
+        if self.transfers.iter().any(|j| j.blocks.contains(&id)) {
+            self.finish_transfers();
+        }
         let Some(block) = self.staging.remove(&id) else {
             return;
         };
@@ -698,10 +751,33 @@ impl ModelManager {
     /// Waits for every prefetch copy in flight; the blocks of a failed one are dropped
     /// (their parameters lose the prefetched copy and load synchronously when prepared).
     pub(crate) fn finish_transfers(&mut self) {
+        self.finish_transfers_where(|_| true);
+    }
+
+    /// Orders the transfers filling any of `blocks` before the compute backend's later
+    /// work (it waits on their events in its queue); transfers that cannot be ordered so
+    /// (thread jobs, failures) are waited for on the host instead.
+    pub(crate) fn order_transfers(&mut self, blocks: &[BlockId]) {
+        let mut host_wait = false;
+        for job in &mut self.transfers {
+            if job.blocks.iter().any(|b| blocks.contains(b)) && !job.order_before() {
+                host_wait = true;
+            }
+        }
+        if host_wait {
+            self.finish_transfers_where(|j| !j.is_ordered());
+        }
+    }
+
+    /// [`finish_transfers`](Self::finish_transfers) of the jobs `pick` selects.
+    pub(crate) fn finish_transfers_where(&mut self, pick: impl Fn(&transfer::TransferJob) -> bool) {
         if self.transfers.is_empty() {
             return;
         }
-        let jobs = std::mem::take(&mut self.transfers);
+        let (jobs, keep): (Vec<_>, Vec<_>) = std::mem::take(&mut self.transfers)
+            .into_iter()
+            .partition(|j| pick(j));
+        self.transfers = keep;
         for job in jobs {
             let blocks = job.blocks.clone();
             match job.wait() {
@@ -877,6 +953,10 @@ impl DeviceResidencyManager for ModelManager {
         self.pools.get(&backend).map(|p| (p.owner, p.size()))
     }
 
+    fn wait_for_uploads(&mut self) {
+        self.finish_transfers_where(|j| j.is_ordered());
+    }
+
     fn fits_compute_backend_capacity(
         &self,
         request: &BackendMemoryRequest,
@@ -919,13 +999,19 @@ impl DeviceResidencyManager for ModelManager {
 
     fn activate_prefetched_params(&mut self, owner: OwnerId, params: &[ParamId]) -> Result<bool> {
         self.check_known(params)?;
-        self.finish_transfers();
-        let ids: Vec<BlockId> = self
-            .staging
-            .iter()
-            .filter(|(_, b)| b.prefetch_owner == Some(owner))
-            .map(|(id, _)| *id)
-            .collect();
+        let prefetch_blocks = |m: &ModelManager| -> Vec<BlockId> {
+            m.staging
+                .iter()
+                .filter(|(_, b)| b.prefetch_owner == Some(owner))
+                .map(|(id, _)| *id)
+                .collect()
+        };
+        // The compute backend waits for their uploads in its queue (queued copies), or the
+        // host waits here (a transfer thread); other transfers are finished (the blocks of
+        // a failed one are dropped).
+        self.order_transfers(&prefetch_blocks(self));
+        self.finish_transfers_where(|j| !j.is_ordered());
+        let ids = prefetch_blocks(self);
         if ids.is_empty() {
             return Ok(false);
         }

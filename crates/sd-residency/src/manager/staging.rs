@@ -244,13 +244,25 @@ impl ModelManager {
 
     pub(crate) fn prepare_inner(&mut self, params: &[ParamId]) -> Result<()> {
         self.check_known(params)?;
-        self.finish_transfers();
+        let prefetched_blocks = |m: &ModelManager| -> Vec<BlockId> {
+            params
+                .iter()
+                .filter_map(|p| m.states[p].prefetched.map(|(_, b)| b))
+                .collect()
+        };
+        // Uploads of these parameters' prefetched copies are ordered before the compute
+        // backend's later work (queued copies) or waited for (a transfer thread); any
+        // other transfer not so ordered is finished. LoRAs read and write the staged
+        // copies on the host: everything is finished first.
+        self.order_transfers(&prefetched_blocks(self));
+        if !self.lora.has_patches() {
+            self.finish_transfers_where(|j| !j.is_ordered());
+        } else {
+            self.finish_transfers();
+        }
         let _span = tracing::info_span!("prepare_params", params = params.len()).entered();
         // Prefetched copies of these parameters become current.
-        let prefetched: Vec<BlockId> = params
-            .iter()
-            .filter_map(|p| self.states[p].prefetched.map(|(_, b)| b))
-            .collect();
+        let prefetched = prefetched_blocks(self);
         for b in prefetched {
             self.promote_prefetch_block(b);
         }
@@ -377,11 +389,18 @@ impl ModelManager {
         let mut copies = Vec::new();
         match self.stage_with(&wanted, Some(owner), Some(&mut copies)) {
             Ok(blocks) => {
-                // The copies run on a transfer thread while the caller computes.
+                // The copies run on the device's copy stream, or on a transfer thread,
+                // while the caller computes.
                 self.upload_bytes += copies.iter().map(|c| c.dst.nbytes() as u64).sum::<u64>();
                 let coalesce = self.coalesce_uploads;
-                self.transfers
-                    .push(TransferJob::spawn(copies, blocks, coalesce));
+                let compute = self.backend(backend).cloned();
+                let job = match (compute, self.copy_stream(backend)) {
+                    (Some(compute), Some(stream)) => {
+                        TransferJob::queue(stream, compute, copies, blocks, coalesce)
+                    }
+                    _ => TransferJob::spawn(copies, blocks, coalesce),
+                };
+                self.transfers.push(job);
                 WeightPrefetchResult::Scheduled
             }
             Err(e) => {

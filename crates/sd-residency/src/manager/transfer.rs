@@ -1,16 +1,31 @@
-//! Background weight transfers: the copies of a prefetch run on a transfer thread while
-//! the caller computes the current segment.
+//! Background weight transfers: the copies of a prefetch run while the caller computes the
+//! current segment, queued on the device's copy stream or, on backends without one, on a
+//! transfer thread.
 //!
 //! A prefetch allocates its staging blocks and places its tensors on the calling thread
-//! (so every byte is accounted before the call returns); only the copies move to the
-//! transfer thread. The manager waits for a transfer before anything can free or read
-//! the buffers involved (activating or clearing the prefetch, dropping any block,
-//! preparing parameters, changing LoRAs), and a [`TransferJob`] joins its thread when
-//! dropped, so no copy outlives its buffers.
+//! (so every byte is accounted before the call returns); only the copies are deferred.
+//!
+//! **Copy stream** ([`TransferJob::queue`]; backends with queued copies and events, see
+//! [`CopyStream`]): the copies wait in the device's queues for the compute queued so far
+//! (the last reader of any pool region freed for them), are queued on the copy stream,
+//! and an event is recorded after them. Activating the prefetch makes the compute backend
+//! wait on that event ([`TransferJob::order_before`]: the next segment's compute waits for
+//! its weights in the device's queue, the host does not); the host waits for it only
+//! before computing ([`TransferJob::wait`], timed by the caller as the upload wait) or
+//! before freeing or reusing the memory involved.
+//!
+//! **Transfer thread** ([`TransferJob::spawn`]): synchronous copies on a thread of their
+//! own, joined when the prefetch is activated.
+//!
+//! The manager waits for a transfer before anything can free or read the buffers involved
+//! (activating or clearing the prefetch, dropping a block it fills or any params copy,
+//! preparing other parameters, changing or applying LoRAs), and a [`TransferJob`] waits
+//! for its copies when dropped, so no copy outlives its buffers.
 
+use std::sync::Arc;
 use std::thread::JoinHandle;
 
-use sd_tensor::ggml::{Backend, GTensor};
+use sd_tensor::ggml::{Backend, CopyStream, Event, GTensor};
 
 use crate::residency::BlockId;
 
@@ -29,6 +44,14 @@ pub(crate) struct TransferJob {
 
 enum State {
     Running(JoinHandle<Result<u64, String>>),
+    /// Queued on a copy stream; done when `event` is. `ordered`: the compute backend
+    /// already waits on it.
+    Queued {
+        event: Event,
+        compute: Arc<Backend>,
+        bytes: u64,
+        ordered: bool,
+    },
     Done(Result<u64, String>),
 }
 
@@ -79,12 +102,97 @@ impl TransferJob {
         }
     }
 
+    /// Queues `copies` on `stream` after the work queued on `compute` so far, and records
+    /// an event after them; a failure to queue is a finished job with the error.
+    /// With `coalesce`, see [`Backend::copy_tensors`].
+    pub fn queue(
+        stream: &CopyStream,
+        compute: Arc<Backend>,
+        copies: Vec<WeightCopy>,
+        blocks: Vec<BlockId>,
+        coalesce: bool,
+    ) -> TransferJob {
+        let _span = tracing::debug_span!("weight_upload_queued", copies = copies.len()).entered();
+        let bytes = copies.iter().map(|c| c.dst.nbytes() as u64).sum();
+        let pairs: Vec<(GTensor, GTensor)> = copies
+            .iter()
+            .map(|c| (c.src.clone(), c.dst.clone()))
+            .collect();
+        let queued = stream.after(&compute).and_then(|()| {
+            // SAFETY: the sources are params copies and the destinations staging
+            // placements of `blocks`; the manager waits for this job (its event) before
+            // freeing any params copy or any of `blocks`, before reading or writing them
+            // (LoRAs), and before computing with them (`order_before` makes the compute
+            // backend wait on the event first), and the job waits for the event when
+            // dropped.
+            unsafe { stream.upload(&pairs, coalesce) }?;
+            stream.record()
+        });
+        let state = match queued {
+            Ok(event) => State::Queued {
+                event,
+                compute,
+                bytes,
+                ordered: false,
+            },
+            Err(e) => {
+                // What was queued before the error finishes before the blocks go.
+                stream.backend().synchronize();
+                let first = copies.first().map_or("", |c| c.name.as_str());
+                State::Done(Err(format!(
+                    "queueing the upload of `{first}` and {} more: {e}",
+                    copies.len().saturating_sub(1)
+                )))
+            }
+        };
+        TransferJob {
+            blocks,
+            state: Some(state),
+        }
+    }
+
+    /// Whether the job is queued on a copy stream with the compute backend already
+    /// waiting on it ([`order_before`](Self::order_before)).
+    pub fn is_ordered(&self) -> bool {
+        matches!(self.state, Some(State::Queued { ordered: true, .. }))
+    }
+
+    /// Makes the compute backend wait for the queued copies before its later work (in the
+    /// device's queue); `false` when it cannot (a thread job, or the wait failed): the
+    /// caller then waits on the host.
+    pub fn order_before(&mut self) -> bool {
+        match &mut self.state {
+            Some(State::Queued {
+                event,
+                compute,
+                ordered,
+                ..
+            }) => {
+                if !*ordered {
+                    match compute.wait_event(event) {
+                        Ok(()) => *ordered = true,
+                        Err(e) => {
+                            tracing::debug!(error = %e, "the compute backend cannot wait on the upload");
+                            return false;
+                        }
+                    }
+                }
+                true
+            }
+            _ => false,
+        }
+    }
+
     /// Waits for the copies; returns the bytes copied or what failed.
     pub fn wait(mut self) -> Result<u64, String> {
         match self.state.take() {
             Some(State::Running(h)) => h
                 .join()
                 .unwrap_or_else(|_| Err("transfer thread panicked".into())),
+            Some(State::Queued { event, bytes, .. }) => {
+                event.synchronize();
+                Ok(bytes)
+            }
             Some(State::Done(r)) => r,
             None => Ok(0),
         }
@@ -93,8 +201,12 @@ impl TransferJob {
 
 impl Drop for TransferJob {
     fn drop(&mut self) {
-        if let Some(State::Running(h)) = self.state.take() {
-            let _ = h.join();
+        match self.state.take() {
+            Some(State::Running(h)) => {
+                let _ = h.join();
+            }
+            Some(State::Queued { event, .. }) => event.synchronize(),
+            _ => {}
         }
     }
 }

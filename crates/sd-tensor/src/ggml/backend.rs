@@ -617,6 +617,43 @@ impl Backend {
         Ok(())
     }
 
+    /// Whether the backend queues host-to-device copies (`ggml_backend_tensor_set_async`
+    /// has a backend implementation; without one ggml synchronises and copies).
+    pub fn supports_async_set(&self) -> bool {
+        // SAFETY: live backend; its interface is immutable.
+        unsafe { (*self.raw()).iface.set_tensor_async.is_some() }
+    }
+
+    /// Whether the backend and its device implement events: recording, waiting on them
+    /// in the backend's queue, creating and synchronising them on the device.
+    pub fn supports_events(&self) -> bool {
+        // SAFETY: live backend and device; their interfaces are immutable.
+        unsafe {
+            let b = &*self.raw();
+            let dev = b.device;
+            b.iface.event_record.is_some()
+                && b.iface.event_wait.is_some()
+                && !dev.is_null()
+                && (*dev).iface.event_new.is_some()
+                && (*dev).iface.event_free.is_some()
+                && (*dev).iface.event_synchronize.is_some()
+        }
+    }
+
+    /// Makes the work queued on this backend after this call wait until `event` completes
+    /// (on a GPU: in the device's queue, without blocking the host).
+    pub fn wait_event(&self, event: &super::stream::Event) -> Result<()> {
+        if !self.supports_events() {
+            return Err(GgmlError::Mismatch(format!(
+                "backend {} has no events",
+                self.name
+            )));
+        }
+        // SAFETY: live backend with an `event_wait`; live event.
+        unsafe { sys::ggml_backend_event_wait(self.raw(), event.raw()) };
+        Ok(())
+    }
+
     /// Waits for queued work.
     pub fn synchronize(&self) {
         // SAFETY: live backend.
@@ -631,78 +668,23 @@ impl Backend {
     /// synchronous copy per tensor. The alignment padding between merged destinations is
     /// overwritten too; it can hold no tensor. Returns the number of copies issued.
     pub fn copy_tensors(pairs: &[(GTensor, GTensor)]) -> Result<usize> {
-        let mergeable = |s: &GTensor, d: &GTensor| {
-            s.is_allocated()
-                && d.is_allocated()
-                && s.is_host()
-                && s.has_buffer()
-                && d.has_buffer()
-                && s.is_contiguous()
-                && d.is_contiguous()
-                && s.nbytes() == d.nbytes()
-                && s.dtype() == d.dtype()
-                && s.ne() == d.ne()
-        };
-        let mut copies = 0;
-        let mut i = 0;
-        while i < pairs.len() {
-            let (s0, d0) = &pairs[i];
-            if !mergeable(s0, d0) {
-                Self::copy_tensor(s0, d0)?;
-                copies += 1;
-                i += 1;
-                continue;
-            }
-            let (sb, db) = (s0.buffer_raw(), d0.buffer_raw());
-            let (s_start, d_start) = (s0.data_addr(), d0.data_addr());
-            // SAFETY: live buffer.
-            let align = unsafe { sys::ggml_backend_buffer_get_alignment(db) }.max(1);
-            let mut end = s_start + s0.nbytes();
-            let mut j = i + 1;
-            while j < pairs.len() {
-                let (s, d) = &pairs[j];
-                if !mergeable(s, d) || s.buffer_raw() != sb || d.buffer_raw() != db {
-                    break;
-                }
-                let (so, dof) = (s.data_addr(), d.data_addr());
-                // Same relative offsets, and in the destination the next tensor sits at the
-                // first aligned address after the previous one, so the padding copied in
-                // between can hold no other tensor.
-                let d_end = d_start + (end - s_start);
-                if so < end
-                    || so - s_start != dof.wrapping_sub(d_start)
-                    || dof != d_end.next_multiple_of(align)
-                {
-                    break;
-                }
-                end = so + s.nbytes();
-                j += 1;
-            }
-            if j == i + 1 {
-                Self::copy_tensor(s0, d0)?;
-            } else {
-                let len = end - s_start;
-                // A byte descriptor spanning the run in the destination buffer.
-                let ctx = Context::new_descriptors(1, 1, 0)?;
-                let span = ctx.new_tensor(crate::DType::I8, &[len])?;
-                // SAFETY: the run lies inside the destination buffer (every merged
-                // destination does, at the same offsets as in the source run, which ends at
-                // the last merged tensor's end); the source run lies in one live host buffer.
-                unsafe {
-                    let status = sys::ggml_backend_tensor_alloc(db, span.raw(), d_start as *mut _);
-                    if status != sys::GGML_STATUS_SUCCESS {
-                        return Err(GgmlError::Mismatch(format!(
-                            "coalesced copy of {len} bytes: {}",
-                            status_name(status)
-                        )));
-                    }
-                    sys::ggml_backend_tensor_set(span.raw(), s_start as *const _, 0, len);
+        let runs = coalesced_runs(pairs);
+        for run in &runs {
+            match *run {
+                CopyRun::One(i) => Self::copy_tensor(&pairs[i].0, &pairs[i].1)?,
+                CopyRun::Span { first, len } => {
+                    let (s, d) = (&pairs[first].0, &pairs[first].1);
+                    with_span(d, len, |span| {
+                        // SAFETY: the run lies inside the destination buffer and the source
+                        // run in one live host buffer (see `coalesced_runs`).
+                        unsafe {
+                            sys::ggml_backend_tensor_set(span, s.data_addr() as *const _, 0, len)
+                        };
+                    })?;
                 }
             }
-            copies += 1;
-            i = j;
         }
-        Ok(copies)
+        Ok(runs.len())
     }
 
     /// Copies `src`'s data into `dst` (same shape and type, any backends).
@@ -727,4 +709,106 @@ impl Backend {
         unsafe { sys::ggml_backend_tensor_copy(src.raw(), dst.raw()) };
         Ok(())
     }
+}
+
+/// One copy of [`coalesced_runs`]: a pair copied alone, or a run of pairs starting at
+/// `first` copied as `len` bytes from the first source's address to the first
+/// destination's.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum CopyRun {
+    /// Pair `i` alone.
+    One(usize),
+    /// The pairs from `first` on, `len` bytes in one copy.
+    Span {
+        /// The first pair of the run.
+        first: usize,
+        /// Bytes of the run (sources back to back, with the destination's padding).
+        len: usize,
+    },
+}
+
+/// Splits `pairs` into the copies [`Backend::copy_tensors`] issues (see there).
+pub(crate) fn coalesced_runs(pairs: &[(GTensor, GTensor)]) -> Vec<CopyRun> {
+    let mergeable = |s: &GTensor, d: &GTensor| {
+        s.is_allocated()
+            && d.is_allocated()
+            && s.is_host()
+            && s.has_buffer()
+            && d.has_buffer()
+            && s.is_contiguous()
+            && d.is_contiguous()
+            && s.nbytes() == d.nbytes()
+            && s.dtype() == d.dtype()
+            && s.ne() == d.ne()
+    };
+    let mut runs = Vec::new();
+    let mut i = 0;
+    while i < pairs.len() {
+        let (s0, d0) = &pairs[i];
+        if !mergeable(s0, d0) {
+            runs.push(CopyRun::One(i));
+            i += 1;
+            continue;
+        }
+        let (sb, db) = (s0.buffer_raw(), d0.buffer_raw());
+        let (s_start, d_start) = (s0.data_addr(), d0.data_addr());
+        // SAFETY: live buffer.
+        let align = unsafe { sys::ggml_backend_buffer_get_alignment(db) }.max(1);
+        let mut end = s_start + s0.nbytes();
+        let mut j = i + 1;
+        while j < pairs.len() {
+            let (s, d) = &pairs[j];
+            if !mergeable(s, d) || s.buffer_raw() != sb || d.buffer_raw() != db {
+                break;
+            }
+            let (so, dof) = (s.data_addr(), d.data_addr());
+            // Same relative offsets, and in the destination the next tensor sits at the
+            // first aligned address after the previous one, so the padding copied in
+            // between can hold no other tensor.
+            let d_end = d_start + (end - s_start);
+            if so < end
+                || so - s_start != dof.wrapping_sub(d_start)
+                || dof != d_end.next_multiple_of(align)
+            {
+                break;
+            }
+            end = so + s.nbytes();
+            j += 1;
+        }
+        if j == i + 1 {
+            runs.push(CopyRun::One(i));
+        } else {
+            runs.push(CopyRun::Span {
+                first: i,
+                len: end - s_start,
+            });
+        }
+        i = j;
+    }
+    runs
+}
+
+/// Calls `f` with a byte descriptor of `len` bytes placed at `dst`'s address in `dst`'s
+/// buffer (the destination of a coalesced run).
+pub(crate) fn with_span(
+    dst: &GTensor,
+    len: usize,
+    f: impl FnOnce(*mut sys::ggml_tensor),
+) -> Result<()> {
+    let ctx = Context::new_descriptors(1, 1, 0)?;
+    let span = ctx.new_tensor(crate::DType::I8, &[len])?;
+    // SAFETY: the caller's run lies inside the destination buffer (every merged destination
+    // does, at the same offsets as in the source run, which ends at the last merged
+    // tensor's end).
+    let status = unsafe {
+        sys::ggml_backend_tensor_alloc(dst.buffer_raw(), span.raw(), dst.data_addr() as *mut _)
+    };
+    if status != sys::GGML_STATUS_SUCCESS {
+        return Err(GgmlError::Mismatch(format!(
+            "coalesced copy of {len} bytes: {}",
+            status_name(status)
+        )));
+    }
+    f(span.raw());
+    Ok(())
 }

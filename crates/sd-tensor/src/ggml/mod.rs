@@ -9,6 +9,8 @@
 //! - [`Backend`], [`Device`], [`BufferType`], [`Buffer`]: compute backends, the device list
 //!   with free/total memory, buffer types and RAII device buffers.
 //! - [`Gallocr`] and [`Scheduler`]: ggml's graph allocator and backend scheduler.
+//! - [`Event`] and [`CopyStream`]: backend events, and uploads queued on a second backend
+//!   of a device so that they overlap compute.
 //!
 //! Memory safety of tensor data: a tensor's `buffer`/`data` fields are reset to null when the
 //! [`Buffer`], [`Gallocr`] or [`Scheduler`] that allocated them lets go of the memory, so a
@@ -28,6 +30,7 @@ mod ops;
 mod rpc;
 mod sched;
 mod simdev;
+mod stream;
 mod tensor;
 
 pub use alloc::Gallocr;
@@ -42,6 +45,7 @@ pub use ops::{Interpolation, Precision};
 pub use rpc::rpc_device_memory;
 pub use sched::{EvalCallback, Scheduler};
 pub use simdev::{SimDevice, SimOptions, SimStats};
+pub use stream::{CopyStream, Event};
 pub use tensor::{GTensor, TensorId};
 
 /// Maximum number of dimensions of a ggml tensor.

@@ -70,6 +70,13 @@ pub struct SimOptions {
     /// e.g. `"GELU"`) that the device claims not to support, so that the scheduler has to
     /// run them elsewhere.
     pub unsupported_ops: Vec<String>,
+    /// Give the device's backends queued host-to-device copies (`set_tensor_async`) and
+    /// events, as a GPU's streams have. A queued copy is deferred: it takes effect only
+    /// when something orders after it (an event recorded after it is waited on or
+    /// synchronised, its backend is synchronised, computes or is freed), so a reader that
+    /// is not ordered after an upload sees the memory as it was. The source bytes are read
+    /// when the copy is queued.
+    pub async_transfers: bool,
 }
 
 impl Default for SimOptions {
@@ -83,6 +90,7 @@ impl Default for SimOptions {
             threads: 1,
             fill_byte: None,
             unsupported_ops: Vec::new(),
+            async_transfers: false,
         }
     }
 }
@@ -109,6 +117,10 @@ pub struct SimStats {
     pub host_to_device_bytes: u64,
     /// Number of host-to-device transfers.
     pub host_to_device_copies: u64,
+    /// Host-to-device copies that were queued (`set_tensor_async` with
+    /// [`SimOptions::async_transfers`]); each is also counted in `host_to_device_copies`
+    /// when it takes effect.
+    pub queued_host_to_device_copies: u64,
     /// Bytes read from device memory into host memory (`tensor_get`).
     pub device_to_host_bytes: u64,
     /// Number of device-to-host transfers.
@@ -138,6 +150,7 @@ struct Counters {
     frees: u64,
     h2d_bytes: u64,
     h2d_copies: u64,
+    queued_h2d: u64,
     d2h_bytes: u64,
     d2h_copies: u64,
     d2d_bytes: u64,
@@ -148,6 +161,8 @@ struct Counters {
     /// True free values before the most recent events (oldest first), at most
     /// `lagging_reports` of them.
     history: VecDeque<u64>,
+    /// Live buffers' memory: base address -> size (where a queued copy may land).
+    regions: std::collections::BTreeMap<usize, usize>,
 }
 
 #[derive(Clone, Copy)]
@@ -328,13 +343,18 @@ impl State {
         }
         let live = c.live + size as u64;
         self.set_live(&mut c, live);
+        c.regions.insert(base.as_ptr() as usize, size);
         c.allocations += 1;
         c.live_buffers += 1;
         buf
     }
 
-    fn on_free(&self, size: usize) {
+    /// Counts the free of the buffer at `base`; `release` frees its memory while the
+    /// counters are locked (so that no queued copy lands in it meanwhile).
+    fn on_free(&self, base: usize, size: usize, release: impl FnOnce()) {
         let mut c = self.counters();
+        c.regions.remove(&base);
+        release();
         let live = c.live.saturating_sub(size as u64);
         self.set_live(&mut c, live);
         c.frees += 1;
@@ -401,6 +421,76 @@ struct SimBackend {
     state: Arc<State>,
     cpu: NonNull<sys::ggml_backend>,
     lock: Mutex<()>,
+    /// Copies queued on this backend (stream), in order.
+    queue: Arc<Mutex<CopyQueue>>,
+}
+
+/// A backend's queued copies ([`SimOptions::async_transfers`]).
+#[derive(Default)]
+struct CopyQueue {
+    /// Not yet done: (sequence number, destination address, source bytes).
+    pending: VecDeque<(u64, usize, Vec<u8>)>,
+    /// Copies queued so far (the next sequence number).
+    queued: u64,
+}
+
+impl CopyQueue {
+    /// Makes the copies queued before sequence number `until` take effect.
+    fn run_until(&mut self, state: &State, until: u64) {
+        while self.pending.front().is_some_and(|(seq, _, _)| *seq < until) {
+            let Some((_, dst, bytes)) = self.pending.pop_front() else {
+                break;
+            };
+            let mut c = state.counters();
+            let inside = c
+                .regions
+                .range(..=dst)
+                .next_back()
+                .is_some_and(|(base, size)| dst + bytes.len() <= base + size);
+            if !inside {
+                drop(c);
+                state.fault(format_args!(
+                    "queued copy of {} bytes into memory that is no longer allocated",
+                    bytes.len()
+                ));
+                continue;
+            }
+            // SAFETY: the destination lies inside a live buffer of this device, which
+            // cannot be freed while the counters are locked (see `State::on_free`).
+            unsafe { ptr::copy_nonoverlapping(bytes.as_ptr(), dst as *mut u8, bytes.len()) };
+            c.h2d_bytes += bytes.len() as u64;
+            c.h2d_copies += 1;
+        }
+    }
+
+    /// Makes every queued copy take effect.
+    fn run_all(&mut self, state: &State) {
+        let until = self.queued;
+        self.run_until(state, until);
+    }
+}
+
+/// The context of one event: the queue and sequence number it was last recorded at.
+struct SimEvent {
+    state: Arc<State>,
+    recorded: Mutex<Option<(Arc<Mutex<CopyQueue>>, u64)>>,
+}
+
+impl SimEvent {
+    /// Makes the copies queued before the record take effect.
+    fn complete(&self) {
+        let recorded = self
+            .recorded
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        if let Some((queue, seq)) = recorded {
+            queue
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .run_until(&self.state, seq);
+        }
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -468,6 +558,7 @@ impl SimDevice {
         }
         let max_size = options.max_buffer_size.unwrap_or(usize::MAX);
         let alignment = options.alignment;
+        let async_transfers = options.async_transfers;
         let state = Arc::new_cyclic(|weak: &Weak<State>| {
             let shell = NonNull::from(Box::leak(Box::new(Shell {
                 reg: sys::ggml_backend_reg::default(),
@@ -492,7 +583,11 @@ impl SimDevice {
                     context: p.cast(),
                 };
                 (*p).dev = sys::ggml_backend_device {
-                    iface: DEVICE_IFACE,
+                    iface: if async_transfers {
+                        DEVICE_IFACE_ASYNC
+                    } else {
+                        DEVICE_IFACE
+                    },
                     reg: ptr::addr_of_mut!((*p).reg),
                     context: p.cast(),
                 };
@@ -567,6 +662,7 @@ impl SimDevice {
             frees: c.frees,
             host_to_device_bytes: c.h2d_bytes,
             host_to_device_copies: c.h2d_copies,
+            queued_host_to_device_copies: c.queued_h2d,
             device_to_host_bytes: c.d2h_bytes,
             device_to_host_copies: c.d2h_copies,
             device_to_device_bytes: c.d2d_bytes,
@@ -602,6 +698,7 @@ impl SimDevice {
             live_buffers: c.live_buffers,
             fail_next: c.fail_next,
             history: std::mem::take(&mut c.history),
+            regions: std::mem::take(&mut c.regions),
             ..Counters::default()
         };
         *c = keep;
@@ -738,6 +835,75 @@ const DEVICE_IFACE: sys::ggml_backend_device_i = sys::ggml_backend_device_i {
     event_synchronize: None,
 };
 
+/// [`DEVICE_IFACE`] with events ([`SimOptions::async_transfers`]).
+const DEVICE_IFACE_ASYNC: sys::ggml_backend_device_i = sys::ggml_backend_device_i {
+    event_new: Some(dev_event_new),
+    event_free: Some(dev_event_free),
+    event_synchronize: Some(dev_event_synchronize),
+    ..DEVICE_IFACE
+};
+
+unsafe extern "C" fn dev_event_new(dev: sys::ggml_backend_dev_t) -> sys::ggml_backend_event_t {
+    ffi(ptr::null_mut(), || {
+        // SAFETY: ggml passes our device.
+        let Some(state) = (unsafe { dev_shell(dev) }).and_then(|s| s.state.upgrade()) else {
+            return ptr::null_mut();
+        };
+        let ctx = Box::into_raw(Box::new(SimEvent {
+            state,
+            recorded: Mutex::new(None),
+        }));
+        // The event and its context are reclaimed by `dev_event_free`.
+        Box::into_raw(Box::new(sys::ggml_backend_event {
+            device: dev,
+            context: ctx.cast(),
+        }))
+    })
+}
+
+unsafe extern "C" fn dev_event_free(
+    _dev: sys::ggml_backend_dev_t,
+    event: sys::ggml_backend_event_t,
+) {
+    if event.is_null() {
+        return;
+    }
+    ffi((), || {
+        // SAFETY: ggml frees each event once; both boxes were made by `dev_event_new`.
+        unsafe {
+            let ctx = (*event).context as *mut SimEvent;
+            if !ctx.is_null() {
+                drop(Box::from_raw(ctx));
+            }
+            drop(Box::from_raw(event));
+        }
+    })
+}
+
+/// The SimEvent of `event`.
+///
+/// # Safety
+/// `event` is null or an event made by `dev_event_new`, not yet freed.
+unsafe fn sim_event<'a>(event: sys::ggml_backend_event_t) -> Option<&'a SimEvent> {
+    if event.is_null() {
+        return None;
+    }
+    // SAFETY: see above.
+    unsafe { ((*event).context as *const SimEvent).as_ref() }
+}
+
+unsafe extern "C" fn dev_event_synchronize(
+    _dev: sys::ggml_backend_dev_t,
+    event: sys::ggml_backend_event_t,
+) {
+    ffi((), || {
+        // SAFETY: ggml passes one of our events.
+        if let Some(e) = unsafe { sim_event(event) } {
+            e.complete();
+        }
+    })
+}
+
 unsafe extern "C" fn dev_get_name(dev: sys::ggml_backend_dev_t) -> *const c_char {
     // SAFETY: ggml passes our device.
     match unsafe { dev_shell(dev) } {
@@ -795,6 +961,9 @@ unsafe extern "C" fn dev_get_props(
     // SAFETY: ggml passes our device.
     let shell = unsafe { dev_shell(dev) };
     let (free, total) = ffi((0, 0), || reported(shell));
+    let queues = shell
+        .and_then(|s| s.state.upgrade())
+        .is_some_and(|st| st.opts.async_transfers);
     // SAFETY: `props` is a valid out pointer; the strings live in the never-freed shell.
     unsafe {
         *props = sys::ggml_backend_dev_props {
@@ -805,10 +974,10 @@ unsafe extern "C" fn dev_get_props(
             type_: dev_get_type(dev),
             device_id: ptr::null(),
             caps: sys::ggml_backend_dev_caps {
-                async_: false,
+                async_: queues,
                 host_buffer: false,
                 buffer_from_host_ptr: false,
-                events: false,
+                events: queues,
                 mmap_support: false,
             },
         };
@@ -834,10 +1003,16 @@ unsafe extern "C" fn dev_init_backend(
         let threads = state.opts.threads.clamp(1, i32::MAX as usize) as i32;
         // SAFETY: `cpu` is a CPU backend.
         unsafe { sys::ggml_backend_cpu_set_n_threads(cpu.as_ptr(), threads) };
+        let iface = if state.opts.async_transfers {
+            BACKEND_IFACE_ASYNC
+        } else {
+            BACKEND_IFACE
+        };
         let ctx = Box::into_raw(Box::new(SimBackend {
             state,
             cpu,
             lock: Mutex::new(()),
+            queue: Arc::default(),
         }));
         // SAFETY: `dev` is our device, whose context is the never-freed shell; the guid
         // lives in it. The backend struct and `ctx` are reclaimed by `backend_free`.
@@ -845,7 +1020,7 @@ unsafe extern "C" fn dev_init_backend(
             let shell_ptr = (*dev).context as *mut Shell;
             Box::into_raw(Box::new(sys::ggml_backend {
                 guid: ptr::addr_of_mut!((*shell_ptr).guid),
-                iface: BACKEND_IFACE,
+                iface,
                 device: dev,
                 context: ctx.cast(),
             }))
@@ -1000,8 +1175,10 @@ unsafe extern "C" fn buffer_free(buffer: sys::ggml_backend_buffer_t) {
         let b = unsafe { Box::from_raw(ctx) };
         // SAFETY: the memory was allocated with this layout and is no longer referenced by
         // ggml (the buffer is being freed).
-        unsafe { std::alloc::dealloc(b.base.as_ptr(), b.layout) };
-        b.state.on_free(b.size);
+        b.state
+            .on_free(b.base.as_ptr() as usize, b.size, || unsafe {
+                std::alloc::dealloc(b.base.as_ptr(), b.layout)
+            });
     })
 }
 
@@ -1181,6 +1358,113 @@ const BACKEND_IFACE: sys::ggml_backend_i = sys::ggml_backend_i {
     graph_optimize: None,
 };
 
+/// [`BACKEND_IFACE`] with queued copies and events ([`SimOptions::async_transfers`]).
+const BACKEND_IFACE_ASYNC: sys::ggml_backend_i = sys::ggml_backend_i {
+    set_tensor_async: Some(backend_set_tensor_async),
+    synchronize: Some(backend_synchronize),
+    event_record: Some(backend_event_record),
+    event_wait: Some(backend_event_wait),
+    ..BACKEND_IFACE
+};
+
+/// # Safety
+/// `backend` is null or one of this module's backends.
+unsafe fn sim_backend<'a>(backend: sys::ggml_backend_t) -> Option<&'a SimBackend> {
+    if backend.is_null() {
+        return None;
+    }
+    // SAFETY: our backend; its context is the SimBackend made by `dev_init_backend`.
+    unsafe { ((*backend).context as *const SimBackend).as_ref() }
+}
+
+unsafe extern "C" fn backend_set_tensor_async(
+    backend: sys::ggml_backend_t,
+    tensor: *mut sys::ggml_tensor,
+    data: *const c_void,
+    offset: usize,
+    size: usize,
+) {
+    ffi((), || {
+        // SAFETY: ggml passes our backend.
+        let Some(ctx) = (unsafe { sim_backend(backend) }) else {
+            return;
+        };
+        if tensor.is_null() || data.is_null() {
+            return ctx
+                .state
+                .fault(format_args!("set_tensor_async with a null pointer"));
+        }
+        // SAFETY: live tensor; its buffer (or its view source's) is live or null.
+        let (buf, tdata) = unsafe {
+            let t = &*tensor;
+            let buf = if t.view_src.is_null() {
+                t.buffer
+            } else {
+                (*t.view_src).buffer
+            };
+            (buf, t.data)
+        };
+        // SAFETY: live buffer or null.
+        let region = unsafe { sim_buffer(buf) }
+            .filter(|b| Arc::ptr_eq(&b.state, &ctx.state))
+            .and_then(|b| b.region(tdata, offset, size));
+        let Some(dst) = region else {
+            return ctx.state.fault(format_args!(
+                "set_tensor_async of {size} bytes outside this device's buffers"
+            ));
+        };
+        // SAFETY: `data` holds `size` readable bytes (caller contract).
+        let bytes = unsafe { std::slice::from_raw_parts(data.cast::<u8>(), size) }.to_vec();
+        let mut q = ctx.queue.lock().unwrap_or_else(|e| e.into_inner());
+        let seq = q.queued;
+        q.pending.push_back((seq, dst as usize, bytes));
+        q.queued += 1;
+        drop(q);
+        ctx.state.counters().queued_h2d += 1;
+    })
+}
+
+unsafe extern "C" fn backend_synchronize(backend: sys::ggml_backend_t) {
+    ffi((), || {
+        // SAFETY: ggml passes our backend.
+        if let Some(ctx) = unsafe { sim_backend(backend) } {
+            ctx.queue
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .run_all(&ctx.state);
+        }
+    })
+}
+
+unsafe extern "C" fn backend_event_record(
+    backend: sys::ggml_backend_t,
+    event: sys::ggml_backend_event_t,
+) {
+    ffi((), || {
+        // SAFETY: ggml passes our backend and one of our events.
+        let (Some(ctx), Some(e)) = (unsafe { sim_backend(backend) }, unsafe { sim_event(event) })
+        else {
+            return;
+        };
+        let seq = ctx.queue.lock().unwrap_or_else(|e| e.into_inner()).queued;
+        *e.recorded.lock().unwrap_or_else(|e| e.into_inner()) = Some((ctx.queue.clone(), seq));
+    })
+}
+
+/// Waiting in a backend's queue: the backend's later work (a compute, which runs at the
+/// call) comes after the event's copies, so they take effect now.
+unsafe extern "C" fn backend_event_wait(
+    _backend: sys::ggml_backend_t,
+    event: sys::ggml_backend_event_t,
+) {
+    ffi((), || {
+        // SAFETY: ggml passes one of our events.
+        if let Some(e) = unsafe { sim_event(event) } {
+            e.complete();
+        }
+    })
+}
+
 unsafe extern "C" fn backend_get_name(backend: sys::ggml_backend_t) -> *const c_char {
     if backend.is_null() {
         return c"SIM?".as_ptr();
@@ -1200,6 +1484,11 @@ unsafe extern "C" fn backend_free(backend: sys::ggml_backend_t) {
             let ctx = (*backend).context as *mut SimBackend;
             if !ctx.is_null() {
                 let c = Box::from_raw(ctx);
+                // Freeing a backend finishes its queued copies.
+                c.queue
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .run_all(&c.state);
                 sys::ggml_backend_free(c.cpu.as_ptr());
             }
             drop(Box::from_raw(backend));
@@ -1246,6 +1535,11 @@ unsafe extern "C" fn backend_graph_compute(
                 }
             }
         }
+        // The backend's own queued copies come first (stream order).
+        ctx.queue
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .run_all(state);
         let _g = ctx.lock.lock().unwrap_or_else(|e| e.into_inner());
         state.counters().graph_computes += 1;
         // SAFETY: every tensor of the graph lies in host memory owned by this device, so the

@@ -284,6 +284,16 @@ impl GTensor {
         self.t().buffer
     }
 
+    /// The buffer type of the tensor's buffer (null without a buffer).
+    pub(crate) fn buffer_type_raw(&self) -> sys::ggml_backend_buffer_type_t {
+        let b = self.t().buffer;
+        if b.is_null() {
+            return std::ptr::null_mut();
+        }
+        // SAFETY: a non-null buffer field points to a live buffer (reset on free).
+        unsafe { sys::ggml_backend_buffer_get_type(b) }
+    }
+
     /// Forgets this tensor's memory (the memory's owner is letting it go).
     pub(crate) fn clear_allocation(&self) {
         let _g = self.ctx.lock();

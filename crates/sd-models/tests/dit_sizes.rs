@@ -1,0 +1,90 @@
+//! The DiT configurations declare the published model sizes (synthetic parameters: no
+//! file, nothing allocated), the sizes the benchmarks stream.
+
+use sd_models::flux::{FluxConfig, FluxModel};
+use sd_models::mmdit::{MmditConfig, MmditModel};
+use sd_models::ParamBuilder;
+
+/// Billions of parameters declared by `build`.
+fn billions(build: impl FnOnce(&ParamBuilder<'_>)) -> f64 {
+    let pb = ParamBuilder::new(None, 1 << 14).unwrap();
+    build(&pb);
+    // Synthetic parameters are f32.
+    pb.finish().nbytes() as f64 / 4.0 / 1e9
+}
+
+#[test]
+fn dit_configs_have_the_published_sizes() {
+    let large = billions(|pb| {
+        MmditModel::new(pb, MmditConfig::sd35_large()).unwrap();
+    });
+    let medium = billions(|pb| {
+        MmditModel::new(pb, MmditConfig::sd35_medium()).unwrap();
+    });
+    let sd3 = billions(|pb| {
+        MmditModel::new(pb, MmditConfig::sd3_medium()).unwrap();
+    });
+    let flux = billions(|pb| {
+        FluxModel::new(pb, FluxConfig::dev()).unwrap();
+    });
+    println!("SD3.5 Large {large:.2} B, SD3.5 Medium {medium:.2} B, SD3 Medium {sd3:.2} B, FLUX.1-dev {flux:.2} B");
+    // Stability: 8.1 B and 2.5 B (2.2 B without the 384x384 position table); SD3 Medium
+    // 2 B; BFL: 12 B.
+    assert!((8.0..8.3).contains(&large), "{large}");
+    assert!((2.4..2.6).contains(&medium), "{medium}");
+    assert!((1.9..2.1).contains(&sd3), "{sd3}");
+    assert!((11.8..12.0).contains(&flux), "{flux}");
+}
+
+/// FLOPs of one 1024x1024 step counted from the graphs (matrix products, attention
+/// included): FLUX.1-dev with 512 T5 tokens (batch 1), SD3.5 Large with CFG (batch 2, 333
+/// tokens). Built only, nothing computed.
+#[test]
+fn dit_step_flops_at_1024() {
+    use sd_models::diffusion::{DiffusionArch, DiffusionInputs, DiffusionNet};
+    use sd_models::{ComputeOptions, GraphCtx};
+    use sd_tensor::DType;
+    let flops = |arch: DiffusionArch, b: usize, n_txt: usize| -> f64 {
+        let pb = ParamBuilder::new(None, 1 << 14).unwrap();
+        let net = DiffusionNet::new(&pb, &arch).unwrap();
+        let _params = pb.finish();
+        let mut g = GraphCtx::new(
+            net.graph_size(),
+            net.graph_size(),
+            ComputeOptions::default(),
+        )
+        .unwrap();
+        let ctx = g.ctx.clone();
+        let (ctx_dim, y_dim, guided) = match &arch {
+            DiffusionArch::Flux(f) => (f.context_in_dim, f.vec_in_dim, true),
+            DiffusionArch::Mmdit(m) => (m.context_dim, m.pooled_dim, false),
+            DiffusionArch::Unet(_) => unreachable!(),
+        };
+        let x = ctx.new_tensor(DType::F32, &[128, 128, 16, b]).unwrap();
+        let t = ctx.new_tensor(DType::F32, &[b]).unwrap();
+        let c = ctx.new_tensor(DType::F32, &[ctx_dim, n_txt, b]).unwrap();
+        let y = ctx.new_tensor(DType::F32, &[y_dim, b]).unwrap();
+        let gd = ctx.new_tensor(DType::F32, &[b]).unwrap();
+        let mut inputs = DiffusionInputs::new(&x, &t);
+        inputs.context = Some(&c);
+        inputs.y = Some(&y);
+        inputs.guidance = guided.then_some(&gd);
+        let out = net.forward(&mut g, &inputs).unwrap();
+        let mut graph = sd_tensor::ggml::Graph::new(&ctx, net.graph_size()).unwrap();
+        graph.build_forward_expand(&out).unwrap();
+        sd_models::bench::graph_flops(&graph)
+    };
+    let flux = flops(DiffusionArch::Flux(FluxConfig::dev()), 1, 512);
+    let sd35 = flops(DiffusionArch::Mmdit(MmditConfig::sd35_large()), 2, 333);
+    println!(
+        "one 1024x1024 step: FLUX.1-dev {:.1} TFLOP, SD3.5 Large (CFG) {:.1} TFLOP",
+        flux / 1e12,
+        sd35 / 1e12
+    );
+    // 2 x weights x the tokens each weight sees (a double block's image weights only the
+    // 4096 image tokens, its text weights the text; modulations one vector), plus attention
+    // (4 n^2 d per head and block): FLUX 39.6 (single) + 19.8 (double) + 14.9 (attention)
+    // TFLOP; SD3.5 Large 47.8 + 14.5 with its batch of 2.
+    assert!((70e12..80e12).contains(&flux), "{flux:e}");
+    assert!((58e12..66e12).contains(&sd35), "{sd35:e}");
+}
