@@ -35,13 +35,15 @@
 //! the weights: FLUX.1's (d/8, 7d/16, 7d/16) of the head width d ((16, 56, 56) at 128).
 
 use sd_tensor::ggml::{Context, GTensor};
-use sd_tensor::DType;
 
-use crate::dit::{chunks, gelu, modulate, qk_norm, rows, split_tokens, QkvProj};
+pub use crate::dit::rope_tables;
+use crate::dit::{
+    chunks, gelu, modulate, qk_norm, rows, split_tokens, DoubleBlock, QkvProj, Rope, StreamParams,
+};
 use crate::nn::{attention, Linear};
 use crate::weights::ParamBuilder;
-use crate::{GraphCtx, HostData, ModelError, Result};
-use sd_graphcut::{LEVEL_LAYER, LEVEL_SUBLAYER};
+use crate::{GraphCtx, ModelError, Result};
+use sd_graphcut::LEVEL_SUBLAYER;
 
 /// The parameter names of a checkpoint.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -269,34 +271,6 @@ impl MlpEmbedder {
     }
 }
 
-/// One stream of a double block (`img_*` or `txt_*`).
-#[derive(Clone, Debug)]
-pub struct StreamParams {
-    /// `*_mod.lin` (6 x width).
-    pub modulation: Linear,
-    /// `*_attn.qkv`.
-    pub qkv: QkvProj,
-    /// `*_attn.norm.query_norm.scale`.
-    pub query_norm: GTensor,
-    /// `*_attn.norm.key_norm.scale`.
-    pub key_norm: GTensor,
-    /// `*_attn.proj`.
-    pub proj: Linear,
-    /// `*_mlp.0`.
-    pub mlp_in: Linear,
-    /// `*_mlp.2`.
-    pub mlp_out: Linear,
-}
-
-/// `double_blocks.N`.
-#[derive(Clone, Debug)]
-pub struct DoubleBlock {
-    /// The image stream.
-    pub img: StreamParams,
-    /// The text stream.
-    pub txt: StreamParams,
-}
-
 /// A single block's input projection: BFL's fused `linear1` (q, k, v, MLP input) or
 /// diffusers' `to_q`, `to_k`, `to_v`, `proj_mlp`.
 #[derive(Clone, Debug)]
@@ -511,76 +485,15 @@ impl FluxModel {
         g.marks.mark(&txt, "flux.prelude", "txt")?;
         g.marks.mark(&vec, "flux.prelude", "vec")?;
 
-        // RoPE tables for [txt; img], [d, 1, n, 1] each, and the pair swap.
+        // RoPE tables for [txt; img].
         let ids: Vec<[f32; 3]> = inp.txt_ids.iter().chain(inp.img_ids).copied().collect();
-        let (cos, sin) = pair_tables(&ids, c.axes_dim, c.theta);
-        let d = c.head_dim();
-        let n = ids.len();
-        let cos = g.aux_input(
-            "flux.rope_cos",
-            DType::F32,
-            &[d, 1, n, 1],
-            HostData::F32(cos),
-        )?;
-        let sin = g.aux_input(
-            "flux.rope_sin",
-            DType::F32,
-            &[d, 1, n, 1],
-            HostData::F32(sin),
-        )?;
-        let swap = g.aux_input(
-            "flux.rope_swap",
-            DType::F32,
-            &[2, 2],
-            HostData::F32(vec![0.0, 1.0, 1.0, 0.0]),
-        )?;
-        let rope = Rope { cos, sin, swap };
+        let rope = Rope::new(g, "flux", &ids, c.axes_dim, c.theta, c.head_dim())?;
 
         // 2. Double-stream blocks.
         let silu_vec = ctx.silu(&vec)?;
-        // Fine cuts (used only when a whole block does not fit its budget): the modulation
-        // vectors, the joint q/k/v, both streams after attention, each MLP's hidden layer,
-        // the image MLP's gated output.
         for (i, blk) in self.double_blocks.iter().enumerate() {
             let name = format!("double_blocks.{i}");
-            g.marks.set_scope(&name);
-            let imod = blk.img.modulation.forward(&ctx, &silu_vec)?;
-            g.marks
-                .mark_fine_output(&imod, LEVEL_SUBLAYER, "mod_img", "m")?;
-            let tmod = blk.txt.modulation.forward(&ctx, &silu_vec)?;
-            g.marks
-                .mark_fine_output(&tmod, LEVEL_SUBLAYER, "mod_txt", "m")?;
-            let (im, tm) = (chunks(&ctx, &imod, 6)?, chunks(&ctx, &tmod, 6)?);
-            let img_n = modulate(&ctx, &img, &im[0], &im[1])?;
-            let txt_n = modulate(&ctx, &txt, &tm[0], &tm[1])?;
-            let (iq, ik, iv) = self.qkv(&ctx, &blk.img, &img_n)?;
-            let (tq, tk, tv) = self.qkv(&ctx, &blk.txt, &txt_n)?;
-            let q = rope.apply(&ctx, &ctx.concat(&tq, &iq, 1)?, c.num_heads)?;
-            let k = rope.apply(&ctx, &ctx.concat(&tk, &ik, 1)?, c.num_heads)?;
-            let v = ctx.concat(&tv, &iv, 1)?;
-            for (t, o) in [(&q, "q"), (&k, "k"), (&v, "v")] {
-                g.marks.mark_fine_output(t, LEVEL_SUBLAYER, "qkv", o)?;
-            }
-            let a = attention(g, &q, &k, &v, c.num_heads, None)?;
-            let (ta, ia) = split_tokens(&ctx, &a, n_txt)?;
-            let gated = |s: &StreamParams, x: &GTensor, a: &GTensor, gate: &GTensor| {
-                Ok::<_, ModelError>(ctx.add(x, &ctx.mul(&s.proj.forward(&ctx, a)?, gate)?)?)
-            };
-            let img_a = gated(&blk.img, &img, &ia, &im[2])?;
-            let txt_a = gated(&blk.txt, &txt, &ta, &tm[2])?;
-            g.marks
-                .mark_fine_output(&img_a, LEVEL_LAYER, "attn", "img")?;
-            g.marks
-                .mark_fine_output(&txt_a, LEVEL_LAYER, "attn", "txt")?;
-            let d_img = self.mlp_delta(g, &blk.img, &img_a, &im, "img")?;
-            g.marks
-                .mark_fine_output(&d_img, LEVEL_SUBLAYER, "mlp_img", "d")?;
-            let d_txt = self.mlp_delta(g, &blk.txt, &txt_a, &tm, "txt")?;
-            g.marks.set_scope("");
-            img = ctx.add(&img_a, &d_img)?;
-            txt = ctx.add(&txt_a, &d_txt)?;
-            g.marks.mark(&img, &name, "img")?;
-            g.marks.mark(&txt, &name, "txt")?;
+            (img, txt) = blk.forward(g, &name, &img, &txt, &silu_vec, &rope, c.num_heads)?;
         }
 
         // 3. Single-stream blocks on [txt; img].
@@ -696,91 +609,5 @@ impl FluxModel {
         let out = ctx.reshape(&out, &[4 * c, w2, h2, b])?;
         let out = ctx.cont(&ctx.permute(&out, [2, 0, 1, 3])?)?; // [w2, h2, 4c, B]
         crate::nn::pixel_shuffle(&ctx, &out, 2)
-    }
-
-    /// q, k (RMS-normed per head) and v of one stream.
-    fn qkv(
-        &self,
-        ctx: &Context,
-        s: &StreamParams,
-        x: &GTensor,
-    ) -> Result<(GTensor, GTensor, GTensor)> {
-        let heads = self.config.num_heads;
-        let [q, k, v] = s.qkv.forward(ctx, x)?;
-        let q = qk_norm(ctx, &q, &s.query_norm, heads)?;
-        let k = qk_norm(ctx, &k, &s.key_norm, heads)?;
-        Ok((q, k, v))
-    }
-
-    /// One stream's gated MLP output (to add to `x`), its hidden layer a fine cut
-    /// `fc1_<stream>`.
-    fn mlp_delta(
-        &self,
-        g: &mut GraphCtx,
-        s: &StreamParams,
-        x: &GTensor,
-        m: &[GTensor],
-        stream: &str,
-    ) -> Result<GTensor> {
-        let ctx = g.ctx.clone();
-        let h = modulate(&ctx, x, &m[3], &m[4])?;
-        let h = gelu(g, &s.mlp_in.forward(&ctx, &h)?)?;
-        g.marks
-            .mark_fine_output(&h, LEVEL_SUBLAYER, &format!("fc1_{stream}"), "h")?;
-        let h = s.mlp_out.forward(&ctx, &h)?;
-        Ok(ctx.mul(&h, &m[5])?)
-    }
-}
-
-/// The cos and sin tables of [`Rope::apply`] for the tokens' position ids, `[n][d/2]` each
-/// (token-major): axis `a`'s `d_a / 2` frequencies `theta^(-2j / d_a)` times the id.
-pub fn rope_tables(ids: &[[f32; 3]], axes: [usize; 3], theta: f32) -> (Vec<f32>, Vec<f32>) {
-    let half: usize = axes.iter().sum::<usize>() / 2;
-    let mut cos = Vec::with_capacity(ids.len() * half);
-    let mut sin = Vec::with_capacity(ids.len() * half);
-    for id in ids {
-        for (a, &da) in axes.iter().enumerate() {
-            for j in 0..da / 2 {
-                let omega = 1.0 / (theta as f64).powf(2.0 * j as f64 / da as f64);
-                let angle = id[a] as f64 * omega;
-                cos.push(angle.cos() as f32);
-                sin.push(angle.sin() as f32);
-            }
-        }
-    }
-    (cos, sin)
-}
-
-/// [`rope_tables`] laid out per value of a head: `cos` repeated for both values of a pair,
-/// `sin` negated for the first (`[n][d]` each, token-major), so that a rotation is
-/// `x * cos + swap(x) * sin` with `swap` exchanging the values of each pair.
-fn pair_tables(ids: &[[f32; 3]], axes: [usize; 3], theta: f32) -> (Vec<f32>, Vec<f32>) {
-    let (cos, sin) = rope_tables(ids, axes, theta);
-    let cos2 = cos.iter().flat_map(|&c| [c, c]).collect();
-    let sin2 = sin.iter().flat_map(|&s| [-s, s]).collect();
-    (cos2, sin2)
-}
-
-/// Rotary position embedding of adjacent pairs: `(x0, x1) -> (x0 cos - x1 sin, x0 sin + x1
-/// cos)` per head, as `x * cos + swap(x) * sin` with host-made tables `[d, 1, n, 1]`
-/// ([`pair_tables`]) and the pair swap a `[2, 2]` matrix product: every element-wise
-/// operation keeps the head width innermost (splitting the pairs into one-value rows made
-/// the GPU kernels crawl: FLUX.1-dev's step took 2.4 s instead of 0.62 s on an H200).
-struct Rope {
-    cos: GTensor,
-    sin: GTensor,
-    swap: GTensor,
-}
-
-impl Rope {
-    /// Rotates `[heads * d, n, B]`.
-    fn apply(&self, ctx: &Context, x: &GTensor, heads: usize) -> Result<GTensor> {
-        let [w, n, b, _] = x.ne();
-        let d = w / heads;
-        let x4 = ctx.reshape(&ctx.cont(x)?, &[d, heads, n, b])?;
-        let pairs = ctx.reshape(&x4, &[2, w * n * b / 2])?;
-        let swapped = ctx.reshape(&ctx.mul_mat(&self.swap, &pairs)?, &[d, heads, n, b])?;
-        let o = ctx.add(&ctx.mul(&x4, &self.cos)?, &ctx.mul(&swapped, &self.sin)?)?;
-        Ok(ctx.reshape(&o, &[w, n, b])?)
     }
 }

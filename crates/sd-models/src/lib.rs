@@ -9,6 +9,8 @@
 //! - [`vae`]: the AutoencoderKL encoder and decoder.
 //! - [`t5`]: the T5 v1.1 encoder (T5-XXL of FLUX.1 and SD3), relative position bias.
 //! - [`unet`]: the SD1.x / SD2.x UNet, with graph-cut marks at block boundaries.
+//! - [`flux`], [`mmdit`], [`qwen_image`]: the diffusion transformers (FLUX.1, SD3/SD3.5,
+//!   Qwen-Image), on the shared blocks of [`dit`].
 //! - [`diffusion`], [`text_encoder`], [`first_stage`]: the networks of each role as closed
 //!   enums ([`diffusion::DiffusionNet`] fed one [`diffusion::DiffusionInputs`],
 //!   [`text_encoder::TextEncoder`], [`first_stage::FirstStage`]), each stating its graph size.
@@ -37,6 +39,7 @@ pub mod flux;
 pub mod mmdit;
 pub mod mosr;
 pub mod nn;
+pub mod qwen_image;
 pub mod run;
 pub mod srvgg;
 pub mod t5;
