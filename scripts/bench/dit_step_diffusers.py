@@ -1,12 +1,14 @@
 #!/usr/bin/env python3
 """One DiT step in diffusers on a GPU: the peer of `sd-bench unet --config sd35-large`
-(and `sd35-medium`, `flux-dev`).
+(and `sd35-medium`, `flux-dev`, `qwen-image`).
 
 The transformer is built from its published `transformer/config.json` values with random
 weights (diffusers' default initialisation; values do not change the work) directly on the
 device in the chosen dtype: SD3.5 Large (`SD3Transformer2DModel`, 38 blocks of 2432, QK
 RMS norm, a 192x192 position table), SD3.5 Medium (24 blocks of 1536, MMDiT-X attention in
-blocks 0-12, 384x384 table), FLUX.1-dev (`FluxTransformer2DModel`, 19 + 38 blocks of 3072).
+blocks 0-12, 384x384 table), FLUX.1-dev (`FluxTransformer2DModel`, 19 + 38 blocks of 3072),
+Qwen-Image (`QwenImageTransformer2DModel`, 60 blocks of 3072; one pass of CFG's two: batch 1,
+a 64x64 grid of patches, 128 text tokens of 3584).
 Inputs as sd-bench builds them: a 1024x1024 image (128x128 latents), SD3 with CFG (batch 2,
 333 context tokens of 4096, pooled 2048), FLUX without (batch 1, 512 T5 tokens, guidance
 3.5). `--offload leaf|block` runs diffusers' group offloading (`enable_group_offload`, CUDA
@@ -35,11 +37,14 @@ SD35_MEDIUM = dict(sample_size=128, patch_size=2, in_channels=16, num_layers=24,
 FLUX_DEV = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38,
                 attention_head_dim=128, num_attention_heads=24, joint_attention_dim=4096,
                 pooled_projection_dim=768, guidance_embeds=True, axes_dims_rope=(16, 56, 56))
+QWEN_IMAGE = dict(patch_size=2, in_channels=64, out_channels=16, num_layers=60,
+                  attention_head_dim=128, num_attention_heads=24, joint_attention_dim=3584,
+                  axes_dims_rope=(16, 56, 56))
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", choices=["sd35-large", "sd35-medium", "flux-dev"], default="sd35-large")
+    ap.add_argument("--model", choices=["sd35-large", "sd35-medium", "flux-dev", "qwen-image"], default="sd35-large")
     ap.add_argument("--dtype", choices=["bf16", "f16"], default="bf16")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--offload", choices=["none", "leaf", "block"], default="none")
@@ -50,6 +55,7 @@ def main():
         for c in (SD35_LARGE, SD35_MEDIUM):
             c.update(num_layers=2, dual_attention_layers=(0,) if "dual_attention_layers" in c else ())
         FLUX_DEV.update(num_layers=1, num_single_layers=1)
+        QWEN_IMAGE.update(num_layers=1)
         torch.cuda.synchronize = lambda: None
         torch.cuda.reset_peak_memory_stats = lambda: None
         torch.cuda.max_memory_allocated = lambda: 0
@@ -57,9 +63,13 @@ def main():
     torch.manual_seed(0)
     t0 = time.perf_counter()
     flux = args.model == "flux-dev"
+    qwen = args.model == "qwen-image"
     if flux:
         from diffusers import FluxTransformer2DModel as Model
         cfg = FLUX_DEV
+    elif qwen:
+        from diffusers import QwenImageTransformer2DModel as Model
+        cfg = QWEN_IMAGE
     else:
         from diffusers import SD3Transformer2DModel as Model
         cfg = SD35_LARGE if args.model == "sd35-large" else SD35_MEDIUM
@@ -84,6 +94,10 @@ def main():
                   pooled_projections=r(1, 768), timestep=torch.tensor([0.7], device=dev, dtype=dtype),
                   guidance=torch.tensor([3.5], device=dev, dtype=dtype), img_ids=ids.to(dev),
                   txt_ids=torch.zeros((512, 3), device=dev))
+    elif qwen:
+        kw = dict(hidden_states=r(1, 64 * 64, 64), encoder_hidden_states=r(1, 128, 3584),
+                  encoder_hidden_states_mask=torch.ones((1, 128), dtype=torch.long, device=dev),
+                  timestep=torch.tensor([0.7], device=dev, dtype=dtype), img_shapes=[[(1, 64, 64)]])
     else:
         kw = dict(hidden_states=r(2, 16, 128, 128), encoder_hidden_states=r(2, 333, 4096),
                   pooled_projections=r(2, 2048), timestep=torch.tensor([700.0, 700.0], device=dev))

@@ -4,13 +4,13 @@
 //! A network takes what it needs from the inputs and rejects what it cannot use (a `y` given
 //! to a UNet without `label_emb`, guidance given to a network that is not guidance
 //! distilled), so a family that wires its inputs wrongly fails with [`ModelError::Input`]
-//! instead of computing something else. Later networks (Qwen-Image) are new
-//! variants of both enums.
+//! instead of computing something else.
 
 use sd_tensor::ggml::GTensor;
 
 use crate::flux::{FluxConfig, FluxModel};
 use crate::mmdit::{MmditConfig, MmditModel};
+use crate::qwen_image::{QwenImageConfig, QwenImageModel};
 use crate::unet::{UnetConfig, UnetModel};
 use crate::weights::ParamBuilder;
 use crate::{GraphCtx, ModelError, Result};
@@ -58,6 +58,8 @@ pub enum DiffusionArch {
     Flux(FluxConfig),
     /// The SD3 / SD3.5 MMDiT.
     Mmdit(MmditConfig),
+    /// The Qwen-Image transformer.
+    QwenImage(QwenImageConfig),
 }
 
 impl DiffusionArch {
@@ -67,6 +69,7 @@ impl DiffusionArch {
             DiffusionArch::Unet(c) => c.in_channels,
             DiffusionArch::Flux(c) => c.in_channels / 4,
             DiffusionArch::Mmdit(c) => c.in_channels,
+            DiffusionArch::QwenImage(c) => c.in_channels / 4,
         }
     }
 
@@ -75,7 +78,7 @@ impl DiffusionArch {
         match self {
             DiffusionArch::Unet(c) => 1 << c.channel_mult.len().saturating_sub(1),
             // 2x2 patches.
-            DiffusionArch::Flux(_) => 2,
+            DiffusionArch::Flux(_) | DiffusionArch::QwenImage(_) => 2,
             DiffusionArch::Mmdit(c) => c.patch_size,
         }
     }
@@ -86,6 +89,7 @@ impl DiffusionArch {
             DiffusionArch::Unet(c) => c.prefix = prefix.trim_end_matches('.').to_string(),
             DiffusionArch::Flux(c) => c.prefix = prefix.trim_end_matches('.').to_string(),
             DiffusionArch::Mmdit(c) => c.prefix = prefix.trim_end_matches('.').to_string(),
+            DiffusionArch::QwenImage(c) => c.prefix = prefix.trim_end_matches('.').to_string(),
         }
     }
 }
@@ -99,6 +103,8 @@ pub enum DiffusionNet {
     Flux(FluxModel),
     /// The SD3 / SD3.5 MMDiT.
     Mmdit(MmditModel),
+    /// The Qwen-Image transformer.
+    QwenImage(QwenImageModel),
 }
 
 /// Graph nodes of one UNet evaluation per transformer block, plus a base for the
@@ -114,13 +120,18 @@ impl DiffusionNet {
             DiffusionArch::Unet(c) => DiffusionNet::Unet(UnetModel::new(pb, c.clone())?),
             DiffusionArch::Flux(c) => DiffusionNet::Flux(FluxModel::new(pb, c.clone())?),
             DiffusionArch::Mmdit(c) => DiffusionNet::Mmdit(MmditModel::new(pb, c.clone())?),
+            DiffusionArch::QwenImage(c) => {
+                DiffusionNet::QwenImage(QwenImageModel::new(pb, c.clone())?)
+            }
         })
     }
 
     /// Builds one evaluation; returns the prediction, shaped as `inputs.x`.
     pub fn forward(&self, g: &mut GraphCtx, inputs: &DiffusionInputs<'_>) -> Result<GTensor> {
         match self {
-            DiffusionNet::Unet(_) | DiffusionNet::Flux(_) if !inputs.skip_blocks.is_empty() => {
+            DiffusionNet::Unet(_) | DiffusionNet::Flux(_) | DiffusionNet::QwenImage(_)
+                if !inputs.skip_blocks.is_empty() =>
+            {
                 Err(ModelError::Input {
                     name: "skip_blocks",
                     detail: "skipping blocks (skip-layer guidance) needs an MMDiT (SD3)".into(),
@@ -171,13 +182,23 @@ impl DiffusionNet {
                     inputs.skip_blocks,
                 )
             }
+            DiffusionNet::QwenImage(qwen) => {
+                reject(inputs.guidance, "guidance", "Qwen-Image")?;
+                reject(inputs.pos_ids, "pos_ids", "Qwen-Image (it makes its own)")?;
+                reject(inputs.y, "y", "Qwen-Image (it has no pooled vector)")?;
+                let context = inputs.context.ok_or_else(|| ModelError::Input {
+                    name: "context",
+                    detail: "Qwen-Image needs the text encoder's states".into(),
+                })?;
+                qwen.forward(g, inputs.x, inputs.timesteps, context)
+            }
         }
     }
 
     /// Whether the network embeds a distilled guidance strength (FLUX.1-dev).
     pub fn embeds_guidance(&self) -> bool {
         match self {
-            DiffusionNet::Unet(_) | DiffusionNet::Mmdit(_) => false,
+            DiffusionNet::Unet(_) | DiffusionNet::Mmdit(_) | DiffusionNet::QwenImage(_) => false,
             DiffusionNet::Flux(f) => f.guidance_in.is_some(),
         }
     }
@@ -201,6 +222,7 @@ impl DiffusionNet {
             }
             DiffusionNet::Flux(flux) => flux.graph_size(),
             DiffusionNet::Mmdit(mmdit) => mmdit.graph_size(),
+            DiffusionNet::QwenImage(qwen) => qwen.graph_size(),
         }
     }
 }

@@ -3,6 +3,7 @@
 
 use sd_models::flux::{FluxConfig, FluxModel};
 use sd_models::mmdit::{MmditConfig, MmditModel};
+use sd_models::qwen_image::{QwenImageConfig, QwenImageModel};
 use sd_models::ParamBuilder;
 
 /// Billions of parameters declared by `build`.
@@ -27,13 +28,21 @@ fn dit_configs_have_the_published_sizes() {
     let flux = billions(|pb| {
         FluxModel::new(pb, FluxConfig::dev()).unwrap();
     });
-    println!("SD3.5 Large {large:.2} B, SD3.5 Medium {medium:.2} B, SD3 Medium {sd3:.2} B, FLUX.1-dev {flux:.2} B");
+    let qwen = billions(|pb| {
+        QwenImageModel::new(pb, QwenImageConfig::default()).unwrap();
+    });
+    println!(
+        "SD3.5 Large {large:.2} B, SD3.5 Medium {medium:.2} B, SD3 Medium {sd3:.2} B, \
+         FLUX.1-dev {flux:.2} B, Qwen-Image {qwen:.2} B"
+    );
     // Stability: 8.1 B and 2.5 B (2.2 B without the 384x384 position table); SD3 Medium
     // 2 B; BFL: 12 B.
     assert!((8.0..8.3).contains(&large), "{large}");
     assert!((2.4..2.6).contains(&medium), "{medium}");
     assert!((1.9..2.1).contains(&sd3), "{sd3}");
     assert!((11.8..12.0).contains(&flux), "{flux}");
+    // Qwen: 20 B (60 blocks of 36 x 3072^2 weights plus the embedders).
+    assert!((20.3..20.5).contains(&qwen), "{qwen}");
 }
 
 /// FLOPs of one 1024x1024 step counted from the graphs (matrix products, attention
@@ -57,17 +66,18 @@ fn dit_step_flops_at_1024() {
         let ctx = g.ctx.clone();
         let (ctx_dim, y_dim, guided) = match &arch {
             DiffusionArch::Flux(f) => (f.context_in_dim, f.vec_in_dim, true),
+            DiffusionArch::QwenImage(q) => (q.joint_attention_dim, 0, false),
             DiffusionArch::Mmdit(m) => (m.context_dim, m.pooled_dim, false),
             DiffusionArch::Unet(_) => unreachable!(),
         };
         let x = ctx.new_tensor(DType::F32, &[128, 128, 16, b]).unwrap();
         let t = ctx.new_tensor(DType::F32, &[b]).unwrap();
         let c = ctx.new_tensor(DType::F32, &[ctx_dim, n_txt, b]).unwrap();
-        let y = ctx.new_tensor(DType::F32, &[y_dim, b]).unwrap();
+        let y = ctx.new_tensor(DType::F32, &[y_dim.max(1), b]).unwrap();
         let gd = ctx.new_tensor(DType::F32, &[b]).unwrap();
         let mut inputs = DiffusionInputs::new(&x, &t);
         inputs.context = Some(&c);
-        inputs.y = Some(&y);
+        inputs.y = (y_dim > 0).then_some(&y);
         inputs.guidance = guided.then_some(&gd);
         let out = net.forward(&mut g, &inputs).unwrap();
         let mut graph = sd_tensor::ggml::Graph::new(&ctx, net.graph_size()).unwrap();
@@ -76,10 +86,13 @@ fn dit_step_flops_at_1024() {
     };
     let flux = flops(DiffusionArch::Flux(FluxConfig::dev()), 1, 512);
     let sd35 = flops(DiffusionArch::Mmdit(MmditConfig::sd35_large()), 2, 333);
+    let qwen = flops(DiffusionArch::QwenImage(QwenImageConfig::default()), 1, 128);
     println!(
-        "one 1024x1024 step: FLUX.1-dev {:.1} TFLOP, SD3.5 Large (CFG) {:.1} TFLOP",
+        "one 1024x1024 step: FLUX.1-dev {:.1} TFLOP, SD3.5 Large (CFG) {:.1} TFLOP, \
+         Qwen-Image (one pass, 128 text tokens) {:.1} TFLOP",
         flux / 1e12,
-        sd35 / 1e12
+        sd35 / 1e12,
+        qwen / 1e12
     );
     // 2 x weights x the tokens each weight sees (a double block's image weights only the
     // 4096 image tokens, its text weights the text; modulations one vector), plus attention
@@ -87,4 +100,9 @@ fn dit_step_flops_at_1024() {
     // TFLOP; SD3.5 Large 47.8 + 14.5 with its batch of 2.
     assert!((70e12..80e12).contains(&flux), "{flux:e}");
     assert!((58e12..66e12).contains(&sd35), "{sd35:e}");
+    // Qwen-Image: a block's image weights other than the modulation (12 x 3072^2) see the
+    // 4096 image tokens, its text weights the 128 text tokens, the modulations (a third of
+    // the 20.4 B) one vector; attention 4 x 4224^2 x 3072 per block: 55.7 + 1.7 + 13.2 =
+    // 70.6 TFLOP.
+    assert!((66e12..76e12).contains(&qwen), "{qwen:e}");
 }

@@ -292,9 +292,9 @@ impl Pipeline {
                 let tokens = (params.width / f) * (params.height / f);
                 // `--flow-shift`: SD3's shift, or FLUX's fixed mu (shift e^mu).
                 let (shift, resolution) = match params.flow_shift {
-                    Some(s) if *resolution_shift => (s.exp(), None),
+                    Some(s) if resolution_shift.is_some() => (s.exp(), None),
                     Some(s) => (s, None),
-                    None => (*shift, resolution_shift.then_some(tokens)),
+                    None => (*shift, resolution_shift.map(|r| (tokens, r))),
                 };
                 let sigmas = flow_sigmas(params.steps, shift, resolution, *spacing)?;
                 (NoiseSchedule::scaled_linear(), sigmas, true)
@@ -381,6 +381,7 @@ impl Pipeline {
                     .embeds_guidance()
                     .then_some(params.guidance),
                 slg,
+                renorm: self.spec.family.cfg_renorm(),
             };
             let mut denoiser = KDenoiser::new(model, self.spec.prediction, schedule);
             x = sample_with_progress(
@@ -414,6 +415,7 @@ impl Pipeline {
                     cfg_scale: params.cfg_scale,
                     guidance: r.diffusion.1.embeds_guidance().then_some(params.guidance),
                     slg: None,
+                    renorm: r.spec.family.cfg_renorm(),
                 };
                 let mut denoiser = KDenoiser::new(model, r.spec.prediction, rs);
                 x = sample_with_progress(

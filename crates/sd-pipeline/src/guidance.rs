@@ -1,6 +1,9 @@
 //! Classifier-free guidance over any diffusion network: [`Guided`] runs the network on the
-//! batch `[uncond, cond]` (context and `y` stacked the same way) and returns
-//! `uncond + scale * (cond - uncond)`; with scale 1 it runs on the prompt alone.
+//! batch `[uncond, cond]` (context and `y` stacked the same way; two runs when the two
+//! contexts differ in length, as Qwen-Image's unpadded ones do) and returns
+//! `uncond + scale * (cond - uncond)`, rescaled per packed token to the norm of the prompt's
+//! prediction where the family asks for it (`QwenImagePipeline`'s true CFG); with scale 1 it
+//! runs on the prompt alone.
 
 use sd_models::diffusion::{DiffusionInputs, DiffusionNet};
 use sd_models::{HostData, ModelError};
@@ -28,6 +31,35 @@ pub struct Guided<'a> {
     pub guidance: Option<f32>,
     /// Skip-layer guidance: its scale and blocks, and the sigmas of the steps that get it.
     pub slg: Option<SlgSteps<'a>>,
+    /// Rescale the guided prediction, per patch of `n x n` latent pixels (all channels), to
+    /// the norm of the prompt's prediction ([`crate::family::Family::cfg_renorm`]).
+    pub renorm: Option<usize>,
+}
+
+/// `comb` rescaled, per patch of `p x p` pixels of `[C, h, w]` (all channels), to the norm of
+/// `cond` over the same values (diffusers' `QwenImagePipeline` on its packed tokens).
+fn renormalize(comb: &mut [f32], cond: &[f32], shape: &[usize], p: usize) {
+    let (c, h, w) = (shape[1], shape[2], shape[3]);
+    let p = p.max(1);
+    for r0 in (0..h).step_by(p) {
+        for c0 in (0..w).step_by(p) {
+            let idx = |ch: usize, y: usize, x: usize| (ch * h + y) * w + x;
+            let cells = || {
+                (0..c).flat_map(move |ch| {
+                    (r0..(r0 + p).min(h))
+                        .flat_map(move |y| (c0..(c0 + p).min(w)).map(move |x| idx(ch, y, x)))
+                })
+            };
+            let norm = |v: &[f32]| cells().map(|i| (v[i] as f64).powi(2)).sum::<f64>().sqrt();
+            let (nc, nm) = (norm(cond), norm(comb));
+            if nm > 0.0 {
+                let s = (nc / nm) as f32;
+                for i in cells() {
+                    comb[i] *= s;
+                }
+            }
+        }
+    }
 }
 
 /// Where skip-layer guidance applies in one sampling run.
@@ -144,9 +176,20 @@ impl Denoise for Guided<'_> {
         } else {
             vec![&cond.cond]
         };
-        let out = self
-            .run(x_in, timestep, &parts, &[])
-            .map_err(|e| SamplingError::Model(Box::new(e)))?;
+        let model = |e| SamplingError::Model(Box::new(e));
+        let out = if guided && cond.uncond.context.shape() != cond.cond.context.shape() {
+            // Contexts of different lengths (unpadded, no mask): one run each.
+            let mut out = self
+                .run(x_in, timestep, &[&cond.uncond], &[])
+                .map_err(model)?;
+            out.extend(
+                self.run(x_in, timestep, &[&cond.cond], &[])
+                    .map_err(model)?,
+            );
+            out
+        } else {
+            self.run(x_in, timestep, &parts, &[]).map_err(model)?
+        };
         let n = x_in.data().len();
         if out.len() != parts.len() * n {
             return Err(SamplingError::ModelShape {
@@ -156,11 +199,15 @@ impl Denoise for Guided<'_> {
         }
         let data = if guided {
             let (uncond, cond) = out.split_at(n);
-            uncond
+            let mut comb: Vec<f32> = uncond
                 .iter()
                 .zip(cond)
                 .map(|(&u, &c)| u + self.cfg_scale * (c - u))
-                .collect()
+                .collect();
+            if let Some(p) = self.renorm {
+                renormalize(&mut comb, cond, x_in.shape(), p);
+            }
+            comb
         } else {
             out.clone()
         };
@@ -170,7 +217,7 @@ impl Denoise for Guided<'_> {
                 let (scale, layers) = (s.slg.scale, s.slg.layers.clone());
                 let skipped = self
                     .run(x_in, timestep, &[&cond.cond], &layers)
-                    .map_err(|e| SamplingError::Model(Box::new(e)))?;
+                    .map_err(model)?;
                 let text = &out[out.len() - n..];
                 data.iter()
                     .zip(text.iter().zip(&skipped))
@@ -188,5 +235,39 @@ impl Denoise for Guided<'_> {
             });
         }
         Ok(Tensor::new(x_in.shape().to_vec(), data)?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::renormalize;
+
+    /// Each 2x2 patch (both channels) of the guided prediction takes the prompt's norm; a
+    /// patch whose guided values are 0 stays 0.
+    #[test]
+    fn renormalize_rescales_each_patch_to_the_prompt_norm() {
+        // [1, 2, 2, 4]: two patches side by side.
+        let cond: Vec<f32> = (0..16).map(|i| i as f32 - 5.0).collect();
+        let mut comb: Vec<f32> = (0..16).map(|i| 2.0 * (i as f32) + 1.0).collect();
+        for i in [2, 3, 6, 7, 10, 11, 14, 15] {
+            comb[i] = 0.0;
+        }
+        let before = comb.clone();
+        renormalize(&mut comb, &cond, &[1, 2, 2, 4], 2);
+        let left = [0, 1, 4, 5, 8, 9, 12, 13];
+        let norm = |v: &[f32]| {
+            left.iter()
+                .map(|&i| (v[i] as f64).powi(2))
+                .sum::<f64>()
+                .sqrt()
+        };
+        assert!((norm(&comb) - norm(&cond)).abs() < 1e-4);
+        let ratio = comb[0] / before[0];
+        for &i in &left {
+            assert!((comb[i] / before[i] - ratio).abs() < 1e-6);
+        }
+        for i in [2, 3, 6, 7, 10, 11, 14, 15] {
+            assert_eq!(comb[i], 0.0);
+        }
     }
 }

@@ -415,6 +415,9 @@ impl Pipeline {
             DiffusionNet::Mmdit(m) => {
                 spec.diffusion.1 = sd_models::diffusion::DiffusionArch::Mmdit(m.config.clone())
             }
+            DiffusionNet::QwenImage(m) => {
+                spec.diffusion.1 = sd_models::diffusion::DiffusionArch::QwenImage(m.config.clone())
+            }
             DiffusionNet::Unet(_) => {}
         }
         let (fslot, mut farch) = spec.first_stage.clone();

@@ -187,6 +187,14 @@ impl Pipeline {
                 false,
                 crate::family::sd3::CONTEXT_TOKENS,
             ),
+            // The context follows the prompt; plan for the longest diffusers passes.
+            DiffusionNet::QwenImage(q) => (
+                q.config.in_channels / 4,
+                q.config.joint_attention_dim,
+                None,
+                false,
+                1024, // INTEGRATE: crate::family::qwen_image::MAX_PROMPT_TOKENS
+            ),
         };
         let batch = if params.cfg_scale != 1.0 { 2 } else { 1 };
         let net = &self.diffusion.1;

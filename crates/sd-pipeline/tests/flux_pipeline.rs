@@ -122,7 +122,7 @@ fn flux_dev_and_schnell_are_told_apart_by_their_tensors() {
             spec.schedule,
             Schedule::Flow {
                 shift: 1.0,
-                resolution_shift: shifted,
+                resolution_shift: shifted.then_some(sd_pipeline::schedule::ResolutionShift::FLUX),
                 spacing: sd_pipeline::schedule::FlowSpacing::Linspace,
             },
             "{file}"

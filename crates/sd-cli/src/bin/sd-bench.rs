@@ -2,7 +2,7 @@
 //! lines (one object per run). Driven on the GPU machine by `scripts/device/cuda_run.sh`.
 //!
 //! ```text
-//! sd-bench write-weights DIR [--config sd15|sdxl|tiny|sd35-large|sd35-medium|flux-dev]
+//! sd-bench write-weights DIR [--config sd15|sdxl|tiny|sd35-large|sd35-medium|flux-dev|qwen-image]
 //!                                                       random f16 weights (checkpoint names)
 //! sd-bench unet --weights FILE --backend NAME [--max-vram FRAC|BYTES] [--params MODE]
 //!               [--steps N] [--flash-attn auto|on|off] [--dump DIR] [--config NAME]
@@ -51,6 +51,7 @@ use sd_formats::files::{FileError, TensorCatalog};
 use sd_models::diffusion::{DiffusionArch, DiffusionInputs, DiffusionNet};
 use sd_models::flux::FluxConfig;
 use sd_models::mmdit::MmditConfig;
+use sd_models::qwen_image::QwenImageConfig;
 use sd_models::unet::{HeadSpec, UnetConfig};
 use sd_models::weights::DEFAULT_PARAM_CAPACITY;
 use sd_models::{ComputeOptions, GraphCtx, HostData, ModelError, ParamBuilder, Params};
@@ -151,6 +152,10 @@ enum ConfigName {
     /// context, pooled 768, guidance 3.5).
     #[value(name = "flux-dev")]
     FluxDev,
+    /// The Qwen-Image transformer (20.4 B; 1024x1024, one pass of CFG's two: batch 1, a
+    /// 128-token Qwen2.5-VL context of width 3584).
+    #[value(name = "qwen-image")]
+    QwenImage,
     /// A small SD3.5-style MMDiT (2 blocks of 128, QK norm, MMDiT-X attention in block 0;
     /// 16x16 latents, 8x64 context): the DiT path on any machine.
     #[value(name = "tiny-dit")]
@@ -311,6 +316,7 @@ fn config_of(name: ConfigName) -> DiffusionArch {
         ConfigName::Sd35Large => DiffusionArch::Mmdit(MmditConfig::sd35_large()),
         ConfigName::Sd35Medium => DiffusionArch::Mmdit(MmditConfig::sd35_medium()),
         ConfigName::FluxDev => DiffusionArch::Flux(FluxConfig::dev()),
+        ConfigName::QwenImage => DiffusionArch::QwenImage(QwenImageConfig::default()),
         ConfigName::TinyDit => DiffusionArch::Mmdit(MmditConfig {
             hidden_size: 128,
             num_heads: 2,
@@ -494,6 +500,7 @@ impl Inputs {
                 vec![0.7; b],
                 f.guidance_embed.then(|| vec![3.5; b]),
             ),
+            DiffusionArch::QwenImage(q) => (q.joint_attention_dim, None, vec![0.7; b], None),
         };
         let ctx = (0..d * n_ctx * b).map(|_| rng.next()).collect();
         let y = y.map(|n| (n, (0..n * b).map(|_| rng.next()).collect()));
@@ -767,6 +774,7 @@ fn all_head_dims(cfg: &DiffusionArch) -> Result<Vec<usize>> {
         }
         DiffusionArch::Mmdit(m) => dims.push(m.head_dim()),
         DiffusionArch::Flux(f) => dims.push(f.head_dim()),
+        DiffusionArch::QwenImage(q) => dims.push(q.head_dim()),
     }
     Ok(dims)
 }
@@ -835,6 +843,7 @@ fn cmd_unet(a: &UnetArgs) -> Result<()> {
         ConfigName::Tiny => (16, 2, 8),
         ConfigName::Sd35Large | ConfigName::Sd35Medium => (128, 2, 333),
         ConfigName::FluxDev => (128, 1, 512),
+        ConfigName::QwenImage => (128, 1, 128),
         ConfigName::TinyDit => (16, 2, 8),
     };
     let inputs = Inputs::new(&cfg, w, b, n_ctx);

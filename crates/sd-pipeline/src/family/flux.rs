@@ -34,7 +34,7 @@ use super::{
 };
 use crate::conditioning::ConditioningError;
 use crate::sampling::{Prediction, SampleMethod};
-use crate::schedule::{AysTable, FlowSpacing, Schedule};
+use crate::schedule::{AysTable, FlowSpacing, ResolutionShift, Schedule};
 use crate::tokenizer::ClipTokenizer;
 use crate::tokenizer_t5::T5Tokenizer;
 
@@ -164,13 +164,10 @@ impl Family for Flux {
             prediction: Prediction::Flow { time_scale: 1.0 },
             schedule: Schedule::Flow {
                 shift: 1.0,
-                resolution_shift: true,
+                resolution_shift: Some(ResolutionShift::FLUX),
                 spacing: FlowSpacing::Linspace,
             },
-            latent: LatentFormat {
-                scale: c.scaling_factor,
-                shift: c.shift_factor,
-            },
+            latent: LatentFormat::scaled(c.scaling_factor, c.shift_factor),
             defaults: Defaults {
                 width: c.width,
                 height: c.height,
@@ -191,7 +188,7 @@ impl Family for Flux {
         if !guided {
             spec.schedule = Schedule::Flow {
                 shift: 1.0,
-                resolution_shift: false,
+                resolution_shift: None,
                 spacing: FlowSpacing::Linspace,
             };
             spec.defaults.steps = 4;

@@ -154,10 +154,7 @@ impl LdmConfig {
             first_stage: (VAE_SLOT, vae),
             prediction: self.prediction.into(),
             schedule: Schedule::scaled_linear(),
-            latent: LatentFormat {
-                scale: self.scaling_factor,
-                shift: 0.0,
-            },
+            latent: LatentFormat::scaled(self.scaling_factor, 0.0),
             defaults: Defaults {
                 width: self.width,
                 height: self.height,

@@ -179,21 +179,55 @@ pub struct Defaults {
 }
 
 /// How latents relate to the first stage's output: the diffusion network sees
-/// `(z - shift) * scale`, the decoder gets `latent / scale + shift`.
+/// `((z - mean_c) / std_c - shift) * scale` (per-channel statistics only where the family
+/// has them), the decoder gets the inverse.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct LatentFormat {
     /// The scaling factor (`scale_factor` of the LDM YAML; 0.18215 for SD1/SD2).
     pub scale: f32,
     /// The shift factor (0 for SD1/SD2/SDXL; Flux and SD3 have one).
     pub shift: f32,
+    /// Per-channel mean and standard deviation (Qwen-Image's Wan-2.1 autoencoder).
+    pub channels: Option<ChannelStats>,
+}
+
+/// Per-channel latent statistics (`latents_mean`, `latents_std` of a VAE config).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ChannelStats {
+    /// The mean of each channel.
+    pub mean: &'static [f32],
+    /// The standard deviation of each channel.
+    pub std: &'static [f32],
 }
 
 impl LatentFormat {
+    /// A scale and a shift, no per-channel statistics.
+    pub const fn scaled(scale: f32, shift: f32) -> Self {
+        LatentFormat {
+            scale,
+            shift,
+            channels: None,
+        }
+    }
+
+    /// The channel of element `i` of a `[B, C, h, w]` tensor, with its statistics.
+    fn stats(&self, shape: &[usize], i: usize) -> (f32, f32) {
+        match (&self.channels, shape) {
+            (Some(c), [_, ch, h, w]) if *ch == c.mean.len() && *ch == c.std.len() => {
+                let k = (i / (h * w)) % ch;
+                (c.mean[k], c.std[k])
+            }
+            _ => (0.0, 1.0),
+        }
+    }
+
     /// First-stage latents to diffusion latents.
     pub fn to_diffusion(&self, z: &Tensor<f32>) -> Tensor<f32> {
         let mut out = z.clone();
-        for v in out.data_mut() {
-            *v = (*v - self.shift) * self.scale;
+        let shape = z.shape().to_vec();
+        for (i, v) in out.data_mut().iter_mut().enumerate() {
+            let (m, s) = self.stats(&shape, i);
+            *v = ((*v - m) / s - self.shift) * self.scale;
         }
         out
     }
@@ -201,8 +235,10 @@ impl LatentFormat {
     /// Diffusion latents to first-stage latents.
     pub fn to_first_stage(&self, x: &Tensor<f32>) -> Tensor<f32> {
         let mut out = x.clone();
-        for v in out.data_mut() {
-            *v = *v / self.scale + self.shift;
+        let shape = x.shape().to_vec();
+        for (i, v) in out.data_mut().iter_mut().enumerate() {
+            let (m, s) = self.stats(&shape, i);
+            *v = (*v / self.scale + self.shift) * s + m;
         }
         out
     }
@@ -333,6 +369,13 @@ pub trait Family: Sync + Send {
     /// Adjusts `spec` to what the tensors tell beyond the detected version (FLUX.1 schnell
     /// vs dev); the default changes nothing.
     fn refine(&self, _spec: &mut ModelSpec, _catalog: &TensorCatalog) {}
+
+    /// Whether classifier-free guidance rescales its result, per patch of `n x n` latent
+    /// pixels, to the norm of the prompt's prediction (Qwen-Image's reference pipeline);
+    /// the default is plain CFG.
+    fn cfg_renorm(&self) -> Option<usize> {
+        None
+    }
 
     /// Encodes `prompt` and `negative` for an image of `size` (width, height).
     fn condition(
@@ -471,13 +514,29 @@ mod tests {
 
     #[test]
     fn latent_format_round_trips() {
-        let f = LatentFormat {
-            scale: 0.5,
-            shift: 0.25,
-        };
+        let f = LatentFormat::scaled(0.5, 0.25);
         let z = Tensor::new([1, 1, 1, 2], vec![1.0, -2.0]).unwrap();
         let x = f.to_diffusion(&z);
         assert_eq!(x.data(), &[0.375, -1.125]);
         assert_eq!(f.to_first_stage(&x).data(), z.data());
+    }
+
+    /// Per-channel statistics: `(z - mean_c) / std_c` and back, channel by channel.
+    #[test]
+    fn latent_format_per_channel_round_trips() {
+        static MEAN: [f32; 2] = [0.5, -1.0];
+        static STD: [f32; 2] = [2.0, 0.25];
+        let f = LatentFormat {
+            scale: 1.0,
+            shift: 0.0,
+            channels: Some(ChannelStats {
+                mean: &MEAN,
+                std: &STD,
+            }),
+        };
+        let z = Tensor::new([1, 2, 1, 2], vec![2.5, 0.5, -1.0, -0.5]).unwrap();
+        let d = f.to_diffusion(&z);
+        assert_eq!(d.data(), &[1.0, 0.0, 0.0, 2.0]);
+        assert_eq!(f.to_first_stage(&d).data(), z.data());
     }
 }

@@ -188,13 +188,10 @@ impl Family for Sd3 {
             prediction: Prediction::Flow { time_scale: 1000.0 },
             schedule: Schedule::Flow {
                 shift: c.flow_shift,
-                resolution_shift: false,
+                resolution_shift: None,
                 spacing: FlowSpacing::TrainingRange,
             },
-            latent: LatentFormat {
-                scale: c.scaling_factor,
-                shift: c.shift_factor,
-            },
+            latent: LatentFormat::scaled(c.scaling_factor, c.shift_factor),
             defaults: Defaults {
                 width: c.width,
                 height: c.height,

@@ -9,7 +9,7 @@ mod noise;
 use std::str::FromStr;
 
 pub use ays::AysTable;
-pub use flow::{flow_sigmas, flux_mu, flux_sigmas, sd3_sigmas};
+pub use flow::{flow_sigmas, flux_mu, flux_sigmas, sd3_sigmas, shifted_sigmas, ResolutionShift};
 pub use noise::{NoiseSchedule, SCALED_LINEAR_BETA_END, SCALED_LINEAR_BETA_START, TIMESTEPS};
 
 use crate::sampling::SamplingError;
@@ -22,10 +22,11 @@ pub enum Schedule {
     /// Rectified flow (SD3, Flux, Qwen-Image): `sigma` in `[0, 1]` is the time itself,
     /// shifted by `shift` (`shift t / (1 + (shift - 1) t)`).
     Flow {
-        /// The timestep shift (1: none); used when `resolution_shift` is off.
+        /// The timestep shift (1: none); used without `resolution_shift`.
         shift: f32,
-        /// FLUX.1-dev's shift, which grows with the image's token count ([`flux_sigmas`]).
-        resolution_shift: bool,
+        /// A shift that grows with the image's token count (FLUX.1-dev, Qwen-Image:
+        /// [`shifted_sigmas`]).
+        resolution_shift: Option<ResolutionShift>,
         /// Where the unshifted sigmas lie: `linspace(1, 1/steps)` (FLUX), or evenly in time
         /// from 1 down to the smallest training sigma (SD3, [`sd3_sigmas`]).
         spacing: FlowSpacing,
