@@ -1,10 +1,13 @@
 //! The first-stage models (image <-> latent autoencoders) as one closed set:
-//! [`FirstStageArch`] builds a [`FirstStage`]. Later ones (Wan's VAE) are new variants.
-//! Latent scaling and shifting belong to the family, not to the network.
+//! [`FirstStageArch`] builds a [`FirstStage`]: LDM's AutoencoderKL and the Wan-2.1 VAE of
+//! Qwen-Image (as a 2-D network). Latent scaling and shifting (Wan's per-channel
+//! normalisation included, [`WanVaeConfig::normalize_latents`]) belong to the family, not to
+//! the network.
 
 use sd_tensor::ggml::GTensor;
 
 use crate::vae::{AutoencoderKl, VaeConfig};
+use crate::wan_vae::{WanVae, WanVaeConfig};
 use crate::weights::ParamBuilder;
 use crate::{GraphCtx, Result};
 
@@ -13,6 +16,8 @@ use crate::{GraphCtx, Result};
 pub enum FirstStageArch {
     /// LDM's AutoencoderKL.
     AutoencoderKl(VaeConfig),
+    /// The Wan-2.1 VAE (Qwen-Image), 16 latent channels, factor 8.
+    Wan(WanVaeConfig),
 }
 
 impl FirstStageArch {
@@ -20,6 +25,7 @@ impl FirstStageArch {
     pub fn downsample_factor(&self) -> usize {
         match self {
             FirstStageArch::AutoencoderKl(c) => c.downsample_factor(),
+            FirstStageArch::Wan(c) => c.downsample_factor(),
         }
     }
 
@@ -27,6 +33,7 @@ impl FirstStageArch {
     pub fn latent_channels(&self) -> usize {
         match self {
             FirstStageArch::AutoencoderKl(c) => c.z_channels,
+            FirstStageArch::Wan(c) => c.z_dim,
         }
     }
 
@@ -34,6 +41,7 @@ impl FirstStageArch {
     pub fn set_prefix(&mut self, prefix: &str) {
         match self {
             FirstStageArch::AutoencoderKl(c) => c.prefix = prefix.trim_end_matches('.').into(),
+            FirstStageArch::Wan(c) => c.prefix = prefix.trim_end_matches('.').into(),
         }
     }
 
@@ -41,6 +49,7 @@ impl FirstStageArch {
     pub fn set_with_encoder(&mut self, with: bool) {
         match self {
             FirstStageArch::AutoencoderKl(c) => c.with_encoder = with,
+            FirstStageArch::Wan(c) => c.with_encoder = with,
         }
     }
 
@@ -49,6 +58,7 @@ impl FirstStageArch {
     pub fn encoder_probe(&self) -> String {
         match self {
             FirstStageArch::AutoencoderKl(c) => format!("{}.encoder.conv_in.weight", c.prefix),
+            FirstStageArch::Wan(c) => format!("{}.encoder.conv1.weight", c.prefix),
         }
     }
 }
@@ -57,10 +67,13 @@ impl FirstStageArch {
 #[derive(Clone, Debug)]
 pub enum FirstStage {
     /// LDM's AutoencoderKL.
-    AutoencoderKl(AutoencoderKl),
+    AutoencoderKl(Box<AutoencoderKl>),
+    /// The Wan-2.1 VAE.
+    Wan(Box<WanVae>),
 }
 
-/// Descriptor and node capacity of one AutoencoderKL encoder or decoder graph.
+/// Descriptor and node capacity of one AutoencoderKL or Wan VAE encoder or decoder graph
+/// (the tiny Wan decoder has about 1500 nodes; the count does not grow with the width).
 const VAE_GRAPH: usize = 8192;
 
 impl FirstStage {
@@ -68,8 +81,9 @@ impl FirstStage {
     pub fn new(pb: &ParamBuilder<'_>, arch: &FirstStageArch) -> Result<Self> {
         Ok(match arch {
             FirstStageArch::AutoencoderKl(c) => {
-                FirstStage::AutoencoderKl(AutoencoderKl::new(pb, c.clone())?)
+                FirstStage::AutoencoderKl(Box::new(AutoencoderKl::new(pb, c.clone())?))
             }
+            FirstStageArch::Wan(c) => FirstStage::Wan(Box::new(WanVae::new(pb, c.clone())?)),
         })
     }
 
@@ -78,6 +92,7 @@ impl FirstStage {
     pub fn encode(&self, g: &mut GraphCtx, x: &GTensor) -> Result<GTensor> {
         match self {
             FirstStage::AutoencoderKl(m) => m.encode(g, x),
+            FirstStage::Wan(m) => m.encode(g, x),
         }
     }
 
@@ -86,6 +101,7 @@ impl FirstStage {
     pub fn decode(&self, g: &mut GraphCtx, z: &GTensor) -> Result<GTensor> {
         match self {
             FirstStage::AutoencoderKl(m) => m.decode(g, z),
+            FirstStage::Wan(m) => m.decode(g, z),
         }
     }
 
@@ -93,6 +109,7 @@ impl FirstStage {
     pub fn has_encoder(&self) -> bool {
         match self {
             FirstStage::AutoencoderKl(m) => m.encoder.is_some(),
+            FirstStage::Wan(m) => m.encoder.is_some(),
         }
     }
 
@@ -100,13 +117,14 @@ impl FirstStage {
     pub fn downsample_factor(&self) -> usize {
         match self {
             FirstStage::AutoencoderKl(m) => m.config.downsample_factor(),
+            FirstStage::Wan(m) => m.config.downsample_factor(),
         }
     }
 
     /// Descriptor and node capacity of one encoder or decoder graph.
     pub fn graph_size(&self) -> usize {
         match self {
-            FirstStage::AutoencoderKl(_) => VAE_GRAPH,
+            FirstStage::AutoencoderKl(_) | FirstStage::Wan(_) => VAE_GRAPH,
         }
     }
 }

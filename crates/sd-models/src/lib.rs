@@ -7,6 +7,7 @@
 //!
 //! - [`clip`]: the CLIP text encoder (SD1 CLIP-L, SD2 OpenCLIP-H in the transformers layout).
 //! - [`vae`]: the AutoencoderKL encoder and decoder.
+//! - [`wan_vae`]: the Wan-2.1 video VAE of Qwen-Image, as a 2-D network for single images.
 //! - [`t5`]: the T5 v1.1 encoder (T5-XXL of FLUX.1 and SD3), relative position bias.
 //! - [`unet`]: the SD1.x / SD2.x UNet, with graph-cut marks at block boundaries.
 //! - [`flux`], [`mmdit`], [`qwen_image`]: the diffusion transformers (FLUX.1, SD3/SD3.5,
@@ -47,6 +48,7 @@ pub mod text_encoder;
 pub mod unet;
 pub mod upscaler;
 pub mod vae;
+pub mod wan_vae;
 pub mod weights;
 
 use sd_graphcut::CutMarks;

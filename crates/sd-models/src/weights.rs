@@ -3,7 +3,9 @@
 //! Shapes: a declared shape is PyTorch's, outermost first; the ggml tensor gets the reversed
 //! dims (`ne`, innermost first). A `Linear` weight `[out, in]` becomes `ne = [in, out]` and is
 //! applied as `mul_mat(w, x)`; a `Conv2d` weight `[oc, ic, kh, kw]` becomes
-//! `ne = [kw, kh, ic, oc]`.
+//! `ne = [kw, kh, ic, oc]`. ggml has four dims: a 5-D shape (a 3-D convolution kernel
+//! `[oc, ic, kt, kh, kw]`) folds its two outermost dims, `ne = [kw, kh, kt, ic * oc]` (the
+//! same bytes; stable-diffusion.cpp's `CausalConv3d` layout).
 
 use std::cell::RefCell;
 use std::collections::BTreeMap;
@@ -193,7 +195,8 @@ impl<'a> ParamBuilder<'a> {
         inner.catalog?.get(&full).map(|s| s.shape.clone())
     }
 
-    /// Declares parameter `name` (under this builder's prefix) of PyTorch shape `shape`.
+    /// Declares parameter `name` (under this builder's prefix) of PyTorch shape `shape`
+    /// (1 to 5 dims; see the module documentation for 5).
     pub fn tensor(&self, name: &str, shape: &[usize]) -> Result<GTensor> {
         self.declare(name, shape, false)
     }
@@ -209,7 +212,7 @@ impl<'a> ParamBuilder<'a> {
         if inner.params.contains_key(&full) {
             return Err(ModelError::Duplicate { name: full });
         }
-        if shape.is_empty() || shape.len() > 4 || shape.contains(&0) {
+        if shape.is_empty() || shape.len() > 5 || shape.contains(&0) {
             return Err(ModelError::Config(format!(
                 "tensor `{full}` declared with shape {shape:?}"
             )));
@@ -248,7 +251,13 @@ impl<'a> ParamBuilder<'a> {
                 }
             }
         };
-        let ne: Vec<usize> = shape.iter().rev().copied().collect();
+        let mut ne: Vec<usize> = shape.iter().rev().copied().collect();
+        if ne.len() == 5 {
+            let outer = ne.pop().unwrap_or(1);
+            ne[3] = ne[3].checked_mul(outer).ok_or_else(|| {
+                ModelError::Config(format!("tensor `{full}` declared with shape {shape:?}"))
+            })?;
+        }
         let t = inner.ctx.new_tensor(dtype, &ne)?;
         t.set_name(&full);
         t.set_param();

@@ -209,7 +209,9 @@ fn a_second_model_source_runs_in_the_same_runtime() {
     // The same file twice is refused; a copy is a new source.
     assert!(rt.add_source(open(&builtin())).is_err());
     let second = rt.add_source(open(&copy)).unwrap();
-    let FirstStageArch::AutoencoderKl(mut vae_cfg) = spec.first_stage.1.clone();
+    let FirstStageArch::AutoencoderKl(mut vae_cfg) = spec.first_stage.1.clone() else {
+        panic!("the builtin model has an AutoencoderKL");
+    };
     vae_cfg.with_encoder = false;
     let (a, vae_a) = rt
         .add_model("vae", Component::Vae, SourceId::MAIN, |pb| {

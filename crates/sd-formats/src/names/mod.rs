@@ -9,6 +9,7 @@
 //! |---|---|---|
 //! | diffusion UNet | [`UNET_PREFIX`] `model.diffusion_model.` | LDM: `input_blocks.N.M`, `middle_block`, `output_blocks`, `time_embed`, `label_emb` (SDXL), `out` |
 //! | autoencoder | [`VAE_PREFIX`] `first_stage_model.` | LDM: `encoder.down.N.block.M`, `mid.attn_1.{q,k,v,proj_out}` as `[C, C, 1, 1]`, `decoder.up.N`, `quant_conv`, `post_quant_conv` |
+//! | Wan / Qwen-Image autoencoder | [`VAE_PREFIX`] `first_stage_model.` | original Wan: `encoder.conv1`, `encoder.downsamples.N.residual.{0,2,3,6}`, `*.middle.{0,1,2}`, `*.head.{0,2}`, `decoder.upsamples.N`, `conv1`, `conv2` (see `wan_vae.rs`) |
 //! | first text encoder | [`CLIP_PREFIX`] `cond_stage_model.transformer.` | transformers `CLIPTextModel`: `text_model.*` |
 //! | SDXL's OpenCLIP-G | [`CLIP_G_PREFIX`] `cond_stage_model.1.transformer.` | transformers `CLIPTextModel`: `text_model.*` |
 //! | T5 encoder (FLUX.1, SD3) | [`T5_PREFIX`] `text_encoders.t5xxl.transformer.` | transformers `T5EncoderModel`: `shared`, `encoder.block.N.layer.{0,1}.*`, `encoder.final_layer_norm` |
@@ -40,7 +41,8 @@
 //! `first_stage_model.` (single files written by some tools) are converted as well. A single
 //! component file read without any prefix is recognised by a marker tensor it always has:
 //! `conv_in.weight` (a diffusers UNet; `input_blocks.0.0.weight` for an original one),
-//! `encoder.conv_in.weight` / `decoder.conv_in.weight` (an autoencoder in either layout) and
+//! `encoder.conv_in.weight` / `decoder.conv_in.weight` (an autoencoder in either layout),
+//! `encoder.head.0.gamma` / `decoder.head.0.gamma` (a Wan VAE in the original layout) and
 //! `text_model.*` / `embeddings.token_embedding.weight` (a transformers text encoder, put in
 //! the second slot when 1280 wide, else the first).
 //!
@@ -60,6 +62,7 @@ mod t5;
 mod unet;
 mod vae;
 mod version;
+mod wan_vae;
 
 use std::collections::HashMap;
 
@@ -76,6 +79,7 @@ pub use version::{detect_version, detect_version_of, SdVersion};
 use clip::{OpenClipTarget, Slot};
 use unet::UnetLayout;
 use vae::VaeLayout;
+use wan_vae::WanVaeLayout;
 
 /// Prefix a reader gives the tensors of a diffusers pipeline's `unet/` folder.
 pub const DIFFUSERS_UNET: &str = "unet.";
@@ -135,7 +139,8 @@ pub struct Conversion {
 /// `version` is the model family when the caller knows it; when `None` it is detected from
 /// the storages with [`detect_version_of`]. It matters only to stay out of the way of
 /// non-UNet families: for DiT models (SD3, Flux, Qwen-Image) UNet and CLIP conversions are
-/// skipped, and for Qwen-Image the autoencoder too (its video VAE has a different layout).
+/// skipped. Autoencoder names that carry the Wan markers (`.gamma`, `to_qkv`, `time_conv`:
+/// Qwen-Image's video VAE) are converted as the Wan VAE (see `wan_vae.rs`).
 ///
 /// Names already canonical and names this module does not know pass unchanged. Returns
 /// [`NameError::Collision`] when two tensors end up with one name and [`NameError::Split`]
@@ -176,9 +181,11 @@ pub fn convert_to_canonical_report(
             _ => None,
         })
     };
-    let keep_vae =
-        version == Some(SdVersion::QwenImage) || vae_rels().any(vae::is_foreign_vae_marker);
+    // Wan VAE files always carry the markers (every norm is a `gamma`); the family alone
+    // does not decide, so that converting twice changes nothing.
+    let wan_vae = vae_rels().any(vae::is_foreign_vae_marker);
     let vae_layout = VaeLayout::scan(vae_rels());
+    let wan_layout = WanVaeLayout::scan(vae_rels());
 
     let mut out = Conversion {
         tensors: Vec::with_capacity(storages.len()),
@@ -201,7 +208,15 @@ pub fn convert_to_canonical_report(
                 Some(c) => Target::Name(format!("{T5_PREFIX}{c}")),
                 None => Target::Name(source.clone()),
             },
-            Plan::Vae(_) if keep_vae => Target::Name(source.clone()),
+            Plan::Vae(start) if wan_vae => {
+                let rel = &source[start..];
+                match wan_vae::diffusers_to_original(rel, wan_layout)
+                    .or_else(|| wan_vae::is_original_name(rel).then(|| rel.to_owned()))
+                {
+                    Some(c) => Target::Name(format!("{VAE_PREFIX}{c}")),
+                    None => Target::Name(source.clone()),
+                }
+            }
             Plan::Vae(start) => {
                 let rel = &source[start..];
                 let canonical_rel = vae::diffusers_to_original(rel, vae_layout)
@@ -310,6 +325,7 @@ struct BareMarkers {
     unet_diffusers: bool,
     unet_original: bool,
     vae: bool,
+    wan_vae: bool,
     text_model: bool,
     text_bare: bool,
     text_hidden: Option<u64>,
@@ -324,6 +340,7 @@ impl BareMarkers {
                 "conv_in.weight" => m.unet_diffusers = true,
                 "input_blocks.0.0.weight" => m.unet_original = true,
                 "encoder.conv_in.weight" | "decoder.conv_in.weight" => m.vae = true,
+                "encoder.head.0.gamma" | "decoder.head.0.gamma" => m.wan_vae = true,
                 t5::HF_MARKER | t5::GGUF_MARKER => m.t5 = true,
                 "text_model.embeddings.token_embedding.weight"
                 | "embeddings.token_embedding.weight" => {
@@ -438,6 +455,9 @@ fn classify(name: &str, bare: &BareMarkers, dit: bool) -> Plan {
         return Plan::UnetPrefix;
     }
     if bare.vae && vae::is_vae_name(name) {
+        return Plan::Vae(0);
+    }
+    if bare.wan_vae && wan_vae::is_original_name(name) {
         return Plan::Vae(0);
     }
     let text_slot = Slot::for_hidden(bare.text_hidden);

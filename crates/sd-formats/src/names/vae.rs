@@ -61,7 +61,7 @@ fn side_inner(rel: &str) -> Option<&str> {
 }
 
 /// Whether `rel` marks a non-KL autoencoder (the Wan / Qwen-Image video VAE), whose diffusers
-/// names overlap these but map differently; such files are left alone.
+/// names overlap these but map differently (`wan_vae.rs` converts such files).
 pub(crate) fn is_foreign_vae_marker(rel: &str) -> bool {
     rel.ends_with(".gamma") || rel.contains(".to_qkv.") || rel.contains(".time_conv.")
 }

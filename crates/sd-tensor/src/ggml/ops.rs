@@ -172,6 +172,17 @@ impl Context {
         })
     }
 
+    /// Clamps every element of `a` to `[min, max]`.
+    pub fn clamp(&self, a: &GTensor, min: f32, max: f32) -> Result<GTensor> {
+        if min.is_nan() || max.is_nan() || min > max {
+            return Err(bad("clamp", format!("range [{min}, {max}]")));
+        }
+        // SAFETY: float tensor, ordered bounds.
+        self.op("clamp", 1, |c| unsafe {
+            sys::ggml_clamp(c, a.raw(), min, max)
+        })
+    }
+
     /// Softplus, `ln(1 + e^x)` (`x` itself above 20, as torch's default threshold).
     pub fn softplus(&self, a: &GTensor) -> Result<GTensor> {
         self.unary("softplus", a, sys::ggml_softplus)
