@@ -8,6 +8,7 @@
 //! - [`clip`]: the CLIP text encoder (SD1 CLIP-L, SD2 OpenCLIP-H in the transformers layout).
 //! - [`vae`]: the AutoencoderKL encoder and decoder.
 //! - [`t5`]: the T5 v1.1 encoder (T5-XXL of FLUX.1 and SD3), relative position bias.
+//! - [`llm`]: a decoder-only language model as a text encoder (Qwen2.5-VL-7B of Qwen-Image).
 //! - [`unet`]: the SD1.x / SD2.x UNet, with graph-cut marks at block boundaries.
 //! - [`diffusion`], [`text_encoder`], [`first_stage`]: the networks of each role as closed
 //!   enums ([`diffusion::DiffusionNet`] fed one [`diffusion::DiffusionInputs`],
@@ -34,6 +35,7 @@ pub mod dit;
 pub mod esrgan;
 pub mod first_stage;
 pub mod flux;
+pub mod llm;
 pub mod mmdit;
 pub mod mosr;
 pub mod nn;
