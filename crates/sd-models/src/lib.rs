@@ -9,6 +9,7 @@
 //! - [`vae`]: the AutoencoderKL encoder and decoder.
 //! - [`wan_vae`]: the Wan-2.1 video VAE of Qwen-Image, as a 2-D network for single images.
 //! - [`t5`]: the T5 v1.1 encoder (T5-XXL of FLUX.1 and SD3), relative position bias.
+//! - [`llm`]: a decoder-only language model as a text encoder (Qwen2.5-VL-7B of Qwen-Image).
 //! - [`unet`]: the SD1.x / SD2.x UNet, with graph-cut marks at block boundaries.
 //! - [`flux`], [`mmdit`], [`qwen_image`]: the diffusion transformers (FLUX.1, SD3/SD3.5,
 //!   Qwen-Image), on the shared blocks of [`dit`].
@@ -37,6 +38,7 @@ pub mod dit;
 pub mod esrgan;
 pub mod first_stage;
 pub mod flux;
+pub mod llm;
 pub mod mmdit;
 pub mod mosr;
 pub mod nn;

@@ -1,10 +1,11 @@
 //! The text encoders as one closed set: [`TextEncoderArch`] builds a [`TextEncoder`] that
-//! maps token ids to hidden states: CLIP (SD1, SD2, SDXL) and T5 v1.1 (FLUX.1, SD3). Later
-//! encoders (Qwen2.5-VL) are new variants.
+//! maps token ids to hidden states: CLIP (SD1, SD2, SDXL), T5 v1.1 (FLUX.1, SD3) and a
+//! decoder-only LLM (Qwen2.5-VL-7B of Qwen-Image).
 
 use sd_tensor::ggml::GTensor;
 
 use crate::clip::{ClipTextConfig, ClipTextModel};
+use crate::llm::{LlmConfig, LlmModel};
 use crate::t5::{T5Config, T5EncoderModel};
 use crate::weights::ParamBuilder;
 use crate::{GraphCtx, Result};
@@ -17,6 +18,9 @@ pub enum TextEncoderArch {
     /// A T5 v1.1 encoder (T5-XXL); its dimensions are read from the tensors when the
     /// encoder is built (see [`T5Config::with_shapes_of`]).
     T5(T5Config),
+    /// A decoder-only LLM (Qwen2.5-VL's language model); its dimensions are read from the
+    /// tensors when the encoder is built (see [`LlmConfig::with_shapes_of`]).
+    Llm(LlmConfig),
 }
 
 impl TextEncoderArch {
@@ -25,6 +29,7 @@ impl TextEncoderArch {
         match self {
             TextEncoderArch::Clip(c) => c.hidden_size,
             TextEncoderArch::T5(c) => c.d_model,
+            TextEncoderArch::Llm(c) => c.hidden_size,
         }
     }
 
@@ -33,6 +38,7 @@ impl TextEncoderArch {
         match self {
             TextEncoderArch::Clip(c) => c.max_position_embeddings,
             TextEncoderArch::T5(c) => c.max_tokens,
+            TextEncoderArch::Llm(c) => c.max_tokens,
         }
     }
 
@@ -40,17 +46,18 @@ impl TextEncoderArch {
     pub fn pooled_size(&self) -> Option<usize> {
         match self {
             TextEncoderArch::Clip(c) => c.projection_dim,
-            TextEncoderArch::T5(_) => None,
+            TextEncoderArch::T5(_) | TextEncoderArch::Llm(_) => None,
         }
     }
 
     /// Sets the name prefix of the parameters (the canonical prefix of the component slot;
     /// a CLIP's transformer lives under `PREFIX` + `text_model`, a T5's `shared` and
-    /// `encoder` right under `PREFIX`).
+    /// `encoder` and an LLM's `model` right under `PREFIX`).
     pub fn set_prefix(&mut self, prefix: &str) {
         match self {
             TextEncoderArch::Clip(c) => c.prefix = format!("{prefix}text_model"),
             TextEncoderArch::T5(c) => c.prefix = prefix.trim_end_matches('.').to_string(),
+            TextEncoderArch::Llm(c) => c.prefix = prefix.trim_end_matches('.').to_string(),
         }
     }
 }
@@ -62,6 +69,8 @@ pub enum TextEncoder {
     Clip(ClipTextModel),
     /// A T5 v1.1 encoder.
     T5(T5EncoderModel),
+    /// A decoder-only LLM.
+    Llm(LlmModel),
 }
 
 /// Descriptor and node capacity of one CLIP evaluation (about 40 nodes per layer).
@@ -73,6 +82,7 @@ impl TextEncoder {
         Ok(match arch {
             TextEncoderArch::Clip(c) => TextEncoder::Clip(ClipTextModel::new(pb, c.clone())?),
             TextEncoderArch::T5(c) => TextEncoder::T5(T5EncoderModel::new(pb, c.clone())?),
+            TextEncoderArch::Llm(c) => TextEncoder::Llm(LlmModel::new(pb, c.clone())?),
         })
     }
 
@@ -82,6 +92,7 @@ impl TextEncoder {
         match self {
             TextEncoder::Clip(m) => m.forward(g, input_ids),
             TextEncoder::T5(m) => m.forward(g, input_ids),
+            TextEncoder::Llm(m) => m.forward(g, input_ids),
         }
     }
 
@@ -98,6 +109,9 @@ impl TextEncoder {
             TextEncoder::T5(_) => Err(crate::ModelError::Config(
                 "pooled output asked of a T5 encoder (it has none)".into(),
             )),
+            TextEncoder::Llm(_) => Err(crate::ModelError::Config(
+                "pooled output asked of an LLM encoder (it has none)".into(),
+            )),
         }
     }
 
@@ -106,6 +120,7 @@ impl TextEncoder {
         match self {
             TextEncoder::Clip(m) => CLIP_GRAPH.max((64 * m.layers.len()).next_power_of_two()),
             TextEncoder::T5(m) => m.graph_size(),
+            TextEncoder::Llm(m) => m.graph_size(),
         }
     }
 
@@ -114,6 +129,7 @@ impl TextEncoder {
         match self {
             TextEncoder::Clip(m) => m.config.hidden_size,
             TextEncoder::T5(m) => m.config.d_model,
+            TextEncoder::Llm(m) => m.config.hidden_size,
         }
     }
 }

@@ -13,6 +13,7 @@
 //! | first text encoder | [`CLIP_PREFIX`] `cond_stage_model.transformer.` | transformers `CLIPTextModel`: `text_model.*` |
 //! | SDXL's OpenCLIP-G | [`CLIP_G_PREFIX`] `cond_stage_model.1.transformer.` | transformers `CLIPTextModel`: `text_model.*` |
 //! | T5 encoder (FLUX.1, SD3) | [`T5_PREFIX`] `text_encoders.t5xxl.transformer.` | transformers `T5EncoderModel`: `shared`, `encoder.block.N.layer.{0,1}.*`, `encoder.final_layer_norm` |
+//! | LLM text encoder (Qwen-Image) | [`LLM_PREFIX`] `text_encoders.llm.` | the Hugging Face checkpoint: `model.embed_tokens`, `model.layers.N.*`, `model.norm` (llama.cpp GGUF names converted, see `llm.rs`) |
 //!
 //! [`convert_to_canonical`] brings other layouts there: diffusers UNets and autoencoders
 //! (see `unet.rs` and `vae.rs` for the tables), OpenCLIP text towers (SD2's
@@ -58,6 +59,7 @@
 //! `unet.down_blocks.0.attentions.0....to_q.lora_A.weight`.
 
 mod clip;
+mod llm;
 mod t5;
 mod unet;
 mod vae;
@@ -71,6 +73,7 @@ use thiserror::Error;
 use crate::TensorStorage;
 
 pub use clip::{CLIP_G_PREFIX, CLIP_PREFIX, TEXT_PROJECTION_LINEAR, TEXT_PROJECTION_OPENCLIP};
+pub use llm::LLM_PREFIX;
 pub use t5::{detect_text_encoder, TextEncoderKind, T5_PREFIX};
 pub use unet::UNET_PREFIX;
 pub use vae::VAE_PREFIX;
@@ -208,6 +211,10 @@ pub fn convert_to_canonical_report(
                 Some(c) => Target::Name(format!("{T5_PREFIX}{c}")),
                 None => Target::Name(source.clone()),
             },
+            Plan::Llm(start) => match llm::gguf_to_canonical(&source[start..]) {
+                Some(c) => Target::Name(format!("{LLM_PREFIX}{c}")),
+                None => Target::Name(source.clone()),
+            },
             Plan::Vae(start) if wan_vae => {
                 let rel = &source[start..];
                 match wan_vae::diffusers_to_original(rel, wan_layout)
@@ -314,6 +321,9 @@ enum Plan {
     ClipOpen(Slot, usize),
     /// A T5 encoder name (transformers or GGUF layout), relative part from the offset.
     T5(usize),
+    /// A name under [`LLM_PREFIX`] (llama.cpp GGUF names converted), relative part from the
+    /// offset.
+    Llm(usize),
     /// A diffusers DiT name (`transformer.` folder): moved under the diffusion prefix as
     /// it is (the network reads diffusers' names itself), relative part from the offset.
     Transformer(usize),
@@ -365,6 +375,9 @@ pub const SAI_CLIP_G_PREFIX: &str = "text_encoders.clip_g.transformer.";
 /// Decides how `name` is converted. `dit`: the model is not a UNet family, so UNet and CLIP
 /// conversions stay off.
 fn classify(name: &str, bare: &BareMarkers, dit: bool) -> Plan {
+    if name.starts_with(LLM_PREFIX) {
+        return Plan::Llm(LLM_PREFIX.len());
+    }
     if let Some(plan) = classify_t5(name, bare) {
         return plan;
     }
