@@ -225,3 +225,35 @@ fn config_reads_diffusers_json() {
     let cfg: WanVaeConfig = serde_json::from_str(json).unwrap();
     assert_eq!(cfg, WanVaeConfig::default());
 }
+
+#[test]
+fn full_size_graphs_fit_the_first_stage_graph_size() {
+    use sd_models::first_stage::{FirstStage, FirstStageArch};
+    use sd_tensor::ggml::Graph;
+    // Qwen-Image's VAE (base 96) at 1024 x 768, descriptors only.
+    let arch = FirstStageArch::Wan(WanVaeConfig::default());
+    assert_eq!(arch.latent_channels(), 16);
+    assert_eq!(arch.downsample_factor(), 8);
+    assert_eq!(
+        arch.encoder_probe(),
+        format!("{VAE_PREFIX}encoder.conv1.weight")
+    );
+    let pb = ParamBuilder::new(None, 1024).unwrap();
+    let fs = FirstStage::new(&pb, &arch).unwrap();
+    assert!(fs.has_encoder());
+    let size = fs.graph_size();
+    for encode in [true, false] {
+        let mut g = GraphCtx::new(size, size, ComputeOptions::default()).unwrap();
+        let out = if encode {
+            let x = g.ctx.new_tensor(DType::F32, &[1024, 768, 3, 1]).unwrap();
+            fs.encode(&mut g, &x).unwrap()
+        } else {
+            let z = g.ctx.new_tensor(DType::F32, &[128, 96, 16, 1]).unwrap();
+            fs.decode(&mut g, &z).unwrap()
+        };
+        let mut graph = Graph::new(&g.ctx, size).unwrap();
+        graph.build_forward_expand(&out).unwrap();
+        println!("encode {encode}: {} nodes of {size}", graph.n_nodes());
+        assert!(graph.n_nodes() < size);
+    }
+}
