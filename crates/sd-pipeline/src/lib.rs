@@ -22,6 +22,7 @@ pub mod runtime;
 pub mod sampling;
 pub mod schedule;
 pub mod tokenizer;
+pub mod tokenizer_qwen;
 pub mod tokenizer_t5;
 pub mod upscale;
 pub mod vae_tiling;
