@@ -155,11 +155,9 @@ pub fn bytes_to_unicode() -> Vec<(u8, char)> {
         .filter(|&b| printable(b))
         .map(|b| (b, char::from(b)))
         .collect();
-    let mut n = 0;
-    for b in (0..=255u8).filter(|&b| !printable(b)) {
+    for (n, b) in (0..=255u8).filter(|&b| !printable(b)).enumerate() {
         // U+0100..U+0143: valid scalar values.
-        out.push((b, char::from_u32(256 + n).unwrap_or('\u{FFFD}')));
-        n += 1;
+        out.push((b, char::from_u32(256 + n as u32).unwrap_or('\u{FFFD}')));
     }
     out
 }
@@ -179,8 +177,8 @@ impl std::fmt::Debug for QwenTokenizer {
 }
 
 impl QwenTokenizer {
-    /// The tokenizer with the shipped Qwen2 merges (decompressed and built: about 0.2 s;
-    /// build it once).
+    /// The tokenizer with the shipped Qwen2 merges (decompressed and built: a fraction of a
+    /// second; build it once).
     pub fn builtin() -> Result<Self, QwenTokenizerError> {
         let mut text = String::with_capacity(1_700_000);
         flate2::read::GzDecoder::new(BUILTIN)
