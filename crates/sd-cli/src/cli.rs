@@ -424,16 +424,8 @@ pub fn parse(args: Vec<OsString>) -> Result<Cli, clap::Error> {
 }
 
 /// The model files of the command line (the one place the model-file flags map onto the
-/// pipeline's [`ModelFiles`]); a usage error for the components sd-rs cannot use yet.
+/// pipeline's [`ModelFiles`]).
 pub fn model_files(cli: &Cli) -> Result<ModelFiles, String> {
-    if cli.llm.is_some() {
-        return Err(
-            "--llm: not supported yet (sd-rs runs SD1.x, SD2.x, SDXL and FLUX.1 models, whose \
-             text encoders are CLIP-L (--clip_l), OpenCLIP-H (--clip_h), OpenCLIP-bigG \
-             (--clip_g) and T5-XXL (--t5xxl))"
-                .into(),
-        );
-    }
     let mut files = ModelFiles {
         model: cli.model.clone(),
         ..ModelFiles::default()
@@ -446,6 +438,7 @@ pub fn model_files(cli: &Cli) -> Result<ModelFiles, String> {
         ("clip_h", &cli.clip_h),
         ("clip_g", &cli.clip_g),
         ("t5xxl", &cli.t5xxl),
+        ("llm", &cli.llm),
     ] {
         if let Some(p) = path {
             files = files.with(slot, p.clone());

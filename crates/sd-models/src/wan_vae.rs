@@ -527,6 +527,16 @@ pub struct WanVae {
 impl WanVae {
     /// Declares the parameters under `config.prefix` of `pb`.
     pub fn new(pb: &ParamBuilder<'_>, config: WanVaeConfig) -> Result<Self> {
+        // Sizes from the tensors when there is a file (a family's default config names the
+        // release's); whether the encoder is built stays the caller's choice.
+        let config = if pb.has_catalog() {
+            WanVaeConfig {
+                with_encoder: config.with_encoder,
+                ..WanVaeConfig::from_tensors(pb, &config.prefix)?
+            }
+        } else {
+            config
+        };
         config.validate()?;
         let cfg = &config;
         let pb = pb.pp(&cfg.prefix);

@@ -199,20 +199,20 @@ pub(crate) fn open_catalog(files: &ModelFiles) -> Result<TensorCatalog, Generate
     Ok(loader)
 }
 
-/// Gives the slot's prefix to the tensors of file `id` when it is a diffusion-model file
-/// whose names are bare (Black Forest Labs' `flux1-dev.safetensors`, Stability's and
-/// city96's transformer files: no name under any component prefix, even after name
-/// conversion). Returns whether it renamed anything.
+/// Gives the slot's prefix to the tensors of file `id` when its names are bare: no name
+/// under any component prefix, even after name conversion (Black Forest Labs'
+/// `flux1-dev.safetensors`, Stability's and city96's transformer files, ComfyUI's
+/// `qwen_image_bf16.safetensors`, an LLM text encoder with Hugging Face or llama.cpp names).
+/// Returns whether it renamed anything.
 fn prefix_bare_file(
     loader: &mut TensorCatalog,
     id: sd_formats::FileId,
     slot: &Slot,
 ) -> Result<bool, sd_formats::files::FileError> {
     let slots = all_slots();
-    let bare = slot.kind == SlotKind::Diffusion
-        && loader
-            .names_in_file(id)
-            .all(|n| !slots.iter().any(|s| n.starts_with(s.prefix)));
+    let bare = loader
+        .names_in_file(id)
+        .all(|n| !slots.iter().any(|s| n.starts_with(s.prefix)));
     if bare {
         let prefix = slot.prefix;
         loader.rename(|t| {

@@ -193,7 +193,7 @@ impl Pipeline {
                 q.config.joint_attention_dim,
                 None,
                 false,
-                1024, // INTEGRATE: crate::family::qwen_image::MAX_PROMPT_TOKENS
+                crate::family::qwen_image::MAX_PROMPT_TOKENS,
             ),
         };
         let batch = if params.cfg_scale != 1.0 { 2 } else { 1 };

@@ -1,6 +1,6 @@
 //! Model families: what the pipeline knows about each kind of checkpoint, in one place.
 //!
-//! A [`Family`] (one file each: [`sd1`], [`sd2`], [`sdxl`], [`flux`], [`sd3`]) owns everything that differs between
+//! A [`Family`] (one file each: [`sd1`], [`sd2`], [`sdxl`], [`flux`], [`sd3`], [`qwen_image`]) owns everything that differs between
 //! models above the networks: detection (from [`detect_version`]), its component
 //! [`Slot`]s with their CLI flags and canonical name prefixes, the generation [`Defaults`],
 //! its configuration (a `serde` struct whose defaults cite the upstream YAML/`config.json`),
@@ -14,6 +14,7 @@
 
 pub mod flux;
 pub mod ldm;
+pub mod qwen_image;
 pub mod sd1;
 pub mod sd2;
 pub mod sd3;
@@ -47,6 +48,7 @@ pub static FAMILIES: &[&dyn Family] = &[
     &sdxl::SdxlRefiner,
     &flux::Flux,
     &sd3::Sd3,
+    &qwen_image::QwenImage,
 ];
 
 /// An error of family detection or configuration.

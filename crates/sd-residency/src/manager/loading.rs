@@ -30,7 +30,21 @@ pub(crate) fn validate_against_file(
         let first = s.iter().position(|&d| d != 1).unwrap_or(s.len());
         s[first..].to_vec()
     };
-    if trim(&t.shape) != trim(shape) {
+    // ggml has four dims: a 5-D tensor (a 3-D convolution kernel `[oc, ic, kt, kh, kw]`) is
+    // declared with its two outermost dims folded into one.
+    let file_shape: Vec<u64> = match t.shape.as_slice() {
+        [oc, ic, rest @ ..] if t.shape.len() == 5 => std::iter::once(oc.saturating_mul(*ic))
+            .chain(rest.iter().copied())
+            .collect(),
+        s => s.to_vec(),
+    };
+    // Trailing (innermost) dimensions of 1 describe the same bytes too (a `[C]` scale
+    // stored as `[C, 1, 1, 1]`, a linear weight stored as a 1x1 convolution).
+    let trim_inner = |s: &[u64]| -> Vec<u64> {
+        let last = s.iter().rposition(|&d| d != 1).map_or(0, |i| i + 1);
+        s[..last].to_vec()
+    };
+    if trim(&file_shape) != trim(shape) && trim_inner(&file_shape) != trim_inner(shape) {
         return Err(ResidencyError::ShapeMismatch {
             name: name.to_string(),
             expected: shape.to_vec(),
