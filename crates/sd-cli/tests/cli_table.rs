@@ -98,6 +98,59 @@ fn sd3_components(d: &Path) {
     }
 }
 
+/// Writes the tiny Qwen-Image checkpoint's parts as users download them, bare names each:
+/// `d/qwen_dit.safetensors` (the transformer), `d/qwen_llm.safetensors` (the Qwen2.5-VL text
+/// model, Hugging Face names), `d/qwen_vae.safetensors` (the Wan VAE, diffusers names).
+fn qwen_parts(d: &Path) {
+    let whole = d.join("qwen.safetensors");
+    files::expand_sparse(&sdxl_fixture("tiny_qwen_image.safetensors"), &whole);
+    for (name, prefix) in [
+        ("qwen_dit", "model.diffusion_model."),
+        ("qwen_llm", "text_encoders.llm."),
+        ("qwen_vae", "vae."),
+    ] {
+        files::strip(&whole, prefix, &d.join(format!("{name}.safetensors")));
+    }
+    std::fs::remove_file(whole).unwrap();
+}
+
+/// Arguments of a 2-step 32x32 Qwen-Image generation from its parts in `d` ("a cat",
+/// negative "blurry", CFG 2.5) writing `d/o.png`, without the flags in `skip`.
+fn qwen_gen(d: &Path, skip: &[&str]) -> Vec<OsString> {
+    let mut v: Vec<OsString> = Vec::new();
+    for (flag, file) in [
+        ("--diffusion-model", "qwen_dit"),
+        ("--llm", "qwen_llm"),
+        ("--vae", "qwen_vae"),
+    ] {
+        if !skip.contains(&flag) {
+            v.push(flag.into());
+            v.push(d.join(format!("{file}.safetensors")).into());
+        }
+    }
+    for a in [
+        "-p",
+        "a cat",
+        "-n",
+        "blurry",
+        "-W",
+        "32",
+        "-H",
+        "32",
+        "--steps",
+        "2",
+        "--cfg-scale",
+        "2.5",
+        "-t",
+        "2",
+        "-o",
+    ] {
+        v.push(a.into());
+    }
+    v.push(d.join("o.png").into());
+    v
+}
+
 /// Arguments of a 2-step 32x32 SD3.5 generation ("a red fox", negative "blurry", 2
 /// threads) writing `d/<out>`, the model given by `model` (flags and files in `d`).
 fn sd3_gen(d: &Path, model: &[&str], out: &str) -> Vec<OsString> {
@@ -492,6 +545,39 @@ fn cases() -> Vec<Case> {
                 let text = String::from_utf8_lossy(&bytes);
                 assert!(text.contains("CFG scale: 7"), "parameters text");
             },
+        },
+        Case {
+            name: "Qwen-Image from its parts (--diffusion-model, --llm, --vae; bare names): an image",
+            setup: qwen_parts,
+            args: |d| qwen_gen(d, &[]),
+            code: 0,
+            stderr: &[],
+            stdout: &["saved", "32x32"],
+            files: &[
+                "o.png",
+                "qwen_dit.safetensors",
+                "qwen_llm.safetensors",
+                "qwen_vae.safetensors",
+            ],
+            check: |d, _| {
+                let bytes = std::fs::read(d.join("o.png")).unwrap();
+                let text = String::from_utf8_lossy(&bytes);
+                assert!(text.contains("CFG scale: 2.5"), "parameters text");
+            },
+        },
+        Case {
+            name: "Qwen-Image without --llm: the error names the flag, nothing written",
+            setup: qwen_parts,
+            args: |d| qwen_gen(d, &["--llm"]),
+            code: 1,
+            stderr: &["--llm"],
+            stdout: &[],
+            files: &[
+                "qwen_dit.safetensors",
+                "qwen_llm.safetensors",
+                "qwen_vae.safetensors",
+            ],
+            check: |_, _| {},
         },
         Case {
             name: "SD3.5 from separate files (--diffusion-model, --clip_l, --clip_g, --t5xxl, --vae): the single file's image",
