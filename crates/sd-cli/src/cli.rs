@@ -117,7 +117,7 @@ pub struct Cli {
     /// T5-XXL text encoder (FLUX.1)
     #[arg(long = "t5xxl", help_heading = "Model files")]
     pub t5xxl: Option<PathBuf>,
-    /// LLM text encoder (Qwen-Image...; not supported yet)
+    /// LLM text encoder (Qwen-Image: Qwen2.5-VL-7B's language model)
     #[arg(long = "llm", help_heading = "Model files")]
     pub llm: Option<PathBuf>,
     /// Convert weights when loading: f32, f16, q8_0, q5_0, q5_1, q4_0, q4_1, q2_K..q6_K

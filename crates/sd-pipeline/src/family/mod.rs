@@ -486,8 +486,14 @@ mod tests {
             let found = FAMILIES.iter().find(|f| f.detects(v)).map(|f| f.id());
             assert_eq!(found, id);
         }
-        // Qwen-Image has no family yet: detected, then refused by name.
-        assert!(FAMILIES.iter().all(|f| !f.detects(SdVersion::QwenImage)));
+        assert_eq!(
+            FAMILIES
+                .iter()
+                .filter(|f| f.detects(SdVersion::QwenImage))
+                .map(|f| f.id())
+                .collect::<Vec<_>>(),
+            ["qwen-image"]
+        );
         assert_eq!(
             FAMILIES
                 .iter()
