@@ -21,6 +21,8 @@
 //! constant flow shift of 3 and plain CFG (its docs use `--cfg-scale 2.5`); `--flow-shift`
 //! gives the constant shift here too.
 
+use std::sync::OnceLock;
+
 use sd_formats::names::{SdVersion, LLM_PREFIX};
 use sd_models::diffusion::DiffusionArch;
 use sd_models::first_stage::FirstStageArch;
@@ -93,6 +95,16 @@ pub fn config() -> QwenImageFamilyConfig {
         steps: 50,
         cfg_scale: 4.0,
     }
+}
+
+/// The shipped Qwen2 tokenizer, built once per process (decompressing and building the
+/// 151,387 merges takes a fraction of a second: not once per generation).
+fn builtin_tokenizer() -> Result<&'static QwenTokenizer, ConditioningError> {
+    static TOKENIZER: OnceLock<Result<QwenTokenizer, String>> = OnceLock::new();
+    TOKENIZER
+        .get_or_init(|| QwenTokenizer::builtin().map_err(|e| e.to_string()))
+        .as_ref()
+        .map_err(|e| ConditioningError::Mismatch(e.clone()))
 }
 
 /// The Qwen-Image family.
@@ -179,8 +191,7 @@ impl Family for QwenImage {
         negative: &str,
         _size: (usize, usize),
     ) -> Result<Conditioning, ConditioningError> {
-        let tokenizer =
-            QwenTokenizer::builtin().map_err(|e| ConditioningError::Mismatch(e.to_string()))?;
+        let tokenizer = builtin_tokenizer()?;
         let mut one = |p: &str| -> Result<TextCond, ConditioningError> {
             let TemplatedIds { ids, drop } = tokenizer
                 .encode_qwen_image(p)
