@@ -98,14 +98,26 @@ impl ExecError {
         }
     }
 
-    /// Whether this is an allocation or capacity failure.
+    /// Whether this is an allocation or capacity failure: the engine's own, or a ggml
+    /// allocation failure anywhere in its sources (the residency manager staging a weight
+    /// block, the planner allocating a cut cache entry).
     pub fn is_out_of_memory(&self) -> bool {
-        matches!(
+        if matches!(
             self,
             ExecError::Capacity { .. }
                 | ExecError::Allocation { .. }
                 | ExecError::BudgetTooSmall(_)
-        )
+        ) {
+            return true;
+        }
+        let mut e: Option<&(dyn std::error::Error + 'static)> = Some(self);
+        while let Some(err) = e {
+            if let Some(GgmlError::AllocationFailed { .. }) = err.downcast_ref::<GgmlError>() {
+                return true;
+            }
+            e = err.source();
+        }
+        false
     }
 }
 
@@ -199,5 +211,23 @@ mod tests {
         // 78,729,216 B + 829 MiB = 904.08 MiB, rounded up.
         assert!(text.contains("minus 829 MiB"), "{text}");
         assert!(text.contains("at least 905 MiB"), "{text}");
+    }
+
+    /// A weight block the residency manager could not allocate is out of memory (a caller
+    /// retries smaller); a read error is not.
+    #[test]
+    fn allocation_failures_in_the_sources_are_out_of_memory() {
+        let alloc = GgmlError::AllocationFailed {
+            what: "buffer".into(),
+            buffer_type: "SIM0".into(),
+            bytes: 99_072,
+        };
+        let staging = ExecError::Residency(ResidencyError::Ggml {
+            context: "allocating a staging block".into(),
+            source: alloc,
+        });
+        assert!(staging.is_out_of_memory(), "{staging}");
+        let busy = ExecError::Residency(ResidencyError::Busy("set_loras"));
+        assert!(!busy.is_out_of_memory());
     }
 }

@@ -8,6 +8,7 @@
 
 use sd_tensor::ggml::GTensor;
 
+use crate::dit::TextTokens;
 use crate::flux::{FluxConfig, FluxModel};
 use crate::mmdit::{MmditConfig, MmditModel};
 use crate::qwen_image::{QwenImageConfig, QwenImageModel};
@@ -24,6 +25,9 @@ pub struct DiffusionInputs<'a> {
     pub timesteps: &'a GTensor,
     /// Text tokens `[hidden, n_tokens, B]`.
     pub context: Option<&'a GTensor>,
+    /// Whether `context` holds the network's own embedding of the text
+    /// ([`DiffusionNet::embed_text`]) instead of the text encoder's states.
+    pub context_embedded: bool,
     /// The class / ADM vector `[adm, B]` (SDXL's pooled text and size embeddings).
     pub y: Option<&'a GTensor>,
     /// Distilled guidance strength f32 `[B]` (Flux dev).
@@ -41,6 +45,7 @@ impl<'a> DiffusionInputs<'a> {
             x,
             timesteps,
             context: None,
+            context_embedded: false,
             y: None,
             guidance: None,
             pos_ids: None,
@@ -140,6 +145,12 @@ impl DiffusionNet {
             DiffusionNet::Unet(unet) => {
                 reject(inputs.guidance, "guidance", "a UNet")?;
                 reject(inputs.pos_ids, "pos_ids", "a UNet")?;
+                if inputs.context_embedded {
+                    return Err(ModelError::Input {
+                        name: "context",
+                        detail: "a UNet has no text embedding to skip".into(),
+                    });
+                }
                 let context = inputs.context.ok_or_else(|| ModelError::Input {
                     name: "context",
                     detail: "a UNet needs text context".into(),
@@ -160,7 +171,8 @@ impl DiffusionNet {
                     name: "y",
                     detail: "FLUX needs the pooled CLIP vector".into(),
                 })?;
-                flux.forward(g, inputs.x, inputs.timesteps, context, y, inputs.guidance)
+                let text = self.text_tokens(inputs, context)?;
+                flux.forward(g, inputs.x, inputs.timesteps, text, y, inputs.guidance)
             }
             DiffusionNet::Mmdit(mmdit) => {
                 reject(inputs.guidance, "guidance", "an MMDiT")?;
@@ -173,14 +185,8 @@ impl DiffusionNet {
                     name: "y",
                     detail: "an MMDiT needs the pooled text vector".into(),
                 })?;
-                mmdit.forward_skipping(
-                    g,
-                    inputs.x,
-                    inputs.timesteps,
-                    context,
-                    y,
-                    inputs.skip_blocks,
-                )
+                let text = self.text_tokens(inputs, context)?;
+                mmdit.forward_skipping(g, inputs.x, inputs.timesteps, text, y, inputs.skip_blocks)
             }
             DiffusionNet::QwenImage(qwen) => {
                 reject(inputs.guidance, "guidance", "Qwen-Image")?;
@@ -190,9 +196,56 @@ impl DiffusionNet {
                     name: "context",
                     detail: "Qwen-Image needs the text encoder's states".into(),
                 })?;
-                qwen.forward(g, inputs.x, inputs.timesteps, context)
+                let text = self.text_tokens(inputs, context)?;
+                qwen.forward(g, inputs.x, inputs.timesteps, text)
             }
         }
+    }
+
+    /// The network's embedding of text encoder states `[context_dim, n, B]` into its text
+    /// stream `[hidden, n, B]`, built into `g`: the part of a pass that depends on the prompt
+    /// alone (the same at every step), which a caller may compute once and feed back with
+    /// [`DiffusionInputs::context_embedded`]. `None` for networks without one (a UNet reads
+    /// the states in every cross-attention).
+    pub fn embed_text(&self, g: &mut GraphCtx, states: &GTensor) -> Result<Option<GTensor>> {
+        Ok(match self {
+            DiffusionNet::Unet(_) => None,
+            DiffusionNet::Flux(f) => Some(f.embed_text(g, states)?),
+            DiffusionNet::Mmdit(m) => Some(m.embed_text(g, states)?),
+            DiffusionNet::QwenImage(q) => Some(q.embed_text(g, states)?),
+        })
+    }
+
+    /// Whether the network has a text embedding ([`DiffusionNet::embed_text`]).
+    pub fn has_text_embedding(&self) -> bool {
+        !matches!(self, DiffusionNet::Unet(_))
+    }
+
+    /// The text of a transformer pass, an embedded one checked against the network's width.
+    fn text_tokens<'t>(
+        &self,
+        inputs: &DiffusionInputs<'t>,
+        context: &'t GTensor,
+    ) -> Result<TextTokens<'t>> {
+        if !inputs.context_embedded {
+            return Ok(TextTokens::States(context));
+        }
+        let hidden = match self {
+            DiffusionNet::Unet(_) => 0,
+            DiffusionNet::Flux(f) => f.config.hidden_size,
+            DiffusionNet::Mmdit(m) => m.config.hidden_size,
+            DiffusionNet::QwenImage(q) => q.config.hidden_size,
+        };
+        if context.ne()[0] != hidden {
+            return Err(ModelError::Input {
+                name: "context",
+                detail: format!(
+                    "embedded text of width {} (the network's is {hidden})",
+                    context.ne()[0]
+                ),
+            });
+        }
+        Ok(TextTokens::Embedded(context))
     }
 
     /// Whether the network embeds a distilled guidance strength (FLUX.1-dev).

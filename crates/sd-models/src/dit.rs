@@ -19,6 +19,25 @@ pub const LN_EPS: f32 = 1e-6;
 /// RMSNorm eps of the QK norms.
 pub const RMS_EPS: f32 = 1e-6;
 
+/// The text tokens a DiT pass reads.
+#[derive(Clone, Copy, Debug)]
+pub enum TextTokens<'a> {
+    /// The text encoder's states `[context_dim, n_txt, B]`: the pass embeds them.
+    States(&'a GTensor),
+    /// States already embedded by the network (its `embed_text`, `[hidden, n_txt, B]`): the
+    /// same for every step of a run, so a caller may compute them once.
+    Embedded(&'a GTensor),
+}
+
+impl<'a> TextTokens<'a> {
+    /// The tensor, whichever form it is in.
+    pub fn tensor(&self) -> &'a GTensor {
+        match *self {
+            TextTokens::States(t) | TextTokens::Embedded(t) => t,
+        }
+    }
+}
+
 /// GELU, tanh form: f32 formula with `opts.exact`, ggml's kernel otherwise.
 pub fn gelu(g: &GraphCtx, x: &GTensor) -> Result<GTensor> {
     if g.opts.exact {
@@ -271,8 +290,8 @@ pub struct Rope {
 
 impl Rope {
     /// The tables for tokens with position ids `ids` (3 axes of widths `axes`, summing to
-    /// the head width `d`), as auxiliary inputs `<model>.rope_{cos,sin,swap}` (every segment
-    /// of a streamed run reads the same ones).
+    /// the head width `d`), as constant auxiliary inputs `<model>.rope_{cos,sin,swap}`
+    /// (every segment of a streamed run reads the same ones, and so does every step).
     pub fn new(
         g: &mut GraphCtx,
         model: &str,
@@ -284,19 +303,19 @@ impl Rope {
         let (cos, sin) = pair_tables(ids, axes, theta);
         let n = ids.len();
         let shape = [d, 1, n, 1];
-        let cos = g.aux_input(
+        let cos = g.constant_input(
             &format!("{model}.rope_cos"),
             DType::F32,
             &shape,
             HostData::F32(cos),
         )?;
-        let sin = g.aux_input(
+        let sin = g.constant_input(
             &format!("{model}.rope_sin"),
             DType::F32,
             &shape,
             HostData::F32(sin),
         )?;
-        let swap = g.aux_input(
+        let swap = g.constant_input(
             &format!("{model}.rope_swap"),
             DType::F32,
             &[2, 2],

@@ -39,6 +39,7 @@ use sd_tensor::ggml::{Context, GTensor};
 pub use crate::dit::rope_tables;
 use crate::dit::{
     chunks, gelu, modulate, qk_norm, rows, split_tokens, DoubleBlock, QkvProj, Rope, StreamParams,
+    TextTokens,
 };
 use crate::nn::{attention, Linear};
 use crate::weights::ParamBuilder;
@@ -333,8 +334,8 @@ const TIME_DIM: usize = 256;
 pub struct FluxInputs<'a> {
     /// Packed latents `[in_channels, n_img, B]`.
     pub img: &'a GTensor,
-    /// T5 states `[context_in_dim, n_txt, B]`.
-    pub txt: &'a GTensor,
+    /// T5 states `[context_in_dim, n_txt, B]`, or their embedding ([`FluxModel::embed_text`]).
+    pub txt: TextTokens<'a>,
     /// Sigmas in [0, 1] `[B]`.
     pub timesteps: &'a GTensor,
     /// Pooled CLIP vectors `[vec_in_dim, B]`.
@@ -447,13 +448,27 @@ impl FluxModel {
         2048 + 160 * (self.double_blocks.len() + self.single_blocks.len())
     }
 
+    /// The text stream's input, `txt_in(states)`: `[context_in_dim, n_txt, B]` in,
+    /// `[hidden_size, n_txt, B]` out. It depends on the prompt alone, so a caller may compute
+    /// it once per run and pass it as [`TextTokens::Embedded`].
+    pub fn embed_text(&self, g: &mut GraphCtx, states: &GTensor) -> Result<GTensor> {
+        let width = self.config.context_in_dim;
+        if states.ne()[0] != width {
+            return Err(ModelError::Input {
+                name: "context",
+                detail: format!("text width {} (the model's is {width})", states.ne()[0]),
+            });
+        }
+        self.txt_in.forward(&g.ctx, states)
+    }
+
     /// The forward pass on packed tokens; returns `[in_channels, n_img, B]`. Graph cuts:
     /// `flux.prelude` (img, txt, vec), `double_blocks.N` (img, txt) and `single_blocks.N`.
     pub fn forward_tokens(&self, g: &mut GraphCtx, inp: &FluxInputs<'_>) -> Result<GTensor> {
         let ctx = g.ctx.clone();
         let c = &self.config;
         let [_, n_img, b, _] = inp.img.ne();
-        let n_txt = inp.txt.ne()[1];
+        let n_txt = inp.txt.tensor().ne()[1];
         if inp.img_ids.len() != n_img || inp.txt_ids.len() != n_txt {
             return Err(ModelError::Input {
                 name: "position ids",
@@ -467,7 +482,10 @@ impl FluxModel {
 
         // 1. Prelude.
         let img = self.img_in.forward(&ctx, inp.img)?;
-        let txt = self.txt_in.forward(&ctx, inp.txt)?;
+        let (txt, embedded) = match inp.txt {
+            TextTokens::States(states) => (self.embed_text(g, states)?, false),
+            TextTokens::Embedded(t) => (t.clone(), true),
+        };
         let t = ctx.timestep_embedding(&ctx.scale(inp.timesteps, 1000.0)?, TIME_DIM, 10_000)?;
         let mut vec = self.time_in.forward(&ctx, &t)?;
         if let Some(gi) = &self.guidance_in {
@@ -482,7 +500,10 @@ impl FluxModel {
         let vec = ctx.reshape(&vec, &[c.hidden_size, 1, b])?;
         let (mut img, mut txt) = (img, txt);
         g.marks.mark(&img, "flux.prelude", "img")?;
-        g.marks.mark(&txt, "flux.prelude", "txt")?;
+        if !embedded {
+            // (An embedded input is a leaf every segment reads, not a cut.)
+            g.marks.mark(&txt, "flux.prelude", "txt")?;
+        }
         g.marks.mark(&vec, "flux.prelude", "vec")?;
 
         // RoPE tables for [txt; img].
@@ -570,7 +591,7 @@ impl FluxModel {
         g: &mut GraphCtx,
         x: &GTensor,
         timesteps: &GTensor,
-        context: &GTensor,
+        text: TextTokens<'_>,
         y: &GTensor,
         guidance: Option<&GTensor>,
     ) -> Result<GTensor> {
@@ -593,12 +614,12 @@ impl FluxModel {
         let img_ids: Vec<[f32; 3]> = (0..h2)
             .flat_map(|r| (0..w2).map(move |col| [0.0, r as f32, col as f32]))
             .collect();
-        let txt_ids = vec![[0.0; 3]; context.ne()[1]];
+        let txt_ids = vec![[0.0; 3]; text.tensor().ne()[1]];
         let out = self.forward_tokens(
             g,
             &FluxInputs {
                 img: &img,
-                txt: context,
+                txt: text,
                 timesteps,
                 y,
                 guidance,

@@ -141,6 +141,10 @@ pub struct AuxInput {
     pub tensor: GTensor,
     /// Its data.
     pub data: HostData,
+    /// Whether the data stays the same across the runs of one phase for graphs of the same
+    /// shapes (RoPE tables, an embedded text prompt): a runtime may keep it on the device
+    /// between runs instead of uploading it each time.
+    pub constant: bool,
 }
 
 /// Numerical choices of a forward pass.
@@ -219,7 +223,24 @@ impl GraphCtx {
         self.aux.push(AuxInput {
             tensor: t.clone(),
             data,
+            constant: false,
         });
+        Ok(t)
+    }
+
+    /// Like [`GraphCtx::aux_input`], for data that stays the same across the runs of one
+    /// phase ([`AuxInput::constant`]).
+    pub fn constant_input(
+        &mut self,
+        name: &str,
+        dtype: DType,
+        ne: &[usize],
+        data: HostData,
+    ) -> Result<GTensor> {
+        let t = self.aux_input(name, dtype, ne, data)?;
+        if let Some(a) = self.aux.last_mut() {
+            a.constant = true;
+        }
         Ok(t)
     }
 }

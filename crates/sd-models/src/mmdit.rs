@@ -38,7 +38,7 @@
 use sd_tensor::ggml::{Context, GTensor};
 
 pub use crate::dit::QkvProj;
-use crate::dit::{chunks, gelu, modulate, qk_norm, split_tokens};
+use crate::dit::{chunks, gelu, modulate, qk_norm, split_tokens, TextTokens};
 use crate::nn::{attention, pixel_shuffle, pixel_unshuffle, Linear};
 use crate::weights::ParamBuilder;
 use crate::{GraphCtx, ModelError, Result};
@@ -495,7 +495,21 @@ impl MmditModel {
         context: &GTensor,
         y: &GTensor,
     ) -> Result<GTensor> {
-        self.forward_skipping(g, x, timesteps, context, y, &[])
+        self.forward_skipping(g, x, timesteps, TextTokens::States(context), y, &[])
+    }
+
+    /// The text stream's input, `context_embedder(states)`: `[context_dim, L, B]` in,
+    /// `[hidden_size, L, B]` out. It depends on the prompt alone, so a caller may compute it
+    /// once per run and pass it as [`TextTokens::Embedded`].
+    pub fn embed_text(&self, g: &mut GraphCtx, states: &GTensor) -> Result<GTensor> {
+        let width = self.config.context_dim;
+        if states.ne()[0] != width {
+            return Err(ModelError::Input {
+                name: "context",
+                detail: format!("text width {} (the model's is {width})", states.ne()[0]),
+            });
+        }
+        self.context_embedder.forward(&g.ctx, states)
     }
 
     /// [`MmditModel::forward`] without the joint blocks listed in `skip` (skip-layer
@@ -506,7 +520,7 @@ impl MmditModel {
         g: &mut GraphCtx,
         x: &GTensor,
         timesteps: &GTensor,
-        context: &GTensor,
+        text: TextTokens<'_>,
         y: &GTensor,
         skip: &[usize],
     ) -> Result<GTensor> {
@@ -547,7 +561,7 @@ impl MmditModel {
                 ),
             });
         }
-        let n_txt = context.ne()[1];
+        let n_txt = text.tensor().ne()[1];
 
         // 1. Prelude: patches in (channel, row, column) order, as the convolution kernel.
         let patches = pixel_unshuffle(&ctx, x, p)?; // [wp, hp, C p p, B]
@@ -567,9 +581,15 @@ impl MmditModel {
             .y_out
             .forward(&ctx, &ctx.silu(&self.y_in.forward(&ctx, y)?)?)?;
         let cvec = ctx.reshape(&ctx.add(&te, &ye)?, &[c.hidden_size, 1, b])?;
-        let mut txt = self.context_embedder.forward(&ctx, context)?;
+        let (mut txt, embedded) = match text {
+            TextTokens::States(states) => (self.embed_text(g, states)?, false),
+            TextTokens::Embedded(t) => (t.clone(), true),
+        };
         g.marks.mark(&xt, "mmdit.prelude", "x")?;
-        g.marks.mark(&txt, "mmdit.prelude", "ctx")?;
+        if !embedded {
+            // (An embedded input is a leaf every segment reads, not a cut.)
+            g.marks.mark(&txt, "mmdit.prelude", "ctx")?;
+        }
         g.marks.mark(&cvec, "mmdit.prelude", "c")?;
 
         // 2. Joint blocks.

@@ -35,7 +35,7 @@
 
 use sd_tensor::ggml::GTensor;
 
-use crate::dit::{chunks, modulate, DoubleBlock, QkvProj, Rope, StreamParams};
+use crate::dit::{chunks, modulate, DoubleBlock, QkvProj, Rope, StreamParams, TextTokens};
 use crate::nn::Linear;
 use crate::weights::ParamBuilder;
 use crate::{GraphCtx, ModelError, Result};
@@ -235,44 +235,68 @@ impl QwenImageModel {
         2048 + 160 * self.blocks.len()
     }
 
+    /// The text stream's input, `txt_in(txt_norm(states))`: `[joint_attention_dim, n_txt, B]`
+    /// in, `[hidden_size, n_txt, B]` out. It depends on the prompt alone, so a caller may
+    /// compute it once per run and pass it as [`TextTokens::Embedded`].
+    pub fn embed_text(&self, g: &mut GraphCtx, states: &GTensor) -> Result<GTensor> {
+        let ctx = &g.ctx;
+        let width = self.config.joint_attention_dim;
+        if states.ne()[0] != width {
+            return Err(ModelError::Input {
+                name: "context",
+                detail: format!("text width {} (the model's is {width})", states.ne()[0]),
+            });
+        }
+        let normed = ctx.mul(&ctx.rms_norm(states, TXT_NORM_EPS)?, &self.txt_norm)?;
+        self.txt_in.forward(ctx, &normed)
+    }
+
     /// The forward pass on packed tokens: `img` `[in_channels, h * w, B]` (an `h x w` grid of
-    /// patches, row-major), `txt` `[joint_attention_dim, n_txt, B]`, `timesteps` (sigmas)
-    /// `[B]`; returns `[4 * out_channels, h * w, B]`.
+    /// patches, row-major), `txt` the text (states `[joint_attention_dim, n_txt, B]` or
+    /// their embedding), `timesteps` (sigmas) `[B]`; returns `[4 * out_channels, h * w, B]`.
     pub fn forward_tokens(
         &self,
         g: &mut GraphCtx,
         img: &GTensor,
-        txt: &GTensor,
+        txt: TextTokens<'_>,
         timesteps: &GTensor,
         grid: (usize, usize),
     ) -> Result<GTensor> {
         let ctx = g.ctx.clone();
         let c = &self.config;
         let [_, n_img, b, _] = img.ne();
-        let n_txt = txt.ne()[1];
+        let n_txt = txt.tensor().ne()[1];
         let (gh, gw) = grid;
-        if gh * gw != n_img || txt.ne()[0] != c.joint_attention_dim {
+        let width = match txt {
+            TextTokens::States(_) => c.joint_attention_dim,
+            TextTokens::Embedded(_) => c.hidden_size,
+        };
+        if gh * gw != n_img || txt.tensor().ne()[0] != width {
             return Err(ModelError::Input {
                 name: "tokens",
                 detail: format!(
-                    "{n_img} image tokens for a {gh}x{gw} grid, text width {} (the model's is {})",
-                    txt.ne()[0],
-                    c.joint_attention_dim
+                    "{n_img} image tokens for a {gh}x{gw} grid, text width {} (the model's is {width})",
+                    txt.tensor().ne()[0],
                 ),
             });
         }
 
         // 1. Prelude.
         let mut img = self.img_in.forward(&ctx, img)?;
-        let txt_n = ctx.mul(&ctx.rms_norm(txt, TXT_NORM_EPS)?, &self.txt_norm)?;
-        let mut txt = self.txt_in.forward(&ctx, &txt_n)?;
+        let (mut txt, embedded) = match txt {
+            TextTokens::States(states) => (self.embed_text(g, states)?, false),
+            TextTokens::Embedded(t) => (t.clone(), true),
+        };
         let t = ctx.timestep_embedding(&ctx.scale(timesteps, 1000.0)?, TIME_DIM, 10_000)?;
         let temb = self
             .time_linear_2
             .forward(&ctx, &ctx.silu(&self.time_linear_1.forward(&ctx, &t)?)?)?;
         let temb = ctx.reshape(&temb, &[c.hidden_size, 1, b])?;
         g.marks.mark(&img, "qwen_image.prelude", "img")?;
-        g.marks.mark(&txt, "qwen_image.prelude", "txt")?;
+        if !embedded {
+            // (An embedded input is a leaf every segment reads, not a cut.)
+            g.marks.mark(&txt, "qwen_image.prelude", "txt")?;
+        }
         g.marks.mark(&temb, "qwen_image.prelude", "temb")?;
 
         // RoPE tables for [txt; img].
@@ -301,7 +325,7 @@ impl QwenImageModel {
         g: &mut GraphCtx,
         x: &GTensor,
         timesteps: &GTensor,
-        context: &GTensor,
+        text: TextTokens<'_>,
     ) -> Result<GTensor> {
         let ctx = g.ctx.clone();
         let [w, h, ch, b] = x.ne();
@@ -319,7 +343,7 @@ impl QwenImageModel {
         let packed = crate::nn::pixel_unshuffle(&ctx, x, 2)?; // [w2, h2, 4c, B]
         let packed = ctx.cont(&ctx.permute(&packed, [1, 2, 0, 3])?)?; // [4c, w2, h2, B]
         let img = ctx.reshape(&packed, &[4 * ch, w2 * h2, b])?;
-        let out = self.forward_tokens(g, &img, context, timesteps, (h2, w2))?;
+        let out = self.forward_tokens(g, &img, text, timesteps, (h2, w2))?;
         let oc = self.config.out_channels;
         let out = ctx.reshape(&out, &[4 * oc, w2, h2, b])?;
         let out = ctx.cont(&ctx.permute(&out, [2, 0, 1, 3])?)?; // [w2, h2, 4oc, B]

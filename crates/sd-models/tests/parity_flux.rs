@@ -6,6 +6,7 @@ mod common;
 
 use common::{io_in, ne};
 use sd_formats::files::TensorCatalog;
+use sd_models::dit::TextTokens;
 use sd_models::flux::{rope_tables, FluxConfig, FluxInputs, FluxModel};
 use sd_models::run::run_cpu;
 use sd_models::{load_all_to_cpu, ComputeOptions, GraphCtx, HostData, ParamBuilder};
@@ -65,7 +66,7 @@ fn run_model(
             &mut g,
             &FluxInputs {
                 img: &img,
-                txt: &txt,
+                txt: TextTokens::States(&txt),
                 timesteps: &t,
                 y: &y,
                 guidance: guidance.as_ref(),

@@ -7,6 +7,7 @@ mod common;
 
 use common::{io_in, ne};
 use sd_formats::files::TensorCatalog;
+use sd_models::dit::TextTokens;
 use sd_models::qwen_image::{position_ids, QwenImageConfig, QwenImageModel};
 use sd_models::run::run_cpu;
 use sd_models::{load_all_to_cpu, ComputeOptions, GraphCtx, HostData, ParamBuilder};
@@ -50,7 +51,9 @@ fn run(
     let mut g = GraphCtx::new(model.graph_size(), model.graph_size(), options()).unwrap();
     let new = |g: &GraphCtx, key: &str| g.ctx.new_tensor(DType::F32, &ne(&io[key].shape)).unwrap();
     let (img, txt, t) = (new(&g, img_key), new(&g, "txt"), new(&g, "timestep"));
-    let out = model.forward_tokens(&mut g, &img, &txt, &t, grid).unwrap();
+    let out = model
+        .forward_tokens(&mut g, &img, TextTokens::States(&txt), &t, grid)
+        .unwrap();
     assert_eq!(out.ne()[..3].to_vec(), ne(&io[want].shape));
     let inputs = [
         (&img, HostData::F32(io[img_key].data.clone())),
@@ -128,7 +131,9 @@ fn latent_forward_packs_like_diffusers() {
     let x = g.ctx.new_tensor(DType::F32, &[w, h, c, b]).unwrap();
     let txt = g.ctx.new_tensor(DType::F32, &ne(&io["txt"].shape)).unwrap();
     let t = g.ctx.new_tensor(DType::F32, &[b]).unwrap();
-    let out = model.forward(&mut g, &x, &t, &txt).unwrap();
+    let out = model
+        .forward(&mut g, &x, &t, TextTokens::States(&txt))
+        .unwrap();
     let inputs = [
         (&x, HostData::F32(latents)),
         (&txt, HostData::F32(io["txt"].data.clone())),
@@ -139,6 +144,66 @@ fn latent_forward_packs_like_diffusers() {
     let e = rel_l2(&got[0], &want);
     println!("qwen-image tiny on latents: relative L2 {e:.2e}");
     assert!(e < 1e-4, "relative L2 {e:.3e}");
+}
+
+/// The text embedding computed apart (`embed_text`, as a runner cache holds it across steps)
+/// and fed back as [`TextTokens::Embedded`] gives the bits of the pass that embeds the states
+/// itself; an embedding of the wrong width is refused naming the text.
+#[test]
+fn embedded_text_gives_the_bits_of_the_whole_pass() {
+    let cat = catalog("qwen_image_tiny.safetensors");
+    let pb = ParamBuilder::new(Some(&cat), 1024).unwrap();
+    let model = QwenImageModel::new(&pb, QwenImageConfig::default()).unwrap();
+    let params = pb.finish();
+    let _buf = load_all_to_cpu(&params, &cat).unwrap();
+    let io = io_in(&dir(), "qwen_image_tiny");
+    let size = model.graph_size();
+    let states = HostData::F32(io["txt"].data.clone());
+
+    let mut g = GraphCtx::new(size, size, options()).unwrap();
+    let txt = g.ctx.new_tensor(DType::F32, &ne(&io["txt"].shape)).unwrap();
+    let emb = model.embed_text(&mut g, &txt).unwrap();
+    let embedded = run_cpu(&g, &[&emb], &[(&txt, states.clone())], size, 2).unwrap();
+
+    let pass = |text_embedded: bool| {
+        let mut g = GraphCtx::new(size, size, options()).unwrap();
+        let new = |g: &GraphCtx, ne: &[usize]| g.ctx.new_tensor(DType::F32, ne).unwrap();
+        let img = new(&g, &ne(&io["img"].shape));
+        let t = new(&g, &ne(&io["timestep"].shape));
+        let (txt, data) = if text_embedded {
+            (new(&g, &emb.ne()), HostData::F32(embedded[0].clone()))
+        } else {
+            (new(&g, &ne(&io["txt"].shape)), states.clone())
+        };
+        let tokens = if text_embedded {
+            TextTokens::Embedded(&txt)
+        } else {
+            TextTokens::States(&txt)
+        };
+        let out = model
+            .forward_tokens(&mut g, &img, tokens, &t, (3, 4))
+            .unwrap();
+        let inputs = [
+            (&img, HostData::F32(io["img"].data.clone())),
+            (&txt, data),
+            (&t, HostData::F32(io["timestep"].data.clone())),
+        ];
+        run_cpu(&g, &[&out], &inputs, size, 2).unwrap().remove(0)
+    };
+    assert_eq!(pass(true), pass(false));
+
+    let mut g = GraphCtx::new(size, size, options()).unwrap();
+    let img = g.ctx.new_tensor(DType::F32, &ne(&io["img"].shape)).unwrap();
+    let t = g
+        .ctx
+        .new_tensor(DType::F32, &ne(&io["timestep"].shape))
+        .unwrap();
+    let wrong = g.ctx.new_tensor(DType::F32, &ne(&io["txt"].shape)).unwrap();
+    let err = model
+        .forward_tokens(&mut g, &img, TextTokens::Embedded(&wrong), &t, (3, 4))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("text width"), "{err}");
 }
 
 /// Unpacks tokens `[B, (h/2)(w/2), 4c]` (diffusers' `_pack_latents` layout) into latents

@@ -22,7 +22,7 @@ use sd_tensor::{DType, Image, Tensor};
 
 pub use crate::error::GenerateError;
 use crate::family::{Conditioning, ModelConfigError, ModelSpec, TextEncode};
-use crate::guidance::{Guided, SlgSteps};
+use crate::guidance::{EmbeddedText, Guided, SlgSteps};
 use crate::params::check_settings;
 pub use crate::params::Txt2Img;
 use crate::pipeline::runtime_err;
@@ -382,6 +382,7 @@ impl Pipeline {
                     .then_some(params.guidance),
                 slg,
                 renorm: self.spec.family.cfg_renorm(),
+                embedded: EmbeddedText::default(),
             };
             let mut denoiser = KDenoiser::new(model, self.spec.prediction, schedule);
             x = sample_with_progress(
@@ -416,6 +417,7 @@ impl Pipeline {
                     guidance: r.diffusion.1.embeds_guidance().then_some(params.guidance),
                     slg: None,
                     renorm: r.spec.family.cfg_renorm(),
+                    embedded: EmbeddedText::default(),
                 };
                 let mut denoiser = KDenoiser::new(model, r.spec.prediction, rs);
                 x = sample_with_progress(

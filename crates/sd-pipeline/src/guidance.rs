@@ -34,6 +34,31 @@ pub struct Guided<'a> {
     /// Rescale the guided prediction, per patch of `n x n` latent pixels (all channels), to
     /// the norm of the prompt's prediction ([`crate::family::Family::cfg_renorm`]).
     pub renorm: Option<usize>,
+    /// The network's text embeddings of this run's prompts, computed at their first use.
+    pub embedded: EmbeddedText,
+}
+
+/// The text embeddings ([`DiffusionNet::embed_text`]) of one sampling run: a transformer's
+/// text stream input depends on the prompt alone, so it is computed once per prompt (or
+/// batch of prompts) and fed to every step as a constant input, which the runtime may keep
+/// on the device ([`Runtime::keep_constants`], stable-diffusion.cpp's Qwen-Image prefix
+/// cache).
+#[derive(Debug, Default)]
+pub struct EmbeddedText {
+    /// Per batch of prompts (their addresses): the embedding `[hidden, tokens, batch]`.
+    done: Vec<(Vec<usize>, [usize; 3], Vec<f32>)>,
+}
+
+impl EmbeddedText {
+    /// Embeddings computed so far.
+    pub fn len(&self) -> usize {
+        self.done.len()
+    }
+
+    /// Whether none is computed yet.
+    pub fn is_empty(&self) -> bool {
+        self.done.is_empty()
+    }
 }
 
 /// `comb` rescaled, per patch of `p x p` pixels of `[C, h, w]` (all channels), to the norm of
@@ -122,12 +147,26 @@ impl Guided<'_> {
         };
         let net = self.net;
         let guidance = self.guidance;
+        let embedded = if net.has_text_embedding() {
+            Some(self.embedding(conds, &context, [hidden, tokens, batch])?)
+        } else {
+            None
+        };
+        let embedded_run = embedded.is_some();
         let out = self
             .runtime
             .run(self.handle, "diffusion", net.graph_size(), |g| {
                 let x = g.ctx.new_tensor(DType::F32, &[w, h, c, batch])?;
                 let t = g.ctx.new_tensor(DType::F32, &[batch])?;
-                let ctx = g.ctx.new_tensor(DType::F32, &[hidden, tokens, batch])?;
+                let ctx = match embedded {
+                    Some((index, ne, data)) => g.constant_input(
+                        &format!("embedded_text.{index}"),
+                        DType::F32,
+                        &ne,
+                        HostData::F32(data),
+                    )?,
+                    None => g.ctx.new_tensor(DType::F32, &[hidden, tokens, batch])?,
+                };
                 let yt = match &y {
                     Some((adm, _)) => Some(g.ctx.new_tensor(DType::F32, &[*adm, batch])?),
                     None => None,
@@ -138,6 +177,7 @@ impl Guided<'_> {
                 };
                 let mut inputs = DiffusionInputs::new(&x, &t);
                 inputs.context = Some(&ctx);
+                inputs.context_embedded = embedded_run;
                 inputs.y = yt.as_ref();
                 inputs.guidance = gt.as_ref();
                 inputs.skip_blocks = skip;
@@ -145,8 +185,10 @@ impl Guided<'_> {
                 let mut data = vec![
                     (x.clone(), HostData::F32(xs)),
                     (t.clone(), HostData::F32(vec![timestep; batch])),
-                    (ctx.clone(), HostData::F32(context)),
                 ];
+                if !embedded_run {
+                    data.push((ctx.clone(), HostData::F32(context)));
+                }
                 if let (Some(yt), Some((_, yd))) = (yt, y) {
                     data.push((yt, HostData::F32(yd)));
                 }
@@ -159,6 +201,47 @@ impl Guided<'_> {
                 })
             })?;
         Ok(out.data)
+    }
+}
+
+impl Guided<'_> {
+    /// The network's embedding of the stacked `context` `ne` of the prompts `conds`:
+    /// computed by a graph of its own at the first use, then taken from
+    /// [`Guided::embedded`]. Returns its index there, shape and values.
+    fn embedding(
+        &mut self,
+        conds: &[&TextCond],
+        context: &[f32],
+        ne: [usize; 3],
+    ) -> Result<(usize, [usize; 3], Vec<f32>), RuntimeError> {
+        let key: Vec<usize> = conds
+            .iter()
+            .map(|c| *c as *const TextCond as usize)
+            .collect();
+        if let Some(i) = self.embedded.done.iter().position(|(k, _, _)| *k == key) {
+            let (_, ne, data) = &self.embedded.done[i];
+            return Ok((i, *ne, data.clone()));
+        }
+        let net = self.net;
+        let _span = tracing::debug_span!("embed_text", tokens = ne[1], batch = ne[2]).entered();
+        let out = self
+            .runtime
+            .run(self.handle, "text embedding", net.graph_size(), |g| {
+                let states = g.ctx.new_tensor(DType::F32, &ne)?;
+                let output = net
+                    .embed_text(g, &states)?
+                    .ok_or_else(|| ModelError::Input {
+                        name: "context",
+                        detail: "the network has no text embedding".into(),
+                    })?;
+                Ok(BuiltGraph {
+                    output,
+                    inputs: vec![(states, HostData::F32(context.to_vec()))],
+                })
+            })?;
+        let shape = [out.ne[0], out.ne[1], out.ne[2]];
+        self.embedded.done.push((key, shape, out.data.clone()));
+        Ok((self.embedded.done.len() - 1, shape, out.data))
     }
 }
 

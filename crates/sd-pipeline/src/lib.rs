@@ -18,6 +18,7 @@ pub mod prompt;
 pub mod refiner;
 pub mod rng;
 pub mod run_plan;
+pub mod runner_cache;
 pub mod runtime;
 pub mod sampling;
 pub mod schedule;

@@ -420,6 +420,14 @@ impl Pipeline {
             }
             DiffusionNet::Unet(_) => {}
         }
+        if diffusion.1.has_text_embedding() {
+            // A transformer's text embedding and RoPE tables are the same at every step of
+            // a run: keep them on the device between steps (within the budget; given up
+            // for good when they do not fit).
+            runtime
+                .keep_constants(diffusion.0, true)
+                .map_err(|e| runtime_err(&primary, e))?;
+        }
         let (fslot, mut farch) = spec.first_stage.clone();
         let has_encoder = runtime
             .catalog(main)

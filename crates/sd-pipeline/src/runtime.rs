@@ -22,6 +22,8 @@ use sd_exec::{
     SegmentReport, SegmentationPolicy, SessionConfig, SessionId, DEFAULT_PLANNING_HEADROOM,
 };
 use sd_formats::files::TensorCatalog;
+
+use crate::runner_cache::{Constant, RunnerCache};
 use sd_models::{ComputeOptions, GraphCtx, HostData, ModelError, ParamBuilder, Params};
 use sd_residency::capacity::{MaxVram, MaxVramError};
 use sd_residency::{
@@ -219,6 +221,8 @@ struct ModelSlot {
     // Keeps the parameter descriptors' context alive while the manager holds them.
     params: Params,
     ids: Vec<ParamId>,
+    /// The model's constant inputs kept on the device ([`Runtime::keep_constants`]).
+    constants: RunnerCache,
 }
 
 /// The output of [`Runtime::run`] as f32 values.
@@ -501,6 +505,7 @@ impl Runtime {
             session,
             params,
             ids,
+            constants: RunnerCache::default(),
         });
         Ok((ModelHandle(self.models.len() - 1), model))
     }
@@ -521,8 +526,18 @@ impl Runtime {
         graph_size: usize,
         build: impl FnOnce(&mut GraphCtx) -> std::result::Result<BuiltGraph, ModelError>,
     ) -> Result<RunOutput> {
-        let (task, output, _g) = self.build_task(description, graph_size, build)?;
-        let result = self.execute(h, &task)?;
+        let (mut task, output, _g, constants) = self.build_task(description, graph_size, build)?;
+        let session = self.slot(h)?.session;
+        let cache = &mut self.models[h.0].constants;
+        let fed = cache.feed(&mut self.engine, session, &mut task, constants);
+        let result = match self.engine.execute(session, &task) {
+            Err(e) if e.is_out_of_memory() && !fed.is_empty() => {
+                cache.fall_back(&mut self.engine, session, &mut task, fed, &e)?;
+                self.engine.execute(session, &task)
+            }
+            other => other,
+        }
+        .map_err(|e| self.with_reserve(e))?;
         let data = result
             .output_f32()
             .filter(|_| output.dtype() == Some(DType::F32));
@@ -550,7 +565,9 @@ impl Runtime {
         graph_size: usize,
         build: impl FnOnce(&mut GraphCtx) -> std::result::Result<BuiltGraph, ModelError>,
     ) -> Result<PlanSummary> {
-        let (task, _, _g) = self.build_task(description, graph_size, build)?;
+        let (mut task, _, _g, constants) = self.build_task(description, graph_size, build)?;
+        task.inputs
+            .extend(constants.into_iter().map(|c| (c.tensor, c.bytes)));
         let session = self.slot(h)?.session;
         self.engine
             .plan(session, &task)
@@ -569,13 +586,14 @@ impl Runtime {
         }
     }
 
-    /// The task of [`Runtime::run`]: the graph `build` makes, its marks and inputs.
+    /// The task of [`Runtime::run`]: the graph `build` makes, its marks and inputs, and
+    /// apart from them the constant inputs ([`sd_models::AuxInput::constant`]), not yet fed.
     fn build_task(
         &self,
         description: &str,
         graph_size: usize,
         build: impl FnOnce(&mut GraphCtx) -> std::result::Result<BuiltGraph, ModelError>,
-    ) -> Result<(ComputeTask, GTensor, GraphCtx)> {
+    ) -> Result<(ComputeTask, GTensor, GraphCtx, Vec<Constant>)> {
         let mut opts = self.options.compute_options;
         opts.exact = self.exact;
         if self.flash_attn_dims.is_some() {
@@ -593,13 +611,22 @@ impl Runtime {
             .map_err(ModelError::from)?;
         let marks = std::mem::take(&mut g.marks);
         let mut task = ComputeTask::new(description, graph, built.output.clone()).with_marks(marks);
-        let aux = g.aux.iter().map(|a| (a.tensor.clone(), a.data.clone()));
-        for (t, data) in built.inputs.into_iter().chain(aux) {
+        let mut constants = Vec::new();
+        let aux = g
+            .aux
+            .iter()
+            .map(|a| (a.tensor.clone(), a.data.clone(), a.constant));
+        let built_inputs = built.inputs.into_iter().map(|(t, d)| (t, d, false));
+        for (t, data, constant) in built_inputs.chain(aux) {
             t.set_input();
             let bytes = host_bytes(&t, &data)?;
-            task = task.with_input(&t, bytes);
+            if constant {
+                constants.push(Constant { tensor: t, bytes });
+            } else {
+                task = task.with_input(&t, bytes);
+            }
         }
-        Ok((task, built.output, g))
+        Ok((task, built.output, g, constants))
     }
 
     /// Executes a ready task in model `h`'s session.
@@ -615,8 +642,28 @@ impl Runtime {
     pub fn release(&mut self, h: ModelHandle) -> Result<()> {
         let session = self.slot(h)?.session;
         self.engine.end(session)?;
+        self.models[h.0].constants.forget();
         self.engine.start(session)?;
         Ok(())
+    }
+
+    /// Keeps model `h`'s constant inputs (RoPE tables, a prompt's text embedding) on the
+    /// compute device between its runs, within the budget (see [`crate::runner_cache`]), or
+    /// stops keeping them. Off by default; a failure for lack of memory switches it off for
+    /// the model for good, and turning it on again is then ignored.
+    pub fn keep_constants(&mut self, h: ModelHandle, on: bool) -> Result<()> {
+        let session = self.slot(h)?.session;
+        self.models[h.0]
+            .constants
+            .set_enabled(&mut self.engine, session, on)?;
+        Ok(())
+    }
+
+    /// Model `h`'s constant inputs held on the device now, and why keeping them was
+    /// switched off after a failure, if it was.
+    pub fn constants_state(&self, h: ModelHandle) -> Result<(usize, Option<String>)> {
+        let c = &self.slot(h)?.constants;
+        Ok((c.entries(), c.disabled().map(str::to_string)))
     }
 
     /// Replaces the LoRAs applied to the main source's weights (the residency manager's
@@ -626,6 +673,9 @@ impl Runtime {
         let sessions: Vec<SessionId> = self.models.iter().map(|m| m.session).collect();
         for s in &sessions {
             self.engine.end(*s)?;
+        }
+        for m in &mut self.models {
+            m.constants.forget();
         }
         let result = self.engine.manager_mut().set_loras(specs);
         for s in &sessions {

@@ -152,3 +152,42 @@ fn separate_component_files_match_diffusers() {
     assert_eq!(p.spec().family.id(), "qwen-image");
     check_runs(&mut p);
 }
+
+/// A generation keeps the transformer's text embeddings and RoPE tables on the device across
+/// its steps (the runner cache): on a simulated device it gives the latents of a generation
+/// that uploads them at every step, with fewer bytes uploaded, and releases them at the end.
+#[test]
+fn the_runner_cache_keeps_constants_across_steps_with_the_same_latents() {
+    let tmp = std::env::temp_dir().join(format!("sd-rs-qwen-cache-{}", std::process::id()));
+    std::fs::create_dir_all(&tmp).unwrap();
+    let path = tiny_qwen_image(&tmp);
+    let run = &runs()[0];
+    let generate_on_sim = |keep: bool| {
+        let opts = RuntimeOptions {
+            compute: sd_pipeline::runtime::ComputeDevice::Sim { bytes: 256 << 20 },
+            ..options()
+        };
+        let mut p = Pipeline::load(&path, opts).unwrap();
+        let unet = p.handles().unet;
+        if !keep {
+            p.runtime_mut().keep_constants(unet, false).unwrap();
+        }
+        let (latents, _) = generate(&mut p, &params(run));
+        let uploaded = p
+            .runtime()
+            .sim_device()
+            .unwrap()
+            .stats()
+            .host_to_device_bytes;
+        assert_eq!(p.runtime().constants_state(unet).unwrap(), (0, None));
+        (latents, uploaded)
+    };
+    let (kept, kept_bytes) = generate_on_sim(true);
+    let (uploaded, all_bytes) = generate_on_sim(false);
+    std::fs::remove_dir_all(&tmp).ok();
+    assert_eq!(kept, uploaded);
+    assert!(
+        kept_bytes < all_bytes,
+        "kept: {kept_bytes} B uploaded, not kept: {all_bytes} B"
+    );
+}
