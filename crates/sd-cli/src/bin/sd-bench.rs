@@ -6,7 +6,7 @@
 //!                                                       random f16 weights (checkpoint names)
 //! sd-bench unet --weights FILE --backend NAME [--max-vram FRAC|BYTES] [--params MODE]
 //!               [--steps N] [--flash-attn auto|on|off] [--dump DIR] [--config NAME]
-//!               [--runtime-reserve BYTES] [--direct on]
+//!               [--runtime-reserve BYTES] [--direct on] [--type q8_0|q4_K|...]
 //! sd-bench check --backend NAME                         tiny UNet: backend vs CPU, resident
 //!                                                       and streamed through a budget
 //! sd-bench copy-bw --backend NAME [--mib N]             host->device copy bandwidth
@@ -258,6 +258,9 @@ struct UnetArgs {
     /// thread
     #[arg(long = "async-upload", value_enum, default_value = "off")]
     async_upload: OnOff,
+    /// Convert the linear weights when loading (q8_0, q4_K, f16...; default: the file's)
+    #[arg(long = "type", value_name = "TYPE")]
+    weight_type: Option<String>,
 }
 
 fn main() -> ExitCode {
@@ -345,8 +348,15 @@ fn tiny_config() -> UnetConfig {
 }
 
 /// Declares the network's parameters (from `catalog`, or synthetic f32 without one).
+/// `unet --type`: the type the linear weights are converted to when loaded (set once, before
+/// any model is declared; `write-weights` always writes f16).
+static WEIGHT_TYPE: std::sync::OnceLock<DType> = std::sync::OnceLock::new();
+
 fn declare(cfg: &DiffusionArch, catalog: Option<&TensorCatalog>) -> Result<(DiffusionNet, Params)> {
     let pb = ParamBuilder::new(catalog, DEFAULT_PARAM_CAPACITY)?;
+    if catalog.is_some() {
+        pb.set_weight_type(WEIGHT_TYPE.get().copied());
+    }
     let model = DiffusionNet::new(&pb, cfg)?;
     Ok((model, pb.finish()))
 }
@@ -802,6 +812,12 @@ fn cmd_unet(a: &UnetArgs) -> Result<()> {
     let weights = a.weights.clone();
     let backend_name = a.backend.as_str();
     let cfg = config_of(a.config);
+    if let Some(t) = &a.weight_type {
+        let dtype = DType::parse(t)
+            .filter(|d| d.is_quantized() || *d == DType::F16)
+            .ok_or_else(|| BenchError::Usage(format!("--type {t}: not a weight type")))?;
+        let _ = WEIGHT_TYPE.set(dtype);
+    }
     let steps: usize = a.steps.max(1);
     let threads: usize = a.threads;
     let backend = Arc::new(Backend::by_name(backend_name)?);

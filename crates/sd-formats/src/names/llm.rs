@@ -13,6 +13,7 @@
 //! |---|---|
 //! | canonical (a transformers / ComfyUI file such as `qwen_2.5_vl_7b.safetensors` given for the slot) | `text_encoders.llm.model.layers.0.self_attn.q_proj.weight` |
 //! | llama.cpp GGUF (`general.architecture` `qwen2vl`, `qwen2`, `qwen3`, `llama`) given for the slot | `text_encoders.llm.blk.0.attn_q.weight` |
+//! | a Qwen-Image diffusers folder's `text_encoder/` (transformers 4.52+ nest the language model) | `text_encoder.model.language_model.layers.0.self_attn.q_proj.weight` |
 //!
 //! The GGUF table (llama.cpp's tensor names; stable-diffusion.cpp's `llm_name_map` in
 //! `name_conversion.cpp` is the same): `token_embd` -> `model.embed_tokens`, `output_norm` ->
@@ -42,6 +43,26 @@ const GGUF_LAYER: [(&str, &str); 11] = [
     ("ffn_up.", "mlp.up_proj."),
     ("ffn_down.", "mlp.down_proj."),
 ];
+
+/// Whether `rel` is a name of a transformers decoder-only LLM checkpoint
+/// (`Qwen2_5_VLForConditionalGeneration` as saved by transformers before and after 4.52:
+/// `model.layers.N...` or `model.language_model.layers.N...`, `lm_head`, the vision tower
+/// under `visual.` or `model.visual.`), not a CLIP text model's (`text_model.`).
+pub(crate) fn is_transformers_name(rel: &str) -> bool {
+    ["model.", "lm_head.", "visual."]
+        .iter()
+        .any(|p| rel.starts_with(p))
+}
+
+/// The canonical (prefix-relative) name of `rel`, a transformers LLM name: transformers 4.52
+/// and later save a multimodal model's language model under `model.language_model.`, which
+/// reads as `model.`; every other name is already canonical.
+pub(crate) fn transformers_to_canonical(rel: &str) -> std::borrow::Cow<'_, str> {
+    match rel.strip_prefix("model.language_model.") {
+        Some(rest) => format!("model.{rest}").into(),
+        None => rel.into(),
+    }
+}
 
 /// The canonical (prefix-relative) name of `rel`, a llama.cpp GGUF LLM name; `None` when it
 /// is not one (names in the transformers layout are already canonical).

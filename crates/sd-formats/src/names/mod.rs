@@ -211,10 +211,12 @@ pub fn convert_to_canonical_report(
                 Some(c) => Target::Name(format!("{T5_PREFIX}{c}")),
                 None => Target::Name(source.clone()),
             },
-            Plan::Llm(start) => match llm::gguf_to_canonical(&source[start..]) {
-                Some(c) => Target::Name(format!("{LLM_PREFIX}{c}")),
-                None => Target::Name(source.clone()),
-            },
+            Plan::Llm(start) => {
+                let rel = &source[start..];
+                let c = llm::gguf_to_canonical(rel)
+                    .unwrap_or_else(|| llm::transformers_to_canonical(rel).to_string());
+                Target::Name(format!("{LLM_PREFIX}{c}"))
+            }
             Plan::Vae(start) if wan_vae => {
                 let rel = &source[start..];
                 match wan_vae::diffusers_to_original(rel, wan_layout)
@@ -390,6 +392,13 @@ fn classify(name: &str, bare: &BareMarkers, dit: bool) -> Plan {
         } else {
             Plan::Keep
         };
+    }
+    // A Qwen-Image diffusers folder keeps its LLM (`Qwen2_5_VLForConditionalGeneration`) in
+    // `text_encoder/`, where other DiT folders keep CLIP-L.
+    if let Some(rel) = name.strip_prefix(DIFFUSERS_TEXT_ENCODER) {
+        if dit && llm::is_transformers_name(rel) {
+            return Plan::Llm(DIFFUSERS_TEXT_ENCODER.len());
+        }
     }
     // Stability's SD3 files (and FLUX files that bundle their encoders) keep the CLIP
     // encoders under their own prefixes; a DiT's diffusers folder its CLIP encoders under

@@ -197,3 +197,8 @@ pub fn sd3_to_diffusers(src: &Path, depth: usize, dst: &Path) {
     }
     write(dst, out_header, &out_data);
 }
+
+/// Rewrites the safetensors file `src` with each tensor renamed by `name` (`None`: dropped).
+pub fn rename(src: &Path, dst: &Path, name: impl Fn(&str) -> Option<String>) {
+    filter(src, dst, name);
+}
