@@ -114,6 +114,20 @@ fn qwen_parts(d: &Path) {
     std::fs::remove_file(whole).unwrap();
 }
 
+/// [`qwen_parts`], with `d/qwen_llm.safetensors` replaced by the tiny SD3's CLIP-L (bare
+/// transformers names): the wrong text encoder for `--llm`.
+fn qwen_parts_clip_as_llm(d: &Path) {
+    qwen_parts(d);
+    let sd3 = d.join("sd3.safetensors");
+    files::expand_sparse(&sdxl_fixture("tiny_sd3.safetensors"), &sd3);
+    files::strip(
+        &sd3,
+        "text_encoders.clip_l.transformer.",
+        &d.join("qwen_llm.safetensors"),
+    );
+    std::fs::remove_file(sd3).unwrap();
+}
+
 /// Arguments of a 2-step 32x32 Qwen-Image generation from its parts in `d` ("a cat",
 /// negative "blurry", CFG 2.5) writing `d/o.png`, without the flags in `skip`.
 fn qwen_gen(d: &Path, skip: &[&str]) -> Vec<OsString> {
@@ -571,6 +585,20 @@ fn cases() -> Vec<Case> {
             args: |d| qwen_gen(d, &["--llm"]),
             code: 1,
             stderr: &["--llm"],
+            stdout: &[],
+            files: &[
+                "qwen_dit.safetensors",
+                "qwen_llm.safetensors",
+                "qwen_vae.safetensors",
+            ],
+            check: |_, _| {},
+        },
+        Case {
+            name: "Qwen-Image with a CLIP file as --llm: the error names the file, the kind and the flag",
+            setup: qwen_parts_clip_as_llm,
+            args: |d| qwen_gen(d, &[]),
+            code: 1,
+            stderr: &["qwen_llm.safetensors", "CLIP", "--llm"],
             stdout: &[],
             files: &[
                 "qwen_dit.safetensors",

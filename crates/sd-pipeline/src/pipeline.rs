@@ -229,7 +229,8 @@ fn prefix_bare_file(
 /// The slot name of the T5 encoder (`--t5xxl`) of the DiT families.
 const T5_SLOT_NAME: &str = "t5xxl";
 
-/// Refuses a T5 encoder file given for a CLIP slot and a CLIP file given for the T5 slot,
+/// Refuses a T5 encoder file given for a CLIP or LLM slot and a CLIP file given for the T5 or
+/// LLM slot,
 /// telling them apart by their marker tensors ([`detect_text_encoder`]); files of neither
 /// kind are left to the later checks.
 fn check_text_encoder_kind<'a>(
@@ -241,6 +242,7 @@ fn check_text_encoder_kind<'a>(
         return Ok(());
     }
     let is_t5_slot = slot.name == T5_SLOT_NAME;
+    let is_llm_slot = slot.name == crate::family::qwen_image::LLM_SLOT.name;
     match detect_text_encoder(names) {
         Some(TextEncoderKind::T5) if !is_t5_slot => Err(unsupported(
             path,
@@ -250,7 +252,7 @@ fn check_text_encoder_kind<'a>(
                 slot.flag, slot.what
             ),
         )),
-        Some(TextEncoderKind::Clip) if is_t5_slot => Err(unsupported(
+        Some(TextEncoderKind::Clip) if is_t5_slot || is_llm_slot => Err(unsupported(
             path,
             format!(
                 "this is a CLIP text encoder (embeddings.token_embedding), given with {} for \
