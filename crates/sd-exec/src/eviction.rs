@@ -1,5 +1,7 @@
 //! `ensure_capacity`: the engine's policy for making room on a compute device.
 //!
+//! 0. When the session's staging pool cannot hold the required weights that go to it,
+//!    evict blocks of the pool (in the order of step 3) until it can.
 //! 1. Inspect the request; an invalid device report fails, a fitting request is done.
 //! 2. Release the idle workspaces (and caches) of *other* sessions one by one, re-checking
 //!    after each; then the staging pool another session holds on the device (with the
@@ -67,6 +69,49 @@ pub(crate) struct CapacityAsk<'a> {
     pub protected: &'a [ParamId],
 }
 
+/// Evicts blocks of the staging pool (not holding required, protected, pinned or
+/// prefetching weights; in the candidate order) until the pool holds the required weights
+/// that go to it, or no such block is left.
+fn make_pool_room<M: DeviceResidencyManager>(
+    manager: &mut M,
+    ask: &CapacityAsk<'_>,
+    log: &mut Vec<ReclaimEvent>,
+) -> Result<()> {
+    let backend = ask.request.backend;
+    if ask.required.is_empty() || manager.pool_holds(backend, ask.required)? {
+        return Ok(());
+    }
+    let mut keep: Vec<ParamId> = ask.required.to_vec();
+    keep.extend_from_slice(ask.protected);
+    let keep_set: HashSet<ParamId> = keep.iter().copied().collect();
+    let mut pooled: Vec<WeightResidencyBlock> = manager
+        .evictable_compute_backend_blocks(backend, &keep)
+        .into_iter()
+        .filter(|b| b.pooled && !b.params.iter().any(|p| keep_set.contains(p)))
+        .collect();
+    sort_candidates(&mut pooled, ask.preferred);
+    for b in pooled {
+        if !manager.evict_compute_backend_block(&b) {
+            continue;
+        }
+        tracing::debug!(
+            block = b.id.0,
+            bytes = b.bytes,
+            "evicted a pool block for pool room"
+        );
+        log.push(ReclaimEvent::EvictedBlock {
+            block: b.id,
+            params: b.params.clone(),
+            bytes: b.bytes,
+            demoted: b.requires_demotion,
+        });
+        if manager.pool_holds(backend, ask.required)? {
+            break;
+        }
+    }
+    Ok(())
+}
+
 /// Makes room for `ask` (see the module documentation). `others` are the engine's other
 /// sessions (the asking one is not among them).
 pub(crate) fn ensure_capacity<M: DeviceResidencyManager>(
@@ -81,6 +126,11 @@ pub(crate) fn ensure_capacity<M: DeviceResidencyManager>(
             let cap = m.inspect_compute_backend_capacity(&ask.request, ask.required)?;
             Ok((cap.fits(after), cap))
         };
+    // 0. The staging pool: the plan counts the required weights in it, so blocks left in
+    // it by earlier segments make room for them even when buffers of their own would fit
+    // (those would sit next to a pool that keeps its bytes, and later segments would not
+    // find the budget the plan gave them).
+    make_pool_room(manager, ask, log)?;
     let (fits, cap) = check(manager, false)?;
     if fits {
         return Ok(());
@@ -129,6 +179,13 @@ pub(crate) fn ensure_capacity<M: DeviceResidencyManager>(
             .filter(|b| !b.params.iter().any(|p| keep_set.contains(p)))
             .collect();
         sort_candidates(&mut candidates, ask.preferred);
+        tracing::debug!(
+            candidates = candidates.len(),
+            pooled = candidates.iter().filter(|b| b.pooled).count(),
+            bytes = candidates.iter().map(|b| b.bytes).sum::<u64>(),
+            required = ask.required.len(),
+            "eviction candidates"
+        );
         // 4. One at a time. A block of a staging pool frees no device memory: it is
         // passed over while the request is short of more than pool room (and taken up
         // again after other evictions made the device room).

@@ -106,6 +106,10 @@ fn tenth(allowance: u64) -> (SimRun, Result<SimRun, RuntimeError>, u64) {
 #[test]
 #[ignore = "engine bug: runtime budget accounting of fine-cut DiT segments (issue 19)"]
 fn flux_budgets_are_met_or_refused_up_front() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_test_writer()
+        .try_init();
     for allowance in [512u64 << 10, 640 << 10] {
         let (_, tight, budget) = tenth(allowance);
         match tight {

@@ -330,6 +330,15 @@ pub trait DeviceResidencyManager {
         self.fits_compute_backend_capacity(request, required)
     }
 
+    /// Whether the backend's staging pool has free regions for the staging copies of
+    /// `params` that would go to it (placed in order, as staging places them); `true`
+    /// without a pool or when none would go to it. When it is `false` they would be staged
+    /// in buffers of their own, next to a pool the plan counted them in.
+    fn pool_holds(&self, backend: BackendId, params: &[ParamId]) -> Result<bool> {
+        let _ = (backend, params);
+        Ok(true)
+    }
+
     /// Weight bytes copied from params copies to compute devices so far (staging and
     /// prefetch uploads), for per-run traffic figures; 0 where not counted.
     fn weight_upload_bytes(&self) -> u64 {

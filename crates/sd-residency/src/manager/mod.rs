@@ -973,6 +973,23 @@ impl DeviceResidencyManager for ModelManager {
         Ok(self.inspect_inner(request, required, true)?.fits(true))
     }
 
+    fn pool_holds(&self, backend: BackendId, params: &[ParamId]) -> Result<bool> {
+        let Some(pool) = self.pools.get(&backend) else {
+            return Ok(true);
+        };
+        let mut pooled = Vec::new();
+        for p in params {
+            let s = self.state(*p)?;
+            if s.compute_backend == backend && !self.is_direct(s) {
+                let m = self.missing_bytes(s);
+                if m > 0 {
+                    pooled.push(m);
+                }
+            }
+        }
+        Ok(pooled.is_empty() || pool.fits_all(pooled))
+    }
+
     fn inspect_compute_backend_capacity(
         &self,
         request: &BackendMemoryRequest,
