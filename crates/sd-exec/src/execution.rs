@@ -243,6 +243,12 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         let nonweight = (0..p.plan.segments.len())
             .map(|k| {
                 let d = crate::refine::segment_plan(p, k);
+                tracing::trace!(
+                    segment = k,
+                    need = d.need,
+                    weights = d.weight_bytes,
+                    "segment need"
+                );
                 d.need.saturating_sub(d.weight_bytes)
             })
             .max()?
