@@ -744,24 +744,47 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
             timing.wait += t.elapsed();
 
             let pending = compute.saturating_sub(held) + store_bytes + import_bytes;
-            let request = self.request(d, pending);
             let preferred = eviction_order(&p.segment_params, k);
             // In the order they are prepared (a staging pool is checked placing them so).
             let ordered: Vec<ParamId> = p.segment_groups[k].iter().flatten().copied().collect();
             let t = Instant::now();
-            ensure_capacity(
+            let room = ensure_capacity(
                 self.manager,
                 self.others,
                 &CapacityAsk {
                     what: what.clone(),
                     backend_name: backend_name.clone(),
-                    request,
+                    request: self.request(d, pending),
                     required: &ordered,
                     preferred: &preferred,
                     protected: &ordered,
                 },
                 self.log,
-            )?;
+            );
+            match room {
+                // The workspace kept from a larger segment is more than this one needs (the
+                // plan counts this segment's own): give it back and ask again.
+                Err(e) if e.is_out_of_memory() && held > compute => {
+                    tracing::debug!(held, compute, "releasing the larger workspace for room");
+                    self.session.slots[d].workspace.release();
+                    self.session.sync(self.manager);
+                    let pending = compute + store_bytes + import_bytes;
+                    ensure_capacity(
+                        self.manager,
+                        self.others,
+                        &CapacityAsk {
+                            what: what.clone(),
+                            backend_name: backend_name.clone(),
+                            request: self.request(d, pending),
+                            required: &ordered,
+                            preferred: &preferred,
+                            protected: &ordered,
+                        },
+                        self.log,
+                    )?;
+                }
+                other => other?,
+            }
             timing.capacity += t.elapsed();
             for (name, t) in &imports {
                 self.session.slots[d].cut_cache.store(name, t)?;
