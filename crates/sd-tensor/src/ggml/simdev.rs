@@ -342,6 +342,7 @@ impl State {
             return ptr::null_mut();
         }
         let live = c.live + size as u64;
+        tracing::trace!(device = %self.name, size, live, "simulated allocation");
         self.set_live(&mut c, live);
         c.regions.insert(base.as_ptr() as usize, size);
         c.allocations += 1;
