@@ -899,6 +899,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
                 && !direct.contains(&o.name)
                 && self.session.slots[d].cut_cache.bind_output(&o.name, t)?
             {
+                tracing::trace!(cut = %o.name, bytes = t.nbytes(), planned = o.bytes, "cut bound");
                 direct.insert(o.name.clone());
             }
         }
@@ -938,6 +939,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
             .collect();
         for (name, t) in outs {
             if !direct.contains(&name) {
+                tracing::trace!(cut = %name, bytes = t.nbytes(), view = t.view_src().is_some(), store_bytes, "storing a cut after compute");
                 slot.cut_cache.store(&name, &t)?;
             }
         }

@@ -197,7 +197,17 @@ impl SegmentGraph {
     /// The compute buffer a fresh allocator of `buft` needs for this graph (placeholders
     /// counted as allocated elsewhere).
     pub fn measure(&self, buft: BufferType) -> Result<usize> {
-        measure_with_external(buft, &self.graph, &self.placeholders).map_err(ggml(format!(
+        // Cut and graph outputs that are not views go to the cut cache when the segment
+        // runs (`CutCache::bind_output`): measured as allocated elsewhere, as they will be,
+        // so that the allocator lays the rest out as it will at run time.
+        let mut external = self.placeholders.clone();
+        external.extend(
+            self.outputs
+                .iter()
+                .filter(|(o, t)| (o.is_cut || o.graph_output) && t.view_src().is_none())
+                .map(|(_, t)| t.clone()),
+        );
+        measure_with_external(buft, &self.graph, &external).map_err(ggml(format!(
             "measuring segment {} '{}'",
             self.index, self.name
         )))

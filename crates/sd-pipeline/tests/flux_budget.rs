@@ -98,23 +98,16 @@ fn tenth(allowance: u64) -> (SimRun, Result<SimRun, RuntimeError>, u64) {
     (whole, tight, budget)
 }
 
-/// A known engine bug (issue 19): with 512-640 KiB of allowance the plan says every
-/// segment fits, yet at run time a single block's segment finds less budget than it needs
-/// (`ExecError::Capacity`, 512 KiB) or the device's peak passes the budget by 38 KB
-/// (640 KiB). Either the run fits or it is refused before anything runs; run with
-/// `--ignored` to see it (`RUST_LOG=sd_exec=trace` logs each segment's planned need).
-/// Found so far: a full staging pool sent every segment's weights to buffers of their own
-/// beside it (fixed: pool blocks are evicted for pool room), and segment 14
-/// (`single_blocks.0`, after `linear1`) kept the 350,336 B workspace of the segment before
-/// where the plan counts its own 147,456 B (fixed: a larger workspace is released when the
-/// segment's request does not fit). Left: at 512 KiB the run completes but the device's
-/// peak is 745,765 B for a budget of 720,153 B (25,612 B over), the same kind of overshoot
-/// as at 640 KiB. With `RUST_LOG=sd_tensor=trace` (the simulated device logs each
-/// allocation): segment 13 (`single_blocks.0/linear1`) asks room for 424,064 B (workspace
-/// 350,336 + stored cuts 73,728) and then allocates three more 18,432 B buffers (`[64, 72]`
-/// f32: q, k and v?) that its request does not count.
+/// With 512-640 KiB of allowance every budget is met or refused before anything runs (issue
+/// 19: the plan said these fit, and the run failed in segment 14 or passed the budget by up
+/// to 38 KB). Three engine fixes made it hold: blocks left in the staging pool are evicted
+/// for pool room (a full pool sent every segment's weights to buffers of their own beside
+/// it); a workspace kept from a larger segment is released when the next segment's request
+/// does not fit with it; and segments are measured with the outputs the cut cache will hold
+/// as allocated elsewhere, as they run (ggml's allocator laid the rest out 55,296 B larger
+/// than measured in `single_blocks.0/linear1`). `RUST_LOG=sd_exec=trace,sd_tensor=trace`
+/// logs each segment's planned need and each simulated allocation.
 #[test]
-#[ignore = "engine bug: runtime budget accounting of fine-cut DiT segments (issue 19)"]
 fn flux_budgets_are_met_or_refused_up_front() {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
