@@ -69,6 +69,34 @@ pub(crate) struct CapacityAsk<'a> {
     pub protected: &'a [ParamId],
 }
 
+/// The evictable weight blocks on the asked backend holding no required or protected
+/// parameter, in eviction order (step 3).
+fn candidates<M: DeviceResidencyManager>(
+    manager: &M,
+    ask: &CapacityAsk<'_>,
+) -> Vec<WeightResidencyBlock> {
+    let mut keep: Vec<ParamId> = ask.required.to_vec();
+    keep.extend_from_slice(ask.protected);
+    let keep_set: HashSet<ParamId> = keep.iter().copied().collect();
+    let mut out: Vec<WeightResidencyBlock> = manager
+        .evictable_compute_backend_blocks(ask.request.backend, &keep)
+        .into_iter()
+        .filter(|b| !b.params.iter().any(|p| keep_set.contains(p)))
+        .collect();
+    sort_candidates(&mut out, ask.preferred);
+    out
+}
+
+/// The log event of evicting `b`.
+fn eviction_event(b: &WeightResidencyBlock) -> ReclaimEvent {
+    ReclaimEvent::EvictedBlock {
+        block: b.id,
+        params: b.params.clone(),
+        bytes: b.bytes,
+        demoted: b.requires_demotion,
+    }
+}
+
 /// Evicts blocks of the staging pool (not holding required, protected, pinned or
 /// prefetching weights; in the candidate order) until the pool holds the required weights
 /// that go to it, or no such block is left.
@@ -81,16 +109,7 @@ fn make_pool_room<M: DeviceResidencyManager>(
     if ask.required.is_empty() || manager.pool_holds(backend, ask.required)? {
         return Ok(());
     }
-    let mut keep: Vec<ParamId> = ask.required.to_vec();
-    keep.extend_from_slice(ask.protected);
-    let keep_set: HashSet<ParamId> = keep.iter().copied().collect();
-    let mut pooled: Vec<WeightResidencyBlock> = manager
-        .evictable_compute_backend_blocks(backend, &keep)
-        .into_iter()
-        .filter(|b| b.pooled && !b.params.iter().any(|p| keep_set.contains(p)))
-        .collect();
-    sort_candidates(&mut pooled, ask.preferred);
-    for b in pooled {
+    for b in candidates(manager, ask).into_iter().filter(|b| b.pooled) {
         if !manager.evict_compute_backend_block(&b) {
             continue;
         }
@@ -99,12 +118,7 @@ fn make_pool_room<M: DeviceResidencyManager>(
             bytes = b.bytes,
             "evicted a pool block for pool room"
         );
-        log.push(ReclaimEvent::EvictedBlock {
-            block: b.id,
-            params: b.params.clone(),
-            bytes: b.bytes,
-            demoted: b.requires_demotion,
-        });
+        log.push(eviction_event(&b));
         if manager.pool_holds(backend, ask.required)? {
             break;
         }
@@ -170,15 +184,7 @@ pub(crate) fn ensure_capacity<M: DeviceResidencyManager>(
             }
         }
         // 3. Weight blocks.
-        let mut keep: Vec<ParamId> = ask.required.to_vec();
-        keep.extend_from_slice(ask.protected);
-        let keep_set: HashSet<ParamId> = keep.iter().copied().collect();
-        let mut candidates: Vec<WeightResidencyBlock> = manager
-            .evictable_compute_backend_blocks(ask.request.backend, &keep)
-            .into_iter()
-            .filter(|b| !b.params.iter().any(|p| keep_set.contains(p)))
-            .collect();
-        sort_candidates(&mut candidates, ask.preferred);
+        let candidates = candidates(manager, ask);
         tracing::debug!(
             candidates = candidates.len(),
             pooled = candidates.iter().filter(|b| b.pooled).count(),
@@ -208,12 +214,7 @@ pub(crate) fn ensure_capacity<M: DeviceResidencyManager>(
                     demoted = b.requires_demotion,
                     "evicted weight block"
                 );
-                log.push(ReclaimEvent::EvictedBlock {
-                    block: b.id,
-                    params: b.params.clone(),
-                    bytes: b.bytes,
-                    demoted: b.requires_demotion,
-                });
+                log.push(eviction_event(&b));
                 if check(manager, true)?.0 {
                     return Ok(());
                 }

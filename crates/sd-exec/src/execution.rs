@@ -748,17 +748,18 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
             // In the order they are prepared (a staging pool is checked placing them so).
             let ordered: Vec<ParamId> = p.segment_groups[k].iter().flatten().copied().collect();
             let t = Instant::now();
+            let ask = |request| CapacityAsk {
+                what: what.clone(),
+                backend_name: backend_name.clone(),
+                request,
+                required: &ordered,
+                preferred: &preferred,
+                protected: &ordered,
+            };
             let room = ensure_capacity(
                 self.manager,
                 self.others,
-                &CapacityAsk {
-                    what: what.clone(),
-                    backend_name: backend_name.clone(),
-                    request: self.request(d, pending),
-                    required: &ordered,
-                    preferred: &preferred,
-                    protected: &ordered,
-                },
+                &ask(self.request(d, pending)),
                 self.log,
             );
             match room {
@@ -772,14 +773,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
                     ensure_capacity(
                         self.manager,
                         self.others,
-                        &CapacityAsk {
-                            what: what.clone(),
-                            backend_name: backend_name.clone(),
-                            request: self.request(d, pending),
-                            required: &ordered,
-                            preferred: &preferred,
-                            protected: &ordered,
-                        },
+                        &ask(self.request(d, pending)),
                         self.log,
                     )?;
                 }
