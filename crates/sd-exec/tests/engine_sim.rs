@@ -8,7 +8,6 @@
 
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use sd_exec::{
@@ -63,14 +62,10 @@ fn weight_specs() -> Vec<(String, Vec<usize>)> {
         .collect()
 }
 
-fn write_model() -> PathBuf {
-    static N: AtomicUsize = AtomicUsize::new(0);
-    let dir = std::env::temp_dir().join(format!("sd-exec-tests-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join(format!(
-        "m{}.safetensors",
-        N.fetch_add(1, Ordering::Relaxed)
-    ));
+/// Writes the model into a fresh temporary folder, removed when the returned guard drops.
+fn write_model() -> (tempfile::TempDir, PathBuf) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("m.safetensors");
     let tensors = weight_specs()
         .into_iter()
         .enumerate()
@@ -83,7 +78,7 @@ fn write_model() -> PathBuf {
         .tensors(tensors)
         .write(&path)
         .unwrap();
-    path
+    (dir, path)
 }
 
 struct Rig {
@@ -93,6 +88,7 @@ struct Rig {
     backend: Arc<Backend>,
     w: HashMap<String, GTensor>,
     _wctx: Context,
+    _dir: tempfile::TempDir,
 }
 
 fn rig(name: &str, prefetch: bool) -> Rig {
@@ -102,7 +98,8 @@ fn rig(name: &str, prefetch: bool) -> Rig {
 fn rig_with(name: &str, prefetch: bool, options: SimOptions) -> Rig {
     let sim = SimDevice::new(name, 64 << 20, options).unwrap();
     let mut loader = TensorCatalog::new();
-    loader.add_file(write_model(), None).unwrap();
+    let (dir, path) = write_model();
+    loader.add_file(path, None).unwrap();
     let mut mm = ModelManager::new(loader);
     mm.set_device_reserve(0);
     mm.set_load_threads(1);
@@ -148,6 +145,7 @@ fn rig_with(name: &str, prefetch: bool, options: SimOptions) -> Rig {
         backend,
         w,
         _wctx: wctx,
+        _dir: dir,
     }
 }
 
@@ -504,6 +502,7 @@ struct SplitRig {
     w: HashMap<String, GTensor>,
     id: SessionId,
     _wctx: Context,
+    _dir: tempfile::TempDir,
 }
 
 fn split_rig(name: &str, budgets: [Option<u64>; 2], prefetch: bool) -> SplitRig {
@@ -514,6 +513,7 @@ fn split_rig(name: &str, budgets: [Option<u64>; 2], prefetch: bool) -> SplitRig 
         backend,
         w,
         _wctx,
+        _dir,
     } = rig(&format!("{name}_0"), prefetch);
     let sim1 = SimDevice::new(&format!("{name}_1"), 64 << 20, SimOptions::default()).unwrap();
     let backend1 = Arc::new(sim1.backend().unwrap());
@@ -531,6 +531,7 @@ fn split_rig(name: &str, budgets: [Option<u64>; 2], prefetch: bool) -> SplitRig 
         w,
         id,
         _wctx,
+        _dir,
     }
 }
 

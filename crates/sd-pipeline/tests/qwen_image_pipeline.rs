@@ -112,10 +112,9 @@ fn check_runs(p: &mut Pipeline) {
 
 #[test]
 fn tiny_qwen_image_matches_diffusers() {
-    let tmp = std::env::temp_dir().join(format!("sd-rs-qwen-{}", std::process::id()));
-    std::fs::create_dir_all(&tmp).unwrap();
-    let mut p = Pipeline::load(tiny_qwen_image(&tmp), options()).unwrap();
-    std::fs::remove_dir_all(&tmp).ok();
+    let guard = tempfile::tempdir().unwrap();
+    let tmp = guard.path();
+    let mut p = Pipeline::load(tiny_qwen_image(tmp), options()).unwrap();
     assert_eq!(p.spec().family.id(), "qwen-image");
     assert_eq!(p.spec().family.cfg_renorm(), Some(2));
     check_runs(&mut p);
@@ -125,9 +124,9 @@ fn tiny_qwen_image_matches_diffusers() {
 /// prefix; the VAE in diffusers' names) draw what the single file draws.
 #[test]
 fn separate_component_files_match_diffusers() {
-    let tmp = std::env::temp_dir().join(format!("sd-rs-qwen-parts-{}", std::process::id()));
-    std::fs::create_dir_all(&tmp).unwrap();
-    let single = tiny_qwen_image(&tmp);
+    let guard = tempfile::tempdir().unwrap();
+    let tmp = guard.path();
+    let single = tiny_qwen_image(tmp);
     let (dit, llm, vae) = (
         tmp.join("qwen_image.safetensors"),
         tmp.join("qwen_2.5_vl.safetensors"),
@@ -148,7 +147,6 @@ fn separate_component_files_match_diffusers() {
         },
     )
     .unwrap();
-    std::fs::remove_dir_all(&tmp).ok();
     assert_eq!(p.spec().family.id(), "qwen-image");
     check_runs(&mut p);
 }
@@ -158,9 +156,9 @@ fn separate_component_files_match_diffusers() {
 /// that uploads them at every step, with fewer bytes uploaded, and releases them at the end.
 #[test]
 fn the_runner_cache_keeps_constants_across_steps_with_the_same_latents() {
-    let tmp = std::env::temp_dir().join(format!("sd-rs-qwen-cache-{}", std::process::id()));
-    std::fs::create_dir_all(&tmp).unwrap();
-    let path = tiny_qwen_image(&tmp);
+    let guard = tempfile::tempdir().unwrap();
+    let tmp = guard.path();
+    let path = tiny_qwen_image(tmp);
     let run = &runs()[0];
     let generate_on_sim = |keep: bool| {
         let opts = RuntimeOptions {
@@ -184,7 +182,6 @@ fn the_runner_cache_keeps_constants_across_steps_with_the_same_latents() {
     };
     let (kept, kept_bytes) = generate_on_sim(true);
     let (uploaded, all_bytes) = generate_on_sim(false);
-    std::fs::remove_dir_all(&tmp).ok();
     assert_eq!(kept, uploaded);
     assert!(
         kept_bytes < all_bytes,
@@ -197,9 +194,9 @@ fn the_runner_cache_keeps_constants_across_steps_with_the_same_latents() {
 /// (`model.language_model.*`, with `lm_head`) draws what the single file draws.
 #[test]
 fn a_diffusers_folder_matches_diffusers() {
-    let tmp = std::env::temp_dir().join(format!("sd-rs-qwen-folder-{}", std::process::id()));
-    std::fs::create_dir_all(&tmp).unwrap();
-    let single = tiny_qwen_image(&tmp);
+    let guard = tempfile::tempdir().unwrap();
+    let tmp = guard.path();
+    let single = tiny_qwen_image(tmp);
     let dir = tmp.join("Qwen-Image");
     for sub in [
         "transformer",
@@ -237,7 +234,6 @@ fn a_diffusers_folder_matches_diffusers() {
         &dir.join("vae/diffusion_pytorch_model.safetensors"),
     );
     let mut p = Pipeline::load(&dir, options()).unwrap();
-    std::fs::remove_dir_all(&tmp).ok();
     assert_eq!(p.spec().family.id(), "qwen-image");
     check_runs(&mut p);
 }
@@ -248,10 +244,9 @@ fn a_diffusers_folder_matches_diffusers() {
 /// written (tiles of 4: 17.8; misplaced tiles would be tens of levels off).
 #[test]
 fn tiled_decode_through_the_wan_vae_matches_the_whole_decode() {
-    let tmp = std::env::temp_dir().join(format!("sd-rs-qwen-tiles-{}", std::process::id()));
-    std::fs::create_dir_all(&tmp).unwrap();
-    let mut p = Pipeline::load(tiny_qwen_image(&tmp), options()).unwrap();
-    std::fs::remove_dir_all(&tmp).ok();
+    let guard = tempfile::tempdir().unwrap();
+    let tmp = guard.path();
+    let mut p = Pipeline::load(tiny_qwen_image(tmp), options()).unwrap();
     let run = &runs()[0];
     let mut params = params(run);
     params.steps = 2;
