@@ -2,30 +2,75 @@
 //!
 //! The second pass is an img2img run ([`Pipeline::img2img`]) from the upscaled first-pass
 //! image with `strength` (A1111's "denoising strength") and its own step count. The upscale
-//! step is one of:
+//! step is one of the upscalers A1111 and stable-diffusion.cpp name (`--hires-upscaler`):
 //!
-//! - [`HiresUpscaler::Latent`] / [`HiresUpscaler::LatentNearest`]: the first-pass image's
-//!   latents (its VAE encoding: [`Pipeline`] hands images, not latents, between calls)
-//!   resized bilinearly / nearest, decoded;
-//! - [`HiresUpscaler::Bilinear`]: the decoded image resized bilinearly;
+//! - [`HiresUpscaler::Latent`]: the first-pass image's latents (its VAE encoding: [`Pipeline`]
+//!   hands images, not latents, between calls; A1111 resizes the sampler's latents) resized
+//!   as torch `F.interpolate` does in one of A1111's modes ([`LatentResize`]), then decoded;
+//! - [`HiresUpscaler::Lanczos`] / [`HiresUpscaler::Nearest`]: the decoded image resized as
+//!   PIL's `LANCZOS` / `NEAREST` (A1111's upscalers of those names);
+//! - [`HiresUpscaler::Bilinear`]: the decoded image resized bilinearly (torch, sd-rs's own);
 //! - [`HiresUpscaler::Model`]: an upscaler model ([`crate::upscale`]) run through the
 //!   pipeline's runtime (same device and `--max-vram` budget as the diffusion models), its
-//!   output resized bilinearly to the target size when the model's scale does not land on it.
+//!   output resized with Lanczos to the target size when the model's scale does not land on
+//!   it (A1111 does the same).
 
 use std::path::PathBuf;
 
+use sd_tensor::host::ResampleFilter;
 use sd_tensor::Image;
 
 use crate::generate::{GenerateError, Pipeline, Txt2Img};
 use crate::upscale::{upscale_image, RuntimeTiles, UpscaleOptions, UpscalerModel};
 
+/// How latents are resized: A1111's `latent_upscale_modes`, each a torch `F.interpolate`
+/// mode.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LatentResize {
+    /// "Latent": `bilinear`, no antialiasing.
+    Bilinear,
+    /// "Latent (antialiased)": `bilinear` with `antialias=True`.
+    BilinearAntialiased,
+    /// "Latent (bicubic)": `bicubic`, no antialiasing.
+    Bicubic,
+    /// "Latent (bicubic antialiased)": `bicubic` with `antialias=True`.
+    BicubicAntialiased,
+    /// "Latent (nearest)": `nearest`.
+    Nearest,
+    /// "Latent (nearest-exact)": `nearest-exact`.
+    NearestExact,
+}
+
+impl LatentResize {
+    /// Resizes `z` (`[N, C, H, W]` latents) to `h` x `w`.
+    pub fn apply(
+        self,
+        z: &sd_tensor::Tensor<f32>,
+        h: usize,
+        w: usize,
+    ) -> Result<sd_tensor::Tensor<f32>, sd_tensor::host::ShapeError> {
+        match self {
+            LatentResize::Bilinear => z.interpolate_bilinear(h, w, false),
+            LatentResize::BilinearAntialiased => {
+                z.interpolate_filtered(h, w, ResampleFilter::Triangle)
+            }
+            LatentResize::Bicubic => z.interpolate_bicubic(h, w, false),
+            LatentResize::BicubicAntialiased => z.interpolate_filtered(h, w, ResampleFilter::Cubic),
+            LatentResize::Nearest => z.interpolate_nearest(h, w),
+            LatentResize::NearestExact => z.interpolate_nearest_exact(h, w),
+        }
+    }
+}
+
 /// How the first-pass image is brought to the target size.
 #[derive(Clone, Debug, PartialEq)]
 pub enum HiresUpscaler {
-    /// Bilinear resize of the latents.
-    Latent,
-    /// Nearest-neighbour resize of the latents.
-    LatentNearest,
+    /// The latents resized.
+    Latent(LatentResize),
+    /// PIL's Lanczos resize of the image.
+    Lanczos,
+    /// PIL's nearest-neighbour resize of the image.
+    Nearest,
     /// Bilinear resize of the image.
     Bilinear,
     /// An upscaler model file, with its tiling options.
@@ -35,6 +80,50 @@ pub enum HiresUpscaler {
         /// Tiling (repeats are applied as given).
         options: UpscaleOptions,
     },
+}
+
+/// The built-in upscalers by the names A1111 and stable-diffusion.cpp give them.
+const BUILTIN: [(&str, HiresUpscaler); 9] = [
+    ("Latent", HiresUpscaler::Latent(LatentResize::Bilinear)),
+    (
+        "Latent (antialiased)",
+        HiresUpscaler::Latent(LatentResize::BilinearAntialiased),
+    ),
+    (
+        "Latent (bicubic)",
+        HiresUpscaler::Latent(LatentResize::Bicubic),
+    ),
+    (
+        "Latent (bicubic antialiased)",
+        HiresUpscaler::Latent(LatentResize::BicubicAntialiased),
+    ),
+    (
+        "Latent (nearest)",
+        HiresUpscaler::Latent(LatentResize::Nearest),
+    ),
+    (
+        "Latent (nearest-exact)",
+        HiresUpscaler::Latent(LatentResize::NearestExact),
+    ),
+    ("Lanczos", HiresUpscaler::Lanczos),
+    ("Nearest", HiresUpscaler::Nearest),
+    ("Bilinear", HiresUpscaler::Bilinear),
+];
+
+impl HiresUpscaler {
+    /// The built-in upscaler called `name` (A1111's and stable-diffusion.cpp's spelling,
+    /// compared without case), or `None` for a model name.
+    pub fn builtin(name: &str) -> Option<HiresUpscaler> {
+        BUILTIN
+            .iter()
+            .find(|(n, _)| n.eq_ignore_ascii_case(name.trim()))
+            .map(|(_, u)| u.clone())
+    }
+
+    /// The names [`HiresUpscaler::builtin`] knows.
+    pub fn builtin_names() -> impl Iterator<Item = &'static str> {
+        BUILTIN.iter().map(|(n, _)| *n)
+    }
 }
 
 /// Settings of the second pass.
@@ -66,7 +155,9 @@ pub fn hires_upscale(
     let (w, h) = (hires.width, hires.height);
     match &hires.upscaler {
         HiresUpscaler::Bilinear => Ok(image.resize_bilinear(w, h)?),
-        HiresUpscaler::Latent | HiresUpscaler::LatentNearest => {
+        HiresUpscaler::Lanczos => Ok(image.resize_filtered(w, h, ResampleFilter::Lanczos3)?),
+        HiresUpscaler::Nearest => Ok(image.resize_nearest(w, h)?),
+        HiresUpscaler::Latent(mode) => {
             let f = p.spec().first_stage.1.downsample_factor();
             if !w.is_multiple_of(f) || !h.is_multiple_of(f) {
                 return Err(setting(
@@ -75,11 +166,7 @@ pub fn hires_upscale(
                 ));
             }
             let z = p.encode(image, tiling)?;
-            let z = if hires.upscaler == HiresUpscaler::Latent {
-                z.interpolate_bilinear(h / f, w / f, false)?
-            } else {
-                z.interpolate_nearest(h / f, w / f)?
-            };
+            let z = mode.apply(&z, h / f, w / f)?;
             p.decode(&z, tiling)
         }
         HiresUpscaler::Model { path, options } => {
@@ -96,7 +183,11 @@ pub fn hires_upscale(
             };
             rt.release(model.handle)
                 .map_err(|e| setting("hires-upscaler", e.to_string()))?;
-            Ok(up.resize_bilinear(w, h)?)
+            if (up.width(), up.height()) == (w, h) {
+                Ok(up)
+            } else {
+                Ok(up.resize_filtered(w, h, ResampleFilter::Lanczos3)?)
+            }
         }
     }
 }

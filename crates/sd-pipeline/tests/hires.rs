@@ -6,9 +6,10 @@
 use std::path::PathBuf;
 
 use sd_pipeline::generate::{GenerateError, Pipeline, Txt2Img};
-use sd_pipeline::hires::{hires_upscale, txt2img_hires, HiresFix, HiresUpscaler};
+use sd_pipeline::hires::{hires_upscale, txt2img_hires, HiresFix, HiresUpscaler, LatentResize};
 use sd_pipeline::runtime::RuntimeOptions;
 use sd_pipeline::upscale::UpscaleOptions;
+use sd_tensor::host::ResampleFilter;
 
 fn pipeline() -> Pipeline {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -61,17 +62,65 @@ fn every_upscale_mode_reaches_the_target_size() {
             .join("../sd-models/tests/fixtures/upscalers/compact_x2.safetensors"),
         options: UpscaleOptions::default(),
     };
-    for mode in [
-        HiresUpscaler::Latent,
-        HiresUpscaler::LatentNearest,
-        HiresUpscaler::Bilinear,
-        model,
-    ] {
+    let mut modes: Vec<HiresUpscaler> = HiresUpscaler::builtin_names()
+        .map(|n| HiresUpscaler::builtin(n).unwrap())
+        .collect();
+    modes.push(model);
+    for mode in modes {
         let out =
             txt2img_hires(&mut p, &params(), &hires(mode.clone(), 0.5), &mut |_, _| {}).unwrap();
         assert_eq!(out.len(), 1);
         assert_eq!((out[0].width(), out[0].height()), (96, 96), "{mode:?}");
     }
+}
+
+/// Each built-in upscale step is the resize it names: the image ones are PIL's filters on the
+/// decoded image, the latent ones torch's modes on its encoding (six modes, at least four
+/// different results at 1.5x: bilinear with and without antialiasing agree when enlarging).
+#[test]
+fn builtin_upscalers_are_the_resizes_they_name() {
+    let mut p = pipeline();
+    let first = p.txt2img(&params(), &mut |_, _| {}).unwrap().remove(0);
+    let up = |p: &mut Pipeline, name: &str| {
+        let mode = HiresUpscaler::builtin(name).unwrap_or_else(|| panic!("{name}"));
+        hires_upscale(p, &first, &hires(mode, 0.5), None).unwrap()
+    };
+    assert_eq!(
+        up(&mut p, "lanczos"),
+        first
+            .resize_filtered(96, 96, ResampleFilter::Lanczos3)
+            .unwrap()
+    );
+    assert_eq!(up(&mut p, "Nearest"), first.resize_nearest(96, 96).unwrap());
+    let z = p.encode(&first, None).unwrap();
+    let f = p.spec().first_stage.1.downsample_factor();
+    let mut latent = Vec::new();
+    for (name, mode) in [
+        ("Latent", LatentResize::Bilinear),
+        ("Latent (antialiased)", LatentResize::BilinearAntialiased),
+        ("Latent (bicubic)", LatentResize::Bicubic),
+        (
+            "Latent (bicubic antialiased)",
+            LatentResize::BicubicAntialiased,
+        ),
+        ("Latent (nearest)", LatentResize::Nearest),
+        ("Latent (nearest-exact)", LatentResize::NearestExact),
+    ] {
+        let want = p
+            .decode(&mode.apply(&z, 96 / f, 96 / f).unwrap(), None)
+            .unwrap();
+        let got = up(&mut p, name);
+        assert_eq!(got, want, "{name}");
+        if !latent.contains(&got) {
+            latent.push(got);
+        }
+    }
+    assert!(
+        latent.len() >= 4,
+        "only {} different latent resizes",
+        latent.len()
+    );
+    assert!(HiresUpscaler::builtin("Latent (sharp)").is_none());
 }
 
 #[test]
@@ -118,7 +167,7 @@ fn bad_settings_are_clear_errors() {
     };
     let e = txt2img_hires(&mut p, &params(), &hires(bad, 0.5), &mut |_, _| {}).unwrap_err();
     assert!(e.to_string().contains("/nonexistent/up.pth"), "{e}");
-    let mut odd = hires(HiresUpscaler::Latent, 0.5);
+    let mut odd = hires(HiresUpscaler::Latent(LatentResize::Bilinear), 0.5);
     odd.width = 100;
     let e = txt2img_hires(&mut p, &params(), &odd, &mut |_, _| {}).unwrap_err();
     assert!(e.to_string().contains("100"), "{e}");

@@ -1,7 +1,8 @@
-//! Interpolation against torch `F.interpolate` outputs
-//! (`scripts/fixtures/make_host_fixtures.py` writes `fixtures/host/interpolate.json`).
+//! Interpolation against torch `F.interpolate` outputs and image resizing against PIL's
+//! `Image.resize` (`scripts/fixtures/make_host_fixtures.py` writes
+//! `fixtures/host/interpolate.json` and `fixtures/host/resize_pil.json`).
 
-use sd_tensor::host::Tensor;
+use sd_tensor::host::{Image, ResampleFilter, Tensor};
 use serde_json::Value;
 
 fn floats(v: &Value) -> Vec<f32> {
@@ -29,7 +30,7 @@ fn host_interpolate_matches_torch() {
     .unwrap();
     let doc: Value = serde_json::from_str(&text).unwrap();
     let cases = doc["cases"].as_array().unwrap();
-    assert!(cases.len() >= 30);
+    assert!(cases.len() >= 80);
     for case in cases {
         let shape = usizes(&case["in_shape"]);
         let out_hw = usizes(&case["out_hw"]);
@@ -37,12 +38,25 @@ fn host_interpolate_matches_torch() {
         let mode = case["mode"].as_str().unwrap();
         let got = match mode {
             "nearest" => input.interpolate_nearest(out_hw[0], out_hw[1]).unwrap(),
+            "nearest-exact" => input
+                .interpolate_nearest_exact(out_hw[0], out_hw[1])
+                .unwrap(),
             "bilinear" => {
                 let ac = case["align_corners"].as_bool().unwrap();
                 input
                     .interpolate_bilinear(out_hw[0], out_hw[1], ac)
                     .unwrap()
             }
+            "bicubic" => {
+                let ac = case["align_corners"].as_bool().unwrap();
+                input.interpolate_bicubic(out_hw[0], out_hw[1], ac).unwrap()
+            }
+            "bilinear-aa" => input
+                .interpolate_filtered(out_hw[0], out_hw[1], ResampleFilter::Triangle)
+                .unwrap(),
+            "bicubic-aa" => input
+                .interpolate_filtered(out_hw[0], out_hw[1], ResampleFilter::Cubic)
+                .unwrap(),
             m => panic!("unknown mode {m}"),
         };
         let mut out_shape = shape.clone();
@@ -54,8 +68,14 @@ fn host_interpolate_matches_torch() {
             "{mode} ac={} {shape:?} -> {out_hw:?}",
             case["align_corners"]
         );
-        assert!(err <= 1e-6, "{label}: max abs diff {err}");
-        if mode == "nearest" {
+        // torch sums the sixteen bicubic taps in another order.
+        let tolerance = if mode.starts_with("bicubic") {
+            1e-5
+        } else {
+            1e-6
+        };
+        assert!(err <= tolerance, "{label}: max abs diff {err}");
+        if mode.starts_with("nearest") {
             assert_eq!(got, want, "{label}");
         }
     }
@@ -80,4 +100,45 @@ fn host_interpolate_works_on_rank_2_and_5() {
         .interpolate_nearest(6, 8)
         .unwrap();
     assert_eq!(plane, want);
+}
+
+/// `Image::resize_filtered` and `Image::resize_nearest` give PIL's bytes exactly (8-bit RGB,
+/// up and down, with clipped overshoot).
+#[test]
+fn image_resize_matches_pil() {
+    let text = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/host/resize_pil.json"
+    ))
+    .unwrap();
+    let doc: Value = serde_json::from_str(&text).unwrap();
+    let cases = doc["cases"].as_array().unwrap();
+    assert!(cases.len() >= 40);
+    for case in cases {
+        let bytes = |v: &Value| -> Vec<u8> { usizes(v).into_iter().map(|b| b as u8).collect() };
+        let (iw, ow) = (usizes(&case["in_wh"]), usizes(&case["out_wh"]));
+        let c = case["channels"].as_u64().unwrap() as usize;
+        let image = Image::new(iw[0], iw[1], c, bytes(&case["input"])).unwrap();
+        let name = case["filter"].as_str().unwrap();
+        let got = match name {
+            "lanczos" => image.resize_filtered(ow[0], ow[1], ResampleFilter::Lanczos3),
+            "bicubic" => image.resize_filtered(ow[0], ow[1], ResampleFilter::Cubic),
+            "bilinear" => image.resize_filtered(ow[0], ow[1], ResampleFilter::Triangle),
+            "nearest" => image.resize_nearest(ow[0], ow[1]),
+            f => panic!("unknown filter {f}"),
+        }
+        .unwrap();
+        let want = bytes(&case["output"]);
+        let diff = got
+            .pixels()
+            .iter()
+            .zip(&want)
+            .filter(|(a, b)| a != b)
+            .count();
+        assert_eq!(
+            diff, 0,
+            "{name} {c}ch {iw:?} -> {ow:?}: {diff} bytes differ from PIL"
+        );
+        assert_eq!(got.pixels().len(), want.len());
+    }
 }

@@ -156,6 +156,48 @@ impl std::fmt::Debug for Image {
     }
 }
 
+/// Fraction bits of PIL's 8-bit resampling weights (`PRECISION_BITS`).
+const FIXED_BITS: u32 = 22;
+
+/// Weights as PIL's `normalize_coeffs_8bpc` rounds them (half away from zero).
+fn fixed_point(taps: &[super::interpolate::Taps]) -> Vec<(usize, Vec<i64>)> {
+    let one = (1i64 << FIXED_BITS) as f64;
+    taps.iter()
+        .map(|t| {
+            let k = t
+                .weights
+                .iter()
+                .map(|&w| {
+                    if w < 0.0 {
+                        (w * one - 0.5) as i64
+                    } else {
+                        (w * one + 0.5) as i64
+                    }
+                })
+                .collect();
+            (t.first, k)
+        })
+        .collect()
+}
+
+/// Source indices of PIL's nearest-neighbour resize of `in_size` to `out_size`.
+fn pil_nearest(in_size: usize, out_size: usize) -> Vec<usize> {
+    let step = in_size as f64 / out_size as f64;
+    let mut pos = step * 0.5;
+    (0..out_size)
+        .map(|_| {
+            let i = (pos.max(0.0) as usize).min(in_size - 1);
+            pos += step;
+            i
+        })
+        .collect()
+}
+
+/// A fixed-point sum shifted down and clipped to 0..=255.
+fn clip8(acc: i64) -> u8 {
+    (acc >> FIXED_BITS).clamp(0, 255) as u8
+}
+
 fn check_size(width: usize, height: usize) -> Result<()> {
     if width == 0 || height == 0 {
         return Err(ImageError::Size {
@@ -444,11 +486,96 @@ impl Image {
         )
     }
 
-    /// The image resampled to `width` x `height` taking the nearest pixel (torch `nearest`).
+    /// The image resampled to `width` x `height` taking the pixel under each output pixel's
+    /// centre, as PIL's `NEAREST` resize (torch `nearest-exact`).
+    /// The source positions are PIL's: `(i + 0.5) * in / out` accumulated in f64 step by step
+    /// (`ImagingScaleAffine`), which can land one pixel below the exact product.
     pub fn resize_nearest(&self, width: usize, height: usize) -> Result<Image> {
         check_size(width, height)?;
-        let t = self.raw_tensor().interpolate_nearest(height, width)?;
-        Self::from_raw_tensor(&t)
+        if super::checked_numel(&[width, height, self.channels]).is_none() {
+            return Err(ImageError::Size {
+                width,
+                height,
+                reason: "too large",
+            });
+        }
+        let cols = pil_nearest(self.width, width);
+        let rows = pil_nearest(self.height, height);
+        let c = self.channels;
+        let mut out = Vec::with_capacity(width * height * c);
+        for &y in &rows {
+            let row = &self.pixels[y * self.width * c..(y + 1) * self.width * c];
+            for &x in &cols {
+                out.extend_from_slice(&row[x * c..(x + 1) * c]);
+            }
+        }
+        Image::new(width, height, c, out)
+    }
+
+    /// The image resampled to `width` x `height` with an antialiasing `filter`, bit for bit
+    /// as PIL's `Image.resize` of an 8-bit RGB or L image (`LANCZOS`, `BICUBIC`,
+    /// `BILINEAR`): columns first, then rows, each pass skipped when its size is unchanged;
+    /// 22-bit fixed-point weights and a rounded, clipped 8-bit result after each pass.
+    /// Channels (alpha included) are filtered independently; PIL premultiplies RGBA.
+    pub fn resize_filtered(
+        &self,
+        width: usize,
+        height: usize,
+        filter: super::ResampleFilter,
+    ) -> Result<Image> {
+        check_size(width, height)?;
+        if super::checked_numel(&[width, height, self.channels]).is_none() {
+            return Err(ImageError::Size {
+                width,
+                height,
+                reason: "too large",
+            });
+        }
+        let c = self.channels;
+        let mut cur = self.pixels.clone();
+        let mut w = self.width;
+        if width != self.width {
+            let taps = fixed_point(&super::interpolate::filter_taps(self.width, width, filter));
+            let mut out = Vec::with_capacity(width * self.height * c);
+            for y in 0..self.height {
+                let row = &cur[y * w * c..(y + 1) * w * c];
+                for (first, k) in &taps {
+                    for ch in 0..c {
+                        let acc = k
+                            .iter()
+                            .enumerate()
+                            .fold(1i64 << (FIXED_BITS - 1), |a, (j, &k)| {
+                                a + row[(first + j) * c + ch] as i64 * k
+                            });
+                        out.push(clip8(acc));
+                    }
+                }
+            }
+            cur = out;
+            w = width;
+        }
+        if height != self.height {
+            let taps = fixed_point(&super::interpolate::filter_taps(
+                self.height,
+                height,
+                filter,
+            ));
+            let stride = w * c;
+            let mut out = Vec::with_capacity(stride * height);
+            for (first, k) in &taps {
+                for i in 0..stride {
+                    let acc = k
+                        .iter()
+                        .enumerate()
+                        .fold(1i64 << (FIXED_BITS - 1), |a, (j, &k)| {
+                            a + cur[(first + j) * stride + i] as i64 * k
+                        });
+                    out.push(clip8(acc));
+                }
+            }
+            cur = out;
+        }
+        Image::new(width, height, c, cur)
     }
 
     /// The `w` x `h` rectangle whose top-left corner is `(x, y)`.

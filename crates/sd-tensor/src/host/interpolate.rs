@@ -1,5 +1,7 @@
-//! Resampling over the last two dims, matching torch `F.interpolate` (mode `nearest` and
-//! `bilinear`, `antialias=False`, output size given) on the CPU.
+//! Resampling over the last two dims, matching torch `F.interpolate` on the CPU (output size
+//! given): `nearest`, `nearest-exact`, `bilinear` and `bicubic` without antialiasing, and
+//! `bilinear`/`bicubic` with `antialias=True` (the separable filter of PIL's resize, which
+//! torch follows).
 //!
 //! Index and weight arithmetic is done in f32 exactly as torch's CPU kernels do it (including
 //! their special cases for equal and doubled sizes), so results agree to rounding.
@@ -18,6 +20,178 @@ fn nearest_index(i: usize, in_size: usize, out_size: usize) -> usize {
         let scale = in_size as f32 / out_size as f32;
         ((i as f32 * scale).floor() as usize).min(in_size - 1)
     }
+}
+
+/// Source index of output index `i` for `nearest-exact` (torch
+/// `nearest_neighbor_exact_compute_source_index`: the pixel under the output pixel's centre).
+fn nearest_exact_index(i: usize, in_size: usize, out_size: usize) -> usize {
+    let scale = in_size as f32 / out_size as f32;
+    (((i as f32 + 0.5) * scale).floor() as usize).min(in_size - 1)
+}
+
+/// One output index's taps: the first source index and the weights of consecutive sources.
+/// Indices past either border are clamped (bicubic) or excluded (antialiased filters).
+#[derive(Clone, Debug)]
+pub(super) struct Taps {
+    pub(super) first: usize,
+    pub(super) weights: Vec<f64>,
+}
+
+/// Cubic convolution weights of the four taps around fraction `t` (Keys' kernel with
+/// parameter `a`: torch's `get_cubic_upsample_coefficients` uses -0.75).
+fn cubic_weights(t: f32, a: f32) -> [f32; 4] {
+    let near = |x: f32| ((a + 2.0) * x - (a + 3.0)) * x * x + 1.0;
+    let far = |x: f32| ((a * x - 5.0 * a) * x + 8.0 * a) * x - 4.0 * a;
+    [far(t + 1.0), near(t), near(1.0 - t), far(2.0 - t)]
+}
+
+/// Taps of torch `bicubic` (`antialias=False`): four sources around the mapped position,
+/// indices clamped to the borders, as `upsample_bicubic2d`.
+fn cubic_taps(in_size: usize, out_size: usize, align_corners: bool) -> Vec<Vec<(usize, f32)>> {
+    let scale = if align_corners {
+        if out_size > 1 {
+            (in_size - 1) as f32 / (out_size - 1) as f32
+        } else {
+            0.0
+        }
+    } else {
+        in_size as f32 / out_size as f32
+    };
+    let last = in_size as i64 - 1;
+    (0..out_size)
+        .map(|i| {
+            let real = if align_corners {
+                scale * i as f32
+            } else {
+                scale * (i as f32 + 0.5) - 0.5
+            };
+            let index = (real.floor() as i64).min(last);
+            let t = (real - index as f32).clamp(0.0, 1.0);
+            let w = cubic_weights(t, -0.75);
+            (0..4)
+                .map(|k| ((index - 1 + k as i64).clamp(0, last) as usize, w[k]))
+                .collect()
+        })
+        .collect()
+}
+
+/// The filter of an antialiased resampling (torch `antialias=True`, PIL's resize).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ResampleFilter {
+    /// The triangle filter (torch `bilinear` with `antialias=True`, PIL `BILINEAR`).
+    Triangle,
+    /// Keys' cubic with a = -0.5 (torch `bicubic` with `antialias=True`, PIL `BICUBIC`).
+    Cubic,
+    /// Lanczos with three lobes (PIL `LANCZOS`).
+    Lanczos3,
+}
+
+impl ResampleFilter {
+    /// Half the filter's width in source pixels at scale 1.
+    fn support(self) -> f64 {
+        match self {
+            ResampleFilter::Triangle => 1.0,
+            ResampleFilter::Cubic => 2.0,
+            ResampleFilter::Lanczos3 => 3.0,
+        }
+    }
+
+    fn weight(self, x: f64) -> f64 {
+        let x = x.abs();
+        match self {
+            ResampleFilter::Triangle => (1.0 - x).max(0.0),
+            ResampleFilter::Cubic => {
+                let a = -0.5;
+                if x < 1.0 {
+                    ((a + 2.0) * x - (a + 3.0)) * x * x + 1.0
+                } else if x < 2.0 {
+                    (((x - 5.0) * x + 8.0) * x - 4.0) * a
+                } else {
+                    0.0
+                }
+            }
+            ResampleFilter::Lanczos3 => {
+                if x < 3.0 {
+                    sinc(x) * sinc(x / 3.0)
+                } else {
+                    0.0
+                }
+            }
+        }
+    }
+}
+
+fn sinc(x: f64) -> f64 {
+    if x == 0.0 {
+        1.0
+    } else {
+        let px = std::f64::consts::PI * x;
+        px.sin() / px
+    }
+}
+
+/// Taps of an antialiased resampling of `in_size` to `out_size` with `filter` (the filter is
+/// stretched by the scale when shrinking; sources past the borders are left out and the
+/// weights normalised), as PIL's `precompute_coeffs` and torch's `_upsample_*_aa`.
+pub(super) fn filter_taps(in_size: usize, out_size: usize, filter: ResampleFilter) -> Vec<Taps> {
+    let scale = in_size as f64 / out_size as f64;
+    let stretch = scale.max(1.0);
+    let support = filter.support() * stretch;
+    (0..out_size)
+        .map(|i| {
+            let center = (i as f64 + 0.5) * scale;
+            let first = ((center - support + 0.5) as i64).max(0) as usize;
+            let end = ((center + support + 0.5) as i64).min(in_size as i64) as usize;
+            let raw: Vec<f64> = (first..end)
+                .map(|j| filter.weight((j as f64 - center + 0.5) / stretch))
+                .collect();
+            let total: f64 = raw.iter().sum();
+            let weights = raw
+                .iter()
+                .map(|&w| if total != 0.0 { w / total } else { w })
+                .collect();
+            Taps { first, weights }
+        })
+        .collect()
+}
+
+/// Applies per-output-index taps along one axis of `planes` planes of `rows` x `cols` f32
+/// values: along the columns (`horizontal`) or along the rows.
+fn apply_taps(
+    src: &[f32],
+    planes: usize,
+    rows: usize,
+    cols: usize,
+    taps: &[Taps],
+    horizontal: bool,
+) -> Vec<f32> {
+    let mut out = Vec::with_capacity(planes * taps.len() * if horizontal { rows } else { cols });
+    for p in 0..planes {
+        let plane = &src[p * rows * cols..(p + 1) * rows * cols];
+        if horizontal {
+            for r in 0..rows {
+                let row = &plane[r * cols..(r + 1) * cols];
+                out.extend(taps.iter().map(|t| {
+                    let s = &row[t.first..t.first + t.weights.len()];
+                    s.iter()
+                        .zip(&t.weights)
+                        .map(|(v, &w)| v * w as f32)
+                        .sum::<f32>()
+                }));
+            }
+        } else {
+            for t in taps {
+                let mut acc = vec![0f32; cols];
+                for (k, &w) in t.weights.iter().enumerate() {
+                    let row = &plane[(t.first + k) * cols..(t.first + k + 1) * cols];
+                    let w = w as f32;
+                    acc.iter_mut().zip(row).for_each(|(a, v)| *a += v * w);
+                }
+                out.extend(acc);
+            }
+        }
+    }
+    out
 }
 
 /// Source indices and weights `(i0, i1, w0, w1)` of every output index for `bilinear`
@@ -110,7 +284,105 @@ impl<T: Copy> Tensor<T> {
     }
 }
 
+impl<T: Copy> Tensor<T> {
+    /// Nearest-neighbour resampling taking the source pixel under each output pixel's centre,
+    /// as torch `F.interpolate(x, size=(out_h, out_w), mode="nearest-exact")` and PIL's
+    /// `NEAREST` resize.
+    pub fn interpolate_nearest_exact(&self, out_h: usize, out_w: usize) -> Result<Self> {
+        let (planes, in_h, in_w, out_shape) =
+            self.resample_dims("interpolate_nearest_exact", out_h, out_w)?;
+        let rows: Vec<usize> = (0..out_h)
+            .map(|y| nearest_exact_index(y, in_h, out_h))
+            .collect();
+        let cols: Vec<usize> = (0..out_w)
+            .map(|x| nearest_exact_index(x, in_w, out_w))
+            .collect();
+        let src = self.data();
+        let mut data = Vec::with_capacity(planes * out_h * out_w);
+        for p in 0..planes {
+            let plane = &src[p * in_h * in_w..(p + 1) * in_h * in_w];
+            for &y in &rows {
+                let row = &plane[y * in_w..(y + 1) * in_w];
+                data.extend(cols.iter().map(|&x| row[x]));
+            }
+        }
+        Tensor::new(out_shape, data)
+    }
+}
+
 impl<T: Element> Tensor<T> {
+    /// Bicubic resampling of the last two dims, as torch `F.interpolate(x, size=(out_h,
+    /// out_w), mode="bicubic", align_corners=..., antialias=False)` (Keys' kernel, a = -0.75,
+    /// border indices clamped). Computed in f32 and converted back to `T`.
+    pub fn interpolate_bicubic(
+        &self,
+        out_h: usize,
+        out_w: usize,
+        align_corners: bool,
+    ) -> Result<Self> {
+        let (planes, in_h, in_w, out_shape) =
+            self.resample_dims("interpolate_bicubic", out_h, out_w)?;
+        let ty = cubic_taps(in_h, out_h, align_corners);
+        let tx = cubic_taps(in_w, out_w, align_corners);
+        let src = self.data();
+        let mut data = Vec::with_capacity(planes * out_h * out_w);
+        for p in 0..planes {
+            let plane = &src[p * in_h * in_w..(p + 1) * in_h * in_w];
+            for yt in &ty {
+                data.extend(tx.iter().map(|xt| {
+                    let v: f32 = yt
+                        .iter()
+                        .map(|&(y, wy)| {
+                            let row = &plane[y * in_w..(y + 1) * in_w];
+                            wy * xt.iter().map(|&(x, wx)| row[x].to_f32() * wx).sum::<f32>()
+                        })
+                        .sum();
+                    T::from_f32(v)
+                }));
+            }
+        }
+        Tensor::new(out_shape, data)
+    }
+
+    /// Antialiased resampling of the last two dims with `filter`: the filter is widened by the
+    /// scale when shrinking and sources past the borders are dropped (weights renormalised).
+    /// Columns are filtered first, then rows, each pass skipped when its size is unchanged, as
+    /// torch `F.interpolate(..., antialias=True, align_corners=False)` (`Triangle`: bilinear,
+    /// `Cubic`: bicubic) and PIL's resize do. Computed in f32.
+    pub fn interpolate_filtered(
+        &self,
+        out_h: usize,
+        out_w: usize,
+        filter: ResampleFilter,
+    ) -> Result<Self> {
+        let (planes, in_h, in_w, out_shape) =
+            self.resample_dims("interpolate_filtered", out_h, out_w)?;
+        let mut cur: Vec<f32> = self.data().iter().map(|v| v.to_f32()).collect();
+        let mut w = in_w;
+        if out_w != in_w {
+            cur = apply_taps(
+                &cur,
+                planes,
+                in_h,
+                in_w,
+                &filter_taps(in_w, out_w, filter),
+                true,
+            );
+            w = out_w;
+        }
+        if out_h != in_h {
+            cur = apply_taps(
+                &cur,
+                planes,
+                in_h,
+                w,
+                &filter_taps(in_h, out_h, filter),
+                false,
+            );
+        }
+        Tensor::new(out_shape, cur.into_iter().map(T::from_f32).collect())
+    }
+
     /// Bilinear resampling of the last two dims to `out_h` x `out_w`, as torch
     /// `F.interpolate(x, size=(out_h, out_w), mode="bilinear", align_corners=...,
     /// antialias=False)`. Computed in f32 and converted back to `T`.

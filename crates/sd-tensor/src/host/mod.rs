@@ -14,5 +14,6 @@ mod tensor;
 
 pub use element::Element;
 pub use image::{Image, ImageError, PixelRange};
+pub use interpolate::ResampleFilter;
 pub use shape::{broadcast_shapes, checked_numel, contiguous_strides, ShapeError};
 pub use tensor::Tensor;
