@@ -131,6 +131,10 @@ pub struct Cli {
         help_heading = "Model files"
     )]
     pub lora_model_dir: Option<PathBuf>,
+    /// When LoRAs are applied: auto or immediately (sd-rs merges them into each weight as it
+    /// is loaded for compute, in f32; stable-diffusion.cpp's at_runtime is refused)
+    #[arg(long = "lora-apply-mode", value_name = "MODE", value_parser = parse_lora_apply_mode, help_heading = "Model files")]
+    pub lora_apply_mode: Option<String>,
     /// Upscaler (ESRGAN / Real-ESRGAN / Compact / MoSR; .pth, .safetensors); with -m it
     /// upscales the generated images in the same runtime and budget
     #[arg(
@@ -273,8 +277,9 @@ pub struct Cli {
     /// Second-pass denoising strength in [0, 1] (default 0.7)
     #[arg(long = "hires-denoising-strength", value_name = "S", value_parser = parse_strength, help_heading = "Hires fix")]
     pub hires_strength: Option<f32>,
-    /// Upscale step: Latent (default), "Latent (nearest)", "Latent (nearest-exact)",
-    /// Bilinear (sd-rs), or an upscaler model file (a path, or a name in
+    /// Upscale step: Latent (default), "Latent (antialiased)", "Latent (bicubic)", "Latent
+    /// (bicubic antialiased)", "Latent (nearest)", "Latent (nearest-exact)", Lanczos,
+    /// Nearest, Bilinear (sd-rs), or an upscaler model file (a path, or a name in
     /// --hires-upscalers-dir)
     #[arg(
         long = "hires-upscaler",
@@ -289,6 +294,10 @@ pub struct Cli {
         help_heading = "Hires fix"
     )]
     pub hires_upscalers_dir: Option<PathBuf>,
+    /// Tile size of an upscaler model in the hires fix, in input pixels (default 128; 0: the
+    /// whole image at once)
+    #[arg(long = "hires-upscale-tile-size", value_name = "N", value_parser = clap::value_parser!(u32).range(0..=4096), help_heading = "Hires fix")]
+    pub hires_upscale_tile_size: Option<u32>,
 
     /// Compute device: cpu (default), a device from --list-devices (cuda0, Vulkan0...),
     /// sim:SIZE (a simulated GPU), A&B (the diffusion model layer-split across A and B), or
@@ -383,7 +392,6 @@ pub const UNSUPPORTED: &[(&str, bool)] = &[
     ("--diffusion-conv-direct", false),
     ("--vae-conv-direct", false),
     ("--sampler-rng", true),
-    ("--lora-apply-mode", true),
     ("--mask", true),
     ("--end-img", true),
     ("--ref-image", true),
@@ -637,6 +645,20 @@ fn parse_cfg_scale(text: &str) -> Result<f32, String> {
     }
 }
 
+fn parse_lora_apply_mode(text: &str) -> Result<String, String> {
+    match text {
+        "auto" | "immediately" => Ok(text.to_string()),
+        "at_runtime" => Err(
+            "at_runtime is not supported: sd-rs merges LoRAs into the weights \
+                             as they are loaded for compute (use auto or immediately)"
+                .into(),
+        ),
+        _ => Err(format!(
+            "needs auto, immediately or at_runtime, got '{text}'"
+        )),
+    }
+}
+
 fn parse_strength(text: &str) -> Result<f32, String> {
     match text.parse::<f32>() {
         Ok(s) if (0.0..=1.0).contains(&s) => Ok(s),
@@ -670,6 +692,10 @@ pub fn hires_fix(
             ("--hires-denoising-strength", cli.hires_strength.is_some()),
             ("--hires-upscaler", cli.hires_upscaler.is_some()),
             ("--hires-upscalers-dir", cli.hires_upscalers_dir.is_some()),
+            (
+                "--hires-upscale-tile-size",
+                cli.hires_upscale_tile_size.is_some(),
+            ),
         ];
         if let Some((flag, _)) = given.iter().find(|(_, g)| *g) {
             return Err(format!("{flag} needs --hires"));
@@ -694,32 +720,40 @@ pub fn hires_fix(
     let w = size(cli.hires_width, width, "--hires-width")?;
     let h = size(cli.hires_height, height, "--hires-height")?;
     let name = cli.hires_upscaler.as_deref().unwrap_or("Latent");
-    let upscaler = match name.to_ascii_lowercase().as_str() {
-        "latent" => HiresUpscaler::Latent,
-        "latent (nearest)" | "latent (nearest-exact)" | "latent-nearest" => {
-            HiresUpscaler::LatentNearest
-        }
-        "bilinear" => HiresUpscaler::Bilinear,
-        _ => {
+    let upscaler = match HiresUpscaler::builtin(name) {
+        Some(u) => u,
+        None => {
             let path = match &cli.hires_upscalers_dir {
                 Some(dir) => dir.join(name),
                 None => PathBuf::from(name),
             };
             if !path.is_file() {
+                let names: Vec<String> = HiresUpscaler::builtin_names()
+                    .map(|n| format!("\"{n}\""))
+                    .collect();
                 return Err(format!(
-                    "--hires-upscaler: '{name}' is neither Latent, \"Latent (nearest)\", \
-                     \"Latent (nearest-exact)\", Bilinear nor an upscaler model file ({} does \
-                     not exist; sd-rs has no Lanczos, Nearest or antialiased/bicubic latent \
-                     upscalers yet)",
+                    "--hires-upscaler: '{name}' is neither a built-in upscaler ({}) nor an \
+                     upscaler model file ({} does not exist)",
+                    names.join(", "),
                     path.display()
                 ));
             }
             HiresUpscaler::Model {
                 path,
-                options: UpscaleOptions::default(),
+                options: UpscaleOptions {
+                    tile_size: cli
+                        .hires_upscale_tile_size
+                        .map_or(UpscaleOptions::default().tile_size, |t| t as usize),
+                    ..UpscaleOptions::default()
+                },
             }
         }
     };
+    if cli.hires_upscale_tile_size.is_some() && !matches!(upscaler, HiresUpscaler::Model { .. }) {
+        return Err(format!(
+            "--hires-upscale-tile-size is for upscaler models; '{name}' is a built-in resize"
+        ));
+    }
     Ok(Some(HiresFix {
         width: w,
         height: h,

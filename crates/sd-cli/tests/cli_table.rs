@@ -350,6 +350,8 @@ fn cases() -> Vec<Case> {
                         "2",
                         "--hires-denoising-strength",
                         "0.5",
+                        "--hires-upscale-tile-size",
+                        "32",
                         "--hires-upscaler",
                     ],
                 );
@@ -376,16 +378,89 @@ fn cases() -> Vec<Case> {
             check: no_check,
         },
         Case {
-            name: "--hires-upscaler Lanczos (not in sd-rs): exit 2 naming it",
+            name: "--hires-upscaler Lanczos: PIL's Lanczos on the decoded image",
             setup: none,
             args: |d| {
                 with(
                     gen(d.join("o.png")),
-                    &["--hires", "--hires-upscaler", "Lanczos"],
+                    &[
+                        "--hires",
+                        "--hires-steps",
+                        "2",
+                        "--hires-upscaler",
+                        "Lanczos",
+                    ],
+                )
+            },
+            code: 0,
+            stderr: &[],
+            stdout: &["saved", "128x128"],
+            files: &["o.png"],
+            check: |d, _| {
+                let img = sd_tensor::Image::load_png(d.join("o.png")).unwrap();
+                assert_eq!((img.width(), img.height()), (128, 128));
+                let bytes = std::fs::read(d.join("o.png")).unwrap();
+                let text = String::from_utf8_lossy(&bytes);
+                assert!(text.contains("Hires upscaler: Lanczos"), "parameters text");
+            },
+        },
+        Case {
+            name: "--hires-upscaler \"Latent (bicubic antialiased)\" runs",
+            setup: none,
+            args: |d| {
+                with(
+                    gen(d.join("o.png")),
+                    &[
+                        "--hires",
+                        "--hires-steps",
+                        "1",
+                        "--hires-upscaler",
+                        "Latent (bicubic antialiased)",
+                    ],
+                )
+            },
+            code: 0,
+            stderr: &[],
+            stdout: &["saved", "128x128"],
+            files: &["o.png"],
+            check: no_check,
+        },
+        Case {
+            name: "--hires-upscaler neither built in nor a file: exit 2 listing the built-ins",
+            setup: none,
+            args: |d| {
+                with(
+                    gen(d.join("o.png")),
+                    &["--hires", "--hires-upscaler", "Latent (sharp)"],
                 )
             },
             code: 2,
-            stderr: &["--hires-upscaler", "Lanczos"],
+            stderr: &["--hires-upscaler", "Latent (sharp)", "\"Lanczos\"", "does not exist"],
+            stdout: &[],
+            files: &[],
+            check: no_check,
+        },
+        Case {
+            name: "--hires-upscale-tile-size with a built-in resize: exit 2",
+            setup: none,
+            args: |d| {
+                with(
+                    gen(d.join("o.png")),
+                    &["--hires", "--hires-upscale-tile-size", "64"],
+                )
+            },
+            code: 2,
+            stderr: &["--hires-upscale-tile-size", "Latent"],
+            stdout: &[],
+            files: &[],
+            check: no_check,
+        },
+        Case {
+            name: "--hires-upscale-tile-size without --hires: exit 2",
+            setup: none,
+            args: |d| with(gen(d.join("o.png")), &["--hires-upscale-tile-size", "64"]),
+            code: 2,
+            stderr: &["--hires-upscale-tile-size", "needs --hires"],
             stdout: &[],
             files: &[],
             check: no_check,
@@ -1202,12 +1277,28 @@ fn cases() -> Vec<Case> {
             check: no_check,
         },
         Case {
+            name: "--lora-apply-mode at_runtime: exit 2 saying why",
+            setup: none,
+            args: |d| with(gen(d.join("o.png")), &["--lora-apply-mode", "at_runtime"]),
+            code: 2,
+            stderr: &["--lora-apply-mode", "at_runtime", "not supported"],
+            stdout: &[],
+            files: &[],
+            check: no_check,
+        },
+        Case {
             name: "LoRA tag applied (kohya keys), stripped from the prompt",
             setup: |d| write_lora(&d.join("style.safetensors"), "lora_unet_out_2"),
             args: |d| {
                 let mut v = with(
                     gen(d.join("o.png")),
-                    &["-p", "a red circle <lora:style:0.7>", "-v"],
+                    &[
+                        "-p",
+                        "a red circle <lora:style:0.7>",
+                        "-v",
+                        "--lora-apply-mode",
+                        "immediately",
+                    ],
                 );
                 v.push("--lora-model-dir".into());
                 v.push(d.into());
