@@ -6,6 +6,10 @@
 //! with multiplier 0.8, against diffusers' `load_lora_weights` fused at `lora_scale=0.8`:
 //! the UNet output and the text encoder's last hidden state within 1e-3 (relative L2). A LoRA
 //! for a module the model does not have is an error naming the tensor.
+//!
+//! LyCORIS: LoHa and LoKr files (`scripts/fixtures/make_lycoris_fixtures.py`: PEFT's adapters
+//! with random weights, Tucker-form convolutions included, merged by PEFT at 0.8) against the
+//! UNet output of PEFT's merge.
 
 use sd_formats::files::TensorCatalog;
 use sd_models::diffusion::DiffusionArch;
@@ -16,6 +20,7 @@ use sd_pipeline::family::ModelSpec;
 use sd_pipeline::runtime::{BuiltGraph, ModelHandle, Runtime, RuntimeError, RuntimeOptions};
 use sd_residency::{Component, LoraSpec, ResidencyError, SourceId};
 use sd_tensor::DType;
+use sd_testutil::{SafetensorsWriter, StTensor};
 
 const MULTIPLIER: f32 = 0.8;
 
@@ -24,9 +29,13 @@ fn fixtures() -> std::path::PathBuf {
 }
 
 fn reference(name: &str) -> Vec<f32> {
+    reference_in("reference.safetensors", name)
+}
+
+fn reference_in(file: &str, name: &str) -> Vec<f32> {
     let mut loader = TensorCatalog::new();
     loader
-        .add_file(fixtures().join("lora/reference.safetensors"), None)
+        .add_file(fixtures().join("lora").join(file), None)
         .unwrap();
     let bytes = loader.read_converted(name, DType::F32).unwrap();
     bytes
@@ -202,5 +211,87 @@ fn a_lora_for_a_missing_module_is_an_error_naming_it() {
     );
     assert!(text.contains(": 2 tensor(s)"), "{text}");
     // Nothing changed: the base outputs.
+    assert!(rel_l2(&m.unet_out(), &reference("base.unet")) < 1e-4);
+}
+
+#[test]
+fn loha_and_lokr_equal_peft_merged() {
+    let mut m = tiny();
+    for name in ["loha", "lokr", "lokr_both"] {
+        m.set_lora(&format!("{name}.safetensors")).unwrap();
+        let want = reference_in("lycoris_reference.safetensors", &format!("{name}.unet"));
+        let got = rel_l2(&m.unet_out(), &want);
+        let moved = rel_l2(&want, &reference("base.unet"));
+        println!("{name}: UNet rel {got:.2e} (the adapter moves the UNet by {moved:.2})");
+        assert!(moved > 0.1);
+        assert!(got < 1e-3, "{name}: UNet {got}");
+    }
+    m.rt.set_loras(Vec::new()).unwrap();
+    assert!(rel_l2(&m.unet_out(), &reference("base.unet")) < 1e-4);
+}
+
+/// A LoHa module without its second factor, and a LoKr whose factors do not make the
+/// weight's shape, are errors naming the file's tensor; nothing is applied.
+#[test]
+fn malformed_lycoris_files_are_errors_naming_the_tensor() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut loader = TensorCatalog::new();
+    loader
+        .add_file(fixtures().join("lora/loha.safetensors"), None)
+        .unwrap();
+    let stem = "lora_unet_down_blocks_0_attentions_0_proj_in";
+    let read = |n: &str| {
+        let b = loader.read_converted(n, DType::F32).unwrap();
+        let shape: Vec<u64> = loader.get(n).unwrap().shape.clone();
+        StTensor::f32(n, &shape, &sd_testutil::f32_from_bytes(&b))
+    };
+    // LoHa without hada_w2_b.
+    let half = dir.path().join("half_loha.safetensors");
+    SafetensorsWriter::new()
+        .tensors(
+            ["hada_w1_a", "hada_w1_b", "hada_w2_a", "alpha"]
+                .iter()
+                .map(|k| read(&format!("{stem}.{k}"))),
+        )
+        .write(&half)
+        .unwrap();
+    // LoKr whose w1 is 3x3 for a 16x16 weight with a 4x4 w2.
+    let bad_kron = dir.path().join("bad_lokr.safetensors");
+    SafetensorsWriter::new()
+        .tensor(StTensor::f32(
+            &format!("{stem}.lokr_w1"),
+            &[3, 3],
+            &[0.5; 9],
+        ))
+        .tensor(StTensor::f32(
+            &format!("{stem}.lokr_w2"),
+            &[4, 4, 1, 1],
+            &[0.5; 16],
+        ))
+        .write(&bad_kron)
+        .unwrap();
+    let mut m = tiny();
+    for (path, want) in [
+        (
+            &half,
+            vec![format!("{stem}.hada_w"), "hada_w2_b".to_string()],
+        ),
+        (
+            &bad_kron,
+            vec![format!("{stem}.lokr_w"), "12x12".to_string()],
+        ),
+    ] {
+        let e =
+            m.rt.set_loras(vec![LoraSpec {
+                path: path.clone(),
+                multiplier: 1.0,
+            }])
+            .unwrap_err();
+        let text = e.to_string();
+        println!("{text}");
+        for w in want {
+            assert!(text.contains(&w), "{text} lacks {w}");
+        }
+    }
     assert!(rel_l2(&m.unet_out(), &reference("base.unet")) < 1e-4);
 }

@@ -12,7 +12,9 @@
 //!   `.lora_down.weight`, `.lora_up.weight`, `.alpha`;
 //! - diffusers / PEFT: `B.lora_A.weight` (down), `B.lora_B.weight` (up), or
 //!   `B.lora.down.weight` / `B.lora.up.weight`, with `B.alpha`. Diffusers layouts are first
-//!   brought to canonical names (see [`sd_formats::names`]).
+//!   brought to canonical names (see [`sd_formats::names`]);
+//! - LyCORIS LoHa and LoKr under the same stems (`.hada_w1_a`, `.lokr_w1`, ...; see
+//!   [`super::lycoris`] for their deltas and scales).
 //!
 //! Deltas are computed on the host in f32 and written into the memory the registered tensor
 //! uses now (its staging copy, or its params copy when bound); a state remembers the epoch of
@@ -24,6 +26,7 @@ use std::path::PathBuf;
 
 use sd_tensor::{convert, DType};
 
+use super::lycoris::{self, Delta, Named};
 use super::state::ParamState;
 use super::ModelManager;
 use crate::residency::{ParamId, ResidencyError, Result, SourceId};
@@ -41,10 +44,20 @@ pub struct LoraSpec {
 #[derive(Clone, Debug)]
 pub(crate) struct Patch {
     lora: usize,
-    up: String,
-    down: String,
-    rank: usize,
+    kind: PatchKind,
     scale: f32,
+}
+
+#[derive(Clone, Debug)]
+enum PatchKind {
+    /// `up @ down`.
+    LowRank {
+        up: String,
+        down: String,
+        rank: usize,
+    },
+    /// A LyCORIS delta (LoHa, LoKr).
+    Lycoris(Box<Delta>),
 }
 
 #[derive(Debug, Default)]
@@ -95,6 +108,11 @@ fn split_key(name: &str) -> Option<(&str, Part)> {
     FORMS
         .iter()
         .find_map(|(suffix, part)| name.strip_suffix(suffix).map(|stem| (stem, *part)))
+        .or_else(|| {
+            let (stem, suffix) = name.rsplit_once('.')?;
+            let known = lycoris::SUFFIXES.iter().find(|s| **s == suffix)?;
+            Some((stem, Part::Lycoris(known)))
+        })
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -102,13 +120,25 @@ enum Part {
     Down,
     Up,
     Alpha,
+    Lycoris(&'static str),
 }
 
+/// The tensors of one LoRA module.
 #[derive(Default)]
 struct Pair {
     down: Option<String>,
     up: Option<String>,
     alpha: Option<String>,
+    lycoris: BTreeMap<&'static str, String>,
+}
+
+impl Pair {
+    fn names(&self) -> impl Iterator<Item = &String> {
+        [&self.down, &self.up, &self.alpha]
+            .into_iter()
+            .flatten()
+            .chain(self.lycoris.values())
+    }
 }
 
 fn to_f32(loader: &TensorCatalog, name: &str) -> Result<Vec<f32>> {
@@ -286,20 +316,28 @@ impl ModelManager {
             };
             let mut pairs: BTreeMap<String, Pair> = BTreeMap::new();
             for t in loader.tensors() {
-                let (stem, part) = split_key(&t.name)
-                    .ok_or_else(|| bad(&t.name, "not a LoRA down/up/alpha tensor".into()))?;
+                let (stem, part) = split_key(&t.name).ok_or_else(|| {
+                    bad(
+                        &own_name(&t.name),
+                        "not a LoRA (down/up/alpha), LoHa (hada_*) or LoKr (lokr_*) tensor".into(),
+                    )
+                })?;
                 let pair = pairs.entry(stem.to_string()).or_default();
                 let slot = match part {
                     Part::Down => &mut pair.down,
                     Part::Up => &mut pair.up,
                     Part::Alpha => &mut pair.alpha,
+                    Part::Lycoris(k) => {
+                        pair.lycoris.insert(k, t.name.clone());
+                        continue;
+                    }
                 };
                 *slot = Some(t.name.clone());
             }
             let unknown: Vec<String> = pairs
                 .iter()
                 .filter(|(stem, _)| !stems.contains_key(*stem))
-                .flat_map(|(_, p)| [&p.down, &p.up, &p.alpha].into_iter().flatten())
+                .flat_map(|(_, p)| p.names())
                 .map(|n| own_name(n))
                 .collect();
             if !unknown.is_empty() {
@@ -310,6 +348,53 @@ impl ModelManager {
             }
             for (stem, pair) in &pairs {
                 let param = stems[stem];
+                let w = &self.states[&param];
+                let alpha = match &pair.alpha {
+                    Some(a) => Some(
+                        *to_f32(&loader, a)?
+                            .first()
+                            .ok_or_else(|| bad(a, "alpha has no value".into()))?,
+                    ),
+                    None => None,
+                };
+                if !pair.lycoris.is_empty() {
+                    let first = pair.lycoris.values().next().cloned().unwrap_or_default();
+                    if pair.down.is_some() || pair.up.is_some() {
+                        return Err(bad(
+                            &own_name(&first),
+                            "mixes LoRA and LyCORIS tensors for one module".into(),
+                        ));
+                    }
+                    let parts = pair
+                        .lycoris
+                        .iter()
+                        .map(|(k, n)| {
+                            let shape = loader.get(n).map(|t| t.shape.clone()).unwrap_or_default();
+                            (
+                                *k,
+                                Named {
+                                    name: n.clone(),
+                                    shape,
+                                },
+                            )
+                        })
+                        .collect();
+                    let w_out = w.shape.first().copied().unwrap_or(0);
+                    let delta = Delta::from_parts(&parts)
+                        .and_then(|d| d.check(w_out, w.shape.iter().product()).map(|()| d))
+                        .map_err(|e| {
+                            bad(
+                                &own_name(&first),
+                                format!("{e} (for `{}` of shape {:?})", w.name, w.shape),
+                            )
+                        })?;
+                    patches.entry(param).or_default().push(Patch {
+                        lora: li,
+                        scale: delta.scale(alpha) * spec.multiplier,
+                        kind: PatchKind::Lycoris(Box::new(delta)),
+                    });
+                    continue;
+                }
                 let (Some(down), Some(up)) = (&pair.down, &pair.up) else {
                     let which = pair
                         .down
@@ -326,7 +411,6 @@ impl ModelManager {
                     .map(|t| t.shape.clone())
                     .unwrap_or_default();
                 let us = loader.get(up).map(|t| t.shape.clone()).unwrap_or_default();
-                let w = &self.states[&param];
                 let rank = ds.first().copied().unwrap_or(0);
                 let w_out = w.shape.first().copied().unwrap_or(0);
                 let w_numel: u64 = w.shape.iter().product();
@@ -347,22 +431,17 @@ impl ModelManager {
                         ),
                     ));
                 }
-                let multiplier = spec.multiplier;
-                let scale = match &pair.alpha {
-                    Some(a) => {
-                        let v = to_f32(&loader, a)?;
-                        let alpha = *v
-                            .first()
-                            .ok_or_else(|| bad(a, "alpha has no value".into()))?;
-                        alpha / rank as f32 * multiplier
-                    }
-                    None => multiplier,
+                let scale = match alpha {
+                    Some(alpha) => alpha / rank as f32 * spec.multiplier,
+                    None => spec.multiplier,
                 };
                 patches.entry(param).or_default().push(Patch {
                     lora: li,
-                    up: up.clone(),
-                    down: down.clone(),
-                    rank: rank as usize,
+                    kind: PatchKind::LowRank {
+                        up: up.clone(),
+                        down: down.clone(),
+                        rank: rank as usize,
+                    },
                     scale,
                 });
             }
@@ -433,26 +512,33 @@ impl ModelManager {
             let mut w = s.tensor.read_f32().map_err(ggml("reading"))?;
             for patch in patches {
                 let loader = &self.lora.loaders[patch.lora];
-                let up = to_f32(loader, &patch.up)?;
-                let down = to_f32(loader, &patch.down)?;
-                let rank = patch.rank;
-                let out = up.len() / rank.max(1);
-                let inner = down.len() / rank.max(1);
+                let (up, down, rank) = match &patch.kind {
+                    PatchKind::Lycoris(delta) => {
+                        let mut read = |n: &str| to_f32(loader, n);
+                        delta.add_to(&mut w, patch.scale, &mut read)?;
+                        continue;
+                    }
+                    PatchKind::LowRank { up, down, rank } => (up, down, *rank),
+                };
+                let up_v = to_f32(loader, up)?;
+                let down_v = to_f32(loader, down)?;
+                let out = up_v.len() / rank.max(1);
+                let inner = down_v.len() / rank.max(1);
                 if out * inner != w.len() {
                     return Err(ResidencyError::LoraTensor {
                         path: self.lora.specs[patch.lora].path.clone(),
-                        name: patch.down.clone(),
+                        name: down.clone(),
                         detail: format!("delta of {out}x{inner} for {} values", w.len()),
                     });
                 }
                 for i in 0..out {
                     let row = &mut w[i * inner..(i + 1) * inner];
                     for r in 0..rank {
-                        let u = up[i * rank + r] * patch.scale;
+                        let u = up_v[i * rank + r] * patch.scale;
                         if u == 0.0 {
                             continue;
                         }
-                        let d = &down[r * inner..(r + 1) * inner];
+                        let d = &down_v[r * inner..(r + 1) * inner];
                         for (x, y) in row.iter_mut().zip(d) {
                             *x += u * y;
                         }

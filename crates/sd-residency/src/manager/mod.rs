@@ -33,6 +33,7 @@ mod blocks;
 pub mod eviction;
 mod loading;
 mod lora;
+mod lycoris;
 mod pool;
 mod sources;
 mod staging;
