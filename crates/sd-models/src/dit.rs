@@ -47,6 +47,40 @@ pub fn gelu(g: &GraphCtx, x: &GTensor) -> Result<GTensor> {
     }
 }
 
+/// Latents `[W, H, C, B]` as tokens of 2x2 patches: `[4C, (H/2) * (W/2), B]`, `(c, row,
+/// column)` within a token and tokens row-major, as diffusers' `_pack_latents` (FLUX,
+/// Qwen-Image). `model` names the network in the error for odd sizes or a channel count other
+/// than `channels`. Returns the tokens and the patch grid `(h2, w2)`.
+pub fn pack_2x2(
+    ctx: &Context,
+    x: &GTensor,
+    channels: usize,
+    model: &str,
+) -> Result<(GTensor, (usize, usize))> {
+    let [w, h, c, b] = x.ne();
+    if w % 2 != 0 || h % 2 != 0 || c != channels {
+        return Err(ModelError::Input {
+            name: "x",
+            detail: format!(
+                "latents {:?}: {model} packs even-sized latents of {channels} channels",
+                x.ne()
+            ),
+        });
+    }
+    let (w2, h2) = (w / 2, h / 2);
+    let packed = crate::nn::pixel_unshuffle(ctx, x, 2)?; // [w2, h2, 4c, B]
+    let packed = ctx.cont(&ctx.permute(&packed, [1, 2, 0, 3])?)?; // [4c, w2, h2, B]
+    Ok((ctx.reshape(&packed, &[4 * c, w2 * h2, b])?, (h2, w2)))
+}
+
+/// The inverse of [`pack_2x2`]: tokens `[4C, h2 * w2, B]` back to latents `[2 w2, 2 h2, C, B]`.
+pub fn unpack_2x2(ctx: &Context, tokens: &GTensor, (h2, w2): (usize, usize)) -> Result<GTensor> {
+    let [c4, _, b, _] = tokens.ne();
+    let out = ctx.reshape(tokens, &[c4, w2, h2, b])?;
+    let out = ctx.cont(&ctx.permute(&out, [2, 0, 1, 3])?)?; // [w2, h2, 4c, B]
+    crate::nn::pixel_shuffle(ctx, &out, 2)
+}
+
 /// `count` equal chunks of `[count * h, 1, B]` along the first axis, each `[h, 1, B]`.
 pub fn chunks(ctx: &Context, x: &GTensor, count: usize) -> Result<Vec<GTensor>> {
     let h = x.ne()[0] / count;

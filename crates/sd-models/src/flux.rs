@@ -596,21 +596,7 @@ impl FluxModel {
         guidance: Option<&GTensor>,
     ) -> Result<GTensor> {
         let ctx = g.ctx.clone();
-        let [w, h, c, b] = x.ne();
-        if w % 2 != 0 || h % 2 != 0 || c * 4 != self.config.in_channels {
-            return Err(ModelError::Input {
-                name: "x",
-                detail: format!(
-                    "latents {:?}: FLUX packs even-sized latents of {} channels",
-                    x.ne(),
-                    self.config.in_channels / 4
-                ),
-            });
-        }
-        let (w2, h2) = (w / 2, h / 2);
-        let packed = crate::nn::pixel_unshuffle(&ctx, x, 2)?; // [w2, h2, 4c, B]
-        let packed = ctx.cont(&ctx.permute(&packed, [1, 2, 0, 3])?)?; // [4c, w2, h2, B]
-        let img = ctx.reshape(&packed, &[4 * c, w2 * h2, b])?;
+        let (img, (h2, w2)) = crate::dit::pack_2x2(&ctx, x, self.config.in_channels / 4, "FLUX")?;
         let img_ids: Vec<[f32; 3]> = (0..h2)
             .flat_map(|r| (0..w2).map(move |col| [0.0, r as f32, col as f32]))
             .collect();
@@ -627,8 +613,6 @@ impl FluxModel {
                 txt_ids: &txt_ids,
             },
         )?;
-        let out = ctx.reshape(&out, &[4 * c, w2, h2, b])?;
-        let out = ctx.cont(&ctx.permute(&out, [2, 0, 1, 3])?)?; // [w2, h2, 4c, B]
-        crate::nn::pixel_shuffle(&ctx, &out, 2)
+        crate::dit::unpack_2x2(&ctx, &out, (h2, w2))
     }
 }

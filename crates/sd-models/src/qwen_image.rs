@@ -328,25 +328,8 @@ impl QwenImageModel {
         text: TextTokens<'_>,
     ) -> Result<GTensor> {
         let ctx = g.ctx.clone();
-        let [w, h, ch, b] = x.ne();
-        if w % 2 != 0 || h % 2 != 0 || ch * 4 != self.config.in_channels {
-            return Err(ModelError::Input {
-                name: "x",
-                detail: format!(
-                    "latents {:?}: Qwen-Image packs even-sized latents of {} channels",
-                    x.ne(),
-                    self.config.in_channels / 4
-                ),
-            });
-        }
-        let (w2, h2) = (w / 2, h / 2);
-        let packed = crate::nn::pixel_unshuffle(&ctx, x, 2)?; // [w2, h2, 4c, B]
-        let packed = ctx.cont(&ctx.permute(&packed, [1, 2, 0, 3])?)?; // [4c, w2, h2, B]
-        let img = ctx.reshape(&packed, &[4 * ch, w2 * h2, b])?;
-        let out = self.forward_tokens(g, &img, text, timesteps, (h2, w2))?;
-        let oc = self.config.out_channels;
-        let out = ctx.reshape(&out, &[4 * oc, w2, h2, b])?;
-        let out = ctx.cont(&ctx.permute(&out, [2, 0, 1, 3])?)?; // [w2, h2, 4oc, B]
-        crate::nn::pixel_shuffle(&ctx, &out, 2)
+        let (img, grid) = crate::dit::pack_2x2(&ctx, x, self.config.in_channels / 4, "Qwen-Image")?;
+        let out = self.forward_tokens(g, &img, text, timesteps, grid)?;
+        crate::dit::unpack_2x2(&ctx, &out, grid)
     }
 }
