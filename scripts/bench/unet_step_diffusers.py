@@ -69,6 +69,7 @@ def main():
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--model", choices=["sd15", "sdxl"], default="sd15")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (timed with synchronize)")
+    ap.add_argument("--latent", type=int, default=0, help="latent side (0: the model's sample size)")
     args = ap.parse_args()
     dev = torch.device(args.device)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
@@ -85,7 +86,7 @@ def main():
     print(f"diffusers {args.model} UNet: {n / 1e6:.0f} M parameters in {args.dtype} on {dev}, built "
           f"in {time.perf_counter() - t0:.1f} s, torch {torch.__version__}, {args.threads} threads")
     g = torch.Generator().manual_seed(7)
-    side = cfg["sample_size"]
+    side = args.latent or cfg["sample_size"]
     x = torch.randn((2, 4, side, side), generator=g).to(dtype).to(dev)
     ctx = torch.randn((2, 77, cfg["cross_attention_dim"]), generator=g).to(dtype).to(dev)
     t = torch.tensor([500.0, 500.0]).to(dev)

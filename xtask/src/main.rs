@@ -228,7 +228,7 @@ fn bench(rest: &[String]) -> Res<()> {
         "exec" => run(cargo(&benv)
             .args(["bench", "-p", "sd-exec", "--bench", "exec", "--"])
             .args(&rest[1..])),
-        "unet" => bench_unet(&benv),
+        "unet" => bench_unet(&benv, &rest[1..]),
         "upscale" => bench_upscale(&benv, &rest[1..]),
         other => Err(format!(
             "unknown benchmark '{other}' (known: matmul, exec, unet, upscale)"
@@ -263,7 +263,32 @@ fn run_results(cmd: &mut Command) -> Res<Vec<(String, String)>> {
 /// and bf16), on the same thread count (`SD_BENCH_THREADS`, default 2); prints the times,
 /// the ratios and GFLOP/s against the ceiling. `SD_BENCH_TORCH_DTYPES` (default `f32,bf16`)
 /// picks the PyTorch runs, `SD_BENCH_REPS` (default 2) the timed steps of each.
-fn bench_unet(benv: &BuildEnv) -> Res<()> {
+/// `--model sdxl` runs the SDXL base UNet instead (1024x1024: 128x128 latent, 77x2048
+/// context, `y` of 2816); `--latent N` sets the latent side of either.
+fn bench_unet(benv: &BuildEnv, args: &[String]) -> Res<()> {
+    let mut model = "sd15".to_string();
+    let mut latent: Option<String> = None;
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--model" => model = it.next().cloned().ok_or("--model needs sd15 or sdxl")?,
+            "--latent" => latent = Some(it.next().cloned().ok_or("--latent needs a size")?),
+            other => {
+                return Err(format!(
+                    "bench unet: unknown argument '{other}' (--model, --latent)"
+                ))
+            }
+        }
+    }
+    if model != "sd15" && model != "sdxl" {
+        return Err(format!("bench unet: --model {model}: sd15 or sdxl"));
+    }
+    let side = latent.unwrap_or_else(|| if model == "sdxl" { "128" } else { "64" }.into());
+    if side.parse::<u32>().map_or(true, |n| n == 0 || n % 8 != 0) {
+        return Err(format!(
+            "bench unet: --latent {side}: a positive multiple of 8"
+        ));
+    }
     let threads = env::var("SD_BENCH_THREADS").unwrap_or_else(|_| "2".into());
     let reps = env::var("SD_BENCH_REPS").unwrap_or_else(|_| "2".into());
     let dtypes = env::var("SD_BENCH_TORCH_DTYPES").unwrap_or_else(|_| "f32,bf16".into());
@@ -275,6 +300,8 @@ fn bench_unet(benv: &BuildEnv) -> Res<()> {
                 .args(["bench", "--workspace", "--bench", "unet_step"])
                 .env("SD_BENCH_THREADS", &threads)
                 .env("SD_BENCH_REPS", &reps)
+                .env("SD_BENCH_MODEL", &model)
+                .env("SD_BENCH_LATENT", &side)
                 .env("SD_BENCH_FLASH_ATTN", flash),
         )?;
         results.extend(r.into_iter().map(|(k, v)| (format!("{prefix}{k}"), v)));
@@ -283,7 +310,8 @@ fn bench_unet(benv: &BuildEnv) -> Res<()> {
     for dtype in dtypes.split(',').filter(|d| !d.is_empty()) {
         let mut py = Command::new("python3");
         py.arg(&script)
-            .args(["--threads", &threads, "--dtype", dtype, "--reps", &reps]);
+            .args(["--threads", &threads, "--dtype", dtype, "--reps", &reps])
+            .args(["--model", &model, "--latent", &side]);
         results.extend(run_results(&mut py)?);
     }
     let get = |k: &str| -> Res<f64> {
@@ -299,7 +327,8 @@ fn bench_unet(benv: &BuildEnv) -> Res<()> {
     let gflop = get("unet_gflop")?;
     let ceiling = get("matmul_f16_gflops")?;
     println!();
-    println!("SD1.5 UNet step, batch 2, 64x64 latent, {threads} CPU threads ({gflop:.0} GFLOP of matrix products)");
+    let label = if model == "sdxl" { "SDXL" } else { "SD1.5" };
+    println!("{label} UNet step, batch 2, {side}x{side} latent, {threads} CPU threads ({gflop:.0} GFLOP of matrix products)");
     println!(
         "  sd-rs (ggml, f16 weights)   {ours:8.2} s  {:6.1} GFLOP/s  {:5.1}% of the ggml f16 matmul ceiling ({ceiling:.1} GFLOP/s)  CPU {ours_cpu:.2} s",
         gflop / ours,

@@ -1,4 +1,4 @@
-//! One SD1.5 UNet step on the ggml CPU backend, next to the ggml f16 matmul ceiling measured
+//! One SD1.5 (or SDXL) UNet step on the ggml CPU backend, next to the ggml f16 matmul ceiling measured
 //! in the same process: the Rust half of `cargo xtask bench unet` (the other half is
 //! `scripts/bench/unet_step_diffusers.py`, the same step in diffusers).
 //!
@@ -13,6 +13,9 @@
 //! FLOPs are counted from the graph ([`sd_models::bench::graph_flops`]: every matrix
 //! product, convolutions included). The ceiling is a 2048^3 f16 x f32 `mul_mat`, as
 //! `crates/sd-tensor/benches/matmul.rs` measures it, before and after the UNet runs.
+//!
+//! `SD_BENCH_MODEL=sdxl` runs the SDXL base UNet (`UnetConfig::sdxl`, context 2048, `y` of
+//! 2816) at 1024x1024 (latents `[2, 4, 128, 128]`); `SD_BENCH_LATENT=N` sets the latent side.
 //!
 //! Environment: `SD_BENCH_THREADS` (default 2), `SD_BENCH_REPS` (timed UNet steps after one
 //! warm-up, default 2), `SD_BENCH_FLASH_ATTN=1` (ggml's `flash_attn_ext` for attention instead of
@@ -92,10 +95,23 @@ fn main() {
     let ceiling_before = matmul_ceiling(&backend);
     println!("ggml f16 matmul 2048^3, {threads} threads: {ceiling_before:.1} GFLOP/s");
 
+    let sdxl = std::env::var("SD_BENCH_MODEL").is_ok_and(|m| m == "sdxl");
+    let (label, mut shape) = if sdxl {
+        ("SDXL", StepShape::SDXL_1024_CFG)
+    } else {
+        ("SD1.5", StepShape::SD15_512_CFG)
+    };
+    let side = env_usize("SD_BENCH_LATENT", shape.width);
+    (shape.width, shape.height) = (side, side);
     let t = Instant::now();
-    let unet = SyntheticUnet::sd15_cpu(DType::F16, 1).expect("synthetic SD1.5 UNet");
+    let unet = if sdxl {
+        SyntheticUnet::sdxl_cpu(DType::F16, 1)
+    } else {
+        SyntheticUnet::sd15_cpu(DType::F16, 1)
+    }
+    .expect("synthetic UNet");
     println!(
-        "SD1.5 UNet, random f16 weights: {} tensors, {:.2} GB, built in {:.1} s",
+        "{label} UNet, random f16 weights: {} tensors, {:.2} GB, built in {:.1} s",
         unet.params.tensors.len(),
         unet.params.nbytes() as f64 / 1e9,
         t.elapsed().as_secs_f64()
@@ -113,10 +129,12 @@ fn main() {
             "f32 mul_mat + softmax"
         }
     );
-    let step = UnetStep::new(&unet.model, StepShape::SD15_512_CFG, opts, &backend)
-        .expect("UNet step graph");
+    let step = UnetStep::new(&unet.model, shape, opts, &backend).expect("UNet step graph");
     let gflop = step.flops() / 1e9;
-    println!("one step (batch 2, 64x64 latent, 77x768 context): {gflop:.1} GFLOP");
+    println!(
+        "one step (batch 2, {side}x{side} latent, 77x{} context): {gflop:.1} GFLOP",
+        unet.model.config.context_dim
+    );
     let warm = step.run(&backend).expect("UNet step");
     println!("warm-up step: {warm:.2} s");
     let cpu0 = cpu_seconds();

@@ -78,6 +78,11 @@ impl SyntheticUnet {
         })
     }
 
+    /// The SDXL base UNet ([`UnetConfig::sdxl`]) with `dtype` weights in host memory.
+    pub fn sdxl_cpu(dtype: DType, seed: u64) -> Result<Self> {
+        Self::new(UnetConfig::sdxl(), dtype, &BufferType::cpu(), seed)
+    }
+
     /// The SD1.5 UNet ([`UnetConfig::sd1`]) with `dtype` weights in host memory.
     pub fn sd15_cpu(dtype: DType, seed: u64) -> Result<Self> {
         Self::new(UnetConfig::sd1(), dtype, &BufferType::cpu(), seed)
@@ -98,6 +103,14 @@ pub struct StepShape {
 }
 
 impl StepShape {
+    /// A 1024x1024 SDXL image with CFG: batch 2, latent 128x128, 77 tokens.
+    pub const SDXL_1024_CFG: StepShape = StepShape {
+        batch: 2,
+        width: 128,
+        height: 128,
+        tokens: 77,
+    };
+
     /// A 512x512 SD1.5 image with CFG: batch 2, latent 64x64, 77 tokens.
     pub const SD15_512_CFG: StepShape = StepShape {
         batch: 2,
@@ -147,10 +160,15 @@ impl UnetStep {
         let ctx = g
             .ctx
             .new_tensor(DType::F32, &[unet.config.context_dim, tokens, batch])?;
-        for i in [&x, &t, &ctx] {
+        // SDXL's `y` (pooled text and size embeddings).
+        let y = match unet.config.adm_in_channels {
+            Some(n) => Some(g.ctx.new_tensor(DType::F32, &[n, batch])?),
+            None => None,
+        };
+        for i in [&x, &t, &ctx].into_iter().chain(y.as_ref()) {
             i.set_input();
         }
-        let out = unet.forward(&mut g, &x, &t, &ctx, None)?;
+        let out = unet.forward(&mut g, &x, &t, &ctx, y.as_ref())?;
         out.set_output();
         let mut graph = Graph::new(&g.ctx, UNET_GRAPH)?;
         graph.build_forward_expand(&out)?;
@@ -163,6 +181,9 @@ impl UnetStep {
         };
         fill(&x)?;
         fill(&ctx)?;
+        if let Some(y) = &y {
+            fill(y)?;
+        }
         t.write_f32(&vec![500.0; batch])?;
         for aux in &g.aux {
             aux.data.write_to(&aux.tensor)?;
