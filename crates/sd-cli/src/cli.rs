@@ -309,7 +309,8 @@ pub struct Cli {
     )]
     pub params_backend: Option<String>,
     /// Device budget: GiB (4, 3.5) or with a unit (512M, 6G); 0: none; negative: free
-    /// memory minus that much; per device: cuda0=6,cuda1=8
+    /// memory minus that much; per device: cuda0=6,cuda1=8; models on the CPU are not
+    /// counted
     #[arg(long = "max-vram", value_name = "SIZE", allow_hyphen_values = true, value_parser = parse_max_vram, help_heading = "Devices and memory")]
     pub max_vram: Option<MaxVram>,
     /// Map weights from the files instead of copying them

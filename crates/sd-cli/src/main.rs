@@ -819,6 +819,13 @@ fn report_memory(p: &Pipeline) {
             mib(sim.peak_bytes())
         );
     }
+    for sim in rt.placed_sim_devices() {
+        eprintln!(
+            "simulated device {} (model placement) peak: {:.2} MiB",
+            sim.name(),
+            mib(sim.peak_bytes())
+        );
+    }
 }
 
 /// The A1111-style `parameters` text of a PNG.

@@ -290,15 +290,25 @@ fn same_as_on_sim(d: &Path, o: &Output, max_vram: &str) {
         ))
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let img = |p: &Path| sd_tensor::Image::load_png(p).unwrap().into_pixels();
-    assert!(img(&d.join("o.png")) == img(&d.join("all.png")), "pixels differ");
+    assert!(
+        img(&d.join("o.png")) == img(&d.join("all.png")),
+        "pixels differ"
+    );
     std::fs::remove_file(d.join("all.png")).unwrap();
     let budget = sd_residency::capacity::parse_size(max_vram, 20).unwrap();
     let (placed, all) = (sim_peak(&o.stderr), sim_peak(&out.stderr));
     // `-v` prints the peak in MiB to two decimals: allow its rounding.
     assert!(placed <= budget + (6 << 10), "peak {placed} over {budget}");
-    assert!(placed <= all + (6 << 10), "peak {placed} above the all-device {all}");
+    assert!(
+        placed <= all + (6 << 10),
+        "peak {placed} above the all-device {all}"
+    );
 }
 
 fn cases() -> Vec<Case> {

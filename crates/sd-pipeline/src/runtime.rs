@@ -507,7 +507,8 @@ impl Runtime {
             exact,
             flash_attn_dims,
         }];
-        for (((device, backend), id), budget) in placed.into_iter().zip(placed_ids).zip(placed_budgets)
+        for (((device, backend), id), budget) in
+            placed.into_iter().zip(placed_ids).zip(placed_budgets)
         {
             // A simulated device computes as the CPU does: exact, like the compute device.
             let on_gpu = !matches!(device, ComputeDevice::Sim { .. }) && is_gpu(&backend);
@@ -634,7 +635,10 @@ impl Runtime {
     /// options decide, models never do).
     fn device_index(&self, component: Component) -> usize {
         let d = self.options.device_of(component);
-        self.devices.iter().position(|m| m.device == *d).unwrap_or(0)
+        self.devices
+            .iter()
+            .position(|m| m.device == *d)
+            .unwrap_or(0)
     }
 
     fn slot(&self, h: ModelHandle) -> Result<&ModelSlot> {
@@ -653,7 +657,8 @@ impl Runtime {
         graph_size: usize,
         build: impl FnOnce(&mut GraphCtx) -> std::result::Result<BuiltGraph, ModelError>,
     ) -> Result<RunOutput> {
-        let (mut task, output, _g, constants) = self.build_task(h, description, graph_size, build)?;
+        let (mut task, output, _g, constants) =
+            self.build_task(h, description, graph_size, build)?;
         let session = self.slot(h)?.session;
         let cache = &mut self.models[h.0].constants;
         let fed = cache.feed(&mut self.engine, session, &mut task, constants);

@@ -42,9 +42,8 @@ fn load(budget: Option<u64>, placement: Vec<(Component, ComputeDevice)>) -> Pipe
         RuntimeOptions {
             compute: ComputeDevice::Sim { bytes: 256 << 20 },
             placement,
-            max_vram: budget.map(|b| {
-                MaxVram::parse(&format!("{}", b as f64 / (1u64 << 30) as f64)).unwrap()
-            }),
+            max_vram: budget
+                .map(|b| MaxVram::parse(&format!("{}", b as f64 / (1u64 << 30) as f64)).unwrap()),
             threads: 2,
             planning_headroom: Some(0),
             // Flash attention: the UNet's attention scores do not dominate its workspace.
