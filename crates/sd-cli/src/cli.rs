@@ -15,6 +15,7 @@ use sd_pipeline::sampling::{Prediction, SampleMethod};
 use sd_pipeline::schedule::{AysTable, Scheduler};
 use sd_pipeline::upscale::UpscaleOptions;
 use sd_residency::capacity::MaxVram;
+use sd_residency::Component;
 use sd_tensor::DType;
 
 /// Largest `-W`/`-H` (pixels).
@@ -301,7 +302,8 @@ pub struct Cli {
 
     /// Compute device: cpu (default), a device from --list-devices (cuda0, Vulkan0...),
     /// sim:SIZE (a simulated GPU), A&B (the diffusion model layer-split across A and B), or
-    /// module assignments as stable-diffusion.cpp takes them (diffusion=cuda0,te=cuda0)
+    /// module assignments as stable-diffusion.cpp takes them (diffusion=cuda0,te=cpu,vae=cpu;
+    /// modules: diffusion, te, vae, upscaler; a bare device is the default of the others)
     #[arg(
         long = "backend",
         value_name = "SPEC",
@@ -316,7 +318,8 @@ pub struct Cli {
     )]
     pub params_backend: Option<String>,
     /// Device budget: GiB (4, 3.5) or with a unit (512M, 6G); 0: none; negative: free
-    /// memory minus that much; per device: cuda0=6,cuda1=8
+    /// memory minus that much; per device: cuda0=6,cuda1=8; models on the CPU are not
+    /// counted
     #[arg(long = "max-vram", value_name = "SIZE", allow_hyphen_values = true, value_parser = parse_max_vram, help_heading = "Devices and memory")]
     pub max_vram: Option<MaxVram>,
     /// Map weights from the files instead of copying them
@@ -326,10 +329,11 @@ pub struct Cli {
     /// --params-backend cpu)
     #[arg(long = "offload-to-cpu", help_heading = "Devices and memory")]
     pub offload_to_cpu: bool,
-    /// Run the VAE on the CPU (same as --backend vae=cpu)
+    /// Run the VAE on the CPU (same as --backend vae=cpu; not counted in --max-vram)
     #[arg(long = "vae-on-cpu", help_heading = "Devices and memory")]
     pub vae_on_cpu: bool,
-    /// Run the text encoder on the CPU (same as --backend te=cpu)
+    /// Run the text encoders on the CPU (same as --backend te=cpu; not counted in
+    /// --max-vram)
     #[arg(long = "clip-on-cpu", help_heading = "Devices and memory")]
     pub clip_on_cpu: bool,
     /// Flash attention in the diffusion model
@@ -515,19 +519,38 @@ fn device(text: &str) -> Result<ComputeDevice, String> {
     text.parse()
 }
 
-/// Where the models run: one compute device (plus devices the diffusion model is
-/// layer-split across).
+/// Where the models run: the diffusion model's compute device (plus devices it is
+/// layer-split across), and the devices of the other models where they differ.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Placement {
-    /// The compute device of every model.
+    /// The compute device: the diffusion model's, and every other model's unless
+    /// `placement` says otherwise.
     pub compute: ComputeDevice,
     /// Further devices of the diffusion model's layer split.
     pub split: Vec<ComputeDevice>,
+    /// Per-component devices of the other models (text encoders, VAE, upscaler), in the
+    /// order given (the last of a component wins); see
+    /// [`sd_pipeline::runtime::RuntimeOptions::placement`].
+    pub placement: Vec<(Component, ComputeDevice)>,
 }
 
-/// Resolves `--backend` (a device, `A&B`, or `module=device,...` assignments) together with
-/// `--vae-on-cpu` and `--clip-on-cpu`. sd-rs runs every model on one compute device, so
-/// assignments that put models on different devices are refused.
+impl Module {
+    /// The residency component of the module's models.
+    fn component(self) -> Component {
+        match self {
+            Module::Diffusion => Component::Diffusion,
+            Module::TextEncoder => Component::TextEncoder,
+            Module::Vae => Component::Vae,
+            Module::Upscaler => Component::Upscaler,
+        }
+    }
+}
+
+/// Resolves `--backend` (a device, `A&B`, or `module=device,...` assignments, a bare
+/// device being the default of the modules not assigned) together with `--vae-on-cpu` and
+/// `--clip-on-cpu`. The diffusion model's device is the compute device; the text encoders,
+/// the VAE and the upscaler may each run on another device or the CPU. A layer split
+/// (`A&B`) is for the diffusion model only.
 pub fn placement(cli: &Cli) -> Result<Placement, String> {
     let mut default: Option<Vec<ComputeDevice>> = None;
     let mut assigned: Vec<(Module, String, Vec<ComputeDevice>)> = Vec::new();
@@ -561,11 +584,27 @@ pub fn placement(cli: &Cli) -> Result<Placement, String> {
     }
     let diffusion = assigned
         .iter()
+        .rev()
         .find(|(m, _, _)| *m == Module::Diffusion)
         .map(|(_, _, l)| l.clone())
-        .or(default)
+        .or_else(|| default.clone())
         .unwrap_or_else(|| vec![ComputeDevice::Cpu]);
     let compute = diffusion[0].clone();
+    let mut placement = Vec::new();
+    // A default device besides an assigned diffusion device is the other modules'.
+    if let Some(d) = default.filter(|d| d[0] != compute) {
+        for m in [Module::TextEncoder, Module::Vae, Module::Upscaler] {
+            if !assigned.iter().any(|(a, _, _)| *a == m) {
+                if d.len() > 1 {
+                    return Err(format!(
+                        "the default '{}': a layer split is for the diffusion model only",
+                        d.iter().map(label).collect::<Vec<_>>().join("&")
+                    ));
+                }
+                placement.push((m.component(), d[0].clone()));
+            }
+        }
+    }
     for (m, name, list) in &assigned {
         if *m == Module::Diffusion {
             continue;
@@ -575,19 +614,12 @@ pub fn placement(cli: &Cli) -> Result<Placement, String> {
                 "{name}: a layer split is for the diffusion model only"
             ));
         }
-        if list[0] != compute {
-            return Err(format!(
-                "{name}: running it on {} while the diffusion model runs on {} is not \
-                 supported yet (sd-rs runs every model on one compute device; --max-vram \
-                 keeps them within budget)",
-                label(&list[0]),
-                label(&compute)
-            ));
-        }
+        placement.push((m.component(), list[0].clone()));
     }
     Ok(Placement {
         compute,
         split: diffusion[1..].to_vec(),
+        placement,
     })
 }
 
@@ -904,18 +936,21 @@ mod tests {
     #[test]
     fn backend_module_assignments() {
         let p = |a: &[&str]| placement(&cli(a).unwrap());
+        let sim64 = ComputeDevice::Sim { bytes: 64 << 20 };
+        let cuda0 = ComputeDevice::Named("cuda0".into());
         assert_eq!(
             p(&["--backend", "diffusion=sim:64&sim:32"]).unwrap(),
             Placement {
-                compute: ComputeDevice::Sim { bytes: 64 << 20 },
-                split: vec![ComputeDevice::Sim { bytes: 32 << 20 }]
+                compute: sim64.clone(),
+                split: vec![ComputeDevice::Sim { bytes: 32 << 20 }],
+                placement: Vec::new(),
             }
         );
         assert_eq!(
             p(&["--backend", "te=cuda0,vae=cuda0,diffusion=cuda0"])
                 .unwrap()
                 .compute,
-            ComputeDevice::Named("cuda0".into())
+            cuda0
         );
         assert_eq!(
             p(&["--backend", "cpu", "--vae-on-cpu", "--clip-on-cpu"])
@@ -923,10 +958,51 @@ mod tests {
                 .compute,
             ComputeDevice::Cpu
         );
-        let e = p(&["--backend", "te=cpu,vae=cuda0,diffusion=cuda0"]).unwrap_err();
-        assert!(e.contains("te") && e.contains("not supported yet"), "{e}");
-        let e = p(&["--backend", "sim:64", "--vae-on-cpu"]).unwrap_err();
-        assert!(e.contains("--vae-on-cpu"), "{e}");
+        // Text encoders and VAE on other devices than the diffusion model's.
+        assert_eq!(
+            p(&["--backend", "te=cpu,vae=cuda1,diffusion=cuda0"]).unwrap(),
+            Placement {
+                compute: cuda0.clone(),
+                split: Vec::new(),
+                placement: vec![
+                    (Component::TextEncoder, ComputeDevice::Cpu),
+                    (Component::Vae, ComputeDevice::Named("cuda1".into())),
+                ],
+            }
+        );
+        assert_eq!(
+            p(&["--backend", "sim:64", "--vae-on-cpu", "--clip-on-cpu"]).unwrap(),
+            Placement {
+                compute: sim64.clone(),
+                split: Vec::new(),
+                placement: vec![
+                    (Component::Vae, ComputeDevice::Cpu),
+                    (Component::TextEncoder, ComputeDevice::Cpu),
+                ],
+            }
+        );
+        assert_eq!(
+            p(&["--backend", "upscaler=cpu,sim:64"]).unwrap().placement,
+            vec![(Component::Upscaler, ComputeDevice::Cpu)]
+        );
+        // A bare device besides an assigned diffusion device is the other modules' default.
+        assert_eq!(
+            p(&["--backend", "cpu,diffusion=sim:64,vae=sim:64"]).unwrap(),
+            Placement {
+                compute: sim64.clone(),
+                split: Vec::new(),
+                placement: vec![
+                    (Component::TextEncoder, ComputeDevice::Cpu),
+                    (Component::Upscaler, ComputeDevice::Cpu),
+                    (Component::Vae, sim64.clone()),
+                ],
+            }
+        );
+        // A layer split stays the diffusion model's.
+        let e = p(&["--backend", "vae=cpu&sim:64,diffusion=sim:64"]).unwrap_err();
+        assert!(e.contains("vae") && e.contains("layer split"), "{e}");
+        let e = p(&["--backend", "sim:64&sim:32,diffusion=cpu"]).unwrap_err();
+        assert!(e.contains("layer split"), "{e}");
         assert!(p(&["--backend", "warp=cpu"]).is_err());
         assert!(p(&["--backend", "sim:64&"]).is_err());
     }

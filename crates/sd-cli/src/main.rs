@@ -238,36 +238,38 @@ pub fn mem_available() -> Option<u64> {
     Some(kib * 1024)
 }
 
-/// Where the memory preflight looks: host memory on the CPU, else the compute device.
+/// Where the memory preflight looks for a model: host memory when the model computes on
+/// the CPU, else its device.
 struct MemoryLimit {
     /// Bytes available to the largest buffers (`MemAvailable`, or the device's free memory
     /// within the `--max-vram` budget).
     available: u64,
     /// Where, for messages (`the CPU`, `SIM0`, `CUDA0`).
     place: String,
-    /// Whether the compute device is the CPU (the VAE decode's activations are in host
+    /// Whether the model computes on the CPU (the VAE decode's activations are in host
     /// memory; on a device the preflight tiles a decode that does not fit).
     cpu: bool,
 }
 
 impl MemoryLimit {
-    /// The limit of `pipeline`'s compute device, if known.
-    fn of(pipeline: &Pipeline) -> Option<MemoryLimit> {
+    /// The limit of the device model `h` of `pipeline` computes on, if known.
+    fn of(pipeline: &Pipeline, h: sd_pipeline::runtime::ModelHandle) -> Option<MemoryLimit> {
         let rt = pipeline.runtime();
-        if rt.compute_backend().is_cpu() {
+        let backend = rt.model_backend(h)?;
+        if backend.is_cpu() {
             return Some(MemoryLimit {
                 available: mem_available()?,
                 place: "the CPU".into(),
                 cpu: true,
             });
         }
-        let device = rt.compute_device()?;
+        let device = backend.device()?;
         let free = device.memory().free;
-        let available = match rt.budget() {
+        let available = match rt.model_budget(h) {
             Some(b) => b.min(free),
             None => free,
         };
-        let place = match rt.budget() {
+        let place = match rt.model_budget(h) {
             Some(b) if b < free => format!("{} within its --max-vram budget", device.name()),
             _ => device.name().to_string(),
         };
@@ -299,13 +301,15 @@ fn attention_scores_bytes(ucfg: &sd_models::unet::UnetConfig, lw: usize, lh: usi
 }
 
 /// Refuses sizes whose largest buffers cannot fit, before any weight is read: the UNet's
-/// attention scores without flash attention (one tensor: no cut splits it), on any compute
-/// device, and the VAE decoder's full-resolution activations without tiling on the CPU (a
-/// device's decode is tiled by the preflight when it does not fit whole); the decoded
-/// image's planes always need host memory. The decoder estimate is for SD's 128 channels
-/// at full resolution; a usage error naming -W/-H.
+/// attention scores without flash attention (one tensor: no cut splits it), on the
+/// diffusion model's device (`limit`), and the VAE decoder's full-resolution activations
+/// without tiling when the VAE computes on the CPU (`vae`; a device's decode is tiled by
+/// the preflight when it does not fit whole); the decoded image's planes always need host
+/// memory. The decoder estimate is for SD's 128 channels at full resolution; a usage error
+/// naming -W/-H.
 fn memory_preflight(
     limit: &MemoryLimit,
+    vae: Option<&MemoryLimit>,
     spec: &sd_pipeline::family::ModelSpec,
     w: usize,
     h: usize,
@@ -346,37 +350,33 @@ fn memory_preflight(
         }
         _ => 0.0,
     };
-    let decode = if tiled || !limit.cpu {
+    let vae_on_cpu = vae.is_some_and(|v| v.cpu);
+    let decode = if tiled || !vae_on_cpu {
         0.0
     } else {
         w as f64 * h as f64 * 128.0 * 4.0 * 3.0
     };
-    let need = attention.max(decode);
-    let hints = format!(
-        "{}{}",
-        if flash { "" } else { ", --diffusion-fa" },
-        if tiled || !limit.cpu {
-            ""
-        } else {
-            ", --vae-tiling"
-        }
-    );
-    if need > limit.available as f64 {
-        let what = if attention >= decode {
-            "attention scores"
-        } else {
-            "VAE decode"
-        };
+    let hints = if flash { "" } else { ", --diffusion-fa" };
+    if attention > limit.available as f64 {
         return Err(too_big(
-            need,
-            what,
+            attention,
+            "attention scores",
             limit.available as f64,
             &limit.place,
-            &hints,
+            hints,
+        ));
+    }
+    if let Some(v) = vae.filter(|v| decode > v.available as f64) {
+        return Err(too_big(
+            decode,
+            "VAE decode",
+            v.available as f64,
+            &v.place,
+            ", --vae-tiling",
         ));
     }
     // The decoded image in host memory: f32 planes and their copy.
-    if !limit.cpu {
+    if !vae_on_cpu {
         if let Some(avail) = mem_available() {
             let planes = w as f64 * h as f64 * 3.0 * 4.0 * 2.0;
             if planes > avail as f64 {
@@ -451,6 +451,7 @@ fn generate(cli: &Cli, threads: usize) -> Result<(), Fail> {
     let mut runtime = RuntimeOptions {
         compute: place.compute,
         split: place.split,
+        placement: place.placement,
         params: params_location,
         mmap: cli.mmap,
         max_vram: cli.max_vram.clone(),
@@ -515,12 +516,15 @@ fn generate(cli: &Cli, threads: usize) -> Result<(), Fail> {
     }
     let hires = cli::hires_fix(cli, width, height, multiple).map_err(Fail::Usage)?;
     if !planning {
-        if let Some(limit) = MemoryLimit::of(&pipeline) {
+        let models = pipeline.handles();
+        if let Some(limit) = MemoryLimit::of(&pipeline, models.unet) {
+            let vae = MemoryLimit::of(&pipeline, models.vae);
             let mut sizes = vec![(width, height)];
             sizes.extend(hires.as_ref().map(|h| (h.width, h.height)));
             for (w, h) in sizes {
                 memory_preflight(
                     &limit,
+                    vae.as_ref(),
                     &spec,
                     w,
                     h,
@@ -812,6 +816,13 @@ fn report_memory(p: &Pipeline) {
         eprintln!(
             "simulated split device SIM{} peak: {:.2} MiB",
             i + 1,
+            mib(sim.peak_bytes())
+        );
+    }
+    for sim in rt.placed_sim_devices() {
+        eprintln!(
+            "simulated device {} (model placement) peak: {:.2} MiB",
+            sim.name(),
             mib(sim.peak_bytes())
         );
     }

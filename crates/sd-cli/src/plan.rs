@@ -6,7 +6,8 @@
 //! Printed per model: its input size, how often it runs per image, its segments (bytes of
 //! weights, own compute buffer, the session's workspace, cuts and outputs of each), whether
 //! it fits, the minimum budget that would fit, and the bytes moved between host and device
-//! at each run (weights that stream, inputs, output). A table by default, `--json` for
+//! at each run (weights that stream, inputs, output), and the device it computes on (`on`:
+//! `CPU` for a model placed there with `--vae-on-cpu` and the like). A table by default, `--json` for
 //! tools. Exit code 0 when every model fits, 1 when one does not (the plan is printed
 //! either way).
 
@@ -94,8 +95,8 @@ impl Report {
             self.width, self.height, self.steps, self.cfg_scale, self.batch, self.device
         ));
         s.push_str(&format!(
-            "{:<24} {:<30} {:>5} {:>4} {:>5} {:>11} {:>11} {:>11}\n",
-            "model", "input", "runs", "segs", "fits", "peak", "minimum", "moved/run"
+            "{:<24} {:<30} {:>5} {:>4} {:>5} {:>11} {:>11} {:>11}  {}\n",
+            "model", "input", "runs", "segs", "fits", "peak", "minimum", "moved/run", "on"
         ));
         for m in &self.models {
             let (segs, peak) = match &m.outcome {
@@ -103,7 +104,7 @@ impl Report {
                 Err(_) => ("-".into(), "-".into()),
             };
             s.push_str(&format!(
-                "{:<24} {:<30} {:>5} {:>4} {:>5} {:>11} {:>11} {:>11}\n",
+                "{:<24} {:<30} {:>5} {:>4} {:>5} {:>11} {:>11} {:>11}  {}\n",
                 m.model,
                 m.input,
                 m.runs,
@@ -112,6 +113,7 @@ impl Report {
                 peak,
                 size(m.minimum()),
                 size(m.moved_per_run()),
+                m.place,
             ));
         }
         for m in &self.models {
@@ -196,6 +198,7 @@ fn model_json(m: &ModelPlan) -> Value {
         "model": m.model,
         "input": m.input,
         "runs": m.runs,
+        "on": m.place,
         "fits": m.fits(),
         "minimum": m.minimum(),
         "streamed_per_run": m.streamed_per_run(),

@@ -133,13 +133,12 @@ impl Attached {
             (iw, ih) = (iw * s, ih * s);
         }
         let rt = pipeline.runtime_mut();
-        let device = sd_pipeline::run_plan::on_device(rt);
         let planned = self.model.plan_tile(rt, tile.0, tile.1);
         sd_pipeline::run_plan::ModelPlan::new(
             format!("upscaler ({} x{})", self.model.arch.id(), s),
             format!("{}x{} px tiles", tile.0, tile.1),
             runs,
-            device,
+            (rt, self.model.handle),
             planned,
         )
         .map_err(|e| Fail::Run(format!("--upscale-model: {e}")))
@@ -180,6 +179,7 @@ pub fn run(cli: &Cli, threads: usize) -> Result<(), Fail> {
         crate::input::load(input_path).map_err(|e| Fail::Run(format!("-i/--init-img: {e}")))?;
     let options = RuntimeOptions {
         compute: place.compute,
+        placement: place.placement,
         params,
         mmap: cli.mmap,
         max_vram: cli.max_vram.clone(),

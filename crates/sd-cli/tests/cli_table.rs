@@ -266,6 +266,51 @@ fn is_png(path: &Path) -> bool {
     std::fs::read(path).is_ok_and(|b| b.starts_with(PNG))
 }
 
+/// The simulated device's peak in a `-v` run's stderr, in bytes.
+fn sim_peak(stderr: &[u8]) -> u64 {
+    let text = String::from_utf8_lossy(stderr);
+    let line = text
+        .lines()
+        .find_map(|l| l.strip_prefix("simulated device peak: "))
+        .unwrap_or_else(|| panic!("no simulated device peak in\n{text}"));
+    let mib: f64 = line.trim_end_matches(" MiB").parse().unwrap();
+    (mib * (1u64 << 20) as f64) as u64
+}
+
+/// Checks a run of [`gen`] with some models moved to the CPU (`o`, `d/o.png`) against the
+/// same run with every model on `sim:64` under `--max-vram max_vram`: the same pixels
+/// (the CPU and the simulated device run the same ggml CPU kernels with exact numerics),
+/// and the simulated device's peak within the budget and no larger than the all-device
+/// run's (the models on the CPU hold nothing there).
+fn same_as_on_sim(d: &Path, o: &Output, max_vram: &str) {
+    let out = Command::new(env!("CARGO_BIN_EXE_sd"))
+        .args(with(
+            gen(d.join("all.png")),
+            &["--backend", "sim:64", "--max-vram", max_vram, "-v"],
+        ))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let img = |p: &Path| sd_tensor::Image::load_png(p).unwrap().into_pixels();
+    assert!(
+        img(&d.join("o.png")) == img(&d.join("all.png")),
+        "pixels differ"
+    );
+    std::fs::remove_file(d.join("all.png")).unwrap();
+    let budget = sd_residency::capacity::parse_size(max_vram, 20).unwrap();
+    let (placed, all) = (sim_peak(&o.stderr), sim_peak(&out.stderr));
+    // `-v` prints the peak in MiB to two decimals: allow its rounding.
+    assert!(placed <= budget + (6 << 10), "peak {placed} over {budget}");
+    assert!(
+        placed <= all + (6 << 10),
+        "peak {placed} above the all-device {all}"
+    );
+}
+
 fn cases() -> Vec<Case> {
     vec![
         Case {
@@ -1026,19 +1071,120 @@ fn cases() -> Vec<Case> {
             },
         },
         Case {
-            name: "models on different devices not supported yet",
+            name: "--vae-on-cpu on a simulated GPU: the all-device image",
             setup: none,
             args: |d| {
                 with(
                     gen(d.join("o.png")),
-                    &["--backend", "te=cpu,diffusion=sim:64"],
+                    &["--backend", "sim:64", "--max-vram", "8M", "--vae-on-cpu", "-v"],
+                )
+            },
+            code: 0,
+            stderr: &["simulated device peak"],
+            stdout: &["saved"],
+            files: &["o.png"],
+            check: |d, o| same_as_on_sim(d, o, "8M"),
+        },
+        Case {
+            name: "--clip-on-cpu on a simulated GPU: the all-device image",
+            setup: none,
+            args: |d| {
+                with(
+                    gen(d.join("o.png")),
+                    &["--backend", "sim:64", "--max-vram", "8M", "--clip-on-cpu", "-v"],
+                )
+            },
+            code: 0,
+            stderr: &["simulated device peak"],
+            stdout: &["saved"],
+            files: &["o.png"],
+            check: |d, o| same_as_on_sim(d, o, "8M"),
+        },
+        Case {
+            name: "--backend te=cpu,vae=cpu,diffusion=sim:64: the all-device image",
+            setup: none,
+            args: |d| {
+                with(
+                    gen(d.join("o.png")),
+                    &[
+                        "--backend",
+                        "te=cpu,vae=cpu,diffusion=sim:64",
+                        "--max-vram",
+                        "8M",
+                        "-v",
+                    ],
+                )
+            },
+            code: 0,
+            stderr: &["simulated device peak"],
+            stdout: &["saved"],
+            files: &["o.png"],
+            check: |d, o| same_as_on_sim(d, o, "8M"),
+        },
+        Case {
+            name: "a layer split on the VAE (--backend vae=cpu&sim:64): exit 2, nothing written",
+            setup: none,
+            args: |d| {
+                with(
+                    gen(d.join("o.png")),
+                    &["--backend", "vae=cpu&sim:64,diffusion=sim:64"],
                 )
             },
             code: 2,
-            stderr: &["--backend", "te", "not supported yet"],
+            stderr: &["--backend", "vae", "layer split is for the diffusion model"],
             stdout: &[],
             files: &[],
             check: no_check,
+        },
+        Case {
+            name: "sd plan --vae-on-cpu on a simulated GPU: the VAE on the CPU, outside the budget",
+            setup: none,
+            args: |d| {
+                let mut v = vec!["plan".into()];
+                v.extend(with(
+                    gen(d.join("o.png")),
+                    &["--backend", "sim:256", "--max-vram", "8M", "--vae-on-cpu"],
+                ));
+                v
+            },
+            code: 0,
+            stderr: &[],
+            stdout: &["vae decode", "budget 8.00 MiB"],
+            files: &[],
+            check: |d, o| {
+                let table = String::from_utf8_lossy(&o.stdout);
+                let row = |name: &str| {
+                    table
+                        .lines()
+                        .find(|l| l.starts_with(name))
+                        .unwrap_or_else(|| panic!("no row {name} in\n{table}"))
+                        .to_string()
+                };
+                assert!(row("vae decode").ends_with(" CPU"), "{table}");
+                assert!(row("diffusion").ends_with(" SIM0"), "{table}");
+                assert!(row("text encoder 0").ends_with(" SIM0"), "{table}");
+                // The JSON says the same, and the VAE's plan has no limit.
+                let mut v: Vec<OsString> = vec!["plan".into(), "--json".into()];
+                v.extend(with(
+                    gen(d.join("o.png")),
+                    &["--backend", "sim:256", "--max-vram", "8M", "--vae-on-cpu"],
+                ));
+                let out = Command::new(env!("CARGO_BIN_EXE_sd"))
+                    .args(v)
+                    .output()
+                    .unwrap();
+                assert!(out.status.success());
+                let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+                let models = j["models"].as_array().unwrap();
+                let vae = models.iter().find(|m| m["model"] == "vae decode").unwrap();
+                assert_eq!(vae["on"], "CPU");
+                // Planned against host memory, not the device budget.
+                assert!(vae["limit"].as_u64().is_none_or(|l| l > 8 << 20), "{vae}");
+                assert_eq!(vae["moved_per_run"], 0);
+                let unet = models.iter().find(|m| m["model"] == "diffusion").unwrap();
+                assert_eq!(unet["on"], "SIM0");
+                assert_eq!(unet["limit"], 8u64 << 20);
+            },
         },
         Case {
             name: "non-UTF-8 prompt",

@@ -14,7 +14,7 @@ use sd_tensor::Image;
 use crate::error::GenerateError;
 use crate::params::Txt2Img;
 use crate::pipeline::{runtime_err, Pipeline};
-use crate::runtime::{Runtime, RuntimeError};
+use crate::runtime::{ModelHandle, Runtime, RuntimeError};
 use crate::vae_tiling::VaeTiling;
 
 /// The plan of one model of a run.
@@ -31,17 +31,25 @@ pub struct ModelPlan {
     /// Whether the engine keeps the model's weights on the compute device between runs
     /// (a separate device; the CPU computes on the weights in RAM).
     pub device: bool,
+    /// The name of the backend the model computes on (`CPU`, `SIM0`, `CUDA0`...): the
+    /// runtime's placement of the model ([`Runtime::model_backend`]).
+    pub place: String,
 }
 
 impl ModelPlan {
-    /// Plans `f`'s graph; a graph that fits at no granularity is kept as its shortfall.
+    /// The plan of model `h` of `rt` (`plan`: its graph planned); a graph that fits at no
+    /// granularity is kept as its shortfall. Where the model computes is `h`'s device.
     pub fn new(
         model: impl Into<String>,
         input: impl Into<String>,
         runs: usize,
-        device: bool,
+        (rt, h): (&Runtime, ModelHandle),
         plan: Result<PlanSummary, RuntimeError>,
     ) -> Result<ModelPlan, RuntimeError> {
+        let backend = rt
+            .model_backend(h)
+            .ok_or_else(|| RuntimeError::Unknown(format!("model handle {h:?}")))?;
+        let (device, place) = (!backend.is_cpu(), backend.name().to_string());
         let outcome = match plan {
             Ok(p) => Ok(p),
             Err(RuntimeError::Exec(ExecError::BudgetTooSmall(s))) => Err(s),
@@ -53,6 +61,7 @@ impl ModelPlan {
             runs,
             outcome,
             device,
+            place,
         })
     }
 
@@ -102,11 +111,6 @@ impl ModelPlan {
     }
 }
 
-/// Whether `rt` computes on a device other than the host.
-pub fn on_device(rt: &Runtime) -> bool {
-    !rt.compute_backend().is_cpu()
-}
-
 impl Pipeline {
     /// Plans every model of generating `params` (with `init` for img2img; see the module
     /// documentation). Unlike [`Pipeline::preflight`], a model that fits at no granularity
@@ -121,7 +125,6 @@ impl Pipeline {
             tracing::info_span!("plan_run", width = params.width, height = params.height).entered();
         let path = self.path.clone();
         let err = |e: RuntimeError| runtime_err(&path, e);
-        let device = on_device(&self.runtime);
         let mut out = Vec::new();
         for i in 0..self.text.len() {
             let tokens = self.spec.text_encoders[i].1.max_tokens();
@@ -131,7 +134,7 @@ impl Pipeline {
                     format!("text encoder {i}"),
                     format!("{tokens} tokens"),
                     1,
-                    device,
+                    (&self.runtime, self.text[i].0),
                     plan,
                 )
                 .map_err(err)?,
@@ -146,7 +149,7 @@ impl Pipeline {
                 "diffusion",
                 format!("{lw}x{lh} latents, batch {batch}"),
                 params.steps,
-                device,
+                (&self.runtime, self.diffusion.0),
                 plan,
             )
             .map_err(err)?,
@@ -189,7 +192,8 @@ impl Pipeline {
                 }
                 None => (what.to_string(), format!("{w}x{h} latents"), 1),
             };
-            out.push(ModelPlan::new(model, input, runs, device, plan).map_err(err)?);
+            let vae = (&self.runtime, self.first_stage.0);
+            out.push(ModelPlan::new(model, input, runs, vae, plan).map_err(err)?);
         }
         Ok(out)
     }

@@ -6,13 +6,16 @@
 //! model (text encoder, UNet, VAE, an upscaler from another file...) is added with
 //! [`Runtime::add_model`]: its parameters are declared through a [`ParamBuilder`] over the
 //! model's catalog (a *model source* of the manager), registered with the manager, and the
-//! model gets its own execution session. [`Runtime::run`] builds a graph for a model in a
+//! model gets its own execution session, on the compute device or, where
+//! [`RuntimeOptions::placement`] says so for its component, on another device (the CPU for
+//! `--vae-on-cpu`), with that device's budget. [`Runtime::run`] builds a graph for a model in a
 //! fresh [`GraphCtx`] and executes it through the engine, which stages the weights on the
 //! compute device and runs the graph whole or in segments at its graph cuts to stay within
 //! the budget (`--max-vram`).
 //!
-//! Model code never decides residency: the [`RuntimeOptions`] do (params in RAM or read from
-//! disk at each use, file mappings, budget), and the engine and manager carry them out.
+//! Model code never decides residency or devices: the [`RuntimeOptions`] do (params in RAM
+//! or read from disk at each use, file mappings, budget, each component's device), and the
+//! engine and manager carry them out.
 
 use std::str::FromStr;
 use std::sync::Arc;
@@ -104,13 +107,24 @@ impl FromStr for ParamsLocation {
 /// How to build a [`Runtime`].
 #[derive(Clone, Debug)]
 pub struct RuntimeOptions {
-    /// The compute device.
+    /// The compute device: where every model computes unless [`RuntimeOptions::placement`]
+    /// puts its component elsewhere.
     pub compute: ComputeDevice,
     /// Extra devices the diffusion model is layer-split across (`--backend "a&b"`): its
     /// segments run on the compute device first, then on these in order, in contiguous
     /// ranges within each device's budget (`--max-vram` per device). The other models stay
-    /// on the compute device.
+    /// on their own device (see [`RuntimeOptions::placement`]).
     pub split: Vec<ComputeDevice>,
+    /// Per-component compute devices overriding [`RuntimeOptions::compute`]
+    /// (`--clip-on-cpu`, `--vae-on-cpu`, `--backend te=cpu,vae=cuda1`): a model of a listed
+    /// component computes on that device (the CPU, or a device the runtime can create),
+    /// in its own session there; the last entry of a component wins. A model on the CPU has
+    /// no budget: `--max-vram` limits the devices that are not the CPU (the compute device
+    /// and, per device name, the others), so models moved to the CPU are not counted in the
+    /// compute device's budget. Exact convolutions and flash attention are resolved per
+    /// device as for the compute device ([`RuntimeOptions::exact`],
+    /// [`RuntimeOptions::flash_attn`]).
+    pub placement: Vec<(Component, ComputeDevice)>,
     /// Where parameters live between uses.
     pub params: ParamsLocation,
     /// Map host parameters from their files without copies where possible (`--mmap`).
@@ -152,6 +166,7 @@ impl Default for RuntimeOptions {
         RuntimeOptions {
             compute: ComputeDevice::Cpu,
             split: Vec::new(),
+            placement: Vec::new(),
             params: ParamsLocation::Ram,
             mmap: false,
             max_vram: None,
@@ -166,6 +181,18 @@ impl Default for RuntimeOptions {
             flash_attn: None,
             weight_type: None,
         }
+    }
+}
+
+impl RuntimeOptions {
+    /// The compute device of `component`'s models: its [`RuntimeOptions::placement`]
+    /// entry, else [`RuntimeOptions::compute`].
+    pub fn device_of(&self, component: Component) -> &ComputeDevice {
+        self.placement
+            .iter()
+            .rev()
+            .find(|(c, _)| *c == component)
+            .map_or(&self.compute, |(_, d)| d)
     }
 }
 
@@ -221,6 +248,8 @@ struct ModelSlot {
     // Keeps the parameter descriptors' context alive while the manager holds them.
     params: Params,
     ids: Vec<ParamId>,
+    /// Index of the model's device in [`Runtime::devices`].
+    device: usize,
     /// The model's constant inputs kept on the device ([`Runtime::keep_constants`]).
     constants: RunnerCache,
 }
@@ -261,28 +290,40 @@ pub struct Runtime {
     // Field order is drop order: sessions and weight buffers go before the devices.
     engine: ExecutionEngine<ModelManager>,
     models: Vec<ModelSlot>,
-    compute: Arc<Backend>,
-    compute_id: BackendId,
+    /// The devices models compute on: the compute device first, then the other devices of
+    /// [`RuntimeOptions::placement`].
+    devices: Vec<ModelDevice>,
     cpu_id: BackendId,
-    budget: Option<u64>,
     /// Layer-split devices of the diffusion model: backend, id, budget.
     split: Vec<(Arc<Backend>, BackendId, Option<u64>)>,
     options: RuntimeOptions,
     sim: Option<SimDevice>,
     split_sims: Vec<SimDevice>,
-    /// Head widths that use flash attention (`None`: off); see [`RuntimeOptions::flash_attn`].
-    flash_attn_dims: Option<Vec<usize>>,
+    /// Simulated devices of [`RuntimeOptions::placement`] other than the compute device.
+    placed_sims: Vec<SimDevice>,
     /// The measured runtime reserve left out of `--max-vram` on a GPU (0: none).
     runtime_reserve: u64,
-    /// [`RuntimeOptions::exact`] resolved.
+}
+
+/// A device models compute on, with the policies the runtime resolved for it.
+struct ModelDevice {
+    /// The device as the options name it.
+    device: ComputeDevice,
+    backend: Arc<Backend>,
+    id: BackendId,
+    /// The `--max-vram` budget on it (`None` on the CPU).
+    budget: Option<u64>,
+    /// [`RuntimeOptions::exact`] resolved for this device.
     exact: bool,
+    /// Head widths that use flash attention (`None`: off); see [`RuntimeOptions::flash_attn`].
+    flash_attn_dims: Option<Vec<usize>>,
 }
 
 impl std::fmt::Debug for Runtime {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Runtime")
-            .field("compute", &self.compute.name())
-            .field("budget", &self.budget)
+            .field("compute", &self.devices[0].backend.name())
+            .field("budget", &self.devices[0].budget)
             .field("models", &self.models.len())
             .field("engine", &self.engine)
             .finish()
@@ -299,22 +340,23 @@ impl Runtime {
             move |source| RuntimeError::Backend { name, source }
         };
         let cpu = Arc::new(Backend::cpu(threads).map_err(backend_err("cpu"))?);
-        // A backend for `device`; simulated devices are named SIM0, SIM1, ... in order.
-        let mut sims: Vec<SimDevice> = Vec::new();
-        let mut make = |device: &ComputeDevice| -> Result<(Arc<Backend>, bool)> {
+        // A backend for `device`, with its simulated device if it is one; simulated devices
+        // are named SIM0, SIM1, ... in order of creation.
+        let mut sim_count = 0usize;
+        let mut make = |device: &ComputeDevice| -> Result<(Arc<Backend>, Option<SimDevice>)> {
             Ok(match device {
-                ComputeDevice::Cpu => (cpu.clone(), false),
+                ComputeDevice::Cpu => (cpu.clone(), None),
                 ComputeDevice::Named(name) => {
                     let b = Backend::by_name(name).map_err(backend_err(name))?;
                     if b.is_cpu() {
                         b.set_threads(threads);
                     }
-                    (Arc::new(b), false)
+                    (Arc::new(b), None)
                 }
                 ComputeDevice::Sim { bytes } => {
                     let name = format!("sim:{}", bytes >> 20);
                     let s = SimDevice::new(
-                        &format!("SIM{}", sims.len()),
+                        &format!("SIM{sim_count}"),
                         *bytes,
                         SimOptions {
                             threads,
@@ -325,16 +367,18 @@ impl Runtime {
                         },
                     )
                     .map_err(backend_err(&name))?;
+                    sim_count += 1;
                     let b = s.backend().map_err(backend_err(&name))?;
-                    sims.push(s);
-                    (Arc::new(b), true)
+                    (Arc::new(b), Some(s))
                 }
             })
         };
-        let (compute, primary_sim) = make(&options.compute)?;
+        let (compute, sim) = make(&options.compute)?;
+        let primary_sim = sim.is_some();
         let mut split_backends = Vec::new();
+        let mut split_sims = Vec::new();
         for d in &options.split {
-            let (b, _) = make(d)?;
+            let (b, s) = make(d)?;
             if b.is_cpu() || Arc::ptr_eq(&b, &compute) {
                 return Err(RuntimeError::Unknown(format!(
                     "layer split device '{}': split devices must be distinct GPUs (or sim:SIZE)",
@@ -342,15 +386,31 @@ impl Runtime {
                 )));
             }
             split_backends.push(b);
+            split_sims.extend(s);
         }
-        let mut sims = sims.into_iter();
-        let sim = if primary_sim { sims.next() } else { None };
-        let split_sims: Vec<SimDevice> = sims.collect();
+        // The other devices of the placement, each once: the CPU is the params backend, a
+        // split device is shared with the diffusion model's split, others are created.
+        let mut placed: Vec<(ComputeDevice, Arc<Backend>)> = Vec::new();
+        let mut placed_sims = Vec::new();
+        for (_, d) in &options.placement {
+            if *d == options.compute || placed.iter().any(|(p, _)| p == d) {
+                continue;
+            }
+            let b = match options.split.iter().position(|s| s == d) {
+                Some(i) => split_backends[i].clone(),
+                None => {
+                    let (b, s) = make(d)?;
+                    placed_sims.extend(s);
+                    b
+                }
+            };
+            placed.push((d.clone(), b));
+        }
         let mut mm = ModelManager::new(main);
         mm.set_mmap(options.mmap);
         mm.set_segmented_compute(true);
         mm.set_prefetch(options.prefetch);
-        if sim.is_some() || !split_sims.is_empty() {
+        if primary_sim || !split_sims.is_empty() || !placed_sims.is_empty() {
             // The simulated device is exactly its size: no driver reserve.
             mm.set_device_reserve(0);
         }
@@ -363,6 +423,17 @@ impl Runtime {
         let mut split_ids = Vec::new();
         for b in &split_backends {
             split_ids.push(mm.add_backend(b.clone())?);
+        }
+        let mut placed_ids = Vec::new();
+        for (_, b) in &placed {
+            let id = if Arc::ptr_eq(b, &cpu) {
+                cpu_id
+            } else if let Some(i) = split_backends.iter().position(|s| Arc::ptr_eq(s, b)) {
+                split_ids[i]
+            } else {
+                mm.add_backend(b.clone())?
+            };
+            placed_ids.push(id);
         }
         let mut budget = None;
         let mut runtime_reserve = 0;
@@ -387,14 +458,23 @@ impl Runtime {
                 budget = mm.device_budget(&d);
             }
         }
+        // A budget applies to devices that are not the CPU.
+        let budget_of = |b: &Backend| {
+            if b.is_cpu() {
+                None
+            } else {
+                b.device().and_then(|d| mm.device_budget(&d))
+            }
+        };
         let split: Vec<_> = split_backends
             .into_iter()
             .zip(split_ids)
             .map(|(b, id)| {
-                let budget = b.device().and_then(|d| mm.device_budget(&d));
+                let budget = budget_of(&b);
                 (b, id, budget)
             })
             .collect();
+        let placed_budgets: Vec<Option<u64>> = placed.iter().map(|(_, b)| budget_of(b)).collect();
         let engine = ExecutionEngine::new(
             mm,
             EngineOptions {
@@ -403,11 +483,11 @@ impl Runtime {
                     .unwrap_or(DEFAULT_PLANNING_HEADROOM),
             },
         );
-        let on_gpu = !primary_sim
-            && split_sims.is_empty()
-            && compute
-                .device()
-                .is_some_and(|d| matches!(d.kind(), DeviceKind::Gpu | DeviceKind::IntegratedGpu));
+        let is_gpu = |b: &Backend| {
+            b.device()
+                .is_some_and(|d| matches!(d.kind(), DeviceKind::Gpu | DeviceKind::IntegratedGpu))
+        };
+        let on_gpu = !primary_sim && split_sims.is_empty() && is_gpu(&compute);
         let flash_attn_dims = if options.flash_attn.unwrap_or(on_gpu) {
             let mut backends = vec![compute.as_ref()];
             backends.extend(split.iter().map(|(b, _, _)| b.as_ref()));
@@ -419,20 +499,51 @@ impl Runtime {
         if !exact && on_gpu {
             tracing::debug!("GPU: fast convolutions (f16 im2col); SD_EXACT=1 for exact f32");
         }
-        Ok(Runtime {
-            flash_attn_dims,
-            runtime_reserve,
+        let mut devices = vec![ModelDevice {
+            device: options.compute.clone(),
+            backend: compute,
+            id: compute_id,
+            budget,
             exact,
+            flash_attn_dims,
+        }];
+        for (((device, backend), id), budget) in
+            placed.into_iter().zip(placed_ids).zip(placed_budgets)
+        {
+            // A simulated device computes as the CPU does: exact, like the compute device.
+            let on_gpu = !matches!(device, ComputeDevice::Sim { .. }) && is_gpu(&backend);
+            let flash_attn_dims = if options.flash_attn.unwrap_or(on_gpu) {
+                Some(flash_attn_head_dims(&[backend.as_ref()])?)
+            } else {
+                None
+            };
+            let exact = resolve_exact(options.exact, options.compute_options.exact, on_gpu);
+            tracing::info!(
+                device = %backend.name(),
+                budget = ?budget,
+                exact,
+                "a device of the model placement"
+            );
+            devices.push(ModelDevice {
+                device,
+                backend,
+                id,
+                budget,
+                exact,
+                flash_attn_dims,
+            });
+        }
+        Ok(Runtime {
+            runtime_reserve,
             engine,
             models: Vec::new(),
-            compute,
-            compute_id,
+            devices,
             cpu_id,
-            budget,
             split,
             options,
             sim,
             split_sims,
+            placed_sims,
         })
     }
 
@@ -450,7 +561,8 @@ impl Runtime {
     /// Declares a model: `declare` builds the model struct from a [`ParamBuilder`] over
     /// `source`'s catalog (dtypes and shapes checked against the files); its parameters are
     /// registered with the manager (`component`, the runtime's residency options) and the
-    /// model gets its own started execution session named `name`.
+    /// model gets its own started execution session named `name`, on the component's device
+    /// ([`RuntimeOptions::device_of`]) with that device's budget.
     pub fn add_model<T>(
         &mut self,
         name: &str,
@@ -478,36 +590,55 @@ impl Runtime {
             ParamsLocation::Ram => ResidencyMode::ParamBackend,
             ParamsLocation::Disk => ResidencyMode::Disk,
         };
+        let device = self.device_index(component);
+        let dev = &self.devices[device];
+        let (backend, backend_id, budget) = (dev.backend.clone(), dev.id, dev.budget);
         let ids = self.engine.manager_mut().register_params(
             ParamSpec {
                 component,
                 mode,
                 params_backend: self.cpu_id,
-                compute_backend: self.compute_id,
+                compute_backend: backend_id,
                 source,
             },
             &descs,
         )?;
-        let mut config = SessionConfig::new(name, self.compute.clone(), self.compute_id)
-            .with_budget(self.budget)
+        let mut config = SessionConfig::new(name, backend.clone(), backend_id)
+            .with_budget(budget)
             .with_segmentation(self.options.segmentation)
             .with_prefetch(self.options.prefetch);
-        if component == Component::Diffusion {
+        if component == Component::Diffusion && device == 0 {
             for (b, id, budget) in &self.split {
                 config = config.with_split_device(b.clone(), *id, *budget);
             }
         }
         let session = self.engine.create_session(config);
         self.engine.start(session)?;
-        tracing::debug!(model = name, params = ids.len(), "model added");
+        tracing::debug!(
+            model = name,
+            params = ids.len(),
+            device = %backend.name(),
+            "model added"
+        );
         self.models.push(ModelSlot {
             name: name.to_string(),
             session,
             params,
             ids,
+            device,
             constants: RunnerCache::default(),
         });
         Ok((ModelHandle(self.models.len() - 1), model))
+    }
+
+    /// The index in `devices` of `component`'s device (the runtime's one policy: the
+    /// options decide, models never do).
+    fn device_index(&self, component: Component) -> usize {
+        let d = self.options.device_of(component);
+        self.devices
+            .iter()
+            .position(|m| m.device == *d)
+            .unwrap_or(0)
     }
 
     fn slot(&self, h: ModelHandle) -> Result<&ModelSlot> {
@@ -517,7 +648,7 @@ impl Runtime {
     }
 
     /// Builds a graph for model `h` with `build` (in a fresh [`GraphCtx`] of `graph_size`
-    /// nodes and descriptors, with the runtime's compute options) and executes it through
+    /// nodes and descriptors, with the compute options of the model's device) and executes it through
     /// the engine; returns the output as f32.
     pub fn run(
         &mut self,
@@ -526,7 +657,8 @@ impl Runtime {
         graph_size: usize,
         build: impl FnOnce(&mut GraphCtx) -> std::result::Result<BuiltGraph, ModelError>,
     ) -> Result<RunOutput> {
-        let (mut task, output, _g, constants) = self.build_task(description, graph_size, build)?;
+        let (mut task, output, _g, constants) =
+            self.build_task(h, description, graph_size, build)?;
         let session = self.slot(h)?.session;
         let cache = &mut self.models[h.0].constants;
         let fed = cache.feed(&mut self.engine, session, &mut task, constants);
@@ -565,7 +697,7 @@ impl Runtime {
         graph_size: usize,
         build: impl FnOnce(&mut GraphCtx) -> std::result::Result<BuiltGraph, ModelError>,
     ) -> Result<PlanSummary> {
-        let (mut task, _, _g, constants) = self.build_task(description, graph_size, build)?;
+        let (mut task, _, _g, constants) = self.build_task(h, description, graph_size, build)?;
         task.inputs
             .extend(constants.into_iter().map(|c| (c.tensor, c.bytes)));
         let session = self.slot(h)?.session;
@@ -586,21 +718,24 @@ impl Runtime {
         }
     }
 
-    /// The task of [`Runtime::run`]: the graph `build` makes, its marks and inputs, and
-    /// apart from them the constant inputs ([`sd_models::AuxInput::constant`]), not yet fed.
+    /// The task of [`Runtime::run`] for model `h`: the graph `build` makes (with the compute
+    /// options of `h`'s device), its marks and inputs, and apart from them the constant
+    /// inputs ([`sd_models::AuxInput::constant`]), not yet fed.
     fn build_task(
         &self,
+        h: ModelHandle,
         description: &str,
         graph_size: usize,
         build: impl FnOnce(&mut GraphCtx) -> std::result::Result<BuiltGraph, ModelError>,
     ) -> Result<(ComputeTask, GTensor, GraphCtx, Vec<Constant>)> {
+        let dev = &self.devices[self.slot(h)?.device];
         let mut opts = self.options.compute_options;
-        opts.exact = self.exact;
-        if self.flash_attn_dims.is_some() {
+        opts.exact = dev.exact;
+        if dev.flash_attn_dims.is_some() {
             opts.flash_attn = true;
         }
         let mut g = GraphCtx::new(graph_size, graph_size, opts)?;
-        if let Some(dims) = &self.flash_attn_dims {
+        if let Some(dims) = &dev.flash_attn_dims {
             g.flash_attn_head_dims = Some(dims.clone());
         }
         let built = build(&mut g)?;
@@ -693,8 +828,10 @@ impl Runtime {
         h: ModelHandle,
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<bool> {
-        let ids = self.slot(h)?.ids.clone();
-        if self.options.params != ParamsLocation::Ram || !self.compute.is_cpu() {
+        let slot = self.slot(h)?;
+        let ids = slot.ids.clone();
+        if self.options.params != ParamsLocation::Ram || !self.devices[slot.device].backend.is_cpu()
+        {
             return Ok(false);
         }
         let _span = tracing::info_span!("preload", model = %self.slot(h)?.name).entered();
@@ -734,19 +871,47 @@ impl Runtime {
             .map_or(&[], |s| s.last_reports())
     }
 
-    /// The compute backend.
+    /// The compute backend ([`RuntimeOptions::compute`]; a model may compute elsewhere, see
+    /// [`Runtime::model_backend`]).
     pub fn compute_backend(&self) -> &Arc<Backend> {
-        &self.compute
+        &self.devices[0].backend
     }
 
     /// The compute device, if the backend has one.
     pub fn compute_device(&self) -> Option<Device> {
-        self.compute.device()
+        self.devices[0].backend.device()
     }
 
     /// The budget in bytes on the compute device (from `--max-vram`), if any.
     pub fn budget(&self) -> Option<u64> {
-        self.budget
+        self.devices[0].budget
+    }
+
+    /// The backend model `h` computes on ([`RuntimeOptions::placement`]).
+    pub fn model_backend(&self, h: ModelHandle) -> Option<&Arc<Backend>> {
+        self.models
+            .get(h.0)
+            .map(|s| &self.devices[s.device].backend)
+    }
+
+    /// The budget in bytes on model `h`'s device (`None`: none, as on the CPU, or an
+    /// unknown handle).
+    pub fn model_budget(&self, h: ModelHandle) -> Option<u64> {
+        self.models
+            .get(h.0)
+            .and_then(|s| self.devices[s.device].budget)
+    }
+
+    /// Whether model `h` computes on the CPU (its weights stay in host memory, nothing of
+    /// it counts against a device budget); `false` for an unknown handle.
+    pub fn model_on_cpu(&self, h: ModelHandle) -> bool {
+        self.model_backend(h).is_some_and(|b| b.is_cpu())
+    }
+
+    /// The compute device `component`'s models get ([`RuntimeOptions::device_of`]), as
+    /// the runtime resolved it: its backend.
+    pub fn component_backend(&self, component: Component) -> &Arc<Backend> {
+        &self.devices[self.device_index(component)].backend
     }
 
     /// The simulated layer-split devices (`--backend "sim:A&sim:B"`: SIM1, ...), for peak
@@ -760,15 +925,28 @@ impl Runtime {
         self.sim.as_ref()
     }
 
+    /// The simulated devices of [`RuntimeOptions::placement`] other than the compute
+    /// device and the split devices, in order of first mention.
+    pub fn placed_sim_devices(&self) -> &[SimDevice] {
+        &self.placed_sims
+    }
+
     /// Whether graphs use flash attention (for some head widths on the compute device):
     /// [`RuntimeOptions::flash_attn`] resolved, or the compute options' own flag.
     pub fn flash_attention(&self) -> bool {
-        self.flash_attn_dims.is_some() || self.options.compute_options.flash_attn
+        self.devices[0].flash_attn_dims.is_some() || self.options.compute_options.flash_attn
     }
 
-    /// Whether graphs use exact f32 numerics ([`RuntimeOptions::exact`] resolved).
+    /// Whether graphs on the compute device use exact f32 numerics
+    /// ([`RuntimeOptions::exact`] resolved; see [`Runtime::model_exact`] for a model).
     pub fn exact(&self) -> bool {
-        self.exact
+        self.devices[0].exact
+    }
+
+    /// Whether model `h`'s graphs use exact f32 numerics ([`RuntimeOptions::exact`]
+    /// resolved for its device); `None` for an unknown handle.
+    pub fn model_exact(&self, h: ModelHandle) -> Option<bool> {
+        self.models.get(h.0).map(|s| self.devices[s.device].exact)
     }
 
     /// The options the runtime was built with.
