@@ -1265,6 +1265,22 @@ fn cases() -> Vec<Case> {
             check: no_check,
         },
         Case {
+            name: "sd plan --refiner: the refiner's encoder and network after the base's",
+            setup: none,
+            args: |d| {
+                let mut v: Vec<OsString> = vec!["plan".into()];
+                v.extend(sdxl_gen(d.join("o.png")));
+                v.push("--refiner".into());
+                v.push(sdxl_fixture("tiny_sdxl_refiner.safetensors").into());
+                with(v, &["--backend", "sim:256", "--max-vram", "64M"])
+            },
+            code: 0,
+            stderr: &[],
+            stdout: &["diffusion", "refiner text encoder 0", "refiner diffusion", "vae decode"],
+            files: &[],
+            check: no_check,
+        },
+        Case {
             name: "sd plan: the run's segments on the simulated device, nothing written",
             setup: none,
             args: |d| {

@@ -2,8 +2,9 @@
 //! sampling step ([`Runtime::plan`]: the graphs are built and planned, nothing runs and no
 //! device memory is held).
 //!
-//! - the text encoders (one chunk each), the diffusion network at the latent size and CFG batch, the
-//!   VAE encoder at the init image's size (img2img) and the VAE decoder at the final size;
+//! - the text encoders (one chunk each), the diffusion network at the latent size and CFG batch
+//!   (and the refiner's encoders and network), the VAE encoder at the init image's size
+//!   (img2img) and the VAE decoder at the final size;
 //! - a VAE decode (or encode) that fits at no cut granularity is switched to tiles
 //!   automatically (32-latent tiles, then 16 and 8), and the switch is logged; a tile
 //!   geometry the caller chose is kept;
@@ -14,13 +15,15 @@
 
 use sd_exec::{ExecError, PlanSummary};
 use sd_models::diffusion::{DiffusionInputs, DiffusionNet};
+use sd_models::text_encoder::TextEncoder;
 use sd_models::HostData;
 use sd_tensor::{DType, Image};
 
 use crate::error::GenerateError;
+use crate::family::ModelSpec;
 use crate::params::Txt2Img;
 use crate::pipeline::{runtime_err, Pipeline};
-use crate::runtime::{BuiltGraph, RuntimeError};
+use crate::runtime::{BuiltGraph, ModelHandle, Runtime, RuntimeError};
 use crate::vae_tiling::VaeTiling;
 
 /// Tile sides tried, in latent pixels, when a whole VAE pass does not fit.
@@ -82,6 +85,10 @@ impl Pipeline {
         let (lw, lh) = (params.width / f, params.height / f);
         let plan = self.plan_diffusion(params).map_err(err)?;
         out.plans.push(("diffusion".into(), plan));
+        // The refiner's encoders and network (it runs after the base is released).
+        for (what, _, plan) in self.plan_refiner(params) {
+            out.plans.push((what, plan.map_err(err)?));
+        }
 
         // VAE: encoder at the init image's size, decoder at the final size; tiles when the
         // whole pass fits at no granularity.
@@ -145,97 +152,39 @@ impl Pipeline {
     /// Plans text encoder `i` on one chunk of its maximum token count.
     pub fn plan_text_encoder(&mut self, i: usize) -> Result<PlanSummary, RuntimeError> {
         let tokens = self.spec.text_encoders[i].1.max_tokens();
-        let (h, enc) = (self.text[i].0, &self.text[i].1);
-        self.runtime.plan(h, "text encoder", enc.graph_size(), |g| {
-            let input = g.ctx.new_tensor(DType::I32, &[tokens, 1])?;
-            let output = enc.forward(g, &input)?;
-            Ok(BuiltGraph {
-                output,
-                inputs: vec![(input, HostData::I32(vec![0; tokens]))],
-            })
-        })
+        plan_text(&mut self.runtime, &self.text[i], tokens)
+    }
+
+    /// The refiner's plans (see [`Pipeline::add_refiner`](crate::pipeline::Pipeline)): each of
+    /// its text encoders, then one step of its diffusion network at `params`' size, as
+    /// `(task, model, plan)`; empty without a refiner.
+    pub(crate) fn plan_refiner(
+        &mut self,
+        params: &Txt2Img,
+    ) -> Vec<(String, ModelHandle, Result<PlanSummary, RuntimeError>)> {
+        let f = self.first_stage.1.downsample_factor().max(1);
+        let Some(r) = &self.refiner else {
+            return Vec::new();
+        };
+        let mut out = Vec::new();
+        for (i, enc) in r.text.iter().enumerate() {
+            let tokens = r.spec.text_encoders[i].1.max_tokens();
+            out.push((
+                format!("refiner text encoder {i}"),
+                enc.0,
+                plan_text(&mut self.runtime, enc, tokens),
+            ));
+        }
+        let plan = plan_step(&mut self.runtime, &r.diffusion, &r.spec, params, f);
+        out.push(("refiner diffusion".into(), r.diffusion.0, plan));
+        out
     }
 
     /// Plans one step of the diffusion network at `params`' latent size, cond and uncond in
     /// one batch when `params.cfg_scale` is not 1 (as the guidance runs it).
     pub fn plan_diffusion(&mut self, params: &Txt2Img) -> Result<PlanSummary, RuntimeError> {
         let f = self.first_stage.1.downsample_factor().max(1);
-        let (lw, lh) = (params.width / f, params.height / f);
-        // Sizes from the loaded network (a DiT reads them from its tensors).
-        let (c, ctx_dim, adm, guidance, tokens) = match &self.diffusion.1 {
-            DiffusionNet::Unet(u) => (
-                u.config.in_channels,
-                u.config.context_dim,
-                u.config.adm_in_channels,
-                false,
-                self.spec
-                    .text_encoders
-                    .first()
-                    .map_or(77, |t| t.1.max_tokens()),
-            ),
-            DiffusionNet::Flux(f) => (
-                f.config.in_channels / 4,
-                f.config.context_in_dim,
-                Some(f.config.vec_in_dim),
-                f.guidance_in.is_some(),
-                crate::family::flux::T5_TOKENS,
-            ),
-            DiffusionNet::Mmdit(m) => (
-                m.config.in_channels,
-                m.config.context_dim,
-                Some(m.config.pooled_dim),
-                false,
-                crate::family::sd3::CONTEXT_TOKENS,
-            ),
-            // The context follows the prompt; plan for the longest diffusers passes.
-            DiffusionNet::QwenImage(q) => (
-                q.config.in_channels / 4,
-                q.config.joint_attention_dim,
-                None,
-                false,
-                crate::family::qwen_image::MAX_PROMPT_TOKENS,
-            ),
-        };
-        let batch = if params.cfg_scale != 1.0 { 2 } else { 1 };
-        let net = &self.diffusion.1;
-        self.runtime
-            .plan(self.diffusion.0, "diffusion", net.graph_size(), |g| {
-                let x = g.ctx.new_tensor(DType::F32, &[lw, lh, c, batch])?;
-                let t = g.ctx.new_tensor(DType::F32, &[batch])?;
-                let ctx = g.ctx.new_tensor(DType::F32, &[ctx_dim, tokens, batch])?;
-                let y = match adm {
-                    Some(n) => Some(g.ctx.new_tensor(DType::F32, &[n, batch])?),
-                    None => None,
-                };
-                let gd = if guidance {
-                    Some(g.ctx.new_tensor(DType::F32, &[batch])?)
-                } else {
-                    None
-                };
-                let mut inputs = DiffusionInputs::new(&x, &t);
-                inputs.context = Some(&ctx);
-                inputs.y = y.as_ref();
-                inputs.guidance = gd.as_ref();
-                let output = net.forward(g, &inputs)?;
-                let mut data = vec![
-                    (x.clone(), HostData::F32(vec![0.0; lw * lh * c * batch])),
-                    (t.clone(), HostData::F32(vec![0.0; batch])),
-                    (
-                        ctx.clone(),
-                        HostData::F32(vec![0.0; ctx_dim * tokens * batch]),
-                    ),
-                ];
-                if let (Some(y), Some(n)) = (y, adm) {
-                    data.push((y, HostData::F32(vec![0.0; n * batch])));
-                }
-                if let Some(gd) = gd {
-                    data.push((gd, HostData::F32(vec![0.0; batch])));
-                }
-                Ok(BuiltGraph {
-                    output,
-                    inputs: data,
-                })
-            })
+        plan_step(&mut self.runtime, &self.diffusion, &self.spec, params, f)
     }
 
     /// Plans a VAE encode (`encode`) or decode of `w` x `h` latent pixels against the
@@ -269,4 +218,102 @@ impl Pipeline {
             })
         })
     }
+}
+
+/// Plans one step of `(handle, net)` (a model of family `spec`) at `params`' latent size
+/// (`f` pixels a latent), cond and uncond in one batch when `params.cfg_scale` is not 1.
+fn plan_step(
+    runtime: &mut Runtime,
+    (handle, net): &(ModelHandle, DiffusionNet),
+    spec: &ModelSpec,
+    params: &Txt2Img,
+    f: usize,
+) -> Result<PlanSummary, RuntimeError> {
+    let (lw, lh) = (params.width / f, params.height / f);
+    // Sizes from the loaded network (a DiT reads them from its tensors).
+    let (c, ctx_dim, adm, guidance, tokens) = match net {
+        DiffusionNet::Unet(u) => (
+            u.config.in_channels,
+            u.config.context_dim,
+            u.config.adm_in_channels,
+            false,
+            spec.text_encoders.first().map_or(77, |t| t.1.max_tokens()),
+        ),
+        DiffusionNet::Flux(f) => (
+            f.config.in_channels / 4,
+            f.config.context_in_dim,
+            Some(f.config.vec_in_dim),
+            f.guidance_in.is_some(),
+            crate::family::flux::T5_TOKENS,
+        ),
+        DiffusionNet::Mmdit(m) => (
+            m.config.in_channels,
+            m.config.context_dim,
+            Some(m.config.pooled_dim),
+            false,
+            crate::family::sd3::CONTEXT_TOKENS,
+        ),
+        // The context follows the prompt; plan for the longest diffusers passes.
+        DiffusionNet::QwenImage(q) => (
+            q.config.in_channels / 4,
+            q.config.joint_attention_dim,
+            None,
+            false,
+            crate::family::qwen_image::MAX_PROMPT_TOKENS,
+        ),
+    };
+    let batch = if params.cfg_scale != 1.0 { 2 } else { 1 };
+    runtime.plan(*handle, "diffusion", net.graph_size(), |g| {
+        let x = g.ctx.new_tensor(DType::F32, &[lw, lh, c, batch])?;
+        let t = g.ctx.new_tensor(DType::F32, &[batch])?;
+        let ctx = g.ctx.new_tensor(DType::F32, &[ctx_dim, tokens, batch])?;
+        let y = match adm {
+            Some(n) => Some(g.ctx.new_tensor(DType::F32, &[n, batch])?),
+            None => None,
+        };
+        let gd = if guidance {
+            Some(g.ctx.new_tensor(DType::F32, &[batch])?)
+        } else {
+            None
+        };
+        let mut inputs = DiffusionInputs::new(&x, &t);
+        inputs.context = Some(&ctx);
+        inputs.y = y.as_ref();
+        inputs.guidance = gd.as_ref();
+        let output = net.forward(g, &inputs)?;
+        let mut data = vec![
+            (x.clone(), HostData::F32(vec![0.0; lw * lh * c * batch])),
+            (t.clone(), HostData::F32(vec![0.0; batch])),
+            (
+                ctx.clone(),
+                HostData::F32(vec![0.0; ctx_dim * tokens * batch]),
+            ),
+        ];
+        if let (Some(y), Some(n)) = (y, adm) {
+            data.push((y, HostData::F32(vec![0.0; n * batch])));
+        }
+        if let Some(gd) = gd {
+            data.push((gd, HostData::F32(vec![0.0; batch])));
+        }
+        Ok(BuiltGraph {
+            output,
+            inputs: data,
+        })
+    })
+}
+
+/// Plans text encoder `(handle, enc)` on one chunk of `tokens`.
+fn plan_text(
+    runtime: &mut Runtime,
+    (handle, enc): &(ModelHandle, TextEncoder),
+    tokens: usize,
+) -> Result<PlanSummary, RuntimeError> {
+    runtime.plan(*handle, "text encoder", enc.graph_size(), |g| {
+        let input = g.ctx.new_tensor(DType::I32, &[tokens, 1])?;
+        let output = enc.forward(g, &input)?;
+        Ok(BuiltGraph {
+            output,
+            inputs: vec![(input, HostData::I32(vec![0; tokens]))],
+        })
+    })
 }

@@ -15,6 +15,7 @@ use crate::error::GenerateError;
 use crate::params::Txt2Img;
 use crate::pipeline::{runtime_err, Pipeline};
 use crate::runtime::{ModelHandle, Runtime, RuntimeError};
+use crate::schedule::Schedule;
 use crate::vae_tiling::VaeTiling;
 
 /// The plan of one model of a run.
@@ -144,16 +145,27 @@ impl Pipeline {
         let (lw, lh) = (params.width / f, params.height / f);
         let batch = if params.cfg_scale != 1.0 { 2 } else { 1 };
         let plan = self.plan_diffusion(params);
+        let (base_steps, refiner_steps) = self.step_split(params);
         out.push(
             ModelPlan::new(
                 "diffusion",
                 format!("{lw}x{lh} latents, batch {batch}"),
-                params.steps,
+                base_steps,
                 (&self.runtime, self.diffusion.0),
                 plan,
             )
             .map_err(err)?,
         );
+        for (what, handle, plan) in self.plan_refiner(params) {
+            let (input, runs) = if what.ends_with("diffusion") {
+                (format!("{lw}x{lh} latents, batch {batch}"), refiner_steps)
+            } else {
+                ("one prompt chunk".to_string(), 1)
+            };
+            out.push(
+                ModelPlan::new(what, input, runs, (&self.runtime, handle), plan).map_err(err)?,
+            );
+        }
         let mut passes = Vec::new();
         if let Some(i) = init.filter(|_| self.first_stage.1.has_encoder()) {
             passes.push((true, i.width() / f, i.height() / f));
@@ -196,6 +208,21 @@ impl Pipeline {
             out.push(ModelPlan::new(model, input, runs, vae, plan).map_err(err)?);
         }
         Ok(out)
+    }
+
+    /// The steps of a txt2img run at `params` that the base and the refiner take (all the
+    /// base's without a refiner).
+    fn step_split(&self, params: &Txt2Img) -> (usize, usize) {
+        let (Some(r), Schedule::Ddpm(schedule)) = (&self.refiner, &self.spec.schedule) else {
+            return (params.steps, 0);
+        };
+        match params.scheduler.sigmas(params.steps, schedule) {
+            Ok(sigmas) => {
+                let k = crate::refiner::switch_index(&sigmas, schedule, r.start);
+                (k, params.steps.saturating_sub(k))
+            }
+            Err(_) => (params.steps, params.steps),
+        }
     }
 
     fn plan_vae_tiled(

@@ -162,3 +162,58 @@ fn minimum_budget_fits_and_below_it_does_not() {
         e.minimum
     );
 }
+
+/// With a refiner (`Pipeline::add_refiner`), the plan of a run lists the refiner's text
+/// encoder and diffusion network after the base's, on the same device and budget, and the
+/// base and refiner steps add up to the run's (the switch at 0.5 of 4 euler steps: 2 and 2,
+/// as `refiner::switch_index` splits the sigmas); preflight plans them too.
+#[test]
+fn a_refiner_is_planned_with_its_share_of_the_steps() {
+    let fixtures = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/pipeline");
+    let mut p = Pipeline::load(
+        fixtures.join("tiny_sdxl.safetensors"),
+        RuntimeOptions {
+            compute: ComputeDevice::Sim { bytes: 256 << 20 },
+            max_vram: Some(MaxVram::parse("0.0625").unwrap()),
+            threads: 2,
+            ..RuntimeOptions::default()
+        },
+    )
+    .unwrap();
+    p.add_refiner(
+        &sd_pipeline::generate::ModelFiles::single(fixtures.join("tiny_sdxl_refiner.safetensors")),
+        0.5,
+    )
+    .unwrap();
+    let params = Txt2Img {
+        width: 64,
+        height: 64,
+        ..params(4)
+    };
+    let plans = p.plan_run(&params, None).unwrap();
+    let names: Vec<&str> = plans.iter().map(|m| m.model.as_str()).collect();
+    println!("{names:?}");
+    let at = |name: &str| -> &ModelPlan {
+        plans
+            .iter()
+            .find(|m| m.model == name)
+            .unwrap_or_else(|| panic!("no {name} in {names:?}"))
+    };
+    let (base, refiner) = (at("diffusion"), at("refiner diffusion"));
+    assert_eq!(base.runs + refiner.runs, 4);
+    assert_eq!((base.runs, refiner.runs), (2, 2));
+    assert!(refiner.outcome.is_ok(), "{:?}", refiner.outcome);
+    assert_eq!(refiner.place, base.place);
+    assert_eq!(at("refiner text encoder 0").runs, 1);
+    let base_pos = names.iter().position(|n| *n == "diffusion").unwrap();
+    let ref_pos = names
+        .iter()
+        .position(|n| *n == "refiner diffusion")
+        .unwrap();
+    assert!(ref_pos > base_pos);
+    let pre = p.preflight(&params, None).unwrap();
+    assert!(pre
+        .plans
+        .iter()
+        .any(|(what, _)| what == "refiner diffusion"));
+}
