@@ -193,8 +193,15 @@ fn pil_nearest(in_size: usize, out_size: usize) -> Vec<usize> {
         .collect()
 }
 
-/// A fixed-point sum shifted down and clipped to 0..=255.
-fn clip8(acc: i64) -> u8 {
+/// PIL's 8-bit tap sum: `src[start + j * step] * k[j]` over the taps, from half a unit,
+/// shifted down and clipped to 0..=255.
+fn fixed_sum(src: &[u8], k: &[i64], start: usize, step: usize) -> u8 {
+    let acc = k
+        .iter()
+        .enumerate()
+        .fold(1i64 << (FIXED_BITS - 1), |a, (j, &k)| {
+            a + src[start + j * step] as i64 * k
+        });
     (acc >> FIXED_BITS).clamp(0, 255) as u8
 }
 
@@ -538,16 +545,9 @@ impl Image {
             let taps = fixed_point(&super::interpolate::filter_taps(self.width, width, filter));
             let mut out = Vec::with_capacity(width * self.height * c);
             for y in 0..self.height {
-                let row = &cur[y * w * c..(y + 1) * w * c];
                 for (first, k) in &taps {
                     for ch in 0..c {
-                        let acc = k
-                            .iter()
-                            .enumerate()
-                            .fold(1i64 << (FIXED_BITS - 1), |a, (j, &k)| {
-                                a + row[(first + j) * c + ch] as i64 * k
-                            });
-                        out.push(clip8(acc));
+                        out.push(fixed_sum(&cur, k, y * w * c + first * c + ch, c));
                     }
                 }
             }
@@ -564,13 +564,7 @@ impl Image {
             let mut out = Vec::with_capacity(stride * height);
             for (first, k) in &taps {
                 for i in 0..stride {
-                    let acc = k
-                        .iter()
-                        .enumerate()
-                        .fold(1i64 << (FIXED_BITS - 1), |a, (j, &k)| {
-                            a + cur[(first + j) * stride + i] as i64 * k
-                        });
-                    out.push(clip8(acc));
+                    out.push(fixed_sum(&cur, k, first * stride + i, stride));
                 }
             }
             cur = out;

@@ -267,36 +267,31 @@ impl<T: Copy> Tensor<T> {
     /// Nearest-neighbour resampling of the last two dims to `out_h` x `out_w`, as torch
     /// `F.interpolate(x, size=(out_h, out_w), mode="nearest")`.
     pub fn interpolate_nearest(&self, out_h: usize, out_w: usize) -> Result<Self> {
-        let (planes, in_h, in_w, out_shape) =
-            self.resample_dims("interpolate_nearest", out_h, out_w)?;
-        let rows: Vec<usize> = (0..out_h).map(|y| nearest_index(y, in_h, out_h)).collect();
-        let cols: Vec<usize> = (0..out_w).map(|x| nearest_index(x, in_w, out_w)).collect();
-        let src = self.data();
-        let mut data = Vec::with_capacity(planes * out_h * out_w);
-        for p in 0..planes {
-            let plane = &src[p * in_h * in_w..(p + 1) * in_h * in_w];
-            for &y in &rows {
-                let row = &plane[y * in_w..(y + 1) * in_w];
-                data.extend(cols.iter().map(|&x| row[x]));
-            }
-        }
-        Tensor::new(out_shape, data)
+        self.gather("interpolate_nearest", out_h, out_w, nearest_index)
     }
-}
 
-impl<T: Copy> Tensor<T> {
     /// Nearest-neighbour resampling taking the source pixel under each output pixel's centre,
-    /// as torch `F.interpolate(x, size=(out_h, out_w), mode="nearest-exact")` and PIL's
-    /// `NEAREST` resize.
+    /// as torch `F.interpolate(x, size=(out_h, out_w), mode="nearest-exact")`.
     pub fn interpolate_nearest_exact(&self, out_h: usize, out_w: usize) -> Result<Self> {
-        let (planes, in_h, in_w, out_shape) =
-            self.resample_dims("interpolate_nearest_exact", out_h, out_w)?;
-        let rows: Vec<usize> = (0..out_h)
-            .map(|y| nearest_exact_index(y, in_h, out_h))
-            .collect();
-        let cols: Vec<usize> = (0..out_w)
-            .map(|x| nearest_exact_index(x, in_w, out_w))
-            .collect();
+        self.gather(
+            "interpolate_nearest_exact",
+            out_h,
+            out_w,
+            nearest_exact_index,
+        )
+    }
+
+    /// Picks, for every output pixel, the source pixel `index(i, in, out)` along each axis.
+    fn gather(
+        &self,
+        op: &'static str,
+        out_h: usize,
+        out_w: usize,
+        index: fn(usize, usize, usize) -> usize,
+    ) -> Result<Self> {
+        let (planes, in_h, in_w, out_shape) = self.resample_dims(op, out_h, out_w)?;
+        let rows: Vec<usize> = (0..out_h).map(|y| index(y, in_h, out_h)).collect();
+        let cols: Vec<usize> = (0..out_w).map(|x| index(x, in_w, out_w)).collect();
         let src = self.data();
         let mut data = Vec::with_capacity(planes * out_h * out_w);
         for p in 0..planes {
