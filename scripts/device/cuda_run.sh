@@ -154,7 +154,11 @@ if phase budgets; then
     # MiB measured) are outside the engine's accounting; sd-bench leaves 320 MiB of every
     # budget to them by default (CUDA_RUNTIME_RESERVE_BYTES). The same 50% run without that
     # reserve shows what it is for.
-    run_json "budget-0.5-pinned-noreserve" "$BENCH" unet --config "$CONFIG" --weights "$W/unet.safetensors" --backend CUDA0 --params pinned --max-vram 0.5 --runtime-reserve 0 --steps "$STEPS"
+    # NORESERVE_BUDGETS [0.5]: budgets run without it (the engine's own floor at budgets
+    # below what the CUDA runtime itself takes).
+    for f in ${NORESERVE_BUDGETS-0.5}; do
+        run_json "budget-$f-pinned-noreserve" "$BENCH" unet --config "$CONFIG" --weights "$W/unet.safetensors" --backend CUDA0 --params pinned --max-vram "$f" --runtime-reserve 0 --steps "$STEPS"
+    done
     [[ -n "${RAM_BUDGET:-0.5}" ]] && run_json "budget-${RAM_BUDGET:-0.5}-ram" "$BENCH" unet --config "$CONFIG" --weights "$W/unet.safetensors" --backend CUDA0 --params ram --max-vram "${RAM_BUDGET:-0.5}" --steps "$STEPS"
 fi
 if phase ab; then

@@ -5,7 +5,8 @@
 # written weights stay in /tmp between them):
 #   PHASES="resident 24 q8_0" CFG=qwen-image bash scripts/device/dit_phases.sh $OUT
 # Phases: `resident` (weights on the device), a number N (params pinned in RAM, budget N GiB),
-# `q8_0` / `q4_K` (resident, linear weights converted when loaded), `peer` (diffusers bf16).
+# `q8_0` / `q4_K` (resident, linear weights converted when loaded), `peer` (diffusers bf16),
+# `rm` (deletes the written weights). CFG=qwen25vl-7b measures Qwen-Image's text encoder.
 set -uo pipefail
 OUT=${1:?}
 source "$(dirname "$0")/stage_module.sh"
@@ -21,6 +22,8 @@ if [[ ! -f $W/unet.safetensors ]]; then
   tw=$(date +%s); "$B" write-weights $W --config $CFG | tail -1; echo "weights written in $(($(date +%s)-tw)) s"
 fi
 for ph in ${PHASES:-resident}; do
+  # DEADLINE (seconds since the start): later phases are skipped, so one call ends in time.
+  if (( $(date +%s) - T0 > ${DEADLINE:-100000} )); then echo "SKIP $CFG $ph (past DEADLINE)"; continue; fi
   case $ph in
     resident) run $CFG-resident unet --config $CFG --weights $W/unet.safetensors --backend CUDA0 --params device --steps 3 ;;
     q8_0|q4_K) run $CFG-$ph unet --config $CFG --weights $W/unet.safetensors --backend CUDA0 --params device --steps 3 --type $ph ;;
@@ -30,6 +33,7 @@ for ph in ${PHASES:-resident}; do
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $ROOT/.whl/*.whl && export PYTHONPATH=/tmp/site
       fi
       timeout ${PEER_TIMEOUT:-200} env PYTHONUNBUFFERED=1 python3 scripts/bench/dit_step_diffusers.py --model $CFG --dtype bf16 --reps 4 2>&1 | grep -v Warning | tail -6 | tee -a "$OUT/peer.txt" ;;
+    rm) rm -rf $W ;;
     *) run $CFG-${ph}g unet --config $CFG --weights $W/unet.safetensors --backend CUDA0 --params pinned --max-vram $((ph << 30)) --steps 3 ;;
   esac
 done

@@ -140,14 +140,20 @@ fn bad_flags_files_and_modules_are_clear_errors() {
 /// tests cover that).
 #[test]
 fn tiny_dit_step_runs_resident_and_streamed() {
-    let dir = std::env::temp_dir().join(format!("sd-bench-dit-{}", std::process::id()));
+    resident_equals_streamed("tiny-dit");
+}
+
+/// The LLM text encoder path (`--config tiny-llm`, as `qwen25vl-7b` on a GPU): one prompt
+/// with its weights on the device and in RAM under a budget, the same output.
+#[test]
+fn tiny_llm_runs_resident_and_streamed() {
+    resident_equals_streamed("tiny-llm");
+}
+
+fn resident_equals_streamed(config: &str) {
+    let dir = std::env::temp_dir().join(format!("sd-bench-{config}-{}", std::process::id()));
     let out = bench()
-        .args([
-            "write-weights",
-            dir.to_str().unwrap(),
-            "--config",
-            "tiny-dit",
-        ])
+        .args(["write-weights", dir.to_str().unwrap(), "--config", config])
         .output()
         .unwrap();
     assert!(
@@ -162,7 +168,7 @@ fn tiny_dit_step_runs_resident_and_streamed() {
         &["--params", "ram", "--max-vram", "0.2"],
     ] {
         let out = bench()
-            .args(["unet", "--config", "tiny-dit", "--backend", "CPU"])
+            .args(["unet", "--config", config, "--backend", "CPU"])
             .args(["--threads", "2", "--steps", "1"])
             .args(["--weights", weights.to_str().unwrap()])
             .args(extra)

@@ -6,8 +6,8 @@
 //!   (and the refiner's encoders and network), the VAE encoder at the init image's size
 //!   (img2img) and the VAE decoder at the final size;
 //! - a VAE decode (or encode) that fits at no cut granularity is switched to tiles
-//!   automatically (32-latent tiles, then 16 and 8), and the switch is logged; a tile
-//!   geometry the caller chose is kept;
+//!   automatically (32-latent tiles, then 16 and 8), and the switch is logged; tiles the
+//!   caller chose are kept when they fit, else made smaller the same way (and logged);
 //! - what fits at no granularity (nor in tiles, for the VAE) fails here, before sampling,
 //!   with the engine's error naming the segment, its largest tensor and the minimum budget.
 //!
@@ -100,41 +100,32 @@ impl Pipeline {
             .collect();
         for (encode, w, h) in passes {
             let what = if encode { "vae encode" } else { "vae decode" };
-            let side = |t: Option<VaeTiling>, n: usize| t.map_or(n, |t| t.tile.min(n));
-            let tiling = out.vae_tiling;
-            match self.plan_vae(encode, side(tiling, w), side(tiling, h)) {
-                Ok(plan) => out.plans.push((what.into(), plan)),
-                Err(e) if is_budget(&e) && tiling.is_none() => {
-                    let whole = e;
-                    let mut chosen = None;
-                    for tile in AUTO_TILES.into_iter().filter(|&t| t < w.max(h)) {
-                        match self.plan_vae(encode, tile.min(w), tile.min(h)) {
-                            Ok(plan) => {
-                                chosen = Some((tile, plan));
-                                break;
-                            }
-                            Err(e) if is_budget(&e) => continue,
-                            Err(e) => return Err(err(e)),
-                        }
-                    }
-                    let Some((tile, plan)) = chosen else {
-                        return Err(err(whole));
-                    };
-                    let t = VaeTiling {
-                        tile,
-                        overlap: tile / 2,
-                    };
-                    tracing::info!(
-                        tile,
+            let (tiling, plan) = self.fit_vae(encode, w, h, out.vae_tiling).map_err(err)?;
+            let switched = tiling != out.vae_tiling;
+            if switched {
+                let t = tiling.unwrap_or_default();
+                match out.vae_tiling {
+                    None => tracing::info!(
+                        tile = t.tile,
                         overlap = t.overlap,
                         "{what} at {w}x{h} latents does not fit the budget: tiling it automatically"
-                    );
-                    out.vae_tiling = Some(t);
-                    out.auto_tiled = true;
-                    out.plans.push((format!("{what} (tiles of {tile})"), plan));
+                    ),
+                    Some(asked) => tracing::info!(
+                        tile = t.tile,
+                        overlap = t.overlap,
+                        "{what} in tiles of {} latents does not fit the budget: tiles of {} instead",
+                        asked.tile,
+                        t.tile
+                    ),
                 }
-                Err(e) => return Err(err(e)),
+                out.vae_tiling = tiling;
+                out.auto_tiled = true;
             }
+            let name = match tiling {
+                Some(t) if switched => format!("{what} (tiles of {})", t.tile),
+                _ => what.to_string(),
+            };
+            out.plans.push((name, plan));
         }
         for (what, plan) in &out.plans {
             tracing::debug!(
@@ -147,6 +138,41 @@ impl Pipeline {
             );
         }
         Ok(out)
+    }
+
+    /// The VAE pass (`encode`, `w` x `h` latents) in the tiling `asked` (`None`: whole) or,
+    /// when that fits at no cut granularity, in the largest of [`AUTO_TILES`] smaller than
+    /// both the asked tile and the image that does: `(tiling, plan)`. The one owner of the
+    /// "tile when it does not fit" policy (preflight and `sd plan` ask here). Smaller tiles keep
+    /// the asked overlap's share of the tile (half by default). When nothing fits, the error
+    /// of the asked geometry (it names the minimum budget).
+    pub(crate) fn fit_vae(
+        &mut self,
+        encode: bool,
+        w: usize,
+        h: usize,
+        asked: Option<VaeTiling>,
+    ) -> Result<(Option<VaeTiling>, PlanSummary), RuntimeError> {
+        let side = |t: Option<VaeTiling>, n: usize| t.map_or(n, |t| t.tile.min(n));
+        let first = match self.plan_vae(encode, side(asked, w), side(asked, h)) {
+            Ok(plan) => return Ok((asked, plan)),
+            Err(e) if is_budget(&e) => e,
+            Err(e) => return Err(e),
+        };
+        let largest = asked.map_or(w.max(h), |t| t.tile.min(w.max(h)));
+        for tile in AUTO_TILES.into_iter().filter(|&t| t < largest) {
+            let overlap = asked.map_or(tile / 2, |a| a.overlap * tile / a.tile.max(1));
+            let t = VaeTiling {
+                tile,
+                overlap: overlap.min(tile - 1),
+            };
+            match self.plan_vae(encode, tile.min(w), tile.min(h)) {
+                Ok(plan) => return Ok((Some(t), plan)),
+                Err(e) if is_budget(&e) => continue,
+                Err(e) => return Err(e),
+            }
+        }
+        Err(first)
     }
 
     /// Plans text encoder `i` on one chunk of its maximum token count.

@@ -173,26 +173,11 @@ impl Pipeline {
         passes.push((false, lw, lh));
         for (encode, w, h) in passes {
             let what = if encode { "vae encode" } else { "vae decode" };
-            let mut tiling = params.vae_tiling;
-            let mut plan = self.plan_vae_tiled(encode, w, h, tiling);
-            if tiling.is_none() && is_budget(&plan) {
-                // The tiles the run would switch to (see `Pipeline::preflight`).
-                for tile in crate::preflight::AUTO_TILES
-                    .into_iter()
-                    .filter(|&t| t < w.max(h))
-                {
-                    let t = VaeTiling {
-                        tile,
-                        overlap: tile / 2,
-                    };
-                    let p = self.plan_vae_tiled(encode, w, h, Some(t));
-                    if !is_budget(&p) {
-                        tiling = Some(t);
-                        plan = p;
-                        break;
-                    }
-                }
-            }
+            // The tiling the run would use (see `Pipeline::fit_vae`).
+            let (tiling, plan) = match self.fit_vae(encode, w, h, params.vae_tiling) {
+                Ok((t, p)) => (t, Ok(p)),
+                Err(e) => (params.vae_tiling, Err(e)),
+            };
             let (model, input, runs) = match tiling {
                 Some(t) => {
                     let n = tile_count(w, t) * tile_count(h, t);
@@ -224,21 +209,6 @@ impl Pipeline {
             Err(_) => (params.steps, params.steps),
         }
     }
-
-    fn plan_vae_tiled(
-        &mut self,
-        encode: bool,
-        w: usize,
-        h: usize,
-        tiling: Option<VaeTiling>,
-    ) -> Result<PlanSummary, RuntimeError> {
-        let side = |n: usize| tiling.map_or(n, |t| t.tile.min(n));
-        self.plan_vae(encode, side(w), side(h))
-    }
-}
-
-fn is_budget(p: &Result<PlanSummary, RuntimeError>) -> bool {
-    matches!(p, Err(RuntimeError::Exec(ExecError::BudgetTooSmall(_))))
 }
 
 /// Tiles of `t` along an axis of `n` latents.

@@ -100,3 +100,36 @@ fn a_vae_decode_over_the_budget_is_tiled_automatically() {
     let peak = p.runtime().sim_device().unwrap().peak_bytes();
     assert!(peak <= budget, "peak {peak} > budget {budget}");
 }
+
+#[test]
+fn tiles_the_caller_chose_are_made_smaller_when_they_do_not_fit() {
+    let side = 96;
+    let mut probe = load(16 << 10);
+    let t16 = minimum(&probe.plan_vae(false, 16, 16).unwrap_err());
+    let t8 = minimum(&probe.plan_vae(false, 8, 8).unwrap_err());
+    assert!(t8 < t16, "8-latent tiles {t8} B, 16-latent tiles {t16} B");
+    // Room for 8-latent tiles, not for the 16-latent ones asked for.
+    let budget = t16 - 4096;
+    assert!(budget >= t8);
+    let asked = Txt2Img {
+        vae_tiling: Some(sd_pipeline::vae_tiling::VaeTiling {
+            tile: 16,
+            overlap: 4,
+        }),
+        ..params(side)
+    };
+    let mut p = load(budget);
+    let pf = p.preflight(&asked, None).unwrap();
+    let tiling = pf.vae_tiling.unwrap();
+    assert!(pf.auto_tiled);
+    // The asked overlap's share of the tile (a quarter) is kept.
+    assert_eq!((tiling.tile, tiling.overlap), (8, 2), "{pf:?}");
+    assert!(
+        pf.plans.iter().any(|(m, _)| m == "vae decode (tiles of 8)"),
+        "{pf:?}"
+    );
+    let images = p.txt2img(&asked, &mut |_, _| {}).unwrap();
+    assert_eq!(images[0].width(), side);
+    let peak = p.runtime().sim_device().unwrap().peak_bytes();
+    assert!(peak <= budget, "peak {peak} > budget {budget}");
+}

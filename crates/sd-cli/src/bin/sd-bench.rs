@@ -2,7 +2,7 @@
 //! lines (one object per run). Driven on the GPU machine by `scripts/device/cuda_run.sh`.
 //!
 //! ```text
-//! sd-bench write-weights DIR [--config sd15|sdxl|tiny|sd35-large|sd35-medium|flux-dev|qwen-image]
+//! sd-bench write-weights DIR [--config sd15|sdxl|tiny|sd35-large|sd35-medium|flux-dev|qwen-image|qwen25vl-7b]
 //!                                                       random f16 weights (checkpoint names)
 //! sd-bench unet --weights FILE --backend NAME [--max-vram FRAC|BYTES] [--params MODE]
 //!               [--steps N] [--flash-attn auto|on|off] [--dump DIR] [--config NAME]
@@ -50,6 +50,7 @@ use sd_exec::{
 use sd_formats::files::{FileError, TensorCatalog};
 use sd_models::diffusion::{DiffusionArch, DiffusionInputs, DiffusionNet};
 use sd_models::flux::FluxConfig;
+use sd_models::llm::{LlmConfig, LlmModel};
 use sd_models::mmdit::MmditConfig;
 use sd_models::qwen_image::QwenImageConfig;
 use sd_models::unet::{HeadSpec, UnetConfig};
@@ -156,6 +157,14 @@ enum ConfigName {
     /// 128-token Qwen2.5-VL context of width 3584).
     #[value(name = "qwen-image")]
     QwenImage,
+    /// The Qwen2.5-VL-7B language model, Qwen-Image's text encoder (7.6 B): one prompt of 128
+    /// tokens (the chat template and the prompt), the last hidden state.
+    #[value(name = "qwen25vl-7b")]
+    Qwen25Vl7b,
+    /// A small language model of the Qwen2.5-VL architecture (4 layers of 128, grouped-query
+    /// attention 4/2, vocabulary 1000; 32 tokens): the LLM path on any machine.
+    #[value(name = "tiny-llm")]
+    TinyLlm,
     /// A small SD3.5-style MMDiT (2 blocks of 128, QK norm, MMDiT-X attention in block 0;
     /// 16x16 latents, 8x64 context): the DiT path on any machine.
     #[value(name = "tiny-dit")]
@@ -311,8 +320,47 @@ fn run(args: Args) -> Result<()> {
     }
 }
 
-fn config_of(name: ConfigName) -> DiffusionArch {
+/// What a benchmark configuration builds: a diffusion network, or a decoder-only language
+/// model used as a text encoder.
+enum BenchArch {
+    Diffusion(DiffusionArch),
+    Llm(LlmConfig),
+}
+
+/// The network declared from a [`BenchArch`].
+enum BenchNet {
+    Diffusion(Box<DiffusionNet>),
+    Llm(LlmModel),
+}
+
+impl BenchArch {
+    /// Latent channels (the LLM: 1).
+    fn in_channels(&self) -> usize {
+        match self {
+            BenchArch::Diffusion(d) => d.in_channels(),
+            BenchArch::Llm(_) => 1,
+        }
+    }
+}
+
+fn config_of(name: ConfigName) -> BenchArch {
     match name {
+        ConfigName::Qwen25Vl7b => return BenchArch::Llm(LlmConfig::qwen2_5_vl_7b()),
+        ConfigName::TinyLlm => {
+            return BenchArch::Llm(LlmConfig {
+                vocab_size: 1000,
+                hidden_size: 128,
+                intermediate_size: 256,
+                num_hidden_layers: 4,
+                num_attention_heads: 4,
+                num_key_value_heads: 2,
+                head_dim: 32,
+                ..LlmConfig::qwen2_5_vl_7b()
+            })
+        }
+        _ => {}
+    }
+    BenchArch::Diffusion(match name {
         ConfigName::Sd15 => DiffusionArch::Unet(UnetConfig::sd1()),
         ConfigName::Tiny => DiffusionArch::Unet(tiny_config()),
         ConfigName::Sdxl => DiffusionArch::Unet(UnetConfig::sdxl()),
@@ -330,7 +378,8 @@ fn config_of(name: ConfigName) -> DiffusionArch {
             dual_attention_layers: vec![0],
             ..MmditConfig::sd35_large()
         }),
-    }
+        ConfigName::Qwen25Vl7b | ConfigName::TinyLlm => unreachable!("handled above"),
+    })
 }
 
 /// A small UNet of the SD1 architecture whose head widths (64, 128) every backend's flash
@@ -352,12 +401,15 @@ fn tiny_config() -> UnetConfig {
 /// any model is declared; `write-weights` always writes f16).
 static WEIGHT_TYPE: std::sync::OnceLock<DType> = std::sync::OnceLock::new();
 
-fn declare(cfg: &DiffusionArch, catalog: Option<&TensorCatalog>) -> Result<(DiffusionNet, Params)> {
+fn declare(cfg: &BenchArch, catalog: Option<&TensorCatalog>) -> Result<(BenchNet, Params)> {
     let pb = ParamBuilder::new(catalog, DEFAULT_PARAM_CAPACITY)?;
     if catalog.is_some() {
         pb.set_weight_type(WEIGHT_TYPE.get().copied());
     }
-    let model = DiffusionNet::new(&pb, cfg)?;
+    let model = match cfg {
+        BenchArch::Diffusion(d) => BenchNet::Diffusion(Box::new(DiffusionNet::new(&pb, d)?)),
+        BenchArch::Llm(c) => BenchNet::Llm(LlmModel::new(&pb, c.clone())?),
+    };
     Ok((model, pb.finish()))
 }
 
@@ -376,7 +428,7 @@ impl Rng {
 /// Writes random f16 weights for `cfg` in the LDM layout (`model.diffusion_model.*`, as SD1.5
 /// checkpoints store them) to `path`; returns the data bytes. Matrices and kernels are
 /// uniform with variance 1/(3 fan_in); norm gains 1 ± 0.1; biases ± 0.02.
-fn write_weights(cfg: &DiffusionArch, path: &Path, seed: u64) -> Result<u64> {
+fn write_weights(cfg: &BenchArch, path: &Path, seed: u64) -> Result<u64> {
     let (_, params) = declare(cfg, None)?;
     let mut header = String::from("{");
     let mut offset = 0u64;
@@ -488,11 +540,36 @@ struct Inputs {
     y: Option<(usize, Vec<f32>)>,
     /// The distilled guidance `[B]` (FLUX.1-dev).
     guidance: Option<Vec<f32>>,
+    /// Token ids `[W]` (the LLM's only input; empty for diffusion networks).
+    ids: Vec<i32>,
 }
 
 impl Inputs {
-    fn new(cfg: &DiffusionArch, w: usize, b: usize, n_ctx: usize) -> Inputs {
+    /// `w` is the latent side, or the LLM's token count.
+    fn new(cfg: &BenchArch, w: usize, b: usize, n_ctx: usize) -> Inputs {
         let mut rng = Rng(77);
+        let cfg = match cfg {
+            BenchArch::Diffusion(d) => d,
+            BenchArch::Llm(l) => {
+                let vocab = l.vocab_size as f32;
+                let ids = (0..w * b)
+                    .map(|_| ((rng.next() * 0.5 + 0.5) * vocab).min(vocab - 1.0) as i32)
+                    .collect();
+                return Inputs {
+                    w,
+                    b,
+                    n_ctx: 0,
+                    c: 1,
+                    d: 0,
+                    x: Vec::new(),
+                    t: Vec::new(),
+                    ctx: Vec::new(),
+                    y: None,
+                    guidance: None,
+                    ids,
+                };
+            }
+        };
         let c = cfg.in_channels();
         let x = (0..w * w * c * b).map(|_| rng.next()).collect();
         // The network's time: a DDPM timestep, sigma x 1000 (SD3) or sigma (FLUX).
@@ -525,6 +602,7 @@ impl Inputs {
             ctx,
             y,
             guidance,
+            ids: Vec::new(),
         }
     }
 }
@@ -541,12 +619,12 @@ struct Rig {
     session: SessionId,
     task: ComputeTask,
     _g: GraphCtx,
-    _model: DiffusionNet,
+    _model: BenchNet,
     _params: Params,
 }
 
 struct RigOptions<'a> {
-    cfg: &'a DiffusionArch,
+    cfg: &'a BenchArch,
     weights: &'a Path,
     backend: Arc<Backend>,
     mode: ParamsMode,
@@ -644,7 +722,7 @@ const GRAPH: usize = 32768;
 /// inputs).
 #[allow(clippy::type_complexity)]
 fn unet_graph(
-    model: &DiffusionNet,
+    model: &BenchNet,
     inputs: &Inputs,
     flash_attn: &[usize],
 ) -> Result<(
@@ -668,6 +746,21 @@ fn unet_graph(
         t.set_name(name);
         t.set_input();
         Ok(t)
+    };
+    let model = match model {
+        BenchNet::Diffusion(d) => d,
+        BenchNet::Llm(llm) => {
+            let ids = ctx.new_tensor(DType::I32, &[inputs.w, inputs.b])?;
+            ids.set_name("input_ids");
+            ids.set_input();
+            let out = llm.forward(&mut g, &ids)?;
+            out.set_output();
+            let mut graph = sd_tensor::ggml::Graph::new(&ctx, GRAPH)?;
+            graph.build_forward_expand(&out)?;
+            let mut feeds = vec![(ids, i32_bytes(&inputs.ids))];
+            feeds.extend(aux_feeds(&g));
+            return Ok((g, graph, out, feeds));
+        }
     };
     let x = input("x", &[inputs.w, inputs.w, inputs.c, inputs.b])?;
     let t = input("timesteps", &[inputs.b])?;
@@ -699,21 +792,33 @@ fn unet_graph(
     if let (Some(gd), Some(data)) = (gd, &inputs.guidance) {
         feeds.push((gd, f32_bytes(data)));
     }
-    for aux in &g.aux {
-        let bytes = match &aux.data {
-            HostData::F32(v) => f32_bytes(v),
-            HostData::I32(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-        };
-        feeds.push((aux.tensor.clone(), bytes));
-    }
+    feeds.extend(aux_feeds(&g));
     Ok((g, graph, out, feeds))
+}
+
+/// The host-made inputs the network added to `g` (RoPE tables, masks) with their bytes.
+fn aux_feeds(g: &GraphCtx) -> Vec<(GTensor, Vec<u8>)> {
+    g.aux
+        .iter()
+        .map(|aux| {
+            let bytes = match &aux.data {
+                HostData::F32(v) => f32_bytes(v),
+                HostData::I32(v) => i32_bytes(v),
+            };
+            (aux.tensor.clone(), bytes)
+        })
+        .collect()
+}
+
+fn i32_bytes(v: &[i32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
 }
 
 /// The same step without the engine: weights in one device buffer, the graph allocated once
 /// with ggml's graph allocator, then `compute` + `synchronize` timed `steps` times (the
 /// engine's per-step overhead is the difference to the resident engine step).
 fn direct_step_ms(
-    cfg: &DiffusionArch,
+    cfg: &BenchArch,
     weights: &Path,
     backend: &Backend,
     inputs: &Inputs,
@@ -755,7 +860,7 @@ impl Rig {
 }
 
 /// The head widths of `cfg` whose `flash_attn_ext` (f32 Q, f16 K/V) `backend` runs.
-fn flash_attn_dims(backend: &Backend, cfg: &DiffusionArch) -> Result<Vec<usize>> {
+fn flash_attn_dims(backend: &Backend, cfg: &BenchArch) -> Result<Vec<usize>> {
     let ctx = Context::new_descriptors(64, 1, 0)?;
     let mut dims = Vec::new();
     for d in all_head_dims(cfg)? {
@@ -770,9 +875,13 @@ fn flash_attn_dims(backend: &Backend, cfg: &DiffusionArch) -> Result<Vec<usize>>
     Ok(dims)
 }
 
-/// Every head width of `cfg`.
-fn all_head_dims(cfg: &DiffusionArch) -> Result<Vec<usize>> {
+/// Every head width of `cfg` whose attention can use flash attention (the LLM's: none).
+fn all_head_dims(cfg: &BenchArch) -> Result<Vec<usize>> {
     let mut dims = Vec::new();
+    let cfg = match cfg {
+        BenchArch::Diffusion(d) => d,
+        BenchArch::Llm(_) => return Ok(dims),
+    };
     match cfg {
         DiffusionArch::Unet(u) => {
             for mult in &u.channel_mult {
@@ -861,6 +970,8 @@ fn cmd_unet(a: &UnetArgs) -> Result<()> {
         ConfigName::FluxDev => (128, 1, 512),
         ConfigName::QwenImage => (128, 1, 128),
         ConfigName::TinyDit => (16, 2, 8),
+        ConfigName::Qwen25Vl7b => (128, 1, 0),
+        ConfigName::TinyLlm => (32, 1, 0),
     };
     let inputs = Inputs::new(&cfg, w, b, n_ctx);
 
@@ -1011,7 +1122,7 @@ fn rel_l2(a: &[f32], r: &[f32]) -> f64 {
 /// streamed from pinned/pageable RAM or disk through a budget of half the weights; every
 /// result must match the CPU's within f16 tolerance.
 fn cmd_check(name: &str, threads: usize) -> Result<()> {
-    let cfg = DiffusionArch::Unet(tiny_config());
+    let cfg = BenchArch::Diffusion(DiffusionArch::Unet(tiny_config()));
     let dir = std::env::temp_dir().join(format!("sd-bench-check-{}", std::process::id()));
     let weights = dir.join("unet.safetensors");
     let weight_bytes = write_weights(&cfg, &weights, 5)?;
