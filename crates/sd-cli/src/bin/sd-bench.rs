@@ -29,11 +29,13 @@
 //! has that budget and runs in segments with prefetch. Reported per run: the median step
 //! time, the weight bytes uploaded per step (the manager's counter), the peak device memory
 //! used as CUDA reports it (`cudaMemGetInfo` through `ggml_backend_dev_memory`, sampled
-//! every 0.2 ms from a thread, relative to the free memory before the run), and the engine's
+//! every 0.2 ms from a thread, relative to the free memory before the run, and as all the
+//! device memory in use at that moment, the runtime's context included), and the engine's
 //! own largest segment footprint. `--runtime-reserve` takes that many bytes of the budget
-//! away from the engine for the backend's own allocations (default: the `ModelManager`'s,
-//! `CUDA_RUNTIME_RESERVE_BYTES` on CUDA devices); `--direct on` times the step
-//! without the engine (one graph allocation, `compute` only).
+//! away from the engine for the backend's own allocations (default with `--max-vram`:
+//! measured after a warm-up graph, as `sd` does: `sd_exec::measure_runtime_reserve`);
+//! `--direct on` times the step without the engine (one graph allocation, `compute` only).
+//! `RUST_LOG=sd_exec=debug` prints the engine's segment, prefetch and eviction decisions.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -200,6 +202,11 @@ enum Cmd {
         /// The UNet
         #[arg(long, value_enum, default_value = "sd15")]
         config: ConfigName,
+        /// Blocks of a DiT or layers of an LLM (default: the configuration's); `unet` reads
+        /// the count back from the file, so a smaller model of the same widths can stand in
+        /// for the whole one
+        #[arg(long, value_name = "N")]
+        blocks: Option<usize>,
     },
     /// One UNet step through the engine (or directly with --direct on)
     Unet(UnetArgs),
@@ -273,6 +280,12 @@ struct UnetArgs {
 }
 
 fn main() -> ExitCode {
+    // The engine's decisions (segments, prefetches, evictions) with RUST_LOG, on stderr.
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_writer(std::io::stderr)
+        .with_ansi(false)
+        .try_init();
     let args = match Args::try_parse_from(std::env::args_os()) {
         Ok(a) => a,
         Err(e) => {
@@ -302,8 +315,12 @@ fn run(args: Args) -> Result<()> {
         eprintln!("sd-bench: backend modules added devices {loaded:?}");
     }
     match args.cmd {
-        Cmd::WriteWeights { dir, config } => {
-            let cfg = config_of(config);
+        Cmd::WriteWeights {
+            dir,
+            config,
+            blocks,
+        } => {
+            let cfg = with_blocks(config_of(config), blocks)?;
             let path = dir.join("unet.safetensors");
             let t0 = Instant::now();
             let bytes = write_weights(&cfg, &path, 1)?;
@@ -341,6 +358,36 @@ impl BenchArch {
             BenchArch::Llm(_) => 1,
         }
     }
+}
+
+/// `cfg` with `blocks` transformer blocks (DiTs) or layers (LLMs); UNets have none to set.
+fn with_blocks(cfg: BenchArch, blocks: Option<usize>) -> Result<BenchArch> {
+    let Some(n) = blocks else {
+        return Ok(cfg);
+    };
+    if n == 0 {
+        return Err(BenchError::Usage("--blocks must be at least 1".into()));
+    }
+    Ok(match cfg {
+        BenchArch::Llm(l) => BenchArch::Llm(LlmConfig {
+            num_hidden_layers: n,
+            ..l
+        }),
+        BenchArch::Diffusion(DiffusionArch::QwenImage(q)) => {
+            BenchArch::Diffusion(DiffusionArch::QwenImage(QwenImageConfig {
+                num_layers: n,
+                ..q
+            }))
+        }
+        BenchArch::Diffusion(DiffusionArch::Mmdit(m)) => {
+            BenchArch::Diffusion(DiffusionArch::Mmdit(MmditConfig { depth: n, ..m }))
+        }
+        _ => {
+            return Err(BenchError::Usage(
+                "--blocks applies to qwen-image, the SD3 configurations and the LLMs".into(),
+            ))
+        }
+    })
 }
 
 fn config_of(name: ConfigName) -> BenchArch {
@@ -986,14 +1033,15 @@ fn cmd_unet(a: &UnetArgs) -> Result<()> {
         return Ok(());
     }
     // The engine's budget leaves `--runtime-reserve` bytes of the --max-vram budget to the
-    // backend's own allocations it does not see (CUDA: cuBLAS workspaces, loaded kernels,
-    // ggml's temporary pool).
-    let default_reserve = if device.name().to_ascii_uppercase().starts_with("CUDA") {
-        sd_residency::capacity::CUDA_RUNTIME_RESERVE_BYTES
-    } else {
-        0
+    // backend's own allocations it does not see (CUDA: context, cuBLAS workspaces, loaded
+    // kernels, ggml's temporary pool); by default measured as `sd` measures it.
+    let reserve: u64 = match a.runtime_reserve {
+        Some(r) => r,
+        None if budget.is_some() => {
+            sd_exec::measure_runtime_reserve(&backend)?.map_or(0, |r| r.reserve)
+        }
+        None => 0,
     };
-    let reserve: u64 = a.runtime_reserve.unwrap_or(default_reserve);
     let engine_budget = budget.map(|b| b.saturating_sub(reserve));
 
     let free_before = device.memory().free;
@@ -1028,6 +1076,9 @@ fn cmd_unet(a: &UnetArgs) -> Result<()> {
     let backend_id = rig.engine.session(rig.session).map(|s| s.backend_id());
     let copy_stream = backend_id.is_some_and(|id| rig.engine.manager_mut().uploads_async(id));
     let peak_used = free_before.saturating_sub(sampler.min_free());
+    // Everything in use on the device at the peak, the runtime's context included (what a
+    // --max-vram budget counts; other processes' memory too, if any).
+    let device_used_peak = device.memory().total.saturating_sub(sampler.min_free());
     drop(sampler);
     let out = last.output_f32().unwrap_or_default();
     let finite = out.iter().all(|v| v.is_finite());
@@ -1082,6 +1133,7 @@ fn cmd_unet(a: &UnetArgs) -> Result<()> {
             "prefetched": last.segments.iter().filter(|s| s.prefetched).count(),
             "engine_max_footprint_bytes": max_footprint,
             "peak_device_used_bytes": peak_used,
+            "device_used_peak_bytes": device_used_peak,
             "output_finite": finite,
             "output_rms": (out.iter().map(|v| (*v as f64).powi(2)).sum::<f64>() / out.len().max(1) as f64).sqrt(),
             "max_abs_diff_first_vs_last": repeat_diff,
