@@ -229,6 +229,7 @@ impl<M: DeviceResidencyManager> ExecutionEngine<M> {
                     required: &[],
                     preferred: &[],
                     protected: &[],
+                    pending_unless_pooled: false,
                 },
                 &mut self.log,
             )?;

@@ -67,6 +67,11 @@ pub(crate) struct CapacityAsk<'a> {
     pub preferred: &'a [Vec<ParamId>],
     /// Parameters never to evict.
     pub protected: &'a [ParamId],
+    /// Whether the request's pending bytes are needed only when the required weights do
+    /// not all go to the staging pool. A prefetch: weights staged into the pool take
+    /// nothing from the budget outside it, where the current segment's outputs and the
+    /// next segment's workspace live (those were asked for by the segments themselves).
+    pub pending_unless_pooled: bool,
 }
 
 /// The evictable weight blocks on the asked backend holding no required or protected
@@ -135,16 +140,23 @@ pub(crate) fn ensure_capacity<M: DeviceResidencyManager>(
     log: &mut Vec<ReclaimEvent>,
 ) -> Result<()> {
     let _span = tracing::debug_span!("ensure_capacity", what = %ask.what, pending = ask.request.pending_bytes).entered();
-    let check =
-        |m: &M, after: bool| -> Result<(bool, sd_residency::capacity::DeviceMemoryCapacity)> {
-            let cap = m.inspect_compute_backend_capacity(&ask.request, ask.required)?;
-            Ok((cap.fits(after), cap))
-        };
     // 0. The staging pool: the plan counts the required weights in it, so blocks left in
     // it by earlier segments make room for them even when buffers of their own would fit
     // (those would sit next to a pool that keeps its bytes, and later segments would not
     // find the budget the plan gave them).
     make_pool_room(manager, ask, log)?;
+    let mut request = ask.request;
+    if ask.pending_unless_pooled
+        && !ask.required.is_empty()
+        && manager.pool_holds(request.backend, ask.required)?
+    {
+        request.pending_bytes = 0;
+    }
+    let check =
+        |m: &M, after: bool| -> Result<(bool, sd_residency::capacity::DeviceMemoryCapacity)> {
+            let cap = m.inspect_compute_backend_capacity(&request, ask.required)?;
+            Ok((cap.fits(after), cap))
+        };
     let (fits, cap) = check(manager, false)?;
     if fits {
         return Ok(());
@@ -200,7 +212,7 @@ pub(crate) fn ensure_capacity<M: DeviceResidencyManager>(
             let mut skipped = Vec::new();
             let mut evicted = false;
             for b in pass {
-                if b.pooled && !manager.fits_with_pool_room(&ask.request, ask.required)? {
+                if b.pooled && !manager.fits_with_pool_room(&request, ask.required)? {
                     skipped.push(b);
                     continue;
                 }
@@ -226,7 +238,7 @@ pub(crate) fn ensure_capacity<M: DeviceResidencyManager>(
         }
     }
     // 5. Fail.
-    let cap = manager.inspect_compute_backend_capacity(&ask.request, ask.required)?;
+    let cap = manager.inspect_compute_backend_capacity(&request, ask.required)?;
     tracing::warn!(
         what = %ask.what,
         needed_device = cap.required_device_bytes,

@@ -314,6 +314,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
                 required: &[],
                 preferred: &preferred,
                 protected: &[],
+                pending_unless_pooled: false,
             },
             self.log,
         );
@@ -755,6 +756,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
                 required: &ordered,
                 preferred: &preferred,
                 protected: &ordered,
+                pending_unless_pooled: false,
             };
             let room = ensure_capacity(
                 self.manager,
@@ -992,6 +994,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
                 required: &missing,
                 preferred: &preferred,
                 protected: &protected,
+                pending_unless_pooled: true,
             },
             self.log,
         );

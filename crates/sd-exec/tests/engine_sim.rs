@@ -1116,3 +1116,64 @@ fn async_uploads_on_a_copy_stream_equal_whole_within_budget_with_a_fixed_pool() 
         "queued uploads allocate no device memory of their own"
     );
 }
+
+/// A transformer stack streamed layer by layer with the staging pool: the next layer's
+/// weights are prefetched into the pool while a layer computes, even when the budget
+/// outside the pool holds only what a segment itself needs (a prefetch into the pool takes
+/// nothing from it; it used to be refused for the current segment's outputs counted again,
+/// so big DiTs streamed with no overlap at all). Same bits, within the budget.
+#[test]
+fn pooled_prefetch_needs_only_pool_room() {
+    let (whole, _) = run(
+        "PPF_REF",
+        transformer,
+        None,
+        SegmentationPolicy::Never,
+        false,
+    );
+    let (seg, _) = run(
+        "PPF_PROBE",
+        transformer,
+        None,
+        SegmentationPolicy::Always,
+        false,
+    );
+    let weights = weight_bytes(&rig("PPF_W", false), "tf.");
+    let footprint = seg.segments.iter().map(|s| s.footprint()).max().unwrap();
+    // Room for about two layers' weights in the pool, besides a segment's own needs.
+    let budget = footprint + 2 * weights / LAYERS as u64 + 4096;
+    let mut r = rig("PPF", true);
+    let id = r.engine.create_session(
+        SessionConfig::new("test", r.backend.clone(), r.gpu)
+            .with_budget(Some(budget))
+            .with_segmentation(SegmentationPolicy::Always)
+            .with_prefetch(true)
+            .with_staging_pool(true),
+    );
+    r.engine.start(id).unwrap();
+    let mut last = None;
+    for step in 0..3 {
+        let out = r.engine.execute(id, &transformer(&r.w)).unwrap();
+        assert_eq!(out.output, whole.output, "step {step} differs");
+        last = Some(out);
+    }
+    let last = last.unwrap();
+    let prefetched = last.segments.iter().filter(|s| s.prefetched).count();
+    let peak = r.sim.peak_bytes();
+    println!(
+        "weights {weights} B, budget {budget} B, pool {:?}, {} segments, {prefetched} prefetched, peak {peak} B",
+        r.engine.manager().staging_pool_bytes(r.gpu),
+        last.segments.len()
+    );
+    assert!(r.engine.manager().staging_pool_bytes(r.gpu).is_some());
+    assert!(peak <= budget, "peak {peak} > budget {budget}");
+    // The layers after the first are prefetched while the one before computes (the first
+    // layer and the weightless final segment have nothing before them or nothing to fetch;
+    // one layer may find the pool too fragmented). Before the fix: 1 of 7.
+    assert!(
+        prefetched + 3 >= last.segments.len(),
+        "{prefetched} of {} segments prefetched",
+        last.segments.len()
+    );
+    r.engine.end(id).unwrap();
+}
