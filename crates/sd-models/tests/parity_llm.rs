@@ -120,6 +120,40 @@ fn llm_gguf_q8_0_keeps_its_quantized_weights_and_matches_transformers() {
     check("llm gguf q8_0", &got, want, 2e-2);
 }
 
+/// A q4_K GGUF as llama.cpp's quantizers lay one out (`make_llm_fixtures.py q4_k`: the
+/// matrices of whole 256-value rows in q4_K, the down projections q8_0): dequantized when
+/// loaded it gives transformers' output on the same dequantized weights; kept q4_K, within
+/// ggml's rounding of the products' inputs.
+#[test]
+fn llm_gguf_q4_k_keeps_its_quantized_weights_and_matches_transformers() {
+    let cat = catalog("llm_tiny_q4_k.gguf");
+    let dtype = |name: &str| cat.get(&format!("{LLM_PREFIX}{name}")).map(|t| t.dtype);
+    assert_eq!(
+        dtype("model.layers.0.self_attn.q_proj.weight"),
+        Some(DType::Q4K)
+    );
+    assert_eq!(
+        dtype("model.layers.1.mlp.gate_proj.weight"),
+        Some(DType::Q4K)
+    );
+    assert_eq!(
+        dtype("model.layers.1.mlp.down_proj.weight"),
+        Some(DType::Q8_0)
+    );
+    let want = &io_in(&dir(), "llm_tiny_q4_k")["out_q4_k"].data;
+    let (_, dtypes_f32, exact) = run(&cat, Some(DType::F32));
+    assert!(dtypes_f32.iter().all(|&d| d == DType::F32));
+    println!(
+        "llm gguf q4_K dequantized: rel L2 {:.3e}",
+        rel_l2(&exact, want)
+    );
+    check("llm gguf q4_K dequantized", &exact, want, 1e-4);
+    let (_, dtypes, got) = run(&cat, None);
+    assert!(dtypes.contains(&DType::Q4K), "q4_K weights stay q4_K");
+    println!("llm gguf q4_K: rel L2 {:.3e}", rel_l2(&got, want));
+    check("llm gguf q4_K", &got, want, 2e-2);
+}
+
 #[test]
 fn llm_without_a_layer_tensor_is_a_clear_error() {
     let mut cat = catalog("llm_tiny.safetensors");

@@ -47,7 +47,9 @@ fn run(
     let params = pb.finish();
     assert_eq!(params.tensors.len(), cat.len(), "every tensor is used");
     let _buf = load_all_to_cpu(&params, cat).unwrap();
-    let io = io_in(&dir(), "qwen_image_tiny");
+    let mut io = io_in(&dir(), "qwen_image_tiny");
+    // The q4_K fixture's reference output is a file of its own.
+    io.extend(io_in(&dir(), "qwen_image_tiny_q4_k"));
     let mut g = GraphCtx::new(model.graph_size(), model.graph_size(), options()).unwrap();
     let new = |g: &GraphCtx, key: &str| g.ctx.new_tensor(DType::F32, &ne(&io[key].shape)).unwrap();
     let (img, txt, t) = (new(&g, img_key), new(&g, "txt"), new(&g, "timestep"));
@@ -100,6 +102,27 @@ fn q8_0_gguf_matches_diffusers_on_its_weights() {
     );
     let (_, e) = run(&cat, "img", (3, 4), "out_q8_0");
     println!("qwen-image tiny, q8_0 GGUF: relative L2 {e:.2e}");
+    assert!(e < 2e-2, "relative L2 {e:.3e}");
+}
+
+/// A q4_K GGUF as llama.cpp's quantizers lay one out (matrices of whole 256-value rows in
+/// q4_K, here the MLP down projections; the other matrices q8_0; `kquants.py` makes the
+/// blocks) against the reference on the same weights dequantized by the `gguf` package.
+#[test]
+fn q4_k_gguf_matches_diffusers_on_its_weights() {
+    let cat = catalog("qwen_image_tiny_q4_k.gguf");
+    let q4 = cat
+        .names_with_prefix("")
+        .filter(|n| cat.get(n).map(|t| t.dtype) == Some(DType::Q4K))
+        .count();
+    assert!(q4 >= 4, "{q4} q4_K tensors");
+    assert_eq!(
+        cat.get("model.diffusion_model.transformer_blocks.0.img_mlp.net.2.weight")
+            .map(|t| t.dtype),
+        Some(DType::Q4K)
+    );
+    let (_, e) = run(&cat, "img", (3, 4), "out_q4_k");
+    println!("qwen-image tiny, q4_K GGUF ({q4} q4_K tensors): relative L2 {e:.2e}");
     assert!(e < 2e-2, "relative L2 {e:.3e}");
 }
 
