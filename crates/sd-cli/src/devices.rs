@@ -111,8 +111,15 @@ pub fn list() {
         }
     }
     for o in modules {
-        if let Err(e) = &o.result {
-            println!("  not loaded: {e}");
+        match &o.result {
+            Err(e) => println!("  not loaded: {e}"),
+            // Loaded, but its runtime found no device (no GPU, or no driver for it: a
+            // Vulkan module without an ICD, a CUDA module without a CUDA driver).
+            Ok(devs) if devs.is_empty() => println!(
+                "  loaded, no devices: {} (its runtime found no GPU or no driver for one)",
+                o.path.display()
+            ),
+            Ok(_) => {}
         }
     }
     if modules.is_empty() {

@@ -39,7 +39,11 @@ static enum ggml_backend_dev_type dev_type(ggml_backend_dev_t d) {
 }
 static struct ggml_backend_device dev;
 static const char * reg_name(ggml_backend_reg_t r) { (void) r; return "STUB"; }
+#ifdef STUB_NO_DEVICES
+static size_t reg_count(ggml_backend_reg_t r) { (void) r; return 0; }
+#else
 static size_t reg_count(ggml_backend_reg_t r) { (void) r; return 1; }
+#endif
 static ggml_backend_dev_t reg_get(ggml_backend_reg_t r, size_t i) { (void) r; (void) i; return &dev; }
 static struct ggml_backend_reg reg;
 
@@ -224,6 +228,20 @@ fn mismatched_modules_are_refused_with_a_clear_warning() {
         out.contains("not loaded: cannot load ggml backend module"),
         "{out}"
     );
+
+    // A module whose runtime finds no device (a Vulkan module without a driver): loaded,
+    // listed as such, no warning.
+    let none = scratch("nodev");
+    build_stub(&none, "nodev", &["-DSTUB_NO_DEVICES"]);
+    let o = list_devices(sd(), Some(&none));
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{out}\n{err}");
+    assert!(
+        out.lines()
+            .any(|l| l.contains("loaded, no devices") && l.contains("libggml-nodev.so")),
+        "{out}"
+    );
+    assert!(!err.contains("warning"), "{err}");
 
     // A named file that does not exist.
     let o = list_devices(sd(), Some(&dir.join("libggml-cuda.so")));
