@@ -332,6 +332,16 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
     /// merged, or layer split) without running anything; returns it and whether it is
     /// segmented. What fits at no granularity is [`ExecError::BudgetTooSmall`].
     pub(crate) fn choose(&mut self, task: &ComputeTask) -> Result<(Prepared, bool)> {
+        if self.session.config.runtime_temporaries {
+            // The runtime's pool for this graph's largest product, beyond the reserve's
+            // margin, comes out of the budget before anything is planned against it.
+            let extra = crate::reserve::backend_temporaries(&task.graph)
+                .saturating_sub(crate::reserve::RUNTIME_POOL_MARGIN_BYTES);
+            if extra > 0 {
+                self.manager
+                    .reserve_backend_temporaries(self.session.config.backend_id, extra);
+            }
+        }
         let whole = self.prepare_plan(task, &CutMarks::new())?;
         if self.session.is_layer_split() && !task.marks.is_empty() {
             let mut p = self.prepare_plan(task, &task.marks.coarse())?;

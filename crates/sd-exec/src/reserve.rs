@@ -60,6 +60,36 @@ pub fn measure_runtime_reserve(backend: &Backend) -> Result<Option<RuntimeReserv
     }))
 }
 
+/// The largest operator temporaries a GPU backend allocates outside the graph's buffers to
+/// run `graph`, estimated from its matrix products: ggml's CUDA backend multiplies an f16,
+/// bf16 or quantized matrix by f32 activations through cuBLAS in f16, with the activations
+/// converted to f16, the product written in f16 and converted back, and a quantized matrix
+/// dequantized to f16, all in its memory pool, which keeps its high-water mark. The largest
+/// such set over the graph's nodes (they run one at a time): `2 (n(src1) + n(dst))` bytes,
+/// `+ 2 n(src0)` for a quantized matrix. Flash attention with f16 K/V and convolutions
+/// (im2col tensors are graph tensors) add nothing here; the warm-up's pool and
+/// [`RUNTIME_POOL_MARGIN_BYTES`] cover the small ones.
+pub fn backend_temporaries(graph: &Graph) -> u64 {
+    graph
+        .nodes()
+        .iter()
+        .filter(|n| n.op_name() == "MUL_MAT")
+        .filter_map(|n| {
+            let (a, b) = (n.src(0)?, n.src(1)?);
+            let wt = a.dtype()?;
+            if wt == DType::F32 || b.dtype()? != DType::F32 {
+                return None;
+            }
+            let mut bytes = 2 * (b.nelements() + n.nelements()) as u64;
+            if wt.is_quantized() {
+                bytes += 2 * a.nelements() as u64;
+            }
+            Some(bytes)
+        })
+        .max()
+        .unwrap_or(0)
+}
+
 /// Builds, allocates and runs the warm-up graph; every buffer is freed on return.
 fn warm_up(backend: &Backend) -> std::result::Result<(), sd_tensor::GgmlError> {
     let ctx = Context::new_descriptors(64, 64, 1)?;
@@ -105,6 +135,30 @@ fn warm_up(backend: &Backend) -> std::result::Result<(), sd_tensor::GgmlError> {
 mod tests {
     use super::*;
     use sd_tensor::ggml::{SimDevice, SimOptions};
+
+    #[test]
+    fn temporaries_are_the_largest_converted_product() {
+        let ctx = Context::new_descriptors(16, 16, 0).unwrap();
+        let w16 = ctx.new_tensor(DType::F16, &[64, 32]).unwrap();
+        let wq = ctx.new_tensor(DType::Q8_0, &[64, 32]).unwrap();
+        let w32 = ctx.new_tensor(DType::F32, &[64, 32]).unwrap();
+        let x = ctx.new_tensor(DType::F32, &[64, 100]).unwrap();
+        let h16 = ctx.mul_mat(&w16, &x).unwrap(); // [32, 100]
+        let f32_only = ctx.mul_mat(&w32, &x).unwrap();
+        let mut g = Graph::new(&ctx, 16).unwrap();
+        g.build_forward_expand(&h16).unwrap();
+        g.build_forward_expand(&f32_only).unwrap();
+        // x to f16 (6400 values), the product in f16 (3200): 2 bytes each.
+        assert_eq!(backend_temporaries(&g), 2 * (6400 + 3200));
+        // A quantized matrix is dequantized to f16 as well (2048 values).
+        let hq = ctx.mul_mat(&wq, &x).unwrap();
+        g.build_forward_expand(&hq).unwrap();
+        assert_eq!(backend_temporaries(&g), 2 * (6400 + 3200 + 2048));
+        // f32 by f32: none.
+        let mut g2 = Graph::new(&ctx, 16).unwrap();
+        g2.build_forward_expand(&f32_only).unwrap();
+        assert_eq!(backend_temporaries(&g2), 0);
+    }
 
     #[test]
     fn the_cpu_has_no_runtime_reserve() {

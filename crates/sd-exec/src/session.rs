@@ -71,6 +71,14 @@ pub struct SessionConfig {
     /// weight copies are sub-allocated, instead of a device allocation per staged group
     /// (see [`sd_residency::DeviceResidencyManager::set_staging_pool`]). Default: on.
     pub staging_pool: bool,
+    /// Whether the device's budget also keeps room for the operator temporaries a GPU
+    /// runtime allocates outside the graph's buffers beyond what the measured runtime
+    /// reserve covers ([`crate::reserve::backend_temporaries`] of each graph, less
+    /// [`crate::reserve::RUNTIME_POOL_MARGIN_BYTES`]; see
+    /// [`sd_residency::DeviceResidencyManager::reserve_backend_temporaries`]). For real
+    /// GPUs with a measured reserve; default off (the CPU and the simulated device
+    /// allocate nothing behind the engine's back).
+    pub runtime_temporaries: bool,
     /// Extra devices for layer split (`diffusion=cuda0&cuda1`): with any, a graph with cuts
     /// runs segment by segment, each segment on the device its weights are assigned to
     /// (contiguous ranges of segments per device, in list order, the primary first).
@@ -101,6 +109,7 @@ impl SessionConfig {
             merge_segments: true,
             prefetch: true,
             staging_pool: true,
+            runtime_temporaries: false,
             split: Vec::new(),
         }
     }
@@ -135,6 +144,12 @@ impl SessionConfig {
     /// Turns prefetch on or off.
     pub fn with_prefetch(mut self, on: bool) -> Self {
         self.prefetch = on;
+        self
+    }
+
+    /// Sets [`SessionConfig::runtime_temporaries`].
+    pub fn with_runtime_temporaries(mut self, on: bool) -> Self {
+        self.runtime_temporaries = on;
         self
     }
 

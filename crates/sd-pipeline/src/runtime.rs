@@ -606,7 +606,9 @@ impl Runtime {
         let mut config = SessionConfig::new(name, backend.clone(), backend_id)
             .with_budget(budget)
             .with_segmentation(self.options.segmentation)
-            .with_prefetch(self.options.prefetch);
+            .with_prefetch(self.options.prefetch)
+            // The GPU whose runtime was measured: its operator pool counts in the budget.
+            .with_runtime_temporaries(device == 0 && self.runtime_reserve > 0);
         if component == Component::Diffusion && device == 0 {
             for (b, id, budget) in &self.split {
                 config = config.with_split_device(b.clone(), *id, *budget);

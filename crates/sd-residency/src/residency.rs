@@ -244,6 +244,12 @@ pub trait DeviceResidencyManager {
         None
     }
 
+    /// Keeps `bytes` more of the backend's budget for the operator temporaries its runtime
+    /// allocates outside tracked buffers (ggml's CUDA pool keeps its high-water mark), beyond
+    /// what the runtime reserve already covers. Monotone: the budget is lowered by the
+    /// largest amount asked for so far. Default: nothing (no budget to lower).
+    fn reserve_backend_temporaries(&mut self, _backend: BackendId, _bytes: u64) {}
+
     /// Registers a runtime owner: while any is registered, LoRA changes are refused.
     fn register_runtime_owner(&mut self, owner: OwnerId);
     /// Removes an owner, its runtime residency and its prefetched weights.

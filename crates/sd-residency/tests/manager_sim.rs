@@ -528,3 +528,31 @@ fn staging_pool_sub_allocates_staging_copies_and_counts_once() {
     r.mm.remove_runtime_owner(OwnerId(7));
     assert_eq!(r.mm.staging_pool(r.gpu), None);
 }
+
+/// Room kept for a backend runtime's operator temporaries comes out of the device's budget
+/// once, by the largest amount asked for (a pool keeps its high-water mark), and the
+/// budget a later `--max-vram` resolves to keeps it out too.
+#[test]
+fn backend_temporaries_lower_the_budget_by_the_largest_ask() {
+    let r = rig(
+        "SIMTMP0",
+        1 << 20,
+        Some(100_000),
+        ResidencyMode::ParamBackend,
+        false,
+    );
+    let mut mm = r.mm;
+    assert_eq!(mm.backend_budget(r.gpu), Some(100_000));
+    mm.reserve_backend_temporaries(r.gpu, 10_000);
+    assert_eq!(mm.backend_budget(r.gpu), Some(90_000));
+    // A smaller ask changes nothing; a larger one lowers by the difference.
+    mm.reserve_backend_temporaries(r.gpu, 4_000);
+    assert_eq!(mm.backend_budget(r.gpu), Some(90_000));
+    mm.reserve_backend_temporaries(r.gpu, 25_000);
+    assert_eq!(mm.backend_budget(r.gpu), Some(75_000));
+    // The CPU backend has no budget to lower.
+    mm.reserve_backend_temporaries(r.cpu, 1 << 30);
+    let max_vram = sd_residency::capacity::MaxVram::parse("200000b").unwrap();
+    mm.apply_max_vram(&max_vram);
+    assert_eq!(mm.backend_budget(r.gpu), Some(200_000 - 25_000));
+}

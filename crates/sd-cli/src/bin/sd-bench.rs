@@ -683,6 +683,8 @@ struct RigOptions<'a> {
     staging_pool: bool,
     /// Whether prefetch uploads go to the device's copy stream where it has one.
     async_upload: bool,
+    /// Bytes of the budget left to the backend runtime (0: none).
+    runtime_reserve: u64,
 }
 
 fn build_rig(o: RigOptions<'_>, inputs: &Inputs) -> Result<Rig> {
@@ -740,6 +742,9 @@ fn build_rig(o: RigOptions<'_>, inputs: &Inputs) -> Result<Rig> {
         .with_segmentation(policy)
         .with_prefetch(true);
     config.staging_pool = o.staging_pool;
+    // A budget with a runtime reserve left out also keeps room for the runtime's operator
+    // temporaries beyond the reserve's margin (as `sd` does).
+    config.runtime_temporaries = o.budget.is_some() && o.runtime_reserve > 0;
     let session = engine.create_session(config);
     engine.start(session)?;
 
@@ -1058,6 +1063,7 @@ fn cmd_unet(a: &UnetArgs) -> Result<()> {
             threads,
             staging_pool: a.staging_pool == OnOff::On,
             async_upload: a.async_upload == OnOff::On,
+            runtime_reserve: reserve,
         },
         &inputs,
     )?;
@@ -1196,6 +1202,7 @@ fn cmd_check(name: &str, threads: usize) -> Result<()> {
                 threads,
                 staging_pool: true,
                 async_upload,
+                runtime_reserve: 0,
             },
             &inputs,
         )?;

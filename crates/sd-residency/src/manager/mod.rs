@@ -127,6 +127,9 @@ pub struct ModelManager {
     owners: BTreeSet<OwnerId>,
     runtime: HashMap<(OwnerId, BackendId), u64>,
     budgets: HashMap<String, u64>,
+    /// Per device (lower-case name): bytes of its budget kept for backend temporaries
+    /// (see [`DeviceResidencyManager::reserve_backend_temporaries`]).
+    temporaries: HashMap<String, u64>,
     /// Bytes of each `--max-vram` budget left to the backend runtime (`None`: the default
     /// of [`ModelManager::runtime_reserve`]).
     runtime_reserve: Option<u64>,
@@ -184,6 +187,7 @@ impl ModelManager {
             owners: BTreeSet::new(),
             runtime: HashMap::new(),
             budgets: HashMap::new(),
+            temporaries: HashMap::new(),
             runtime_reserve: None,
             reserve_bytes: DEVICE_RESERVE_BYTES,
             max_block_bytes: MAX_RESIDENCY_BLOCK_BYTES,
@@ -264,7 +268,12 @@ impl ModelManager {
                             "leaving part of the budget to the backend runtime"
                         );
                     }
-                    b.saturating_sub(reserve)
+                    let kept = self
+                        .temporaries
+                        .get(&d.name().to_ascii_lowercase())
+                        .copied()
+                        .unwrap_or(0);
+                    b.saturating_sub(reserve).saturating_sub(kept)
                 });
             self.set_device_budget(&d, budget);
         }
@@ -910,6 +919,28 @@ impl DeviceResidencyManager for ModelManager {
 
     fn backend_budget(&self, backend: BackendId) -> Option<u64> {
         self.device_of(backend).and_then(|d| self.device_budget(&d))
+    }
+
+    fn reserve_backend_temporaries(&mut self, backend: BackendId, bytes: u64) {
+        let Some(d) = self.device_of(backend) else {
+            return;
+        };
+        let key = d.name().to_ascii_lowercase();
+        let kept = self.temporaries.get(&key).copied().unwrap_or(0);
+        if bytes <= kept {
+            return;
+        }
+        self.temporaries.insert(key.clone(), bytes);
+        if let Some(b) = self.budgets.get_mut(&key) {
+            let lowered = b.saturating_sub(bytes - kept);
+            tracing::info!(
+                device = %d.name(),
+                temporaries = bytes,
+                budget = lowered,
+                "keeping part of the budget for the backend's operator temporaries"
+            );
+            *b = lowered;
+        }
     }
 
     fn prefetch_enabled(&self) -> bool {
