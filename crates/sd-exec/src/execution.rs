@@ -64,6 +64,12 @@ fn device_bytes(buft: BufferType, t: &GTensor) -> u64 {
     align_up(buft.alloc_size(t) as u64, buft.alignment() as u64)
 }
 
+/// Device bytes of `t` in a buffer of its own of `buft` (a cut cache entry): its
+/// [`device_bytes`] rounded up to the allocation granularity.
+fn buffer_bytes(buft: BufferType, t: &GTensor) -> u64 {
+    buft.footprint(device_bytes(buft, t))
+}
+
 /// A plan with its captured graph, and the parameters of each segment.
 pub(crate) struct Prepared {
     pub(crate) graph: CapturedGraph,
@@ -79,6 +85,8 @@ pub(crate) struct Prepared {
     /// blocks never mix weights needed by different sets of segments (a block holding a
     /// weight a later segment requires would otherwise keep its other members resident).
     pub(crate) segment_groups: Vec<Vec<Vec<ParamId>>>,
+    /// The allocation granularity of the session's device buffers (1: exact sizes).
+    pub(crate) granularity: u64,
     pub(crate) segment_weight_bytes: Vec<u64>,
     /// The device (session slot) each segment runs on: all 0 without layer split.
     pub(crate) segment_device: Vec<usize>,
@@ -197,6 +205,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
             regroup: None,
             segment_params,
             segment_groups,
+            granularity: buft.allocation_granularity(),
             segment_weight_bytes,
             segment_device,
             param_bytes,
@@ -259,6 +268,14 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
             .checked_sub(nonweight)?
             .checked_sub(limit / 64)?
             .min(weights);
+        // Whole allocation units, so that the pool's footprint is its size.
+        let g = self
+            .session
+            .config
+            .backend
+            .buffer_type()
+            .allocation_granularity();
+        let size = if size >= g { size / g * g } else { size };
         if size == 0 || size < largest {
             tracing::debug!(
                 limit,
@@ -298,7 +315,10 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         }
         // A workspace kept from a larger graph would not leave the pool its room.
         let ws = &mut self.session.slots[0].workspace;
-        if ws.bytes() > p.plan.max_compute_buffer() as u64 {
+        if ws.bytes()
+            > ws.buffer_type()
+                .footprint(p.plan.max_compute_buffer() as u64)
+        {
             ws.release();
             self.session.sync(self.manager);
         }
@@ -446,11 +466,13 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         };
         let weights: u64 = whole.segment_weight_bytes.iter().sum();
         let ws = whole.plan.max_compute_buffer() as u64;
+        let buft = cfg.backend.buffer_type();
         let out = whole
             .plan
             .graph_outputs()
-            .map(|o| align_up(o.bytes as u64, 256))
+            .map(|o| buft.footprint(align_up(o.bytes as u64, 256)))
             .sum::<u64>();
+        let ws = buft.footprint(ws);
         let need = weights
             .saturating_add(ws)
             .saturating_add(out)
@@ -730,14 +752,14 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
                         .map(|t| (n.clone(), t.clone()))
                 })
                 .collect();
-            let import_bytes: u64 = imports.iter().map(|(_, t)| device_bytes(buft, t)).sum();
+            let import_bytes: u64 = imports.iter().map(|(_, t)| buffer_bytes(buft, t)).sum();
             let params = &p.segment_params[k];
-            let compute = seg.bytes.compute_buffer as u64;
+            let compute = buft.footprint(seg.bytes.compute_buffer as u64);
             let store_bytes: u64 = seg
                 .outputs
                 .iter()
                 .filter(|o| o.graph_output || seg.future_cuts.contains(&o.name))
-                .map(|o| device_bytes(buft, &p.graph.node_tensors()[o.node]))
+                .map(|o| buffer_bytes(buft, &p.graph.node_tensors()[o.node]))
                 .sum();
             let held = self.session.slots[d].workspace.prepare(compute);
             self.session.sync(self.manager);
@@ -984,8 +1006,11 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         protected.extend_from_slice(&missing);
         // On the current device the segment's outputs are still to be stored; and the
         // target segment's workspace growth is left free (a prefetch must not take it).
-        let growth = (p.plan.segments[target].bytes.compute_buffer as u64)
-            .saturating_sub(self.session.slots[td].workspace.bytes());
+        let ws = &self.session.slots[td].workspace;
+        let growth = ws
+            .buffer_type()
+            .footprint(p.plan.segments[target].bytes.compute_buffer as u64)
+            .saturating_sub(ws.bytes());
         let pending = if td == p.segment_device[k] {
             store_bytes + growth
         } else {

@@ -25,7 +25,9 @@ use crate::task::ComputeTask;
 
 /// The device bytes segment `k` of `p` holds at its peak, as planned: its weights, the
 /// compute buffer (the session's one workspace, which keeps the size of the largest
-/// segment's buffer), the cuts live while it runs and the graph outputs it produces.
+/// segment's buffer), the cuts live while it runs and the graph outputs it produces, plus
+/// one allocation granularity of rounding for each buffer they take (the workspace, each
+/// cut and output, each weight group).
 pub(crate) fn segment_need(p: &Prepared, k: usize) -> u64 {
     segment_plan(p, k).need
 }
@@ -42,6 +44,8 @@ pub(crate) fn segment_plan(p: &Prepared, k: usize) -> crate::task::SegmentPlan {
     let workspace = p.plan.max_compute_buffer() as u64;
     let weights = p.segment_weight_bytes[k];
     let cuts = seg.bytes.live_cuts as u64;
+    let buffers = 1 + seg.live_cuts.len() + seg.outputs.len() + p.segment_groups[k].len();
+    let rounding = p.granularity.saturating_sub(1) * buffers as u64;
     crate::task::SegmentPlan {
         name: seg.name.clone(),
         device: p.segment_device[k],
@@ -51,7 +55,7 @@ pub(crate) fn segment_plan(p: &Prepared, k: usize) -> crate::task::SegmentPlan {
         workspace_bytes: workspace,
         cut_bytes: cuts,
         output_bytes: outputs as u64,
-        need: weights + workspace + cuts + outputs as u64,
+        need: weights + workspace + cuts + outputs as u64 + rounding,
     }
 }
 

@@ -12,6 +12,14 @@
 //! device's used memory (`total - free`). The pool grows later with larger operators, so a
 //! margin is added.
 //!
+//! Device allocators also round every buffer up to a unit of their own (`cudaMalloc`
+//! reserves whole 2 MiB pages), which ggml does not report and which made runs with many
+//! buffers (fine cuts, cut caches) overshoot their budgets by a few percent. The measurement
+//! allocates a few buffers of an odd size and reads how much free memory they took; the
+//! granularity found is recorded on the backend's buffer type
+//! ([`sd_tensor::ggml::BufferType::set_allocation_granularity`]), so that every budget check
+//! counts buffers at their footprint.
+//!
 //! The device reports memory for all processes: on a GPU shared with a desktop or another
 //! program their memory counts too, which makes the budget conservative (never overshot).
 
@@ -32,10 +40,58 @@ pub struct RuntimeReserve {
     /// [`RuntimeReserve::measured`] + [`RUNTIME_POOL_MARGIN_BYTES`]: what to leave out of a
     /// budget.
     pub reserve: u64,
+    /// The unit the device's allocator rounds buffers up to (1: exact sizes), as measured
+    /// by [`measure_allocation_granularity`].
+    pub granularity: u64,
 }
 
-/// Runs a warm-up graph on `backend` and measures the device memory its runtime then holds;
-/// `None` for backends without a device memory report (the CPU).
+/// Size of each probe buffer of [`measure_allocation_granularity`]: one byte past 2 MiB, so
+/// that any rounding unit up to 2 MiB shows.
+const PROBE_BYTES: usize = (2 << 20) + 1;
+/// Number of probe buffers (their average smooths the device's report).
+const PROBES: usize = 4;
+/// Largest granularity believed (a larger reading is another program's allocation).
+const MAX_GRANULARITY: u64 = 64 << 20;
+
+/// Measures the unit `backend`'s device allocator rounds buffers up to: allocates
+/// [`PROBES`] buffers of an odd size, reads how much free memory they took, frees them.
+/// Returns 1 when the device shows no rounding (or reports no memory, as the CPU).
+pub fn measure_allocation_granularity(backend: &Backend) -> Result<u64> {
+    let Some(device) = backend.device() else {
+        return Ok(1);
+    };
+    if backend.is_cpu() || device.memory().total == 0 {
+        return Ok(1);
+    }
+    backend.synchronize();
+    let before = device.memory().free;
+    let buft = backend.buffer_type();
+    let mut held = Vec::with_capacity(PROBES);
+    for _ in 0..PROBES {
+        held.push(buft.alloc(PROBE_BYTES).map_err(|source| ExecError::Ggml {
+            context: format!(
+                "probe buffer on {} (measuring its granularity)",
+                backend.name()
+            ),
+            source,
+        })?);
+    }
+    let after = device.memory().free;
+    drop(held);
+    let per_buffer = before.saturating_sub(after) / PROBES as u64;
+    let slack = per_buffer.saturating_sub(PROBE_BYTES as u64);
+    let g = if slack == 0 || slack >= MAX_GRANULARITY {
+        1
+    } else {
+        (slack + 1).next_power_of_two()
+    };
+    tracing::debug!(device = %device.name(), per_buffer, granularity = g, "allocation granularity");
+    Ok(g)
+}
+
+/// Runs a warm-up graph on `backend` and measures the device memory its runtime then holds
+/// and its allocation granularity, which it records on the backend's buffer type; `None`
+/// for backends without a device memory report (the CPU).
 pub fn measure_runtime_reserve(backend: &Backend) -> Result<Option<RuntimeReserve>> {
     let Some(device) = backend.device() else {
         return Ok(None);
@@ -54,9 +110,14 @@ pub fn measure_runtime_reserve(backend: &Backend) -> Result<Option<RuntimeReserv
     backend.synchronize();
     let m = device.memory();
     let measured = m.total.saturating_sub(m.free);
+    let granularity = measure_allocation_granularity(backend)?;
+    backend
+        .buffer_type()
+        .set_allocation_granularity(granularity);
     Ok(Some(RuntimeReserve {
         measured,
         reserve: measured + RUNTIME_POOL_MARGIN_BYTES,
+        granularity,
     }))
 }
 
@@ -175,9 +236,33 @@ mod tests {
         // is freed again, so only the margin remains.
         assert_eq!(r.measured, 0);
         assert_eq!(r.reserve, RUNTIME_POOL_MARGIN_BYTES);
+        assert_eq!(
+            r.granularity, 1,
+            "the default simulated device charges exact sizes"
+        );
         assert!(
             sim.stats().peak_bytes > 0,
             "the warm-up allocated on the device"
         );
+    }
+
+    #[test]
+    fn the_granularity_of_a_rounding_device_is_measured_and_recorded() {
+        for g in [64 << 10, 2 << 20] {
+            let opts = SimOptions {
+                allocation_granularity: g,
+                ..SimOptions::default()
+            };
+            let sim = SimDevice::new(&format!("GRAN{g}"), 256 << 20, opts).unwrap();
+            let backend = sim.backend().unwrap();
+            assert_eq!(measure_allocation_granularity(&backend).unwrap(), g as u64);
+            let r = measure_runtime_reserve(&backend).unwrap().unwrap();
+            assert_eq!(r.granularity, g as u64);
+            let buft = backend.buffer_type();
+            assert_eq!(buft.allocation_granularity(), g as u64);
+            assert_eq!(buft.footprint(1), g as u64);
+            assert_eq!(buft.footprint(g as u64 + 1), 2 * g as u64);
+            assert_eq!(sim.stats().live_bytes, 0, "the probes are freed");
+        }
     }
 }

@@ -250,7 +250,8 @@ pub struct SegmentPlan {
     pub cut_bytes: u64,
     /// Graph outputs (not cuts) it produces.
     pub output_bytes: u64,
-    /// Its planned peak: weights + workspace + cuts + outputs.
+    /// Its planned peak: weights + workspace + cuts + outputs, plus the device's
+    /// allocation rounding of each buffer.
     pub need: u64,
 }
 

@@ -44,9 +44,12 @@ impl ComputeWorkspace {
         self.buft
     }
 
-    /// Bytes of its buffer now (0 when released).
+    /// Device bytes of its buffer now (0 when released): its size rounded up to the buffer
+    /// type's allocation granularity.
     pub fn bytes(&self) -> u64 {
-        self.galloc.as_ref().map_or(0, |g| g.buffer_size() as u64)
+        self.galloc
+            .as_ref()
+            .map_or(0, |g| self.buft.footprint(g.buffer_size() as u64))
     }
 
     /// Number of allocators created so far (a growing graph re-creates it).

@@ -1177,3 +1177,74 @@ fn pooled_prefetch_needs_only_pool_room() {
     );
     r.engine.end(id).unwrap();
 }
+
+/// A device whose allocator rounds every buffer up to a unit (as `cudaMalloc` rounds to
+/// 2 MiB pages): once the runtime measurement has found and recorded the unit, streamed
+/// steps (prefetch, with and without the staging pool) stay within the budget in the
+/// device's own rounded bytes, with the whole graph's bits. Counting exact sizes, as before,
+/// the same runs go over it.
+#[test]
+fn buffers_count_at_the_allocation_granularity_of_the_device() {
+    const G: usize = 16 << 10;
+    let (whole, _) = run(
+        "GRAN_REF",
+        transformer,
+        None,
+        SegmentationPolicy::Never,
+        false,
+    );
+    let rounding = |name: &str| {
+        rig_with(
+            name,
+            true,
+            SimOptions {
+                allocation_granularity: G,
+                ..SimOptions::default()
+            },
+        )
+    };
+    let mut r = rounding("GRAN_WHOLE");
+    let id = r.session(None, SegmentationPolicy::Never, false);
+    r.engine.execute(id, &transformer(&r.w)).unwrap();
+    let whole_peak = r.sim.peak_bytes();
+    r.engine.end(id).unwrap();
+    let budget = whole_peak * 3 / 5;
+    let mut over_when_exact = Vec::new();
+    for recorded in [true, false] {
+        for pool in [false, true] {
+            let tag = format!("GRAN_{recorded}_{pool}");
+            let mut r = rounding(&tag);
+            if recorded {
+                let reserve = sd_exec::reserve::measure_runtime_reserve(&r.backend)
+                    .unwrap()
+                    .unwrap();
+                assert_eq!(reserve.granularity, G as u64, "{tag}: measured unit");
+                r.sim.reset_peak();
+            }
+            let id = r.engine.create_session(
+                SessionConfig::new("test", r.backend.clone(), r.gpu)
+                    .with_budget(Some(budget))
+                    .with_prefetch(true)
+                    .with_staging_pool(pool),
+            );
+            r.engine.start(id).unwrap();
+            for step in 0..3 {
+                let out = r.engine.execute(id, &transformer(&r.w)).unwrap();
+                assert!(out.segmented, "{tag}: not segmented under {budget}");
+                assert_eq!(out.output, whole.output, "{tag}: step {step} differs");
+            }
+            let peak = r.sim.peak_bytes();
+            println!("{tag}: whole {whole_peak} B, budget {budget} B, peak {peak} B");
+            if recorded {
+                assert!(peak <= budget, "{tag}: peak {peak} > budget {budget}");
+            } else {
+                over_when_exact.push(peak > budget);
+            }
+            r.engine.end(id).unwrap();
+        }
+    }
+    assert!(
+        over_when_exact.iter().any(|o| *o),
+        "exact-size accounting stayed inside the budget: the test shows nothing"
+    );
+}

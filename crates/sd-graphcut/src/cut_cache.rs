@@ -163,7 +163,10 @@ impl CutCache {
 
     /// Bytes of all entry buffers.
     pub fn bytes(&self) -> usize {
-        self.entries.values().map(|e| e.buffer.size()).sum()
+        self.entries
+            .values()
+            .map(|e| e.buffer.footprint() as usize)
+            .sum()
     }
 
     /// Keeps only the entries `keep` accepts (their buffers are freed).

@@ -447,6 +447,7 @@ impl Runtime {
                         device = %compute.name(),
                         runtime_mib = r.measured >> 20,
                         reserve_mib = r.reserve >> 20,
+                        allocation_granularity = r.granularity,
                         "the backend runtime's own device memory is left out of --max-vram"
                     );
                     mm.set_runtime_reserve(Some(r.reserve));

@@ -1040,12 +1040,18 @@ fn cmd_unet(a: &UnetArgs) -> Result<()> {
     // The engine's budget leaves `--runtime-reserve` bytes of the --max-vram budget to the
     // backend's own allocations it does not see (CUDA: context, cuBLAS workspaces, loaded
     // kernels, ggml's temporary pool); by default measured as `sd` measures it.
-    let reserve: u64 = match a.runtime_reserve {
-        Some(r) => r,
-        None if budget.is_some() => {
-            sd_exec::measure_runtime_reserve(&backend)?.map_or(0, |r| r.reserve)
+    // The device allocator's rounding unit is measured (and recorded for the engine) with
+    // the reserve, or alone when the reserve is given.
+    let (reserve, granularity): (u64, u64) = match a.runtime_reserve {
+        Some(r) if budget.is_some() => {
+            let g = sd_exec::reserve::measure_allocation_granularity(&backend)?;
+            backend.buffer_type().set_allocation_granularity(g);
+            (r, g)
         }
-        None => 0,
+        Some(r) => (r, 1),
+        None if budget.is_some() => sd_exec::measure_runtime_reserve(&backend)?
+            .map_or((0, 1), |r| (r.reserve, r.granularity)),
+        None => (0, 1),
     };
     let engine_budget = budget.map(|b| b.saturating_sub(reserve));
 
@@ -1121,6 +1127,7 @@ fn cmd_unet(a: &UnetArgs) -> Result<()> {
             "params": mode.name(),
             "budget_bytes": budget,
             "runtime_reserve_bytes": reserve,
+            "allocation_granularity": granularity,
             "coalesced_uploads": std::env::var("SD_BENCH_COALESCE").is_ok_and(|v| v == "1"),
             "async_upload": a.async_upload == OnOff::On,
             // Whether prefetch uploads went to a copy stream (the backend has one).

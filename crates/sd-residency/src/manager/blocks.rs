@@ -50,7 +50,7 @@ impl StagingBlock {
     /// Bytes the block takes (its buffer, or its region of the pool).
     pub fn bytes(&self) -> u64 {
         match &self.mem {
-            StagingMem::Own(b) => b.size() as u64,
+            StagingMem::Own(b) => b.footprint(),
             StagingMem::Pool { regions, .. } => regions.iter().map(|r| r.1).sum(),
         }
     }
@@ -77,7 +77,7 @@ impl<'a> AnyBlock<'a> {
     /// Bytes the block takes.
     pub fn bytes(&self) -> u64 {
         match self {
-            AnyBlock::Storage(_, b) => b.buffer.size() as u64,
+            AnyBlock::Storage(_, b) => b.buffer.footprint(),
             AnyBlock::Staging(_, b) => b.bytes(),
         }
     }

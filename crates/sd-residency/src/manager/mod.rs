@@ -805,18 +805,19 @@ impl ModelManager {
     // ---- accounting ----
 
     /// Bytes of weight buffers the manager holds on `device` (host buffers for the CPU):
-    /// each distinct buffer counts once at its full size.
+    /// each distinct buffer counts once at its footprint (its size rounded up to the
+    /// allocation granularity of its type, [`sd_tensor::ggml::Buffer::footprint`]).
     /// A staging pool counts once at its full size; the blocks in it add nothing.
     pub fn resident_bytes(&self, device: &Device) -> u64 {
         let blocks = self
             .all_blocks()
             .filter_map(|b| b.own_buffer().filter(|buf| buffer_on_device(buf, device)))
-            .fold(0u64, |acc, buf| acc.saturating_add(buf.size() as u64));
+            .fold(0u64, |acc, buf| acc.saturating_add(buf.footprint()));
         let pools = self
             .pools
             .values()
             .filter(|p| buffer_on_device(&p.buffer, device))
-            .fold(0u64, |acc, p| acc.saturating_add(p.size()));
+            .fold(0u64, |acc, p| acc.saturating_add(p.buffer.footprint()));
         blocks.saturating_add(pools)
     }
 
@@ -877,6 +878,15 @@ impl ModelManager {
         }
         if !assume_pool_room && pool.is_some_and(|p| !p.fits_all(pooled.iter().copied())) {
             missing = missing.saturating_add(pooled.iter().sum());
+        }
+        // Weights outside the pool get buffers of their own (chunks of at most
+        // `max_block_bytes`), each rounded up to the allocation granularity.
+        if missing > 0 {
+            if let Some(b) = self.backend(request.backend) {
+                let g = b.buffer_type().allocation_granularity();
+                let buffers = 1 + missing / self.max_block_bytes.max(1);
+                missing = missing.saturating_add(g.saturating_sub(1).saturating_mul(buffers));
+            }
         }
         let class = match device.kind() {
             DeviceKind::Cpu => DeviceClass::Host,

@@ -1,8 +1,9 @@
 //! Backends, devices, buffer types and buffers.
 
+use std::collections::HashMap;
 use std::ffi::{CStr, CString};
 use std::ptr::NonNull;
-use std::sync::Mutex;
+use std::sync::{Mutex, OnceLock};
 
 use ggml_sys as sys;
 
@@ -154,6 +155,13 @@ impl Device {
     }
 }
 
+/// Allocation granularities recorded per buffer type (by descriptor address; buffer types
+/// live for the whole process).
+fn granularities() -> &'static Mutex<HashMap<usize, u64>> {
+    static MAP: OnceLock<Mutex<HashMap<usize, u64>>> = OnceLock::new();
+    MAP.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
 /// A buffer type: how and where a backend allocates memory. Buffer types are static.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub struct BufferType {
@@ -180,6 +188,37 @@ impl BufferType {
 
     pub(crate) fn raw(&self) -> sys::ggml_backend_buffer_type_t {
         self.ptr.as_ptr()
+    }
+
+    /// Sets the allocation granularity of this buffer type's memory: the unit its
+    /// allocator rounds every buffer up to (`cudaMalloc` reserves whole 2 MiB pages, for
+    /// example). ggml does not report it; a runtime measures it
+    /// (`sd_exec::reserve::measure_allocation_granularity`) and records it here, so that
+    /// every budget check counts a buffer at its [`footprint`](Self::footprint). Values
+    /// below 2 mean "exact sizes" (the default).
+    pub fn set_allocation_granularity(&self, bytes: u64) {
+        let mut map = granularities().lock().unwrap_or_else(|e| e.into_inner());
+        if bytes < 2 {
+            map.remove(&(self.raw() as usize));
+        } else {
+            map.insert(self.raw() as usize, bytes);
+        }
+    }
+
+    /// The allocation granularity recorded for this buffer type (1: exact sizes).
+    pub fn allocation_granularity(&self) -> u64 {
+        let map = granularities().lock().unwrap_or_else(|e| e.into_inner());
+        map.get(&(self.raw() as usize)).copied().unwrap_or(1)
+    }
+
+    /// The device memory a buffer of `bytes` bytes of this type takes: `bytes` rounded up
+    /// to the [`allocation_granularity`](Self::allocation_granularity) (saturating).
+    pub fn footprint(&self, bytes: u64) -> u64 {
+        let g = self.allocation_granularity();
+        if g < 2 || bytes == 0 {
+            return bytes;
+        }
+        bytes.div_ceil(g).saturating_mul(g)
     }
 
     /// The CPU (host) buffer type.
@@ -378,6 +417,13 @@ impl Buffer {
     pub fn is_host(&self) -> bool {
         // SAFETY: live buffer.
         unsafe { sys::ggml_backend_buffer_is_host(self.raw()) }
+    }
+
+    /// The device memory the buffer takes: its size rounded up to its type's allocation
+    /// granularity ([`BufferType::footprint`]).
+    pub fn footprint(&self) -> u64 {
+        let size = self.size() as u64;
+        self.buffer_type().map_or(size, |t| t.footprint(size))
     }
 
     /// The buffer's type.

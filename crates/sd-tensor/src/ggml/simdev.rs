@@ -77,6 +77,10 @@ pub struct SimOptions {
     /// is not ordered after an upload sees the memory as it was. The source bytes are read
     /// when the copy is queued.
     pub async_transfers: bool,
+    /// Unit every buffer's memory is charged in (0 or 1: exact sizes): a buffer of `n`
+    /// bytes takes `n` rounded up to it from the device, in the live bytes, the peak and
+    /// the free memory reports, as `cudaMalloc`'s 2 MiB pages do on a GPU.
+    pub allocation_granularity: usize,
 }
 
 impl Default for SimOptions {
@@ -91,12 +95,14 @@ impl Default for SimOptions {
             fill_byte: None,
             unsupported_ops: Vec::new(),
             async_transfers: false,
+            allocation_granularity: 0,
         }
     }
 }
 
 /// A snapshot of a [`SimDevice`]'s own accounting. Byte counts are exact: a buffer counts
-/// the size that was requested for it, a transfer the bytes it moved.
+/// the size that was requested for it (rounded up to [`SimOptions::allocation_granularity`]),
+/// a transfer the bytes it moved.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct SimStats {
     /// Device size in bytes.
@@ -297,7 +303,7 @@ impl State {
             return ptr::null_mut();
         }
         let room = self.total - c.live;
-        if size as u64 > room || size > self.shell().max_size {
+        if self.charged(size) > room || size > self.shell().max_size {
             c.failed_allocations += 1;
             tracing::debug!(device = %self.name, size, room, "simulated device out of memory");
             return ptr::null_mut();
@@ -341,7 +347,7 @@ impl State {
             c.failed_allocations += 1;
             return ptr::null_mut();
         }
-        let live = c.live + size as u64;
+        let live = c.live + self.charged(size);
         tracing::trace!(device = %self.name, size, live, "simulated allocation");
         self.set_live(&mut c, live);
         c.regions.insert(base.as_ptr() as usize, size);
@@ -350,13 +356,19 @@ impl State {
         buf
     }
 
+    /// Device bytes a buffer of `size` bytes takes (see [`SimOptions::allocation_granularity`]).
+    fn charged(&self, size: usize) -> u64 {
+        let g = self.opts.allocation_granularity.max(1) as u64;
+        (size as u64).div_ceil(g) * g
+    }
+
     /// Counts the free of the buffer at `base`; `release` frees its memory while the
     /// counters are locked (so that no queued copy lands in it meanwhile).
     fn on_free(&self, base: usize, size: usize, release: impl FnOnce()) {
         let mut c = self.counters();
         c.regions.remove(&base);
         release();
-        let live = c.live.saturating_sub(size as u64);
+        let live = c.live.saturating_sub(self.charged(size));
         self.set_live(&mut c, live);
         c.frees += 1;
         c.live_buffers = c.live_buffers.saturating_sub(1);
