@@ -310,7 +310,9 @@ pub struct Cli {
         help_heading = "Devices and memory"
     )]
     pub backend: Option<String>,
-    /// Where weights live between uses: cpu/ram (loaded once) or disk (read at each use)
+    /// Where weights live between uses: cpu/ram (loaded once), disk (read at each use),
+    /// device (loaded once into the computing device's memory) or auto (the default: device
+    /// when it has no --max-vram budget, else ram)
     #[arg(
         long = "params-backend",
         value_name = "WHERE",
@@ -325,8 +327,8 @@ pub struct Cli {
     /// Map weights from the files instead of copying them
     #[arg(long = "mmap", help_heading = "Devices and memory")]
     pub mmap: bool,
-    /// Weights in RAM, loaded into VRAM when needed (sd-rs's default: same as
-    /// --params-backend cpu)
+    /// Weights in RAM, loaded into VRAM when needed (same as --params-backend cpu; the
+    /// default under --max-vram)
     #[arg(long = "offload-to-cpu", help_heading = "Devices and memory")]
     pub offload_to_cpu: bool,
     /// Run the VAE on the CPU (same as --backend vae=cpu; not counted in --max-vram)
@@ -635,7 +637,11 @@ fn label(d: &ComputeDevice) -> String {
 /// module names the same place.
 pub fn params_location(cli: &Cli) -> Result<ParamsLocation, String> {
     let Some(spec) = &cli.params_backend else {
-        return Ok(ParamsLocation::default());
+        return Ok(if cli.offload_to_cpu {
+            ParamsLocation::Ram
+        } else {
+            ParamsLocation::default()
+        });
     };
     let mut found: Option<ParamsLocation> = None;
     for item in spec.split(',') {
@@ -654,7 +660,13 @@ pub fn params_location(cli: &Cli) -> Result<ParamsLocation, String> {
         }
         found = Some(p);
     }
-    Ok(found.unwrap_or_default())
+    let found = found.unwrap_or_default();
+    if cli.offload_to_cpu && !matches!(found, ParamsLocation::Ram | ParamsLocation::Disk) {
+        return Err(format!(
+            "'{spec}' contradicts --offload-to-cpu (weights in RAM)"
+        ));
+    }
+    Ok(found)
 }
 
 fn parse_weight_type(text: &str) -> Result<DType, String> {
@@ -925,6 +937,25 @@ mod tests {
 
     fn cli(args: &[&str]) -> Result<Cli, clap::Error> {
         parse(args.iter().map(OsString::from).collect())
+    }
+
+    #[test]
+    fn where_weights_live() {
+        let loc = |a: &[&str]| params_location(&cli(a).unwrap());
+        assert_eq!(loc(&["-p", "x"]), Ok(ParamsLocation::Auto));
+        assert_eq!(loc(&["--offload-to-cpu"]), Ok(ParamsLocation::Ram));
+        assert_eq!(
+            loc(&["--params-backend", "device"]),
+            Ok(ParamsLocation::Device)
+        );
+        assert_eq!(
+            loc(&["--params-backend", "disk", "--offload-to-cpu"]),
+            Ok(ParamsLocation::Disk)
+        );
+        let e = loc(&["--params-backend", "vram", "--offload-to-cpu"]).unwrap_err();
+        assert!(e.contains("--offload-to-cpu"), "{e}");
+        let e = loc(&["--params-backend", "tape"]).unwrap_err();
+        assert!(e.contains("tape") && e.contains("device"), "{e}");
     }
 
     #[test]

@@ -83,11 +83,21 @@ impl FromStr for ComputeDevice {
 /// Where parameters live between uses (`--params-backend`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum ParamsLocation {
-    /// Loaded once to host memory and kept there (`cpu`, `ram`).
+    /// [`ParamsLocation::Device`] for a model whose device is not the CPU, has no budget
+    /// (`--max-vram`) and is not layer-split; [`ParamsLocation::Ram`] otherwise
+    /// (`auto`, the default). As stable-diffusion.cpp without `--offload-to-cpu`: a run
+    /// that keeps every weight on the GPU reads the files straight into device memory, in
+    /// parallel, instead of through a copy in RAM.
     #[default]
+    Auto,
+    /// Loaded once to host memory and kept there (`cpu`, `ram`; `--offload-to-cpu`).
     Ram,
     /// Read from the model files whenever a graph needs them, freed after use (`disk`).
     Disk,
+    /// Loaded once straight into the memory of the device that computes with them and kept
+    /// there (`device`); under memory pressure they are dropped and read from the files
+    /// again. The CPU's models keep theirs in RAM.
+    Device,
 }
 
 impl FromStr for ParamsLocation {
@@ -97,8 +107,10 @@ impl FromStr for ParamsLocation {
         match s.trim().to_ascii_lowercase().as_str() {
             "cpu" | "ram" => Ok(ParamsLocation::Ram),
             "disk" => Ok(ParamsLocation::Disk),
+            "device" | "gpu" | "vram" => Ok(ParamsLocation::Device),
+            "auto" => Ok(ParamsLocation::Auto),
             other => Err(format!(
-                "unknown params backend '{other}' (known: cpu, ram, disk)"
+                "unknown params backend '{other}' (known: cpu, ram, disk, device, auto)"
             )),
         }
     }
@@ -160,14 +172,15 @@ pub struct RuntimeOptions {
 }
 
 impl Default for RuntimeOptions {
-    /// CPU compute, parameters in RAM, no mapping, no budget, all cores, automatic
-    /// segmentation with prefetch, exact numerics.
+    /// CPU compute, parameters where [`ParamsLocation::Auto`] puts them (RAM for the
+    /// CPU), no mapping, no budget, all cores, automatic segmentation with prefetch, exact
+    /// numerics.
     fn default() -> Self {
         RuntimeOptions {
             compute: ComputeDevice::Cpu,
             split: Vec::new(),
             placement: Vec::new(),
-            params: ParamsLocation::Ram,
+            params: ParamsLocation::Auto,
             mmap: false,
             max_vram: None,
             threads: std::thread::available_parallelism()
@@ -250,6 +263,8 @@ struct ModelSlot {
     ids: Vec<ParamId>,
     /// Index of the model's device in [`Runtime::devices`].
     device: usize,
+    /// Whether its parameters live in its (non-CPU) device's memory ([`ParamsLocation`]).
+    on_device: bool,
     /// The model's constant inputs kept on the device ([`Runtime::keep_constants`]).
     constants: RunnerCache,
 }
@@ -588,17 +603,25 @@ impl Runtime {
             .map(|(n, t)| (n.clone(), t.clone()))
             .collect();
         let mode = match self.options.params {
-            ParamsLocation::Ram => ResidencyMode::ParamBackend,
             ParamsLocation::Disk => ResidencyMode::Disk,
+            _ => ResidencyMode::ParamBackend,
         };
         let device = self.device_index(component);
         let dev = &self.devices[device];
         let (backend, backend_id, budget) = (dev.backend.clone(), dev.id, dev.budget);
+        let split = component == Component::Diffusion && device == 0 && !self.split.is_empty();
+        let on_device = !backend.is_cpu()
+            && !split
+            && match self.options.params {
+                ParamsLocation::Device => true,
+                ParamsLocation::Auto => budget.is_none(),
+                ParamsLocation::Ram | ParamsLocation::Disk => false,
+            };
         let ids = self.engine.manager_mut().register_params(
             ParamSpec {
                 component,
                 mode,
-                params_backend: self.cpu_id,
+                params_backend: if on_device { backend_id } else { self.cpu_id },
                 compute_backend: backend_id,
                 source,
             },
@@ -621,6 +644,7 @@ impl Runtime {
             model = name,
             params = ids.len(),
             device = %backend.name(),
+            weights_on_device = on_device,
             "model added"
         );
         self.models.push(ModelSlot {
@@ -629,6 +653,7 @@ impl Runtime {
             params,
             ids,
             device,
+            on_device,
             constants: RunnerCache::default(),
         });
         Ok((ModelHandle(self.models.len() - 1), model))
@@ -823,7 +848,8 @@ impl Runtime {
     }
 
     /// Loads model `h`'s weights now instead of at their first use, when that is where they
-    /// would stay: parameters kept in RAM and computed on the CPU. Reports
+    /// would stay: parameters kept in RAM and computed on the CPU, or kept in their
+    /// device's memory ([`ParamsLocation`]). Reports
     /// `progress(done, total)` in parameters; returns whether anything was loaded (other
     /// setups stream weights to the device as graphs need them, within the budget).
     pub fn preload(
@@ -833,8 +859,9 @@ impl Runtime {
     ) -> Result<bool> {
         let slot = self.slot(h)?;
         let ids = slot.ids.clone();
-        if self.options.params != ParamsLocation::Ram || !self.devices[slot.device].backend.is_cpu()
-        {
+        let in_ram_for_the_cpu = self.options.params != ParamsLocation::Disk
+            && self.devices[slot.device].backend.is_cpu();
+        if !in_ram_for_the_cpu && !slot.on_device {
             return Ok(false);
         }
         let _span = tracing::info_span!("preload", model = %self.slot(h)?.name).entered();
@@ -854,6 +881,12 @@ impl Runtime {
     /// The name given to model `h`.
     pub fn model_name(&self, h: ModelHandle) -> Option<&str> {
         self.models.get(h.0).map(|s| s.name.as_str())
+    }
+
+    /// Whether model `h` keeps its weights in its (non-CPU) device's memory, read from the
+    /// files straight there ([`ParamsLocation`]); `None` for an unknown handle.
+    pub fn weights_on_device(&self, h: ModelHandle) -> Option<bool> {
+        self.models.get(h.0).map(|m| m.on_device)
     }
 
     /// The declared parameters of model `h`.

@@ -309,3 +309,56 @@ fn layer_split_across_two_simulated_devices_equals_the_whole_run() {
     );
     assert_eq!(split.pixels(), whole.pixels());
 }
+
+/// Without a budget, a (simulated) GPU's models keep their weights in its memory, read from
+/// the file straight there: no copy in RAM, nothing uploaded for a second image. With the
+/// weights in RAM (`--offload-to-cpu`) they are staged from there (again for each image,
+/// for the models released between images). The pixels are the same.
+#[test]
+fn weights_load_straight_into_a_device_without_a_budget() {
+    let sim = ComputeDevice::Sim { bytes: 256 << 20 };
+    let cpu = sd_tensor::ggml::Device::cpu().unwrap();
+    let mut firsts = Vec::new();
+    for loc in [ParamsLocation::Auto, ParamsLocation::Ram] {
+        let mut p = Pipeline::load(
+            builtin(),
+            RuntimeOptions {
+                params: loc,
+                ..options(sim.clone(), None)
+            },
+        )
+        .unwrap();
+        let first = p.txt2img(&params(), &mut |_, _| {}).unwrap().remove(0);
+        let h = p.handles();
+        let on_device = loc == ParamsLocation::Auto;
+        for m in [h.text_encoder, h.unet, h.vae] {
+            assert_eq!(p.runtime().weights_on_device(m), Some(on_device), "{loc:?}");
+        }
+        let host = p.runtime().engine().manager().resident_bytes(&cpu);
+        if on_device {
+            assert_eq!(host, 0, "weights in RAM with {loc:?}");
+        } else {
+            assert!(host > 1 << 20, "{host} B of weights in RAM with {loc:?}");
+        }
+        let h2d = |p: &Pipeline| {
+            p.runtime()
+                .sim_device()
+                .unwrap()
+                .stats()
+                .host_to_device_bytes
+        };
+        let before = h2d(&p);
+        let second = p.txt2img(&params(), &mut |_, _| {}).unwrap().remove(0);
+        let moved = h2d(&p) - before;
+        // (From RAM, the models released between images are staged again: 8.9 MB here.)
+        if on_device {
+            assert!(
+                moved < 1 << 20,
+                "{loc:?}: the second image uploaded {moved} B"
+            );
+        }
+        assert_eq!(first.pixels(), second.pixels(), "{loc:?}");
+        firsts.push(first);
+    }
+    assert_eq!(firsts[0].pixels(), firsts[1].pixels());
+}
