@@ -117,9 +117,12 @@ fn main() {
         t.elapsed().as_secs_f64()
     );
     let flash_attn = env_usize("SD_BENCH_FLASH_ATTN", 0) != 0;
+    // SD_BENCH_HOST_KERNELS=0: ggml's own im2col (as before the host kernel).
+    let host_kernels = env_usize("SD_BENCH_HOST_KERNELS", 1) != 0;
     let opts = ComputeOptions {
         exact: false,
         flash_attn,
+        host_kernels,
     };
     println!(
         "attention: {}",

@@ -157,14 +157,19 @@ pub struct ComputeOptions {
     /// Use `flash_attn_ext` (K and V rounded to f16) for unmasked attention instead of
     /// `mul_mat` + `soft_max_ext` in f32.
     pub flash_attn: bool,
+    /// The graph is computed by ggml's CPU backend: use this crate family's CPU kernels
+    /// (ggml custom ops, which only the CPU backend runs) where they beat ggml's with the
+    /// same bits: the convolutions' im2col (`sd_tensor`'s `conv_2d_host`).
+    pub host_kernels: bool,
 }
 
 impl Default for ComputeOptions {
-    /// Exact numerics, no flash attention.
+    /// Exact numerics, no flash attention, ggml's kernels only.
     fn default() -> Self {
         ComputeOptions {
             exact: true,
             flash_attn: false,
+            host_kernels: false,
         }
     }
 }

@@ -107,7 +107,13 @@ impl Conv2d {
             let y = ctx.reshape(&y, &[kn[3], xn[0], xn[1], xn[3]])?;
             ctx.cont(&ctx.permute(&y, [2, 0, 1, 3])?)?
         } else {
-            ctx.conv_2d(
+            let conv = if g.opts.host_kernels {
+                sd_tensor::ggml::Context::conv_2d_host
+            } else {
+                sd_tensor::ggml::Context::conv_2d
+            };
+            conv(
+                ctx,
                 &self.weight,
                 x,
                 (self.stride, self.stride),

@@ -75,6 +75,7 @@ fn synthetic_f16_unet_step_runs_and_counts_its_work() {
     let opts = ComputeOptions {
         exact: false,
         flash_attn: false,
+        host_kernels: false,
     };
     let step = UnetStep::new(&unet.model, shape, opts, &backend).unwrap();
     let secs = step.run(&backend).unwrap();

@@ -75,6 +75,7 @@ fn clip_fast_numerics_stay_close() {
     let opts = ComputeOptions {
         exact: false,
         flash_attn: true,
+        host_kernels: false,
     };
     let (got, want) = run("clip_sd1", 1, opts);
     check("clip_sd1 fast", &got, &want, 1e-2);

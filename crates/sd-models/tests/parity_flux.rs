@@ -51,6 +51,7 @@ fn run_model(
         ComputeOptions {
             exact: true,
             flash_attn: false,
+            host_kernels: false,
         },
     )
     .unwrap();
@@ -173,6 +174,7 @@ fn the_latent_forward_packs_like_diffusers() {
         ComputeOptions {
             exact: true,
             flash_attn: false,
+            host_kernels: false,
         },
     )
     .unwrap();

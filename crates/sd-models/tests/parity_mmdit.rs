@@ -51,6 +51,7 @@ fn run_against(
         ComputeOptions {
             exact: true,
             flash_attn: false,
+            host_kernels: false,
         },
     )
     .unwrap();

@@ -31,6 +31,7 @@ fn options() -> ComputeOptions {
     ComputeOptions {
         exact: true,
         flash_attn: false,
+        host_kernels: false,
     }
 }
 

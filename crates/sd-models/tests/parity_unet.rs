@@ -104,6 +104,7 @@ fn unet_fast_numerics_stay_close() {
     let opts = ComputeOptions {
         exact: false,
         flash_attn: true,
+        host_kernels: true,
     };
     let (got, want, _) = run("unet_sd1", opts);
     check("unet_sd1 fast", &got, &want, 1e-2);

@@ -78,6 +78,7 @@ fn vae_fast_numerics_stay_close() {
     let opts = ComputeOptions {
         exact: false,
         flash_attn: true,
+        host_kernels: true,
     };
     let (got, want) = run(false, opts);
     check("vae decode fast", &got, &want, 1e-2);

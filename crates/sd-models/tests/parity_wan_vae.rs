@@ -138,6 +138,7 @@ fn wan_vae_fast_numerics_stay_close() {
     let opts = ComputeOptions {
         exact: false,
         flash_attn: true,
+        host_kernels: false,
     };
     let (got, want) = run(WAN, false, opts, false);
     check("wan vae decode fast", &got, &want, 1e-2);

@@ -67,6 +67,7 @@ fn main() {
         .with_options(ComputeOptions {
             exact: !fast,
             flash_attn: false,
+            host_kernels: false,
         });
 
     let x: Vec<f32> = (0..3 * size * size)

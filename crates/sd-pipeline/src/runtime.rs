@@ -759,6 +759,7 @@ impl Runtime {
         let dev = &self.devices[self.slot(h)?.device];
         let mut opts = self.options.compute_options;
         opts.exact = dev.exact;
+        opts.host_kernels = dev.backend.is_cpu();
         if dev.flash_attn_dims.is_some() {
             opts.flash_attn = true;
         }

@@ -50,6 +50,7 @@ fn load(budget: Option<u64>, placement: Vec<(Component, ComputeDevice)>) -> Pipe
             compute_options: ComputeOptions {
                 exact: false,
                 flash_attn: true,
+                host_kernels: false,
             },
             ..RuntimeOptions::default()
         },

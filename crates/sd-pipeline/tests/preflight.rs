@@ -40,6 +40,7 @@ fn load(budget: u64) -> Pipeline {
             compute_options: ComputeOptions {
                 exact: false,
                 flash_attn: true,
+                host_kernels: false,
             },
             ..RuntimeOptions::default()
         },

@@ -440,3 +440,91 @@ fn gallocr_replans_for_a_different_graph_of_the_same_shape() {
     assert!(max_abs(&q.read_f32().unwrap(), &want_q) < 1e-6);
     assert!(max_abs(&r.read_f32().unwrap(), &want_r) < 1e-6);
 }
+
+/// The crate's CPU im2col kernel (`conv_2d_host`) gives ggml's im2col bits exactly, for f32
+/// and f16 kernels (f32 / f16 im2col), strides, paddings, dilations, rectangular kernels and
+/// inputs, several images, a channel-strided (non-contiguous) input, and 1 to 3 threads.
+#[test]
+fn host_im2col_convolution_equals_ggmls_bit_for_bit() {
+    // (kernel w, h, in ch, out ch), input (w, h, n), stride, pad, dilation
+    type Case = (
+        [usize; 4],
+        [usize; 3],
+        (usize, usize),
+        (usize, usize),
+        (usize, usize),
+    );
+    let cases: [Case; 6] = [
+        ([3, 3, 5, 4], [9, 7, 1], (1, 1), (1, 1), (1, 1)),
+        ([3, 3, 3, 2], [16, 17, 2], (2, 2), (1, 1), (1, 1)),
+        ([1, 1, 6, 3], [5, 4, 1], (1, 1), (0, 0), (1, 1)),
+        ([5, 3, 2, 3], [11, 9, 1], (1, 2), (2, 0), (1, 1)),
+        ([3, 3, 4, 4], [10, 10, 1], (1, 1), (2, 2), (2, 2)),
+        ([4, 4, 3, 5], [37, 21, 2], (2, 3), (3, 1), (1, 2)),
+    ];
+    for (i, (kn, xn, stride, pad, dil)) in cases.into_iter().enumerate() {
+        for kernel_type in [DType::F32, DType::F16] {
+            for exact in [true, false] {
+                for threads in [1, 3] {
+                    let ctx = Context::new_descriptors(64, 64, 1).unwrap();
+                    let k = ctx.new_tensor(kernel_type, &kn).unwrap();
+                    let x = ctx
+                        .new_tensor(DType::F32, &[xn[0], xn[1], kn[2], xn[2]])
+                        .unwrap();
+                    let buf = BufferType::cpu().alloc_context_tensors(&ctx).unwrap();
+                    k.write_f32(&rnd(kn.iter().product(), 11 + i as u64))
+                        .unwrap();
+                    x.write_f32(&rnd(xn[0] * xn[1] * kn[2] * xn[2], 7 + i as u64))
+                        .unwrap();
+                    let mut outs = Vec::new();
+                    for input in [
+                        x.clone(),
+                        ctx.cont(&ctx.permute(&x, [0, 1, 3, 2]).unwrap()).unwrap(),
+                    ] {
+                        // The second input is x with channels and images swapped, then viewed
+                        // back: channel-strided rows.
+                        let input = if input.ne() == x.ne() {
+                            input
+                        } else {
+                            ctx.permute(&input, [0, 1, 3, 2]).unwrap()
+                        };
+                        let a = ctx.conv_2d(&k, &input, stride, pad, dil, exact).unwrap();
+                        let b = ctx
+                            .conv_2d_host(&k, &input, stride, pad, dil, exact)
+                            .unwrap();
+                        outs.push((a, b));
+                    }
+                    let mut graph = Graph::new(&ctx, 64).unwrap();
+                    for (a, b) in &outs {
+                        for t in [a, b] {
+                            t.set_output();
+                            graph.build_forward_expand(t).unwrap();
+                        }
+                    }
+                    let custom = graph
+                        .nodes()
+                        .iter()
+                        .filter(|n| n.op_name() == "CUSTOM")
+                        .count();
+                    assert_eq!(custom, 2, "case {i}: the host kernel was not used");
+                    let backend = Backend::cpu(threads).unwrap();
+                    let mut galloc = Gallocr::new(backend.buffer_type()).unwrap();
+                    galloc.alloc_graph(&graph).unwrap();
+                    backend.compute(&graph).unwrap();
+                    for (a, b) in &outs {
+                        let (a, b) = (a.read_f32().unwrap(), b.read_f32().unwrap());
+                        assert!(a.iter().any(|v| *v != 0.0));
+                        let same = a.iter().zip(&b).all(|(p, q)| p.to_bits() == q.to_bits());
+                        assert!(
+                            same,
+                            "case {i} {kernel_type:?} exact {exact} threads {threads}: max diff {}",
+                            max_abs(&a, &b)
+                        );
+                    }
+                    drop(galloc);
+                    drop(buf);
+                }
+            }
+        }
+    }
+}

@@ -277,6 +277,10 @@ struct UnetArgs {
     /// Convert the linear weights when loading (q8_0, q4_K, f16...; default: the file's)
     #[arg(long = "type", value_name = "TYPE")]
     weight_type: Option<String>,
+    /// On the CPU backend, this project's CPU kernels where they replace ggml's (the
+    /// convolutions' im2col), as `sd` uses them; off: ggml's own
+    #[arg(long = "host-kernels", value_enum, default_value = "on")]
+    host_kernels: OnOff,
 }
 
 fn main() -> ExitCode {
@@ -685,6 +689,8 @@ struct RigOptions<'a> {
     async_upload: bool,
     /// Bytes of the budget left to the backend runtime (0: none).
     runtime_reserve: u64,
+    /// The graph uses this project's CPU kernels (the CPU backend computes it).
+    host_kernels: bool,
 }
 
 fn build_rig(o: RigOptions<'_>, inputs: &Inputs) -> Result<Rig> {
@@ -748,7 +754,7 @@ fn build_rig(o: RigOptions<'_>, inputs: &Inputs) -> Result<Rig> {
     let session = engine.create_session(config);
     engine.start(session)?;
 
-    let (g, graph, out, feeds) = unet_graph(&model, inputs, &o.flash_attn)?;
+    let (g, graph, out, feeds) = unet_graph(&model, inputs, &o.flash_attn, o.host_kernels)?;
     let flops = sd_models::bench::graph_flops(&graph);
     let mut task = ComputeTask::new("unet step", graph, out)
         .with_marks(g.marks.clone())
@@ -771,12 +777,13 @@ const GRAPH: usize = 32768;
 
 /// The step's graph: its context (with cut marks), the graph, the output and the input
 /// leaves with their bytes (latents, timesteps, context, `y`, guidance, and any auxiliary
-/// inputs).
+/// inputs). `on_cpu`: the CPU backend computes it (its own kernels, as `sd` uses them).
 #[allow(clippy::type_complexity)]
 fn unet_graph(
     model: &BenchNet,
     inputs: &Inputs,
     flash_attn: &[usize],
+    on_cpu: bool,
 ) -> Result<(
     GraphCtx,
     sd_tensor::ggml::Graph,
@@ -789,6 +796,7 @@ fn unet_graph(
         ComputeOptions {
             exact: false,
             flash_attn: !flash_attn.is_empty(),
+            host_kernels: on_cpu,
         },
     )?;
     g.flash_attn_head_dims = Some(flash_attn.to_vec());
@@ -875,6 +883,7 @@ fn direct_step_ms(
     backend: &Backend,
     inputs: &Inputs,
     flash_attn: &[usize],
+    host_kernels: bool,
     steps: usize,
 ) -> Result<Vec<f64>> {
     let mut loader = TensorCatalog::new();
@@ -887,7 +896,7 @@ fn direct_step_ms(
             .ok_or_else(|| BenchError::Check(format!("`{name}` has no dtype")))?;
         t.write_bytes(0, &loader.read_converted(name, dtype)?)?;
     }
-    let (_g, graph, _out, feeds) = unet_graph(&model, inputs, flash_attn)?;
+    let (_g, graph, _out, feeds) = unet_graph(&model, inputs, flash_attn, host_kernels)?;
     let mut galloc = sd_tensor::ggml::Gallocr::new(backend.buffer_type())?;
     galloc.alloc_graph(&graph)?;
     for (t, bytes) in &feeds {
@@ -1014,6 +1023,7 @@ fn cmd_unet(a: &UnetArgs) -> Result<()> {
         FlashAttn::Off => Vec::new(),
         FlashAttn::Auto => flash_attn_dims(&backend, &cfg)?,
     };
+    let host_kernels = a.host_kernels == OnOff::On && backend.is_cpu();
     let (w, b, n_ctx) = match a.config {
         ConfigName::Sd15 => (64, 2, 77),
         ConfigName::Sdxl => (128, 2, 77),
@@ -1028,7 +1038,15 @@ fn cmd_unet(a: &UnetArgs) -> Result<()> {
     let inputs = Inputs::new(&cfg, w, b, n_ctx);
 
     if a.direct == OnOff::On {
-        let times = direct_step_ms(&cfg, &weights, &backend, &inputs, &flash_attn, steps)?;
+        let times = direct_step_ms(
+            &cfg,
+            &weights,
+            &backend,
+            &inputs,
+            &flash_attn,
+            host_kernels,
+            steps,
+        )?;
         println!(
             "{}",
             json!({"cmd": "unet-direct", "backend": backend.name(), "flash_attn_head_dims": flash_attn,
@@ -1070,6 +1088,7 @@ fn cmd_unet(a: &UnetArgs) -> Result<()> {
             staging_pool: a.staging_pool == OnOff::On,
             async_upload: a.async_upload == OnOff::On,
             runtime_reserve: reserve,
+            host_kernels,
         },
         &inputs,
     )?;
@@ -1130,6 +1149,7 @@ fn cmd_unet(a: &UnetArgs) -> Result<()> {
             "allocation_granularity": granularity,
             "coalesced_uploads": std::env::var("SD_BENCH_COALESCE").is_ok_and(|v| v == "1"),
             "async_upload": a.async_upload == OnOff::On,
+            "host_kernels": host_kernels,
             // Whether prefetch uploads went to a copy stream (the backend has one).
             "copy_stream": copy_stream,
             "weight_bytes": weight_bytes,
@@ -1198,6 +1218,7 @@ fn cmd_check(name: &str, threads: usize) -> Result<()> {
                flash_attn: &Vec<usize>,
                async_upload: bool|
      -> Result<Vec<f32>> {
+        let host_kernels = backend.is_cpu();
         let mut rig = build_rig(
             RigOptions {
                 cfg: &cfg,
@@ -1210,6 +1231,7 @@ fn cmd_check(name: &str, threads: usize) -> Result<()> {
                 staging_pool: true,
                 async_upload,
                 runtime_reserve: 0,
+                host_kernels,
             },
             &inputs,
         )?;

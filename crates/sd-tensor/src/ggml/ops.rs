@@ -569,6 +569,38 @@ impl Context {
         dilation: (usize, usize),
         exact_f32: bool,
     ) -> Result<GTensor> {
+        self.conv_2d_with(kernel, input, stride, pad, dilation, exact_f32, false)
+    }
+
+    /// [`conv_2d`](Self::conv_2d) with the im2col done by this crate's CPU kernel (a ggml
+    /// custom op, see `host_im2col.rs`): the same bits, several times faster than ggml's
+    /// CPU im2col. Only the CPU backend runs custom ops: use it for graphs computed there.
+    /// Inputs it does not cover (not f32 with contiguous rows, a geometry over 255) take
+    /// ggml's im2col.
+    #[allow(clippy::too_many_arguments)]
+    pub fn conv_2d_host(
+        &self,
+        kernel: &GTensor,
+        input: &GTensor,
+        stride: (usize, usize),
+        pad: (usize, usize),
+        dilation: (usize, usize),
+        exact_f32: bool,
+    ) -> Result<GTensor> {
+        self.conv_2d_with(kernel, input, stride, pad, dilation, exact_f32, true)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn conv_2d_with(
+        &self,
+        kernel: &GTensor,
+        input: &GTensor,
+        stride: (usize, usize),
+        pad: (usize, usize),
+        dilation: (usize, usize),
+        exact_f32: bool,
+        host_im2col: bool,
+    ) -> Result<GTensor> {
         let (kn, xn) = (kernel.ne(), input.ne());
         self.check_conv(kn, xn, stride, pad, dilation)?;
         let im2col_type = if exact_f32 && kernel.dtype() == Some(DType::F32) {
@@ -584,21 +616,49 @@ impl Context {
             dilation.0 as i32,
             dilation.1 as i32,
         );
+        // The host kernel's geometry and output size, when it covers this convolution.
+        let host = host_im2col
+            .then(|| {
+                let g =
+                    super::host_im2col::Im2colGeometry::new(stride, pad, dilation, (kn[0], kn[1]))?;
+                let (ow, oh) = g.output_size(xn[0], xn[1])?;
+                let rows_contiguous = input.nb()[0] == 4;
+                (input.dtype() == Some(DType::F32) && rows_contiguous).then_some((g, ow, oh))
+            })
+            .flatten();
         // SAFETY: shapes checked; im2col + mul_mat + reshapes + permute + cont = 8 tensors.
         self.op("conv_2d", 8, |c| unsafe {
-            let im = sys::ggml_im2col(
-                c,
-                kernel.raw(),
-                input.raw(),
-                s0,
-                s1,
-                p0,
-                p1,
-                d0,
-                d1,
-                true,
-                im2col_type,
-            );
+            let im = match host {
+                Some((g, ow, oh)) => {
+                    let mut args = [input.raw()];
+                    sys::ggml_custom_4d(
+                        c,
+                        im2col_type,
+                        (kn[0] * kn[1] * kn[2]) as i64,
+                        ow as i64,
+                        oh as i64,
+                        xn[3] as i64,
+                        args.as_mut_ptr(),
+                        1,
+                        Some(super::host_im2col::im2col_kernel),
+                        sys::GGML_N_TASKS_MAX,
+                        g.pack() as *mut std::ffi::c_void,
+                    )
+                }
+                None => sys::ggml_im2col(
+                    c,
+                    kernel.raw(),
+                    input.raw(),
+                    s0,
+                    s1,
+                    p0,
+                    p1,
+                    d0,
+                    d1,
+                    true,
+                    im2col_type,
+                ),
+            };
             // im: [IC*KH*KW, OW, OH, N]
             let imn = (*im).ne;
             let im2 = sys::ggml_reshape_2d(c, im, imn[0], imn[3] * imn[2] * imn[1]);
