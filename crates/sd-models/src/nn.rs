@@ -106,14 +106,19 @@ impl Conv2d {
             let y = ctx.mul_mat(&w, &ctx.reshape(&xt, &[xn[2], xn[0] * xn[1] * xn[3]])?)?;
             let y = ctx.reshape(&y, &[kn[3], xn[0], xn[1], xn[3]])?;
             ctx.cont(&ctx.permute(&y, [2, 0, 1, 3])?)?
+        } else if g.opts.host_kernels {
+            // The CPU's own kernels add the bias in the convolution's epilogue.
+            return Ok(ctx.conv_2d_host(
+                &self.weight,
+                x,
+                self.bias.as_ref(),
+                (self.stride, self.stride),
+                (self.padding, self.padding),
+                (1, 1),
+                g.opts.exact,
+            )?);
         } else {
-            let conv = if g.opts.host_kernels {
-                sd_tensor::ggml::Context::conv_2d_host
-            } else {
-                sd_tensor::ggml::Context::conv_2d
-            };
-            conv(
-                ctx,
+            ctx.conv_2d(
                 &self.weight,
                 x,
                 (self.stride, self.stride),

@@ -441,9 +441,10 @@ fn gallocr_replans_for_a_different_graph_of_the_same_shape() {
     assert!(max_abs(&r.read_f32().unwrap(), &want_r) < 1e-6);
 }
 
-/// The crate's CPU im2col kernel (`conv_2d_host`) gives ggml's im2col bits exactly, for f32
-/// and f16 kernels (f32 / f16 im2col), strides, paddings, dilations, rectangular kernels and
-/// inputs, several images, a channel-strided (non-contiguous) input, and 1 to 3 threads.
+/// The crate's CPU convolution kernels (`conv_2d_host`: im2col and epilogue) give the bits
+/// of ggml's `conv_2d` + a broadcast bias `add` exactly, for f32 and f16 kernels (f32 / f16
+/// im2col), with and without a bias, strides, paddings, dilations, rectangular kernels
+/// and inputs, several images, a channel-strided (non-contiguous) input, 1 to 3 threads.
 #[test]
 fn host_im2col_convolution_equals_ggmls_bit_for_bit() {
     // (kernel w, h, in ch, out ch), input (w, h, n), stride, pad, dilation
@@ -468,12 +469,14 @@ fn host_im2col_convolution_equals_ggmls_bit_for_bit() {
                 for threads in [1, 3] {
                     let ctx = Context::new_descriptors(64, 64, 1).unwrap();
                     let k = ctx.new_tensor(kernel_type, &kn).unwrap();
+                    let bias = ctx.new_tensor(DType::F32, &[kn[3]]).unwrap();
                     let x = ctx
                         .new_tensor(DType::F32, &[xn[0], xn[1], kn[2], xn[2]])
                         .unwrap();
                     let buf = BufferType::cpu().alloc_context_tensors(&ctx).unwrap();
                     k.write_f32(&rnd(kn.iter().product(), 11 + i as u64))
                         .unwrap();
+                    bias.write_f32(&rnd(kn[3], 3 + i as u64)).unwrap();
                     x.write_f32(&rnd(xn[0] * xn[1] * kn[2] * xn[2], 7 + i as u64))
                         .unwrap();
                     let mut outs = Vec::new();
@@ -490,9 +493,16 @@ fn host_im2col_convolution_equals_ggmls_bit_for_bit() {
                         };
                         let a = ctx.conv_2d(&k, &input, stride, pad, dil, exact).unwrap();
                         let b = ctx
-                            .conv_2d_host(&k, &input, stride, pad, dil, exact)
+                            .conv_2d_host(&k, &input, None, stride, pad, dil, exact)
                             .unwrap();
-                        outs.push((a, b));
+                        outs.push((a.clone(), b));
+                        let with_bias = ctx
+                            .add(&a, &ctx.reshape(&bias, &[1, 1, kn[3], 1]).unwrap())
+                            .unwrap();
+                        let b = ctx
+                            .conv_2d_host(&k, &input, Some(&bias), stride, pad, dil, exact)
+                            .unwrap();
+                        outs.push((with_bias, b));
                     }
                     let mut graph = Graph::new(&ctx, 64).unwrap();
                     for (a, b) in &outs {
@@ -506,7 +516,8 @@ fn host_im2col_convolution_equals_ggmls_bit_for_bit() {
                         .iter()
                         .filter(|n| n.op_name() == "CUSTOM")
                         .count();
-                    assert_eq!(custom, 2, "case {i}: the host kernel was not used");
+                    // Per host convolution: the im2col and the epilogue.
+                    assert_eq!(custom, 8, "case {i}: the host kernels were not used");
                     let backend = Backend::cpu(threads).unwrap();
                     let mut galloc = Gallocr::new(backend.buffer_type()).unwrap();
                     galloc.alloc_graph(&graph).unwrap();

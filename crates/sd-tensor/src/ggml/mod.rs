@@ -22,7 +22,7 @@ mod context;
 mod error;
 mod graph;
 pub mod graph_ext;
-mod host_im2col;
+mod host_conv;
 mod host_io;
 mod mapped;
 pub mod modules;

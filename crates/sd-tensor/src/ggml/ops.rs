@@ -569,25 +569,37 @@ impl Context {
         dilation: (usize, usize),
         exact_f32: bool,
     ) -> Result<GTensor> {
-        self.conv_2d_with(kernel, input, stride, pad, dilation, exact_f32, false)
+        self.conv_2d_with(kernel, input, None, stride, pad, dilation, exact_f32, false)
     }
 
-    /// [`conv_2d`](Self::conv_2d) with the im2col done by this crate's CPU kernel (a ggml
-    /// custom op, see `host_im2col.rs`): the same bits, several times faster than ggml's
-    /// CPU im2col. Only the CPU backend runs custom ops: use it for graphs computed there.
-    /// Inputs it does not cover (not f32 with contiguous rows, a geometry over 255) take
-    /// ggml's im2col.
+    /// [`conv_2d`](Self::conv_2d) plus `bias` (`[OC]` f32, added per output channel), with the
+    /// im2col and the epilogue (layout and bias) done by this crate's CPU kernels (ggml
+    /// custom ops, see `host_conv.rs`): the same bits as `conv_2d` followed by a broadcast
+    /// `add`, several times faster in those steps. Only the CPU backend runs custom ops:
+    /// use it for graphs computed there. Inputs the im2col kernel does not cover (not f32
+    /// with contiguous rows, a geometry over 255) take ggml's im2col.
     #[allow(clippy::too_many_arguments)]
     pub fn conv_2d_host(
         &self,
         kernel: &GTensor,
         input: &GTensor,
+        bias: Option<&GTensor>,
         stride: (usize, usize),
         pad: (usize, usize),
         dilation: (usize, usize),
         exact_f32: bool,
     ) -> Result<GTensor> {
-        self.conv_2d_with(kernel, input, stride, pad, dilation, exact_f32, true)
+        if let Some(b) = bias {
+            // f32, as ggml's CPU `add` takes it.
+            let f32 = b.dtype() == Some(DType::F32);
+            if b.nelements() != kernel.ne()[3] || !f32 || !b.is_contiguous() {
+                return Err(bad(
+                    "conv_2d",
+                    format!("bias {:?} for kernel {:?}", b.ne(), kernel.ne()),
+                ));
+            }
+        }
+        self.conv_2d_with(kernel, input, bias, stride, pad, dilation, exact_f32, true)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -595,11 +607,12 @@ impl Context {
         &self,
         kernel: &GTensor,
         input: &GTensor,
+        bias: Option<&GTensor>,
         stride: (usize, usize),
         pad: (usize, usize),
         dilation: (usize, usize),
         exact_f32: bool,
-        host_im2col: bool,
+        host_kernels: bool,
     ) -> Result<GTensor> {
         let (kn, xn) = (kernel.ne(), input.ne());
         self.check_conv(kn, xn, stride, pad, dilation)?;
@@ -617,10 +630,10 @@ impl Context {
             dilation.1 as i32,
         );
         // The host kernel's geometry and output size, when it covers this convolution.
-        let host = host_im2col
+        let host = host_kernels
             .then(|| {
                 let g =
-                    super::host_im2col::Im2colGeometry::new(stride, pad, dilation, (kn[0], kn[1]))?;
+                    super::host_conv::Im2colGeometry::new(stride, pad, dilation, (kn[0], kn[1]))?;
                 let (ow, oh) = g.output_size(xn[0], xn[1])?;
                 let rows_contiguous = input.nb()[0] == 4;
                 (input.dtype() == Some(DType::F32) && rows_contiguous).then_some((g, ow, oh))
@@ -640,7 +653,7 @@ impl Context {
                         xn[3] as i64,
                         args.as_mut_ptr(),
                         1,
-                        Some(super::host_im2col::im2col_kernel),
+                        Some(super::host_conv::im2col_kernel),
                         sys::GGML_N_TASKS_MAX,
                         g.pack() as *mut std::ffi::c_void,
                     )
@@ -669,6 +682,23 @@ impl Context {
                 kn[3] as i64,
             );
             let r = sys::ggml_mul_mat(c, im2, k2); // [N*OH*OW, OC]
+            if host_kernels {
+                // Layout and bias in one pass (see `host_conv.rs`).
+                let mut args = [r, bias.map_or(std::ptr::null_mut(), |b| b.raw())];
+                return sys::ggml_custom_4d(
+                    c,
+                    sys::GGML_TYPE_F32,
+                    imn[1],
+                    imn[2],
+                    kn[3] as i64,
+                    imn[3],
+                    args.as_mut_ptr(),
+                    if bias.is_some() { 2 } else { 1 },
+                    Some(super::host_conv::epilogue_kernel),
+                    sys::GGML_N_TASKS_MAX,
+                    std::ptr::null_mut(),
+                );
+            }
             let r = sys::ggml_reshape_4d(c, r, imn[1], imn[2], imn[3], kn[3] as i64); // [OW, OH, N, OC]
             let r = sys::ggml_permute(c, r, 0, 1, 3, 2); // [OW, OH, OC, N]
             sys::ggml_cont(c, r)

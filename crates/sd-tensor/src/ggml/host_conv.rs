@@ -1,6 +1,8 @@
-//! The im2col of a 2-D convolution as a CPU kernel of this crate, run by ggml as a custom op
-//! (`ggml_custom_4d`) on the CPU backend.
+//! Two steps of a 2-D convolution as CPU kernels of this crate, run by ggml as custom ops
+//! (`ggml_custom_4d`) on the CPU backend: the im2col before the matrix product, and the
+//! epilogue after it.
 //!
+//! **The im2col.**
 //! ggml's own CPU im2col walks every output pixel, then every input channel (the channels
 //! shared among the threads in turn, so that neighbouring threads write the same cache
 //! lines), then every kernel tap with a bounds check and a scalar conversion: on the
@@ -12,7 +14,13 @@
 //! f32 -> f16 rounded to nearest even, zeros in the padding), so a graph gives the same bits
 //! with either.
 //!
-//! ggml calls the kernel with the op's userdata pointer; the convolution's geometry is packed
+//! **The epilogue** ([`epilogue_kernel`]): the product comes out as `[N*OH*OW, OC]`; the
+//! convolution's result is `[OW, OH, OC, N]` plus the bias per channel. ggml does that as a
+//! permute + copy and a broadcast add, and its add of a `[1, 1, OC, 1]` bias calls its vector
+//! routine once per element. The epilogue moves each `OH*OW` plane once and adds its
+//! channel's bias on the way, with the same float additions (the same bits).
+//!
+//! ggml calls the im2col kernel with the op's userdata pointer; the convolution's geometry is packed
 //! into that pointer's value ([`Im2colGeometry::pack`]), so nothing is allocated that the
 //! graph would have to keep alive. A custom op runs only on the CPU backend: callers use it
 //! for graphs computed there.
@@ -157,6 +165,51 @@ pub(crate) unsafe extern "C" fn im2col_kernel(
     } else {
         // SAFETY: as above, f32.
         unsafe { job.fill(d.data as *mut f32, r0, r1) }
+    }
+}
+
+/// The epilogue op: `dst` `[OW, OH, OC, N]` f32 from `dst->src[0]`, the product
+/// `[N*OH*OW, OC]` f32 (contiguous), plus `dst->src[1]`, the bias `[OC]` f32, when present; thread `ith` of `nth` does its share of the `OC * N` planes.
+///
+/// # Safety
+/// Called by ggml with a live `dst` built by `Context::conv_2d_host` (types and shapes
+/// checked there).
+pub(crate) unsafe extern "C" fn epilogue_kernel(
+    dst: *mut sys::ggml_tensor,
+    ith: c_int,
+    nth: c_int,
+    _userdata: *mut c_void,
+) {
+    // SAFETY: see the function's contract.
+    let d = unsafe { &*dst };
+    let plane = (d.ne[0] * d.ne[1]) as usize;
+    let (oc, n) = (d.ne[2] as usize, d.ne[3] as usize);
+    // SAFETY: src[0] is the product; src[1] the bias or null.
+    let (mm, bias) = unsafe { (&*d.src[0], d.src[1].as_ref()) };
+    // SAFETY: the bias holds `oc` f32 values.
+    let bias_of = |b: &sys::ggml_tensor, c: usize| unsafe { *(b.data as *const f32).add(c) };
+    let (ith, nth) = (ith.max(0) as usize, nth.max(1) as usize);
+    let planes = oc * n;
+    let (p0, p1) = (planes * ith / nth, planes * (ith + 1) / nth);
+    for p in p0..p1 {
+        let (img, c) = (p / oc, p % oc);
+        // SAFETY: plane (img, c) of dst starts at (img * oc + c) * plane; in the product,
+        // column c (stride nb[1]) holds the N images' planes one after the other.
+        let (src, out) = unsafe {
+            let s = (mm.data as *const u8).add(c * mm.nb[1]) as *const f32;
+            (
+                std::slice::from_raw_parts(s.add(img * plane), plane),
+                std::slice::from_raw_parts_mut((d.data as *mut f32).add(p * plane), plane),
+            )
+        };
+        if let Some(bias) = bias {
+            let b = bias_of(bias, c);
+            for (o, v) in out.iter_mut().zip(src) {
+                *o = *v + b;
+            }
+        } else {
+            out.copy_from_slice(src);
+        }
     }
 }
 
