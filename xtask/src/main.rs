@@ -229,9 +229,10 @@ fn bench(rest: &[String]) -> Res<()> {
             .args(["bench", "-p", "sd-exec", "--bench", "exec", "--"])
             .args(&rest[1..])),
         "unet" => bench_unet(&benv, &rest[1..]),
+        "vae" => bench_vae(&benv),
         "upscale" => bench_upscale(&benv, &rest[1..]),
         other => Err(format!(
-            "unknown benchmark '{other}' (known: matmul, exec, unet, upscale)"
+            "unknown benchmark '{other}' (known: matmul, exec, unet, vae, upscale)"
         )),
     }
 }
@@ -365,6 +366,72 @@ fn bench_unet(benv: &BuildEnv, args: &[String]) -> Res<()> {
     }
     Ok(())
 }
+/// `cargo xtask bench vae`: one SD1.5 VAE decode (random f16 weights, a 64x64 latent to
+/// 512x512) in sd-rs on the ggml CPU backend as `sd` runs it (`crates/sd-models/benches/
+/// vae_decode.rs`: the project's CPU convolution kernels, then ggml's own for comparison),
+/// then in diffusers on PyTorch CPU (`scripts/bench/vae_decode_diffusers.py`, f32 and bf16),
+/// on the same thread count (`SD_BENCH_THREADS`, default 2); prints the times and ratios.
+/// `SD_BENCH_TORCH_DTYPES` (default `f32,bf16`), `SD_BENCH_REPS` (default 2) and
+/// `SD_BENCH_LATENT` (default 64) as for `bench unet`.
+fn bench_vae(benv: &BuildEnv) -> Res<()> {
+    let threads = env::var("SD_BENCH_THREADS").unwrap_or_else(|_| "2".into());
+    let reps = env::var("SD_BENCH_REPS").unwrap_or_else(|_| "2".into());
+    let side = env::var("SD_BENCH_LATENT").unwrap_or_else(|_| "64".into());
+    let dtypes = env::var("SD_BENCH_TORCH_DTYPES").unwrap_or_else(|_| "f32,bf16".into());
+    let mut results = Vec::new();
+    for (host, prefix) in [("1", ""), ("0", "ggml_im2col_")] {
+        let r = run_results(
+            cargo(benv)
+                .args(["bench", "--workspace", "--bench", "vae_decode"])
+                .env("SD_BENCH_THREADS", &threads)
+                .env("SD_BENCH_REPS", &reps)
+                .env("SD_BENCH_LATENT", &side)
+                .env("SD_BENCH_HOST_KERNELS", host),
+        )?;
+        results.extend(r.into_iter().map(|(k, v)| (format!("{prefix}{k}"), v)));
+    }
+    let script = root().join("scripts/bench/vae_decode_diffusers.py");
+    for dtype in dtypes.split(',').filter(|d| !d.is_empty()) {
+        let mut py = Command::new("python3");
+        py.arg(&script)
+            .args(["--threads", &threads, "--dtype", dtype, "--reps", &reps])
+            .args(["--latent", &side]);
+        results.extend(run_results(&mut py)?);
+    }
+    let get = |k: &str| -> Res<f64> {
+        results
+            .iter()
+            .rev()
+            .find(|(key, _)| key == k)
+            .and_then(|(_, v)| v.parse().ok())
+            .ok_or_else(|| format!("no result {k}"))
+    };
+    let ours = get("ggml_vae_seconds")?;
+    let plain = get("ggml_im2col_ggml_vae_seconds")?;
+    let gflop = get("vae_gflop")?;
+    let ceiling = get("matmul_f16_gflops")?;
+    println!();
+    println!("SD1.5 VAE decode, {side}x{side} latent, {threads} CPU threads ({gflop:.0} GFLOP of matrix products)");
+    println!(
+        "  sd-rs (as `sd` runs it)      {ours:8.2} s  {:6.1} GFLOP/s  {:5.1}% of the ggml f16 matmul ceiling ({ceiling:.1} GFLOP/s)",
+        gflop / ours,
+        100.0 * gflop / ours / ceiling
+    );
+    println!(
+        "  sd-rs, ggml's own im2col     {plain:8.2} s  {:6.1} GFLOP/s",
+        gflop / plain
+    );
+    for dtype in dtypes.split(',').filter(|d| !d.is_empty()) {
+        let theirs = get(&format!("torch_vae_{dtype}_seconds"))?;
+        println!(
+            "  diffusers (torch, {dtype:4})     {theirs:8.2} s  {:6.1} GFLOP/s   sd-rs / diffusers {dtype}: {:.2}",
+            gflop / theirs,
+            ours / theirs
+        );
+    }
+    Ok(())
+}
+
 /// `cargo xtask bench upscale [--size N] [--threads T] [--tile T]` (defaults 512, 2, 128):
 /// a full-size Real-ESRGAN x4plus network (random weights) upscales an N x N image 4x in
 /// tiles, with sd-rs (the release example `upscale_bench`) and with spandrel on PyTorch CPU

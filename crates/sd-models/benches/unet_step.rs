@@ -24,9 +24,12 @@
 
 use std::time::Instant;
 
-use sd_models::bench::{StepShape, SyntheticUnet, UnetStep};
+use sd_models::bench::{
+    load_average as loadavg, matmul_f16_ceiling as matmul_ceiling,
+    process_cpu_seconds as cpu_seconds, StepShape, SyntheticUnet, UnetStep,
+};
 use sd_models::ComputeOptions;
-use sd_tensor::ggml::{Backend, BufferType, Context, Gallocr, Graph};
+use sd_tensor::ggml::Backend;
 use sd_tensor::DType;
 
 fn env_usize(name: &str, default: usize) -> usize {
@@ -34,54 +37,6 @@ fn env_usize(name: &str, default: usize) -> usize {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(default)
-}
-
-fn loadavg() -> String {
-    std::fs::read_to_string("/proc/loadavg")
-        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(","))
-        .unwrap_or_else(|_| "unknown".into())
-}
-
-/// CPU seconds (user + system) this process has used so far: `/proc/self/stat` fields 14
-/// and 15, in Linux's `USER_HZ` ticks (100 per second); 0 where unavailable.
-fn cpu_seconds() -> f64 {
-    let Ok(stat) = std::fs::read_to_string("/proc/self/stat") else {
-        return 0.0;
-    };
-    // Fields after the parenthesised command name; utime and stime are fields 14 and 15.
-    let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
-    let f: Vec<&str> = rest.split_whitespace().collect();
-    let tick = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
-    (tick(11) + tick(12)) / 100.0
-}
-
-/// Best GFLOP/s of a 2048^3 f16 x f32 matmul over a few runs.
-fn matmul_ceiling(backend: &Backend) -> f64 {
-    let n = 2048;
-    let ctx = Context::new_descriptors(8, 8, 1).unwrap();
-    let a = ctx.new_tensor(DType::F16, &[n, n]).unwrap();
-    let b = ctx.new_tensor(DType::F32, &[n, n]).unwrap();
-    let _buf = BufferType::cpu().alloc_context_tensors(&ctx).unwrap();
-    let vals: Vec<f32> = (0..n * n)
-        .map(|i| ((i * 7919 % 1000) as f32 - 500.0) / 500.0)
-        .collect();
-    a.write_f32(&vals).unwrap();
-    b.write_f32(&vals).unwrap();
-    let out = ctx.mul_mat(&a, &b).unwrap();
-    out.set_output();
-    let mut g = Graph::new(&ctx, 8).unwrap();
-    g.build_forward_expand(&out).unwrap();
-    let mut galloc = Gallocr::new(backend.buffer_type()).unwrap();
-    galloc.alloc_graph(&g).unwrap();
-    backend.compute(&g).unwrap();
-    let flops = 2.0 * (n as f64).powi(3);
-    (0..5)
-        .map(|_| {
-            let t = Instant::now();
-            backend.compute(&g).unwrap();
-            flops / t.elapsed().as_secs_f64() / 1e9
-        })
-        .fold(0.0, f64::max)
 }
 
 fn main() {
@@ -92,7 +47,7 @@ fn main() {
     println!("RESULT threads={threads}");
     println!("RESULT load_start={}", loadavg());
 
-    let ceiling_before = matmul_ceiling(&backend);
+    let ceiling_before = matmul_ceiling(&backend).expect("matmul ceiling");
     println!("ggml f16 matmul 2048^3, {threads} threads: {ceiling_before:.1} GFLOP/s");
 
     let sdxl = std::env::var("SD_BENCH_MODEL").is_ok_and(|m| m == "sdxl");
@@ -158,7 +113,7 @@ fn main() {
             .collect::<Vec<_>>()
             .join(", ")
     );
-    let ceiling_after = matmul_ceiling(&backend);
+    let ceiling_after = matmul_ceiling(&backend).expect("matmul ceiling");
     println!("ggml f16 matmul 2048^3 after the UNet: {ceiling_after:.1} GFLOP/s");
     let ceiling = ceiling_before.max(ceiling_after);
     let rate = gflop / best;

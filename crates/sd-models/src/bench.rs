@@ -1,7 +1,9 @@
 //! Synthetic full-size models for benchmarks: the SD1.5 UNet with random weights, one
-//! denoising step of it on any ggml backend, and the FLOP count of a graph.
+//! denoising step of it on any ggml backend, the SD1.5 VAE decoder and one decode, and the
+//! FLOP count of a graph.
 //!
-//! Used by `crates/sd-models/benches/unet_step.rs` (`cargo xtask bench unet`, CPU); any other
+//! Used by `crates/sd-models/benches/unet_step.rs` (`cargo xtask bench unet`, CPU) and
+//! `vae_decode.rs` (`cargo xtask bench vae`); any other
 //! backend (CUDA, a simulated device) can reuse [`SyntheticUnet::new`] with its buffer type
 //! and [`UnetStep`] with its backend.
 
@@ -11,6 +13,7 @@ use sd_tensor::ggml::{Backend, Buffer, BufferType, GTensor, Gallocr, Graph};
 use sd_tensor::DType;
 
 use crate::unet::{UnetConfig, UnetModel};
+use crate::vae::{AutoencoderKl, VaeConfig};
 use crate::{ComputeOptions, GraphCtx, ParamBuilder, Params, Result};
 
 /// Graph capacity (descriptors and nodes) of one SD1.5 UNet step.
@@ -55,22 +58,7 @@ impl SyntheticUnet {
         let pb = ParamBuilder::with_synthetic_dtype(None, 4096, dtype)?;
         let model = UnetModel::new(&pb, config)?;
         let params = pb.finish();
-        let buffer = buffer_type.alloc_context_tensors(&params.ctx)?;
-        let mut rng = XorShift(seed.wrapping_mul(2).wrapping_add(0x9e37_79b9_7f4a_7c15) | 1);
-        for (name, t) in &params.tensors {
-            let ne = t.ne();
-            let dims = ne.iter().rposition(|&d| d != 1).map_or(1, |i| i + 1);
-            let n = t.nelements();
-            let values: Vec<f32> = if dims <= 1 {
-                let v = if name.ends_with("weight") { 1.0 } else { 0.0 };
-                vec![v; n]
-            } else {
-                let fan_in = (n / ne[dims - 1]).max(1);
-                let a = (3.0 / fan_in as f32).sqrt();
-                (0..n).map(|_| a * rng.next_unit()).collect()
-            };
-            t.write_f32(&values)?;
-        }
+        let buffer = fill_synthetic(&params, buffer_type, seed)?;
         Ok(SyntheticUnet {
             model,
             params,
@@ -86,6 +74,115 @@ impl SyntheticUnet {
     /// The SD1.5 UNet ([`UnetConfig::sd1`]) with `dtype` weights in host memory.
     pub fn sd15_cpu(dtype: DType, seed: u64) -> Result<Self> {
         Self::new(UnetConfig::sd1(), dtype, &BufferType::cpu(), seed)
+    }
+}
+
+/// Allocates `params` in `buffer_type` and fills them from `seed`: weights uniform with the
+/// variance of `1 / fan_in` (activations keep their scale through the network), 1-D
+/// `weight`s 1 and biases 0.
+fn fill_synthetic(params: &Params, buffer_type: &BufferType, seed: u64) -> Result<Buffer> {
+    let buffer = buffer_type.alloc_context_tensors(&params.ctx)?;
+    let mut rng = XorShift(seed.wrapping_mul(2).wrapping_add(0x9e37_79b9_7f4a_7c15) | 1);
+    for (name, t) in &params.tensors {
+        let ne = t.ne();
+        let dims = ne.iter().rposition(|&d| d != 1).map_or(1, |i| i + 1);
+        let n = t.nelements();
+        let values: Vec<f32> = if dims <= 1 {
+            let v = if name.ends_with("weight") { 1.0 } else { 0.0 };
+            vec![v; n]
+        } else {
+            let fan_in = (n / ne[dims - 1]).max(1);
+            let a = (3.0 / fan_in as f32).sqrt();
+            (0..n).map(|_| a * rng.next_unit()).collect()
+        };
+        t.write_f32(&values)?;
+    }
+    Ok(buffer)
+}
+
+/// The SD1.5 VAE decoder ([`VaeConfig::default`], no encoder) with random weights of
+/// `dtype` (1-D parameters f32) in host memory, decoding one `[side, side, 4, 1]` latent,
+/// built and allocated on a backend, ready to run repeatedly.
+pub struct VaeDecode {
+    graph: Graph,
+    _galloc: Gallocr,
+    _g: GraphCtx,
+    out: GTensor,
+    flops: f64,
+    _params: Params,
+    _buffer: Buffer,
+}
+
+impl std::fmt::Debug for VaeDecode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("VaeDecode")
+            .field("flops", &self.flops)
+            .finish_non_exhaustive()
+    }
+}
+
+impl VaeDecode {
+    /// Declares the decoder with `dtype` weights filled from `seed`, builds the decode of a
+    /// fixed random latent of `side` x `side` with `opts` and allocates it on `backend`.
+    pub fn new(
+        dtype: DType,
+        side: usize,
+        opts: ComputeOptions,
+        backend: &Backend,
+        seed: u64,
+    ) -> Result<Self> {
+        let _span = tracing::info_span!("synthetic_vae", ?dtype).entered();
+        let pb = ParamBuilder::with_synthetic_dtype(None, 4096, dtype)?;
+        let config = VaeConfig {
+            with_encoder: false,
+            ..VaeConfig::default()
+        };
+        let vae = AutoencoderKl::new(&pb, config)?;
+        let params = pb.finish();
+        let buffer = fill_synthetic(&params, &BufferType::cpu(), seed)?;
+        let mut g = GraphCtx::new(UNET_GRAPH, UNET_GRAPH, opts)?;
+        let z = g.ctx.new_tensor(DType::F32, &[side, side, 4, 1])?;
+        z.set_input();
+        let out = vae.decode(&mut g, &z)?;
+        out.set_output();
+        let mut graph = Graph::new(&g.ctx, UNET_GRAPH)?;
+        graph.build_forward_expand(&out)?;
+        let mut galloc = Gallocr::new(backend.buffer_type())?;
+        galloc.alloc_graph(&graph)?;
+        let mut rng = XorShift(11);
+        let v: Vec<f32> = (0..z.nelements()).map(|_| rng.next_unit()).collect();
+        z.write_f32(&v)?;
+        for aux in &g.aux {
+            aux.data.write_to(&aux.tensor)?;
+        }
+        let flops = graph_flops(&graph);
+        Ok(VaeDecode {
+            graph,
+            _galloc: galloc,
+            _g: g,
+            out,
+            flops,
+            _params: params,
+            _buffer: buffer,
+        })
+    }
+
+    /// Runs the decode once on `backend`; returns the wall time in seconds.
+    pub fn run(&self, backend: &Backend) -> Result<f64> {
+        let _span = tracing::info_span!("vae_decode").entered();
+        let start = Instant::now();
+        backend.compute(&self.graph)?;
+        Ok(start.elapsed().as_secs_f64())
+    }
+
+    /// The floating point operations of one decode ([`graph_flops`]).
+    pub fn flops(&self) -> f64 {
+        self.flops
+    }
+
+    /// The output image (`[8 side, 8 side, 3, 1]`).
+    pub fn output(&self) -> &GTensor {
+        &self.out
     }
 }
 
@@ -241,4 +338,55 @@ pub fn graph_flops(graph: &Graph) -> f64 {
         }
     }
     total
+}
+
+/// The 1/5/15-minute load averages (`/proc/loadavg`), or "unknown": benchmarks print them
+/// so that a busy machine shows in their output.
+pub fn load_average() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(","))
+        .unwrap_or_else(|_| "unknown".into())
+}
+
+/// CPU seconds (user + system) this process has used so far: `/proc/self/stat` fields 14
+/// and 15, in Linux's `USER_HZ` ticks (100 per second); 0 where unavailable.
+pub fn process_cpu_seconds() -> f64 {
+    let Ok(stat) = std::fs::read_to_string("/proc/self/stat") else {
+        return 0.0;
+    };
+    // Fields after the parenthesised command name; utime and stime are fields 14 and 15.
+    let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let tick = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+    (tick(11) + tick(12)) / 100.0
+}
+
+/// Best GFLOP/s of a 2048^3 f16 x f32 `mul_mat` on `backend` over five runs: the ceiling
+/// the model benchmarks report their rate against.
+pub fn matmul_f16_ceiling(backend: &Backend) -> Result<f64> {
+    let n = 2048;
+    let ctx = sd_tensor::ggml::Context::new_descriptors(8, 8, 1)?;
+    let a = ctx.new_tensor(DType::F16, &[n, n])?;
+    let b = ctx.new_tensor(DType::F32, &[n, n])?;
+    let _buf = BufferType::cpu().alloc_context_tensors(&ctx)?;
+    let vals: Vec<f32> = (0..n * n)
+        .map(|i| ((i * 7919 % 1000) as f32 - 500.0) / 500.0)
+        .collect();
+    a.write_f32(&vals)?;
+    b.write_f32(&vals)?;
+    let out = ctx.mul_mat(&a, &b)?;
+    out.set_output();
+    let mut g = Graph::new(&ctx, 8)?;
+    g.build_forward_expand(&out)?;
+    let mut galloc = Gallocr::new(backend.buffer_type())?;
+    galloc.alloc_graph(&g)?;
+    backend.compute(&g)?;
+    let flops = 2.0 * (n as f64).powi(3);
+    let mut best = 0.0f64;
+    for _ in 0..5 {
+        let t = Instant::now();
+        backend.compute(&g)?;
+        best = best.max(flops / t.elapsed().as_secs_f64() / 1e9);
+    }
+    Ok(best)
 }
