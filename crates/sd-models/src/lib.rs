@@ -159,7 +159,9 @@ pub struct ComputeOptions {
     pub flash_attn: bool,
     /// The graph is computed by ggml's CPU backend: use this crate family's CPU kernels
     /// (ggml custom ops, which only the CPU backend runs) where they beat ggml's with the
-    /// same bits: the convolutions' im2col (`sd_tensor`'s `conv_2d_host`).
+    /// same bits: the convolutions' im2col and epilogue (`sd_tensor`'s `conv_2d_host`) and
+    /// the per-channel scale and shift of group norms and time embeddings
+    /// (`channel_affine`; [`GraphCtx::new`] sets the context's flag).
     pub host_kernels: bool,
 }
 
@@ -196,8 +198,10 @@ impl GraphCtx {
     /// A graph context with a fresh no-alloc compute context of `max_tensors` descriptors
     /// and room for one graph of `graph_size` nodes.
     pub fn new(max_tensors: usize, graph_size: usize, opts: ComputeOptions) -> Result<GraphCtx> {
+        let ctx = Context::new_descriptors(max_tensors, graph_size, 1)?;
+        ctx.set_host_kernels(opts.host_kernels);
         Ok(GraphCtx {
-            ctx: Context::new_descriptors(max_tensors, graph_size, 1)?,
+            ctx,
             marks: CutMarks::new(),
             aux: Vec::new(),
             opts,

@@ -198,10 +198,8 @@ impl GroupNorm {
 
     /// Normalises `x` `[W, H, C, N]`.
     pub fn forward(&self, ctx: &Context, x: &GTensor) -> Result<GTensor> {
-        let c = self.weight.ne()[0];
         let y = ctx.group_norm(x, self.groups, self.eps)?;
-        let y = ctx.mul(&y, &ctx.reshape(&self.weight, &[1, 1, c, 1])?)?;
-        Ok(ctx.add(&y, &ctx.reshape(&self.bias, &[1, 1, c, 1])?)?)
+        Ok(ctx.channel_affine(&y, Some(&self.weight), Some(&self.bias))?)
     }
 }
 

@@ -269,8 +269,7 @@ impl ResBlock {
         let h = ctx.silu(&self.in_norm.forward(ctx, x)?)?;
         let h = self.in_conv.forward(g, &h)?;
         let e = self.emb_proj.forward(ctx, &ctx.silu(emb)?)?; // [Cout, B]
-        let [cout, b, _, _] = e.ne();
-        let h = ctx.add(&h, &ctx.reshape(&e, &[1, 1, cout, b])?)?;
+        let h = ctx.channel_affine(&h, None, Some(&e))?;
         g.marks.mark_fine(&h, LEVEL_SUBLAYER, "in_layers")?;
         let h = ctx.silu(&self.out_norm.forward(ctx, &h)?)?;
         let h = self.out_conv.forward(g, &h)?;

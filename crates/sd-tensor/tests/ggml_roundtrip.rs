@@ -2,7 +2,9 @@
 //! computed on the CPU backend (through the graph allocator and through the scheduler) and
 //! compared with plain Rust computations.
 
-use sd_tensor::ggml::{Backend, BufferType, Context, Gallocr, Graph, Interpolation, Scheduler};
+use sd_tensor::ggml::{
+    Backend, BufferType, Context, GTensor, Gallocr, Graph, Interpolation, Scheduler,
+};
 use sd_tensor::DType;
 use sd_testutil::{f16_round, max_abs, rnd};
 
@@ -537,5 +539,70 @@ fn host_im2col_convolution_equals_ggmls_bit_for_bit() {
                 }
             }
         }
+    }
+}
+
+/// `channel_affine` on the crate's CPU kernel gives the bits of ggml's broadcast `mul` then
+/// `add`, for per-channel and per-sample scales and shifts, either alone, 1 and 3 threads;
+/// a shape that fits neither is an error.
+#[test]
+fn host_channel_affine_equals_ggmls_mul_add_bit_for_bit() {
+    let (w, h, c, n) = (7, 5, 6, 2);
+    for threads in [1, 3] {
+        let mut outs = Vec::new();
+        let ctx = Context::new_descriptors(64, 64, 1).unwrap();
+        let x = ctx.new_tensor(DType::F32, &[w, h, c, n]).unwrap();
+        let s1 = ctx.new_tensor(DType::F32, &[c]).unwrap();
+        let b1 = ctx.new_tensor(DType::F32, &[c]).unwrap();
+        let s2 = ctx.new_tensor(DType::F32, &[c, n]).unwrap();
+        let b2 = ctx.new_tensor(DType::F32, &[c, n]).unwrap();
+        let bad = ctx.new_tensor(DType::F32, &[c + 1]).unwrap();
+        let buf = BufferType::cpu().alloc_context_tensors(&ctx).unwrap();
+        for (i, t) in [&x, &s1, &b1, &s2, &b2, &bad].into_iter().enumerate() {
+            t.write_f32(&rnd(t.nelements(), 40 + i as u64)).unwrap();
+        }
+        let combos: [(Option<&GTensor>, Option<&GTensor>); 5] = [
+            (Some(&s1), Some(&b1)),
+            (Some(&s2), Some(&b2)),
+            (Some(&s1), None),
+            (None, Some(&b2)),
+            (Some(&s2), Some(&b1)),
+        ];
+        for (s, b) in combos {
+            ctx.set_host_kernels(false);
+            let want = ctx.channel_affine(&x, s, b).unwrap();
+            ctx.set_host_kernels(true);
+            let got = ctx.channel_affine(&x, s, b).unwrap();
+            outs.push((want, got));
+        }
+        assert!(ctx.channel_affine(&x, Some(&bad), None).is_err());
+        let mut graph = Graph::new(&ctx, 64).unwrap();
+        for (a, b) in &outs {
+            for t in [a, b] {
+                t.set_output();
+                graph.build_forward_expand(t).unwrap();
+            }
+        }
+        let custom = graph
+            .nodes()
+            .iter()
+            .filter(|t| t.op_name() == "CUSTOM")
+            .count();
+        assert_eq!(custom, outs.len(), "the host kernel was not used");
+        let backend = Backend::cpu(threads).unwrap();
+        let mut galloc = Gallocr::new(backend.buffer_type()).unwrap();
+        galloc.alloc_graph(&graph).unwrap();
+        backend.compute(&graph).unwrap();
+        for (i, (a, b)) in outs.iter().enumerate() {
+            let (a, b) = (a.read_f32().unwrap(), b.read_f32().unwrap());
+            let same = a.iter().zip(&b).all(|(p, q)| p.to_bits() == q.to_bits());
+            assert!(
+                same,
+                "combo {i}, {threads} threads: max diff {}",
+                max_abs(&a, &b)
+            );
+        }
+        drop(galloc);
+        drop(buf);
     }
 }

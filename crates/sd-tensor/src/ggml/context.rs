@@ -19,6 +19,8 @@ pub(crate) struct ContextInner {
     base: usize,
     size: usize,
     pub(crate) lock: Mutex<()>,
+    /// Whether graphs built here run on the CPU backend (see [`Context::set_host_kernels`]).
+    pub(crate) host_kernels: std::sync::atomic::AtomicBool,
 }
 
 // SAFETY: a ggml context is plain memory; every mutation (new tensors, names, flags,
@@ -53,6 +55,22 @@ impl std::fmt::Debug for Context {
 }
 
 impl Context {
+    /// Declares that the graphs built in this context run on ggml's CPU backend, so that
+    /// operations with a CPU kernel of this crate (ggml custom ops, which only the CPU
+    /// backend runs) use it: [`Context::channel_affine`]. Off by default.
+    pub fn set_host_kernels(&self, on: bool) {
+        self.inner
+            .host_kernels
+            .store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Whether [`Context::set_host_kernels`] is on.
+    pub fn host_kernels(&self) -> bool {
+        self.inner
+            .host_kernels
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// A context that holds only tensor descriptors (data lives in backend buffers), with
     /// room for `max_tensors` tensors and `max_graphs` graphs of `graph_size` nodes.
     pub fn new_descriptors(
@@ -102,6 +120,7 @@ impl Context {
             base,
             size: mem_size,
             lock: Mutex::new(()),
+            host_kernels: std::sync::atomic::AtomicBool::new(false),
         });
         registry_add(&inner);
         Ok(Context { inner })

@@ -20,6 +20,11 @@
 //! routine once per element. The epilogue moves each `OH*OW` plane once and adds its
 //! channel's bias on the way, with the same float additions (the same bits).
 //!
+//! **The channel affine** ([`channel_affine_kernel`]): a group norm's `x * weight + bias`
+//! and a resnet's time-embedding add broadcast `[C]` or `[C, N]` values over `[W, H, C, N]`;
+//! ggml's `mul` and `add` do that one element per call of their vector routine. One pass
+//! per plane instead, with the same roundings.
+//!
 //! ggml calls the im2col kernel with the op's userdata pointer; the convolution's geometry is packed
 //! into that pointer's value ([`Im2colGeometry::pack`]), so nothing is allocated that the
 //! graph would have to keep alive. A custom op runs only on the CPU backend: callers use it
@@ -209,6 +214,66 @@ pub(crate) unsafe extern "C" fn epilogue_kernel(
             }
         } else {
             out.copy_from_slice(src);
+        }
+    }
+}
+
+/// The channel-affine op ([`crate::ggml::Context::channel_affine`]): `dst` `[W, H, C, N]`
+/// f32 = `src[0]` (same shape, contiguous) times `src[1]` plus `src[2]`, per channel: each
+/// of them null or `C` or `C * N` f32 values (per sample). The product is rounded before
+/// the sum, as ggml's `mul` then `add` compute it (Rust never contracts them into an FMA).
+///
+/// # Safety
+/// Called by ggml with a live `dst` built by `Context::channel_affine` (types and shapes
+/// checked there).
+pub(crate) unsafe extern "C" fn channel_affine_kernel(
+    dst: *mut sys::ggml_tensor,
+    ith: c_int,
+    nth: c_int,
+    _userdata: *mut c_void,
+) {
+    // SAFETY: see the function's contract.
+    let d = unsafe { &*dst };
+    let plane = (d.ne[0] * d.ne[1]) as usize;
+    let (c, n) = (d.ne[2] as usize, d.ne[3] as usize);
+    // SAFETY: src[0] is x; src[1] and src[2] are null or hold `c` or `c * n` f32 values.
+    let (x, scale, shift) = unsafe { (&*d.src[0], d.src[1].as_ref(), d.src[2].as_ref()) };
+    let value = |t: Option<&sys::ggml_tensor>, ch: usize, img: usize| -> Option<f32> {
+        let t = t?;
+        let per_sample = (t.ne[0] * t.ne[1] * t.ne[2] * t.ne[3]) as usize > c;
+        let i = if per_sample { img * c + ch } else { ch };
+        // SAFETY: i < the tensor's element count.
+        Some(unsafe { *(t.data as *const f32).add(i) })
+    };
+    let (ith, nth) = (ith.max(0) as usize, nth.max(1) as usize);
+    let planes = c * n;
+    for p in planes * ith / nth..planes * (ith + 1) / nth {
+        let (img, ch) = (p / c, p % c);
+        // SAFETY: plane p of x and dst (both contiguous `[W, H, C, N]`).
+        let (src, out) = unsafe {
+            (
+                std::slice::from_raw_parts((x.data as *const f32).add(p * plane), plane),
+                std::slice::from_raw_parts_mut((d.data as *mut f32).add(p * plane), plane),
+            )
+        };
+        match (value(scale, ch, img), value(shift, ch, img)) {
+            (Some(s), Some(b)) => {
+                for (o, v) in out.iter_mut().zip(src) {
+                    let t = *v * s;
+                    *o = t + b;
+                }
+            }
+            (Some(s), None) => {
+                for (o, v) in out.iter_mut().zip(src) {
+                    *o = *v * s;
+                }
+            }
+            (None, Some(b)) => {
+                for (o, v) in out.iter_mut().zip(src) {
+                    *o = *v + b;
+                }
+            }
+            (None, None) => out.copy_from_slice(src),
         }
     }
 }

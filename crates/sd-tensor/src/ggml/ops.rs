@@ -705,6 +705,65 @@ impl Context {
         })
     }
 
+    /// `x` `[W, H, C, N]` (f32) times `scale` plus `shift`, per channel: each `None` or `C`
+    /// values (`[C]`) or `C * N` (`[C, N]`, one set per sample), f32. With
+    /// [`Context::set_host_kernels`] on, one pass of this crate's CPU kernel (a ggml custom
+    /// op, see `host_conv.rs`) when `x` is contiguous; else ggml's broadcast `mul` then `add`.
+    /// The same bits either way.
+    pub fn channel_affine(
+        &self,
+        x: &GTensor,
+        scale: Option<&GTensor>,
+        shift: Option<&GTensor>,
+    ) -> Result<GTensor> {
+        let [_, _, c, n] = x.ne();
+        for t in [scale, shift].into_iter().flatten() {
+            let k = t.nelements();
+            if t.dtype() != Some(DType::F32) || !t.is_contiguous() || (k != c && k != c * n) {
+                return Err(bad(
+                    "channel_affine",
+                    format!("{:?} for an input {:?}", t.ne(), x.ne()),
+                ));
+            }
+        }
+        let as_channels = |t: &GTensor| {
+            let per_sample = if t.nelements() == c { 1 } else { n };
+            self.reshape(t, &[1, 1, c, per_sample])
+        };
+        if !(self.host_kernels() && x.dtype() == Some(DType::F32) && x.is_contiguous()) {
+            let mut y = x.clone();
+            if let Some(s) = scale {
+                y = self.mul(&y, &as_channels(s)?)?;
+            }
+            if let Some(b) = shift {
+                y = self.add(&y, &as_channels(b)?)?;
+            }
+            return Ok(y);
+        }
+        let ne = x.ne();
+        // SAFETY: shapes and types checked; one tensor.
+        self.op("channel_affine", 1, |c| unsafe {
+            let mut args = [
+                x.raw(),
+                scale.map_or(std::ptr::null_mut(), |t| t.raw()),
+                shift.map_or(std::ptr::null_mut(), |t| t.raw()),
+            ];
+            sys::ggml_custom_4d(
+                c,
+                sys::GGML_TYPE_F32,
+                ne[0] as i64,
+                ne[1] as i64,
+                ne[2] as i64,
+                ne[3] as i64,
+                args.as_mut_ptr(),
+                3,
+                Some(super::host_conv::channel_affine_kernel),
+                sys::GGML_N_TASKS_MAX,
+                std::ptr::null_mut(),
+            )
+        })
+    }
+
     /// 2-D convolution computed directly (no im2col buffer), f32 exact.
     #[allow(clippy::too_many_arguments)]
     pub fn conv_2d_direct(
