@@ -98,7 +98,14 @@ impl Conv2d {
     pub fn forward(&self, g: &GraphCtx, x: &GTensor) -> Result<GTensor> {
         let ctx = &g.ctx;
         let kn = self.weight.ne();
-        let y = if kn[0] == 1 && kn[1] == 1 && self.stride == 1 && self.padding == 0 {
+        let pointwise = kn[0] == 1 && kn[1] == 1 && self.stride == 1 && self.padding == 0;
+        // The CPU kernels take 1x1 convolutions too (their transposes are ggml's slowest
+        // copies) when their im2col keeps the precision of the matmul path: f16 kernels
+        // (ggml converts the activations to f16 either way), f32 kernels with exact numerics.
+        let wt = self.weight.dtype();
+        let host = g.opts.host_kernels
+            && (!pointwise || wt == Some(DType::F16) || (wt == Some(DType::F32) && g.opts.exact));
+        let y = if pointwise && !host {
             // 1x1: a matmul over channels.
             let xn = x.ne();
             let w = ctx.reshape(&self.weight, &[kn[2], kn[3]])?;
@@ -106,7 +113,7 @@ impl Conv2d {
             let y = ctx.mul_mat(&w, &ctx.reshape(&xt, &[xn[2], xn[0] * xn[1] * xn[3]])?)?;
             let y = ctx.reshape(&y, &[kn[3], xn[0], xn[1], xn[3]])?;
             ctx.cont(&ctx.permute(&y, [2, 0, 1, 3])?)?
-        } else if g.opts.host_kernels {
+        } else if host {
             // The CPU's own kernels add the bias in the convolution's epilogue.
             return Ok(ctx.conv_2d_host(
                 &self.weight,
