@@ -84,8 +84,9 @@ impl FromStr for ComputeDevice {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum ParamsLocation {
     /// [`ParamsLocation::Device`] for a model whose device is not the CPU, has no budget
-    /// (`--max-vram`) and is not layer-split; [`ParamsLocation::Ram`] otherwise
-    /// (`auto`, the default). As stable-diffusion.cpp without `--offload-to-cpu`: a run
+    /// (`--max-vram`), is not layer-split and has room for it (the weights of the models
+    /// placed there within three quarters of its free memory); [`ParamsLocation::Ram`]
+    /// otherwise (`auto`, the default). As stable-diffusion.cpp without `--offload-to-cpu`: a run
     /// that keeps every weight on the GPU reads the files straight into device memory, in
     /// parallel, instead of through a copy in RAM.
     #[default]
@@ -332,6 +333,8 @@ struct ModelDevice {
     exact: bool,
     /// Head widths that use flash attention (`None`: off); see [`RuntimeOptions::flash_attn`].
     flash_attn_dims: Option<Vec<usize>>,
+    /// Weight bytes of the models placed in this device's memory ([`ParamsLocation::Auto`]).
+    weights_placed: u64,
 }
 
 impl std::fmt::Debug for Runtime {
@@ -522,6 +525,7 @@ impl Runtime {
             budget,
             exact,
             flash_attn_dims,
+            weights_placed: 0,
         }];
         for (((device, backend), id), budget) in
             placed.into_iter().zip(placed_ids).zip(placed_budgets)
@@ -547,6 +551,7 @@ impl Runtime {
                 budget,
                 exact,
                 flash_attn_dims,
+                weights_placed: 0,
             });
         }
         Ok(Runtime {
@@ -610,11 +615,19 @@ impl Runtime {
         let dev = &self.devices[device];
         let (backend, backend_id, budget) = (dev.backend.clone(), dev.id, dev.budget);
         let split = component == Component::Diffusion && device == 0 && !self.split.is_empty();
+        let model_bytes: u64 = descs.iter().map(|(_, t)| t.nbytes() as u64).sum();
+        // Auto: only while the models placed there fit three quarters of the device's free
+        // memory (the rest is for compute buffers); a model that does not fit streams from
+        // RAM, as under a budget, instead of being read from the files again at each step.
+        let room = backend
+            .device()
+            .map_or(0, |d| d.memory().free / 4 * 3)
+            .saturating_sub(dev.weights_placed);
         let on_device = !backend.is_cpu()
             && !split
             && match self.options.params {
                 ParamsLocation::Device => true,
-                ParamsLocation::Auto => budget.is_none(),
+                ParamsLocation::Auto => budget.is_none() && model_bytes <= room,
                 ParamsLocation::Ram | ParamsLocation::Disk => false,
             };
         let ids = self.engine.manager_mut().register_params(
@@ -637,6 +650,9 @@ impl Runtime {
             for (b, id, budget) in &self.split {
                 config = config.with_split_device(b.clone(), *id, *budget);
             }
+        }
+        if on_device {
+            self.devices[device].weights_placed += model_bytes;
         }
         let session = self.engine.create_session(config);
         self.engine.start(session)?;

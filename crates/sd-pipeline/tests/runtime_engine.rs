@@ -313,7 +313,8 @@ fn layer_split_across_two_simulated_devices_equals_the_whole_run() {
 /// Without a budget, a (simulated) GPU's models keep their weights in its memory, read from
 /// the file straight there: no copy in RAM, nothing uploaded for a second image. With the
 /// weights in RAM (`--offload-to-cpu`) they are staged from there (again for each image,
-/// for the models released between images). The pixels are the same.
+/// for the models released between images). The pixels are the same. Models that do not fit
+/// the device's free memory keep their weights in RAM.
 #[test]
 fn weights_load_straight_into_a_device_without_a_budget() {
     let sim = ComputeDevice::Sim { bytes: 256 << 20 };
@@ -361,4 +362,20 @@ fn weights_load_straight_into_a_device_without_a_budget() {
         firsts.push(first);
     }
     assert_eq!(firsts[0].pixels(), firsts[1].pixels());
+    // A device that cannot hold every model (about 10 MB of weights, 3/4 of 8 MiB free): the
+    // models that do not fit keep their weights in RAM and stream from there.
+    let p = Pipeline::load(
+        builtin(),
+        options(ComputeDevice::Sim { bytes: 8 << 20 }, None),
+    )
+    .unwrap();
+    let h = p.handles();
+    let placed: Vec<bool> = [h.text_encoder, h.unet, h.vae]
+        .into_iter()
+        .map(|m| p.runtime().weights_on_device(m).unwrap())
+        .collect();
+    assert!(
+        placed.iter().any(|o| *o) && !placed.iter().all(|o| *o),
+        "{placed:?}"
+    );
 }
