@@ -174,7 +174,8 @@ pub(crate) unsafe extern "C" fn im2col_kernel(
 }
 
 /// The epilogue op: `dst` `[OW, OH, OC, N]` f32 from `dst->src[0]`, the product
-/// `[N*OH*OW, OC]` f32 (contiguous), plus `dst->src[1]`, the bias `[OC]` f32, when present; thread `ith` of `nth` does its share of the `OC * N` planes.
+/// `[N*OH*OW, OC]` f32 (contiguous), plus `dst->src[1]`, the bias `[OC]` f32, when present;
+/// thread `ith` of `nth` does its share of the `OC * N` planes.
 ///
 /// # Safety
 /// Called by ggml with a live `dst` built by `Context::conv_2d_host` (types and shapes
@@ -191,12 +192,7 @@ pub(crate) unsafe extern "C" fn epilogue_kernel(
     let (oc, n) = (d.ne[2] as usize, d.ne[3] as usize);
     // SAFETY: src[0] is the product; src[1] the bias or null.
     let (mm, bias) = unsafe { (&*d.src[0], d.src[1].as_ref()) };
-    // SAFETY: the bias holds `oc` f32 values.
-    let bias_of = |b: &sys::ggml_tensor, c: usize| unsafe { *(b.data as *const f32).add(c) };
-    let (ith, nth) = (ith.max(0) as usize, nth.max(1) as usize);
-    let planes = oc * n;
-    let (p0, p1) = (planes * ith / nth, planes * (ith + 1) / nth);
-    for p in p0..p1 {
+    for p in plane_share(oc * n, ith, nth) {
         let (img, c) = (p / oc, p % oc);
         // SAFETY: plane (img, c) of dst starts at (img * oc + c) * plane; in the product,
         // column c (stride nb[1]) holds the N images' planes one after the other.
@@ -207,14 +203,51 @@ pub(crate) unsafe extern "C" fn epilogue_kernel(
                 std::slice::from_raw_parts_mut((d.data as *mut f32).add(p * plane), plane),
             )
         };
-        if let Some(bias) = bias {
-            let b = bias_of(bias, c);
+        // SAFETY: the bias holds `oc` f32 values.
+        let shift = bias.map(|b| unsafe { channel_value(b, oc, c, img) });
+        affine_plane(src, out, None, shift);
+    }
+}
+
+/// Thread `ith` of `nth`'s share of `planes` planes.
+fn plane_share(planes: usize, ith: c_int, nth: c_int) -> std::ops::Range<usize> {
+    let (ith, nth) = (ith.max(0) as usize, nth.max(1) as usize);
+    planes * ith / nth..planes * (ith + 1) / nth
+}
+
+/// The value of `t` (f32, `c` values or `c * n`, one set per sample) for channel `ch` of
+/// sample `img`.
+///
+/// # Safety
+/// `t` is a live f32 tensor of `c` or `c * n` values, `ch < c`, `img < n`.
+unsafe fn channel_value(t: &sys::ggml_tensor, c: usize, ch: usize, img: usize) -> f32 {
+    let per_sample = (t.ne[0] * t.ne[1] * t.ne[2] * t.ne[3]) as usize > c;
+    let i = if per_sample { img * c + ch } else { ch };
+    // SAFETY: i < the tensor's element count (see the contract).
+    unsafe { *(t.data as *const f32).add(i) }
+}
+
+/// `out = src * scale + shift` over one plane, the product rounded before the sum (as
+/// ggml's `mul` then `add`; Rust never contracts them into an FMA), either part optional.
+fn affine_plane(src: &[f32], out: &mut [f32], scale: Option<f32>, shift: Option<f32>) {
+    match (scale, shift) {
+        (Some(s), Some(b)) => {
+            for (o, v) in out.iter_mut().zip(src) {
+                let t = *v * s;
+                *o = t + b;
+            }
+        }
+        (Some(s), None) => {
+            for (o, v) in out.iter_mut().zip(src) {
+                *o = *v * s;
+            }
+        }
+        (None, Some(b)) => {
             for (o, v) in out.iter_mut().zip(src) {
                 *o = *v + b;
             }
-        } else {
-            out.copy_from_slice(src);
         }
+        (None, None) => out.copy_from_slice(src),
     }
 }
 
@@ -238,16 +271,7 @@ pub(crate) unsafe extern "C" fn channel_affine_kernel(
     let (c, n) = (d.ne[2] as usize, d.ne[3] as usize);
     // SAFETY: src[0] is x; src[1] and src[2] are null or hold `c` or `c * n` f32 values.
     let (x, scale, shift) = unsafe { (&*d.src[0], d.src[1].as_ref(), d.src[2].as_ref()) };
-    let value = |t: Option<&sys::ggml_tensor>, ch: usize, img: usize| -> Option<f32> {
-        let t = t?;
-        let per_sample = (t.ne[0] * t.ne[1] * t.ne[2] * t.ne[3]) as usize > c;
-        let i = if per_sample { img * c + ch } else { ch };
-        // SAFETY: i < the tensor's element count.
-        Some(unsafe { *(t.data as *const f32).add(i) })
-    };
-    let (ith, nth) = (ith.max(0) as usize, nth.max(1) as usize);
-    let planes = c * n;
-    for p in planes * ith / nth..planes * (ith + 1) / nth {
+    for p in plane_share(c * n, ith, nth) {
         let (img, ch) = (p / c, p % c);
         // SAFETY: plane p of x and dst (both contiguous `[W, H, C, N]`).
         let (src, out) = unsafe {
@@ -256,25 +280,10 @@ pub(crate) unsafe extern "C" fn channel_affine_kernel(
                 std::slice::from_raw_parts_mut((d.data as *mut f32).add(p * plane), plane),
             )
         };
-        match (value(scale, ch, img), value(shift, ch, img)) {
-            (Some(s), Some(b)) => {
-                for (o, v) in out.iter_mut().zip(src) {
-                    let t = *v * s;
-                    *o = t + b;
-                }
-            }
-            (Some(s), None) => {
-                for (o, v) in out.iter_mut().zip(src) {
-                    *o = *v * s;
-                }
-            }
-            (None, Some(b)) => {
-                for (o, v) in out.iter_mut().zip(src) {
-                    *o = *v + b;
-                }
-            }
-            (None, None) => out.copy_from_slice(src),
-        }
+        // SAFETY: scale and shift hold `c` or `c * n` f32 values.
+        let value =
+            |t: Option<&sys::ggml_tensor>| t.map(|t| unsafe { channel_value(t, c, ch, img) });
+        affine_plane(src, out, value(scale), value(shift));
     }
 }
 
