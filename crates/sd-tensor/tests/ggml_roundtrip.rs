@@ -443,6 +443,36 @@ fn gallocr_replans_for_a_different_graph_of_the_same_shape() {
     assert!(max_abs(&r.read_f32().unwrap(), &want_r) < 1e-6);
 }
 
+/// Computes every tensor of `pairs` (ggml's op, the host kernel's) in one graph of `ctx` on
+/// the CPU backend with `threads`; returns the graph's custom op count and each pair's values.
+fn compute_pairs(
+    ctx: &Context,
+    pairs: &[(GTensor, GTensor)],
+    threads: usize,
+) -> (usize, Vec<(Vec<f32>, Vec<f32>)>) {
+    let mut graph = Graph::new(ctx, 64).unwrap();
+    for (a, b) in pairs {
+        for t in [a, b] {
+            t.set_output();
+            graph.build_forward_expand(t).unwrap();
+        }
+    }
+    let custom = graph
+        .nodes()
+        .iter()
+        .filter(|n| n.op_name() == "CUSTOM")
+        .count();
+    let backend = Backend::cpu(threads).unwrap();
+    let mut galloc = Gallocr::new(backend.buffer_type()).unwrap();
+    galloc.alloc_graph(&graph).unwrap();
+    backend.compute(&graph).unwrap();
+    let values = pairs
+        .iter()
+        .map(|(a, b)| (a.read_f32().unwrap(), b.read_f32().unwrap()))
+        .collect();
+    (custom, values)
+}
+
 /// The crate's CPU convolution kernels (`conv_2d_host`: im2col and epilogue) give the bits
 /// of ggml's `conv_2d` + a broadcast bias `add` exactly, for f32 and f16 kernels (f32 / f16
 /// im2col), with and without a bias, strides, paddings, dilations, rectangular kernels
@@ -506,26 +536,10 @@ fn host_im2col_convolution_equals_ggmls_bit_for_bit() {
                             .unwrap();
                         outs.push((with_bias, b));
                     }
-                    let mut graph = Graph::new(&ctx, 64).unwrap();
-                    for (a, b) in &outs {
-                        for t in [a, b] {
-                            t.set_output();
-                            graph.build_forward_expand(t).unwrap();
-                        }
-                    }
-                    let custom = graph
-                        .nodes()
-                        .iter()
-                        .filter(|n| n.op_name() == "CUSTOM")
-                        .count();
+                    let (custom, values) = compute_pairs(&ctx, &outs, threads);
                     // Per host convolution: the im2col and the epilogue.
                     assert_eq!(custom, 8, "case {i}: the host kernels were not used");
-                    let backend = Backend::cpu(threads).unwrap();
-                    let mut galloc = Gallocr::new(backend.buffer_type()).unwrap();
-                    galloc.alloc_graph(&graph).unwrap();
-                    backend.compute(&graph).unwrap();
-                    for (a, b) in &outs {
-                        let (a, b) = (a.read_f32().unwrap(), b.read_f32().unwrap());
+                    for (a, b) in values {
                         assert!(a.iter().any(|v| *v != 0.0));
                         let same = a.iter().zip(&b).all(|(p, q)| p.to_bits() == q.to_bits());
                         assert!(
@@ -534,7 +548,6 @@ fn host_im2col_convolution_equals_ggmls_bit_for_bit() {
                             max_abs(&a, &b)
                         );
                     }
-                    drop(galloc);
                     drop(buf);
                 }
             }
@@ -576,25 +589,9 @@ fn host_channel_affine_equals_ggmls_mul_add_bit_for_bit() {
             outs.push((want, got));
         }
         assert!(ctx.channel_affine(&x, Some(&bad), None).is_err());
-        let mut graph = Graph::new(&ctx, 64).unwrap();
-        for (a, b) in &outs {
-            for t in [a, b] {
-                t.set_output();
-                graph.build_forward_expand(t).unwrap();
-            }
-        }
-        let custom = graph
-            .nodes()
-            .iter()
-            .filter(|t| t.op_name() == "CUSTOM")
-            .count();
+        let (custom, values) = compute_pairs(&ctx, &outs, threads);
         assert_eq!(custom, outs.len(), "the host kernel was not used");
-        let backend = Backend::cpu(threads).unwrap();
-        let mut galloc = Gallocr::new(backend.buffer_type()).unwrap();
-        galloc.alloc_graph(&graph).unwrap();
-        backend.compute(&graph).unwrap();
-        for (i, (a, b)) in outs.iter().enumerate() {
-            let (a, b) = (a.read_f32().unwrap(), b.read_f32().unwrap());
+        for (i, (a, b)) in values.into_iter().enumerate() {
             let same = a.iter().zip(&b).all(|(p, q)| p.to_bits() == q.to_bits());
             assert!(
                 same,
@@ -602,7 +599,6 @@ fn host_channel_affine_equals_ggmls_mul_add_bit_for_bit() {
                 max_abs(&a, &b)
             );
         }
-        drop(galloc);
         drop(buf);
     }
 }
