@@ -104,11 +104,7 @@ fn fill_synthetic(params: &Params, buffer_type: &BufferType, seed: u64) -> Resul
 /// `dtype` (1-D parameters f32) in host memory, decoding one `[side, side, 4, 1]` latent,
 /// built and allocated on a backend, ready to run repeatedly.
 pub struct VaeDecode {
-    graph: Graph,
-    _galloc: Gallocr,
-    _g: GraphCtx,
-    out: GTensor,
-    flops: f64,
+    graph: BenchGraph,
     _params: Params,
     _buffer: Buffer,
 }
@@ -116,8 +112,47 @@ pub struct VaeDecode {
 impl std::fmt::Debug for VaeDecode {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("VaeDecode")
-            .field("flops", &self.flops)
+            .field("flops", &self.graph.flops)
             .finish_non_exhaustive()
+    }
+}
+
+/// A model graph built and allocated on a backend, its auxiliary inputs written, ready to
+/// run repeatedly (the part [`UnetStep`] and [`VaeDecode`] share).
+struct BenchGraph {
+    graph: Graph,
+    _galloc: Gallocr,
+    _g: GraphCtx,
+    out: GTensor,
+    flops: f64,
+}
+
+impl BenchGraph {
+    /// The graph of `out` in `g`, allocated with `backend`'s buffer type.
+    fn new(g: GraphCtx, out: GTensor, backend: &Backend) -> Result<BenchGraph> {
+        out.set_output();
+        let mut graph = Graph::new(&g.ctx, UNET_GRAPH)?;
+        graph.build_forward_expand(&out)?;
+        let mut galloc = Gallocr::new(backend.buffer_type())?;
+        galloc.alloc_graph(&graph)?;
+        for aux in &g.aux {
+            aux.data.write_to(&aux.tensor)?;
+        }
+        let flops = graph_flops(&graph);
+        Ok(BenchGraph {
+            graph,
+            _galloc: galloc,
+            _g: g,
+            out,
+            flops,
+        })
+    }
+
+    /// Runs it once on `backend`; returns the wall time in seconds.
+    fn run(&self, backend: &Backend) -> Result<f64> {
+        let start = Instant::now();
+        backend.compute(&self.graph)?;
+        Ok(start.elapsed().as_secs_f64())
     }
 }
 
@@ -144,24 +179,12 @@ impl VaeDecode {
         let z = g.ctx.new_tensor(DType::F32, &[side, side, 4, 1])?;
         z.set_input();
         let out = vae.decode(&mut g, &z)?;
-        out.set_output();
-        let mut graph = Graph::new(&g.ctx, UNET_GRAPH)?;
-        graph.build_forward_expand(&out)?;
-        let mut galloc = Gallocr::new(backend.buffer_type())?;
-        galloc.alloc_graph(&graph)?;
+        let graph = BenchGraph::new(g, out, backend)?;
         let mut rng = XorShift(11);
         let v: Vec<f32> = (0..z.nelements()).map(|_| rng.next_unit()).collect();
         z.write_f32(&v)?;
-        for aux in &g.aux {
-            aux.data.write_to(&aux.tensor)?;
-        }
-        let flops = graph_flops(&graph);
         Ok(VaeDecode {
             graph,
-            _galloc: galloc,
-            _g: g,
-            out,
-            flops,
             _params: params,
             _buffer: buffer,
         })
@@ -170,19 +193,17 @@ impl VaeDecode {
     /// Runs the decode once on `backend`; returns the wall time in seconds.
     pub fn run(&self, backend: &Backend) -> Result<f64> {
         let _span = tracing::info_span!("vae_decode").entered();
-        let start = Instant::now();
-        backend.compute(&self.graph)?;
-        Ok(start.elapsed().as_secs_f64())
+        self.graph.run(backend)
     }
 
     /// The floating point operations of one decode ([`graph_flops`]).
     pub fn flops(&self) -> f64 {
-        self.flops
+        self.graph.flops
     }
 
     /// The output image (`[8 side, 8 side, 3, 1]`).
     pub fn output(&self) -> &GTensor {
-        &self.out
+        &self.graph.out
     }
 }
 
@@ -219,17 +240,13 @@ impl StepShape {
 
 /// One UNet step, built and allocated on a backend, ready to run repeatedly.
 pub struct UnetStep {
-    graph: Graph,
-    _galloc: Gallocr,
-    _g: GraphCtx,
-    out: GTensor,
-    flops: f64,
+    graph: BenchGraph,
 }
 
 impl std::fmt::Debug for UnetStep {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("UnetStep")
-            .field("flops", &self.flops)
+            .field("flops", &self.graph.flops)
             .finish_non_exhaustive()
     }
 }
@@ -266,11 +283,7 @@ impl UnetStep {
             i.set_input();
         }
         let out = unet.forward(&mut g, &x, &t, &ctx, y.as_ref())?;
-        out.set_output();
-        let mut graph = Graph::new(&g.ctx, UNET_GRAPH)?;
-        graph.build_forward_expand(&out)?;
-        let mut galloc = Gallocr::new(backend.buffer_type())?;
-        galloc.alloc_graph(&graph)?;
+        let graph = BenchGraph::new(g, out, backend)?;
         let mut rng = XorShift(7);
         let mut fill = |t: &GTensor| -> Result<()> {
             let v: Vec<f32> = (0..t.nelements()).map(|_| rng.next_unit()).collect();
@@ -282,35 +295,23 @@ impl UnetStep {
             fill(y)?;
         }
         t.write_f32(&vec![500.0; batch])?;
-        for aux in &g.aux {
-            aux.data.write_to(&aux.tensor)?;
-        }
-        let flops = graph_flops(&graph);
-        Ok(UnetStep {
-            graph,
-            _galloc: galloc,
-            _g: g,
-            out,
-            flops,
-        })
+        Ok(UnetStep { graph })
     }
 
     /// Runs the step once on `backend`; returns the wall time in seconds.
     pub fn run(&self, backend: &Backend) -> Result<f64> {
         let _span = tracing::info_span!("unet_step").entered();
-        let start = Instant::now();
-        backend.compute(&self.graph)?;
-        Ok(start.elapsed().as_secs_f64())
+        self.graph.run(backend)
     }
 
     /// The floating point operations of one step ([`graph_flops`]).
     pub fn flops(&self) -> f64 {
-        self.flops
+        self.graph.flops
     }
 
     /// The output tensor (`[W, H, out_channels, B]`).
     pub fn output(&self) -> &GTensor {
-        &self.out
+        &self.graph.out
     }
 }
 

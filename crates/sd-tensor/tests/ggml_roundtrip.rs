@@ -443,13 +443,16 @@ fn gallocr_replans_for_a_different_graph_of_the_same_shape() {
     assert!(max_abs(&r.read_f32().unwrap(), &want_r) < 1e-6);
 }
 
+/// Each pair's values: (ggml's op, the host kernel's).
+type PairValues = Vec<(Vec<f32>, Vec<f32>)>;
+
 /// Computes every tensor of `pairs` (ggml's op, the host kernel's) in one graph of `ctx` on
 /// the CPU backend with `threads`; returns the graph's custom op count and each pair's values.
 fn compute_pairs(
     ctx: &Context,
     pairs: &[(GTensor, GTensor)],
     threads: usize,
-) -> (usize, Vec<(Vec<f32>, Vec<f32>)>) {
+) -> (usize, PairValues) {
     let mut graph = Graph::new(ctx, 64).unwrap();
     for (a, b) in pairs {
         for t in [a, b] {
