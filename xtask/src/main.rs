@@ -290,9 +290,7 @@ fn bench_unet(benv: &BuildEnv, args: &[String]) -> Res<()> {
             "bench unet: --latent {side}: a positive multiple of 8"
         ));
     }
-    let threads = env::var("SD_BENCH_THREADS").unwrap_or_else(|_| "2".into());
-    let reps = env::var("SD_BENCH_REPS").unwrap_or_else(|_| "2".into());
-    let dtypes = env::var("SD_BENCH_TORCH_DTYPES").unwrap_or_else(|_| "f32,bf16".into());
+    let (threads, reps, dtypes) = bench_env();
     // sd.cpp's CPU default (f32 mul_mat attention), then with flash attention (`fa_` keys).
     let mut results = Vec::new();
     for (flash, prefix) in [("0", ""), ("1", "fa_")] {
@@ -315,14 +313,7 @@ fn bench_unet(benv: &BuildEnv, args: &[String]) -> Res<()> {
             .args(["--model", &model, "--latent", &side]);
         results.extend(run_results(&mut py)?);
     }
-    let get = |k: &str| -> Res<f64> {
-        results
-            .iter()
-            .rev()
-            .find(|(key, _)| key == k)
-            .and_then(|(_, v)| v.parse().ok())
-            .ok_or_else(|| format!("no result {k}"))
-    };
+    let get = |k: &str| result(&results, k);
     let ours = get("ggml_unet_seconds")?;
     let ours_cpu = get("ggml_unet_cpu_seconds")?;
     let gflop = get("unet_gflop")?;
@@ -374,10 +365,8 @@ fn bench_unet(benv: &BuildEnv, args: &[String]) -> Res<()> {
 /// `SD_BENCH_TORCH_DTYPES` (default `f32,bf16`), `SD_BENCH_REPS` (default 2) and
 /// `SD_BENCH_LATENT` (default 64) as for `bench unet`.
 fn bench_vae(benv: &BuildEnv) -> Res<()> {
-    let threads = env::var("SD_BENCH_THREADS").unwrap_or_else(|_| "2".into());
-    let reps = env::var("SD_BENCH_REPS").unwrap_or_else(|_| "2".into());
+    let (threads, reps, dtypes) = bench_env();
     let side = env::var("SD_BENCH_LATENT").unwrap_or_else(|_| "64".into());
-    let dtypes = env::var("SD_BENCH_TORCH_DTYPES").unwrap_or_else(|_| "f32,bf16".into());
     let mut results = Vec::new();
     for (host, prefix) in [("1", ""), ("0", "ggml_im2col_")] {
         let r = run_results(
@@ -398,14 +387,7 @@ fn bench_vae(benv: &BuildEnv) -> Res<()> {
             .args(["--latent", &side]);
         results.extend(run_results(&mut py)?);
     }
-    let get = |k: &str| -> Res<f64> {
-        results
-            .iter()
-            .rev()
-            .find(|(key, _)| key == k)
-            .and_then(|(_, v)| v.parse().ok())
-            .ok_or_else(|| format!("no result {k}"))
-    };
+    let get = |k: &str| result(&results, k);
     let ours = get("ggml_vae_seconds")?;
     let plain = get("ggml_im2col_ggml_vae_seconds")?;
     let gflop = get("vae_gflop")?;
@@ -430,6 +412,27 @@ fn bench_vae(benv: &BuildEnv) -> Res<()> {
         );
     }
     Ok(())
+}
+
+/// The model benchmarks' environment: `SD_BENCH_THREADS` (default 2), `SD_BENCH_REPS`
+/// (default 2), `SD_BENCH_TORCH_DTYPES` (default `f32,bf16`).
+fn bench_env() -> (String, String, String) {
+    let var = |k: &str, d: &str| env::var(k).unwrap_or_else(|_| d.into());
+    (
+        var("SD_BENCH_THREADS", "2"),
+        var("SD_BENCH_REPS", "2"),
+        var("SD_BENCH_TORCH_DTYPES", "f32,bf16"),
+    )
+}
+
+/// The last `RESULT key=value` printed under `key`, as a number.
+fn result(results: &[(String, String)], key: &str) -> Res<f64> {
+    results
+        .iter()
+        .rev()
+        .find(|(k, _)| k == key)
+        .and_then(|(_, v)| v.parse().ok())
+        .ok_or_else(|| format!("no result {key}"))
 }
 
 /// `cargo xtask bench upscale [--size N] [--threads T] [--tile T]` (defaults 512, 2, 128):
