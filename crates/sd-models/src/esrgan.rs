@@ -220,19 +220,13 @@ fn bsrgan_name(name: &str) -> Option<String> {
     None
 }
 
-/// A convolution of a channels-innermost activation `x` `[C, W, H, 1]` (see
-/// [`Esrgan::forward`]), returning `[OC, W, H, 1]`.
-///
-/// For a `k` x `k` kernel the zero-padded input's `k` horizontally adjacent pixels are `k C`
-/// contiguous values, so one overlapping strided view `[k C, W, H, k]` (the last dim steps
-/// one padded row) copied contiguously is the im2col matrix split by kernel row; one batched
-/// matrix product with the kernel permuted to `[k C, OC, k]` and a sum over the kernel rows
-/// finish the convolution. ggml copies such a view row by row, much faster than its
-/// element-wise im2col.
-fn conv_cwh(g: &GraphCtx, conv: &Conv2d, x: &GTensor) -> Result<GTensor> {
+/// A "same" convolution of a channels-innermost activation `x` `[C, W, H, 1]` (see
+/// [`Esrgan::forward`]) followed by the optional LeakyReLU, returning `[OC, W, H, 1]`:
+/// the input zero-padded, then [`sd_tensor::ggml::Context::conv_2d_cwh`].
+fn conv_cwh(g: &GraphCtx, conv: &Conv2d, x: &GTensor, slope: Option<f32>) -> Result<GTensor> {
     let ctx = &g.ctx;
     let [kw, kh, c, _] = conv.weight.ne();
-    let [xc, w, h, n] = x.ne();
+    let [xc, _, _, n] = x.ne();
     if xc != c || n != 1 || kw != kh || conv.stride != 1 || 2 * conv.padding + 1 != kw {
         return Err(ModelError::Input {
             name: "conv",
@@ -245,56 +239,7 @@ fn conv_cwh(g: &GraphCtx, conv: &Conv2d, x: &GTensor) -> Result<GTensor> {
     } else {
         x.clone()
     };
-    conv_cwh_padded(g, conv, &xp, w, h)
-}
-
-/// [`conv_cwh`] of an input that already carries its zero border (`[C, W + 2p, H + 2p, 1]`,
-/// contiguous), for an output of `w` x `h` pixels.
-fn conv_cwh_padded(
-    g: &GraphCtx,
-    conv: &Conv2d,
-    xp: &GTensor,
-    w: usize,
-    h: usize,
-) -> Result<GTensor> {
-    let ctx = &g.ctx;
-    let [kw, _, c, oc] = conv.weight.ne();
-    let p = conv.padding;
-    let [xc, pw, ph, _] = xp.ne();
-    if xc != c || pw != w + 2 * p || ph != h + 2 * p {
-        return Err(ModelError::Input {
-            name: "conv",
-            detail: format!("kernel {:?} on padded {:?}", conv.weight.ne(), xp.ne()),
-        });
-    }
-    let k = kw;
-    // Kernel [kx, ky, C, OC] -> [C, kx, OC, ky] = [k C, OC, k].
-    let wk = ctx.cont(&ctx.permute(&conv.weight, [1, 3, 0, 2])?)?;
-    let wk = ctx.reshape(&wk, &[k * c, oc, k])?;
-    let nb = xp.nb();
-    // [k C, W, H, k]: pixel (w, h) of kernel row ky starts at w * nb1 + (h + ky) * nb2.
-    let cols = ctx.view(xp, [k * c, w, h, k], [nb[1], nb[2], nb[2]], 0)?;
-    let cols = ctx.reshape(&ctx.cont(&cols)?, &[k * c, w * h, k])?;
-    let y = ctx.mul_mat(&wk, &cols)?; // [OC, W*H, k]
-    let mut acc = ctx.view(&y, [oc, w * h, 1, 1], [y.nb()[1], y.nb()[2], y.nb()[2]], 0)?;
-    for ky in 1..k {
-        let part = ctx.view(
-            &y,
-            [oc, w * h, 1, 1],
-            [y.nb()[1], y.nb()[2], y.nb()[2]],
-            ky * y.nb()[2],
-        )?;
-        acc = ctx.add(&acc, &part)?;
-    }
-    let y = ctx.reshape(&contiguous_(ctx, &acc)?, &[oc, w, h, 1])?;
-    Ok(match &conv.bias {
-        Some(b) => ctx.add(&y, b)?,
-        None => y,
-    })
-}
-
-fn contiguous_(ctx: &sd_tensor::ggml::Context, x: &GTensor) -> Result<GTensor> {
-    crate::nn::contiguous(ctx, x)
+    Ok(ctx.conv_2d_cwh(&conv.weight, &[&xp], conv.bias.as_ref(), slope, false)?)
 }
 
 /// Nearest 2x upsampling of a channels-innermost `[C, W, H, 1]` activation.
@@ -343,28 +288,46 @@ impl DenseBlock {
 
     fn forward(&self, g: &GraphCtx, x: &GTensor) -> Result<GTensor> {
         let ctx = &g.ctx;
-        let lrelu = |t: GTensor| -> Result<GTensor> { Ok(ctx.leaky_relu(&t, LEAKY_SLOPE)?) };
-        // The growing concatenation is kept with its zero border: each piece is padded once
-        // when it is made, instead of the whole concatenation before every convolution.
-        let [_, w, h, _] = x.ne();
-        let pad = |t: &GTensor| -> Result<GTensor> {
-            Ok(ctx.pad_ext(t, [(0, 0), (1, 1), (1, 1), (0, 0)])?)
-        };
-        let mut cat = pad(x)?;
+        // The growing concatenation is kept as zero-padded pieces: each convolution's output
+        // comes out padded (ready to be a piece), and the CPU kernel reads the pieces in place.
+        // ggml's ops (other backends) take one concatenation, grown by one piece a convolution.
+        let xp = ctx.pad_ext(x, [(0, 0), (1, 1), (1, 1), (0, 0)])?;
+        let in_place = ctx.host_kernels();
+        let mut pieces = vec![xp.clone()];
         let mut feats: Vec<GTensor> = Vec::with_capacity(4);
         for (i, conv) in self.convs.iter().enumerate().take(4) {
-            let mut y = lrelu(conv_cwh_padded(g, conv, &cat, w, h)?)?;
+            let (w, b) = (&conv.weight, conv.bias.as_ref());
+            let mut y = ctx.conv_2d_cwh(
+                w,
+                &pieces.iter().collect::<Vec<_>>(),
+                b,
+                Some(LEAKY_SLOPE),
+                true,
+            )?;
             if let Some(c11) = &self.conv1x1 {
+                // Padded like y: a 1x1 convolution without bias keeps the zero border.
                 if i == 1 {
-                    y = ctx.add(&y, &conv_cwh(g, c11, x)?)?;
+                    let skip = ctx.conv_2d_cwh(&c11.weight, &[&xp], None, None, false)?;
+                    y = ctx.add(&y, &skip)?;
                 } else if i == 3 {
                     y = ctx.add(&y, &feats[1])?;
                 }
             }
-            cat = ctx.concat(&cat, &pad(&y)?, 0)?;
+            if in_place {
+                pieces.push(y.clone());
+            } else {
+                pieces = vec![ctx.concat(&pieces[0], &y, 0)?];
+            }
             feats.push(y);
         }
-        let x5 = conv_cwh_padded(g, &self.convs[4], &cat, w, h)?;
+        let c5 = &self.convs[4];
+        let x5 = ctx.conv_2d_cwh(
+            &c5.weight,
+            &pieces.iter().collect::<Vec<_>>(),
+            c5.bias.as_ref(),
+            None,
+            false,
+        )?;
         Ok(ctx.add(&ctx.scale(&x5, RESIDUAL_SCALE)?, x)?)
     }
 }
@@ -469,21 +432,21 @@ impl Esrgan {
         let x = pixel_unshuffle(&ctx, x, f)?;
         let x = ctx.cont(&ctx.permute(&x, [1, 2, 0, 3])?)?;
         // 2. First convolution.
-        let fea = conv_cwh(g, &self.conv_first, &x)?;
+        let fea = conv_cwh(g, &self.conv_first, &x, None)?;
         // 3. RRDB trunk and its convolution, added to the features.
         let mut h = fea.clone();
         for (i, b) in self.body.iter().enumerate() {
             h = b.forward(g, &h)?;
             g.marks.mark(&h, &format!("body.{i}"), "h")?;
         }
-        let mut h = ctx.add(&fea, &conv_cwh(g, &self.conv_body, &h)?)?;
+        let mut h = ctx.add(&fea, &conv_cwh(g, &self.conv_body, &h, None)?)?;
         // 4. Upsampling: nearest 2x, convolution, LeakyReLU.
         for up in &self.conv_up {
-            h = ctx.leaky_relu(&conv_cwh(g, up, &upsample2_cwh(&ctx, &h)?)?, LEAKY_SLOPE)?;
+            h = conv_cwh(g, up, &upsample2_cwh(&ctx, &h)?, Some(LEAKY_SLOPE))?;
         }
         // 5. conv_hr, LeakyReLU, conv_last, back to [W, H, C].
-        let h = ctx.leaky_relu(&conv_cwh(g, &self.conv_hr, &h)?, LEAKY_SLOPE)?;
-        let y = conv_cwh(g, &self.conv_last, &h)?;
+        let h = conv_cwh(g, &self.conv_hr, &h, Some(LEAKY_SLOPE))?;
+        let y = conv_cwh(g, &self.conv_last, &h, None)?;
         Ok(ctx.cont(&ctx.permute(&y, [2, 0, 1, 3])?)?)
     }
 }

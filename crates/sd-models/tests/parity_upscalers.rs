@@ -181,25 +181,37 @@ fn check_fixture(name: &str) {
     let (c, h, w) = (xs[1], xs[2], xs[3]);
     let m = arch.size_multiple();
     let (xp, ph, pw) = reflect_pad(xd, c, h, w, m);
-    let mut g = GraphCtx::new(8192, 8192, ComputeOptions::default()).unwrap();
-    let x = g.ctx.new_tensor(DType::F32, &[pw, ph, c, 1]).unwrap();
-    let out = model.forward(&mut g, &x).unwrap();
-    let s = arch.scale();
-    assert_eq!(out.ne(), [pw * s, ph * s, ys[1], 1], "{name}: output shape");
-    let got = run_cpu(&g, &[&out], &[(&x, HostData::F32(xp))], 8192, 2)
-        .unwrap()
-        .remove(0);
-    // Crop the padding away (spandrel crops to `h * scale`, `w * scale`).
-    let (oh, ow) = (ys[2], ys[3]);
-    let mut cropped = Vec::with_capacity(yd.len());
-    for ch in 0..ys[1] {
-        for y in 0..oh {
-            let row = ch * ph * s * pw * s + y * pw * s;
-            cropped.extend_from_slice(&got[row..row + ow]);
+    // ggml's ops, then the project's CPU kernels (as `sd` runs CPU models).
+    for host_kernels in [false, true] {
+        let opts = ComputeOptions {
+            host_kernels,
+            ..ComputeOptions::default()
+        };
+        let mut g = GraphCtx::new(8192, 8192, opts).unwrap();
+        let x = g.ctx.new_tensor(DType::F32, &[pw, ph, c, 1]).unwrap();
+        let out = model.forward(&mut g, &x).unwrap();
+        let s = arch.scale();
+        assert_eq!(out.ne(), [pw * s, ph * s, ys[1], 1], "{name}: output shape");
+        let got = run_cpu(&g, &[&out], &[(&x, HostData::F32(xp.clone()))], 8192, 2)
+            .unwrap()
+            .remove(0);
+        // Crop the padding away (spandrel crops to `h * scale`, `w * scale`).
+        let (oh, ow) = (ys[2], ys[3]);
+        let mut cropped = Vec::with_capacity(yd.len());
+        for ch in 0..ys[1] {
+            for y in 0..oh {
+                let row = ch * ph * s * pw * s + y * pw * s;
+                cropped.extend_from_slice(&got[row..row + ow]);
+            }
         }
+        assert_eq!(ne(ys), vec![ow, oh, ys[1], 1]);
+        check(
+            &format!("{name} (host kernels {host_kernels})"),
+            &cropped,
+            yd,
+            1e-4,
+        );
     }
-    assert_eq!(ne(ys), vec![ow, oh, ys[1], 1]);
-    check(name, &cropped, yd, 1e-4);
 }
 
 #[test]
@@ -220,6 +232,11 @@ fn real_esrgan_x2plus_pixel_unshuffle() {
 #[test]
 fn bsrgan_layout() {
     check_fixture("esrgan_bsrgan");
+}
+
+#[test]
+fn esrgan_plus_conv1x1_paths() {
+    check_fixture("esrgan_plus");
 }
 
 #[test]

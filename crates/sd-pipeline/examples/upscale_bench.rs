@@ -2,8 +2,10 @@
 //! full-size Real-ESRGAN x4plus network (23 RRDB blocks, 64 features, random weights) on the
 //! CPU backend. Prints one JSON line with the timing.
 //!
-//! `upscale_bench [--size N] [--threads T] [--tile T] [--fast]` (defaults 512, 2, 128;
-//! `--fast`: f16 im2col, ggml's fast path, instead of exact f32 convolutions).
+//! `upscale_bench [--size N] [--threads T] [--tile T] [--ggml-ops] [--fast]` (defaults 512,
+//! 2, 128; the convolutions run on the project's CPU kernel as `sd` runs them; `--ggml-ops`:
+//! on ggml's ops instead; `--fast` with it: f16 im2col, ggml's fast path, instead of exact
+//! f32).
 
 use std::time::Instant;
 
@@ -31,8 +33,11 @@ struct Args {
     /// Tile side in input pixels
     #[arg(long, default_value_t = 128, value_parser = clap::value_parser!(u32).range(4..=8192))]
     tile: u32,
-    /// f16 im2col (ggml's fast path) instead of exact f32 convolutions
+    /// ggml's ops for the convolutions instead of the project's CPU kernel
     #[arg(long)]
+    ggml_ops: bool,
+    /// With --ggml-ops: f16 im2col (ggml's fast path) instead of exact f32 convolutions
+    #[arg(long, requires = "ggml_ops")]
     fast: bool,
 }
 
@@ -67,7 +72,7 @@ fn main() {
         .with_options(ComputeOptions {
             exact: !fast,
             flash_attn: false,
-            host_kernels: false,
+            host_kernels: !args.ggml_ops,
         });
 
     let x: Vec<f32> = (0..3 * size * size)
@@ -81,9 +86,10 @@ fn main() {
     assert_eq!(y.len(), 3 * 16 * size * size);
     let mean = y.iter().map(|&v| v as f64).sum::<f64>() / y.len() as f64;
     println!(
-        "{{\"impl\": \"sd-rs (ggml CPU{})\", \"size\": {size}, \"out\": {}, \"threads\": {threads}, \
+        "{{\"impl\": \"sd-rs (ggml CPU{}{})\", \"size\": {size}, \"out\": {}, \"threads\": {threads}, \
          \"tile\": {tile}, \"tiles\": {tiles}, \"params\": {}, \"seconds\": {secs:.3}, \
          \"mean\": {mean:.5}}}",
+        if args.ggml_ops { ", ggml ops" } else { ", host kernels" },
         if fast { ", f16 im2col" } else { "" },
         size * 4,
         params.tensors.values().map(|t| t.nelements()).sum::<usize>()

@@ -453,7 +453,7 @@ fn compute_pairs(
     pairs: &[(GTensor, GTensor)],
     threads: usize,
 ) -> (usize, PairValues) {
-    let mut graph = Graph::new(ctx, 64).unwrap();
+    let mut graph = Graph::new(ctx, 256).unwrap();
     for (a, b) in pairs {
         for t in [a, b] {
             t.set_output();
@@ -601,6 +601,98 @@ fn host_channel_affine_equals_ggmls_mul_add_bit_for_bit() {
                 "combo {i}, {threads} threads: max diff {}",
                 max_abs(&a, &b)
             );
+        }
+        drop(buf);
+    }
+}
+
+/// `conv_2d_cwh` on the crate's CPU kernel (products straight over the padded pieces) agrees
+/// with its ggml-ops form (concatenation, window copies, batched product) to f32 rounding:
+/// 1x1, 3x3 and 5x5 kernels, one to three pieces, with and without bias, LeakyReLU and a
+/// padded output, outputs of several bands per thread and fewer rows than threads, 1 and 3
+/// threads; pieces whose channels do not add up to the kernel's are an error.
+#[test]
+fn host_channels_innermost_convolution_agrees_with_ggmls_ops() {
+    // (kernel size, channels of the pieces, output channels, output w, h, bias, slope, padded)
+    type Case = (
+        usize,
+        Vec<usize>,
+        usize,
+        [usize; 2],
+        bool,
+        Option<f32>,
+        bool,
+    );
+    let cases: Vec<Case> = vec![
+        (3, vec![5], 4, [9, 7], true, Some(0.2), false),
+        (3, vec![6, 3, 3], 8, [11, 6], true, Some(0.2), true),
+        (1, vec![6], 3, [5, 4], false, None, false),
+        (5, vec![2, 3], 3, [8, 9], true, None, true),
+        (3, vec![16, 8], 64, [128, 30], true, Some(0.2), false),
+        (3, vec![2], 2, [4, 2], false, Some(0.1), true),
+    ];
+    for threads in [1, 3] {
+        let ctx = Context::new_descriptors(256, 256, 1).unwrap();
+        let mut inputs = Vec::new();
+        for (k, chans, oc, [w, h], _, _, _) in &cases {
+            let c: usize = chans.iter().sum();
+            let kernel = ctx.new_tensor(DType::F32, &[*k, *k, c, *oc]).unwrap();
+            let bias = ctx.new_tensor(DType::F32, &[*oc]).unwrap();
+            let pieces: Vec<GTensor> = chans
+                .iter()
+                .map(|&cj| ctx.new_tensor(DType::F32, &[cj, *w, *h, 1]).unwrap())
+                .collect();
+            inputs.push((kernel, bias, pieces));
+        }
+        let buf = BufferType::cpu().alloc_context_tensors(&ctx).unwrap();
+        let mut seed = 90;
+        let mut outs = Vec::new();
+        for ((k, _, _, _, with_bias, slope, padded), (kernel, bias, pieces)) in
+            cases.iter().zip(&inputs)
+        {
+            for t in std::iter::once(kernel).chain([bias]).chain(pieces) {
+                seed += 1;
+                t.write_f32(&rnd(t.nelements(), seed)).unwrap();
+            }
+            let p = (k - 1) / 2;
+            let padded_pieces: Vec<GTensor> = pieces
+                .iter()
+                .map(|t| ctx.pad_ext(t, [(0, 0), (p, p), (p, p), (0, 0)]).unwrap())
+                .collect();
+            let refs: Vec<&GTensor> = padded_pieces.iter().collect();
+            let bias = with_bias.then_some(bias);
+            ctx.set_host_kernels(false);
+            let want = ctx
+                .conv_2d_cwh(kernel, &refs, bias, *slope, *padded)
+                .unwrap();
+            ctx.set_host_kernels(true);
+            let got = ctx
+                .conv_2d_cwh(kernel, &refs, bias, *slope, *padded)
+                .unwrap();
+            assert_eq!(want.ne(), got.ne());
+            outs.push((want, got));
+            if refs.len() > 1 {
+                assert!(ctx
+                    .conv_2d_cwh(kernel, &refs[1..], bias, None, false)
+                    .is_err());
+            }
+        }
+        let (custom, values) = compute_pairs(&ctx, &outs, threads);
+        assert_eq!(custom, cases.len(), "the host kernel was not used");
+        for (i, (a, b)) in values.into_iter().enumerate() {
+            let scale = a.iter().fold(0f32, |m, v| m.max(v.abs()));
+            assert!(scale > 0.0);
+            let diff = max_abs(&a, &b);
+            assert!(
+                diff <= 1e-5 * scale,
+                "case {i}, {threads} threads: max diff {diff} (values up to {scale})"
+            );
+            if cases[i].6 {
+                // The padded output's border is zero.
+                let (oc, [w, _]) = (cases[i].2, cases[i].3);
+                let p = (cases[i].0 - 1) / 2;
+                assert!(b[..(w + 2 * p) * oc * p].iter().all(|v| *v == 0.0));
+            }
         }
         drop(buf);
     }

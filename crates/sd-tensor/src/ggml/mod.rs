@@ -23,6 +23,7 @@ mod error;
 mod graph;
 pub mod graph_ext;
 mod host_conv;
+mod host_conv_cwh;
 mod host_io;
 mod mapped;
 pub mod modules;

@@ -764,6 +764,150 @@ impl Context {
         })
     }
 
+    /// The "same" convolution (stride 1, zero padding `p = (k - 1) / 2`) of channels-innermost
+    /// activations: `pieces`, each `[C_j, W + 2p, H + 2p, 1]` f32, already zero-padded,
+    /// are the input's channels in order (a concatenation never built); `kernel`
+    /// `[k, k, sum C_j, OC]` f32 with `k` odd; `bias` `[OC]` f32 added per output channel;
+    /// `leaky_slope` a LeakyReLU after it. Returns `[OC, W, H, 1]`, or with `padded_out`
+    /// `[OC, W + 2p, H + 2p, 1]` with a zero border of `p` (the next convolution's piece).
+    ///
+    /// With [`Context::set_host_kernels`] on and every operand f32 and contiguous, one
+    /// custom op of this crate (`host_conv_cwh.rs`: matrix products straight over the padded
+    /// input, no im2col, no concatenation); otherwise ggml's ops (the pieces concatenated,
+    /// each kernel row's windows copied, one batched product). Both agree to f32 rounding.
+    pub fn conv_2d_cwh(
+        &self,
+        kernel: &GTensor,
+        pieces: &[&GTensor],
+        bias: Option<&GTensor>,
+        leaky_slope: Option<f32>,
+        padded_out: bool,
+    ) -> Result<GTensor> {
+        use super::host_conv_cwh::{CwhSpec, FIXED_SOURCES};
+        let [kw, kh, c, oc] = kernel.ne();
+        let Some(first) = pieces.first() else {
+            return Err(bad("conv_2d_cwh", "no input".into()));
+        };
+        let [_, pw, ph, _] = GTensor::ne(first);
+        let pad = kw.saturating_sub(1) / 2;
+        let channels: usize = pieces.iter().map(|p| GTensor::ne(p)[0]).sum();
+        let shapes_agree = pieces
+            .iter()
+            .all(|p| GTensor::ne(p)[1..] == [pw, ph, 1] && GTensor::ne(p)[0] > 0);
+        if kw != kh
+            || kw.is_multiple_of(2)
+            || kw > 255
+            || channels != c
+            || !shapes_agree
+            || pw <= 2 * pad
+            || ph <= 2 * pad
+        {
+            let got: Vec<[usize; 4]> = pieces.iter().map(|p| GTensor::ne(p)).collect();
+            return Err(bad(
+                "conv_2d_cwh",
+                format!("kernel {:?} on padded pieces {got:?}", kernel.ne()),
+            ));
+        }
+        if let Some(b) = bias {
+            if b.nelements() != oc || b.dtype() != Some(DType::F32) || !b.is_contiguous() {
+                return Err(bad(
+                    "conv_2d_cwh",
+                    format!("bias {:?} for kernel {:?}", b.ne(), kernel.ne()),
+                ));
+            }
+        }
+        let (w, h) = (pw - 2 * pad, ph - 2 * pad);
+        let f32_contiguous = |t: &GTensor| t.dtype() == Some(DType::F32) && t.is_contiguous();
+        let host = self.host_kernels()
+            && f32_contiguous(kernel)
+            && pieces.iter().all(|p| f32_contiguous(p))
+            && pieces.len() + FIXED_SOURCES < sys::GGML_MAX_SRC as usize;
+        if !host {
+            return self.conv_2d_cwh_ops(kernel, pieces, bias, leaky_slope, padded_out, w, h);
+        }
+        let spec = CwhSpec {
+            kernel: kw as u8,
+            padded_out,
+            leaky_slope,
+        };
+        let (ow, oh) = if padded_out { (pw, ph) } else { (w, h) };
+        // SAFETY: shapes and types checked; one tensor.
+        self.op("conv_2d_cwh", 1, |ctx| unsafe {
+            let mut args = vec![kernel.raw(), bias.map_or(std::ptr::null_mut(), |b| b.raw())];
+            args.extend(pieces.iter().map(|p| p.raw()));
+            sys::ggml_custom_4d(
+                ctx,
+                sys::GGML_TYPE_F32,
+                oc as i64,
+                ow as i64,
+                oh as i64,
+                1,
+                args.as_mut_ptr(),
+                args.len() as i32,
+                Some(super::host_conv_cwh::conv_cwh_kernel),
+                sys::GGML_N_TASKS_MAX,
+                spec.pack() as *mut std::ffi::c_void,
+            )
+        })
+    }
+
+    /// [`conv_2d_cwh`](Self::conv_2d_cwh) in ggml's ops (for other backends): concatenate
+    /// the pieces; for a `k` x `k` kernel the padded input's `k` horizontally adjacent pixels
+    /// are `k C` contiguous values, so one overlapping strided view `[k C, W, H, k]` (the last
+    /// dim steps one padded row) copied contiguously is the im2col matrix split by kernel
+    /// row; one batched product with the kernel permuted to `[k C, OC, k]` and a sum over the
+    /// kernel rows finish the convolution (ggml copies such a view row by row, much faster
+    /// than its element-wise im2col).
+    #[allow(clippy::too_many_arguments)]
+    fn conv_2d_cwh_ops(
+        &self,
+        kernel: &GTensor,
+        pieces: &[&GTensor],
+        bias: Option<&GTensor>,
+        leaky_slope: Option<f32>,
+        padded_out: bool,
+        w: usize,
+        h: usize,
+    ) -> Result<GTensor> {
+        let [k, _, c, oc] = kernel.ne();
+        let mut xp = pieces[0].clone();
+        for p in &pieces[1..] {
+            xp = self.concat(&xp, p, 0)?;
+        }
+        if !xp.is_contiguous() {
+            xp = self.cont(&xp)?;
+        }
+        // Kernel [kx, ky, C, OC] -> [C, kx, OC, ky] = [k C, OC, k].
+        let wk = self.cont(&self.permute(kernel, [1, 3, 0, 2])?)?;
+        let wk = self.reshape(&wk, &[k * c, oc, k])?;
+        let nb = xp.nb();
+        // [k C, W, H, k]: pixel (x, y) of kernel row ky starts at x nb1 + (y + ky) nb2.
+        let cols = self.view(&xp, [k * c, w, h, k], [nb[1], nb[2], nb[2]], 0)?;
+        let cols = self.reshape(&self.cont(&cols)?, &[k * c, w * h, k])?;
+        let y = self.mul_mat(&wk, &cols)?; // [OC, W*H, k]
+        let yn = y.nb();
+        let row = |ky: usize| self.view(&y, [oc, w * h, 1, 1], [yn[1], yn[2], yn[2]], ky * yn[2]);
+        let mut acc = row(0)?;
+        for ky in 1..k {
+            acc = self.add(&acc, &row(ky)?)?;
+        }
+        if !acc.is_contiguous() {
+            acc = self.cont(&acc)?;
+        }
+        let mut out = self.reshape(&acc, &[oc, w, h, 1])?;
+        if let Some(b) = bias {
+            out = self.add(&out, b)?;
+        }
+        if let Some(a) = leaky_slope {
+            out = self.leaky_relu(&out, a)?;
+        }
+        let pad = (k - 1) / 2;
+        if padded_out && pad > 0 {
+            out = self.pad_ext(&out, [(0, 0), (pad, pad), (pad, pad), (0, 0)])?;
+        }
+        Ok(out)
+    }
+
     /// 2-D convolution computed directly (no im2col buffer), f32 exact.
     #[allow(clippy::too_many_arguments)]
     pub fn conv_2d_direct(
