@@ -919,6 +919,27 @@ pub fn exact_from_env() -> Result<Option<bool>, String> {
     exact_override(std::env::var(EXACT_ENV).ok().as_deref())
 }
 
+/// The environment variable that turns the project's CPU kernels off (`0`: ggml's ops only,
+/// the bits of every other backend) or on (`1`, the default; see
+/// `RuntimeOptions::host_kernels`).
+pub const HOST_KERNELS_ENV: &str = "SD_HOST_KERNELS";
+
+/// [`HOST_KERNELS_ENV`]'s value as `RuntimeOptions::host_kernels`: unset or empty is on.
+pub fn host_kernels_setting(value: Option<&str>) -> Result<bool, String> {
+    match value.map(str::trim) {
+        None | Some("") | Some("1" | "true" | "on" | "yes") => Ok(true),
+        Some("0" | "false" | "off" | "no") => Ok(false),
+        Some(other) => Err(format!(
+            "{HOST_KERNELS_ENV}={other}: expected 1 (the project's CPU kernels) or 0 (ggml's ops only)"
+        )),
+    }
+}
+
+/// [`host_kernels_setting`] of the process environment.
+pub fn host_kernels_from_env() -> Result<bool, String> {
+    host_kernels_setting(std::env::var(HOST_KERNELS_ENV).ok().as_deref())
+}
+
 #[cfg(test)]
 mod tests {
     #[test]
@@ -930,6 +951,16 @@ mod tests {
         assert_eq!(exact_override(Some("0")), Ok(Some(false)));
         let e = exact_override(Some("maybe")).unwrap_err();
         assert!(e.contains("SD_EXACT=maybe"), "{e}");
+    }
+
+    #[test]
+    fn sd_host_kernels_values() {
+        use super::host_kernels_setting;
+        assert_eq!(host_kernels_setting(None), Ok(true));
+        assert_eq!(host_kernels_setting(Some("1")), Ok(true));
+        assert_eq!(host_kernels_setting(Some(" off ")), Ok(false));
+        let e = host_kernels_setting(Some("2")).unwrap_err();
+        assert!(e.contains("SD_HOST_KERNELS=2"), "{e}");
     }
 
     use super::*;

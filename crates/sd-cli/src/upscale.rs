@@ -185,6 +185,7 @@ pub fn run(cli: &Cli, threads: usize) -> Result<(), Fail> {
         max_vram: cli.max_vram.clone(),
         threads,
         exact: crate::cli::exact_from_env().map_err(Fail::Usage)?,
+        host_kernels: crate::cli::host_kernels_from_env().map_err(Fail::Usage)?,
         ..RuntimeOptions::default()
     };
     let mut rt = Runtime::new(options, TensorCatalog::new())

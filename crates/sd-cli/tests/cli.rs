@@ -171,7 +171,17 @@ fn bad_generation_values_are_exit_2() {
 
 /// Runs `sd` on the built-in model (64x64, 3 steps, seed 5) writing `out`, with `extra`.
 fn run_builtin(out_path: &std::path::Path, extra: &[&str]) -> std::process::Output {
-    sd().arg("-m")
+    run_builtin_env(out_path, extra, &[])
+}
+
+/// [`run_builtin`] with environment variables `env`.
+fn run_builtin_env(
+    out_path: &std::path::Path,
+    extra: &[&str],
+    env: &[(&str, &str)],
+) -> std::process::Output {
+    sd().envs(env.iter().copied())
+        .arg("-m")
         .arg(builtin_model())
         .args(["-p", "a yellow circle on a blue background", "--steps", "3"])
         .args(["-W", "64", "-H", "64", "-s", "5", "-t", "2", "-o"])
@@ -191,8 +201,9 @@ fn ok(out: &std::process::Output) {
 
 #[test]
 fn a_budgeted_simulated_device_gives_the_cpu_image() {
+    // ggml's ops only on the CPU (SD_HOST_KERNELS=0): the bits the simulated device computes.
     let cpu_png = scratch("budget_cpu.png");
-    ok(&run_builtin(&cpu_png, &[]));
+    ok(&run_builtin_env(&cpu_png, &[], &[("SD_HOST_KERNELS", "0")]));
     // 8 MiB: less than the UNet's or the VAE decoder's weights + workspace (7-9 MB at 64x64
     // with the engine's 128 MiB planning headroom), so they run in segments.
     let sim_png = scratch("budget_sim.png");
@@ -211,6 +222,26 @@ fn a_budgeted_simulated_device_gives_the_cpu_image() {
     let a = sd_tensor::Image::load_png(&cpu_png).unwrap();
     let b = sd_tensor::Image::load_png(&sim_png).unwrap();
     assert_eq!(a.pixels(), b.pixels());
+    // The project's CPU kernels (the default; the attention rounds otherwise): the same
+    // image to within rounding.
+    let host_png = scratch("budget_host.png");
+    ok(&run_builtin(&host_png, &[]));
+    let c = sd_tensor::Image::load_png(&host_png).unwrap();
+    let max = a
+        .pixels()
+        .iter()
+        .zip(c.pixels())
+        .map(|(p, q)| (*p as i32 - *q as i32).abs())
+        .max()
+        .unwrap();
+    assert!(max <= 3, "host kernels: max pixel diff {max}");
+    // A bad value is a usage error that writes nothing.
+    let bad = scratch("budget_bad_env.png");
+    let out = run_builtin_env(&bad, &[], &[("SD_HOST_KERNELS", "maybe")]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("SD_HOST_KERNELS=maybe"), "{err}");
+    assert!(!bad.exists());
     // An impossible budget is a clear error before any work (the memory preflight: exit 2)
     // and writes nothing.
     let none = scratch("budget_none.png");

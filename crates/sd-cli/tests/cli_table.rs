@@ -262,6 +262,17 @@ struct Case {
 fn none(_: &Path) {}
 fn no_check(_: &Path, _: &Output) {}
 
+/// A file a case's `setup` may write: `NAME=VALUE` lines the runner sets in `sd`'s
+/// environment (the runner removes the file before `sd` runs).
+const ENV_FILE: &str = "sd.env";
+
+/// Setup of the cases that compare a run with models on the CPU to the all-device run bit for
+/// bit: ggml's ops on the CPU (`SD_HOST_KERNELS=0`), the simulated device's bits (the
+/// project's CPU attention kernel rounds otherwise; `cli.rs` covers it).
+fn ggml_ops_on_the_cpu(d: &Path) {
+    std::fs::write(d.join(ENV_FILE), "SD_HOST_KERNELS=0\n").unwrap();
+}
+
 fn is_png(path: &Path) -> bool {
     std::fs::read(path).is_ok_and(|b| b.starts_with(PNG))
 }
@@ -1072,7 +1083,7 @@ fn cases() -> Vec<Case> {
         },
         Case {
             name: "--vae-on-cpu on a simulated GPU: the all-device image",
-            setup: none,
+            setup: ggml_ops_on_the_cpu,
             args: |d| {
                 with(
                     gen(d.join("o.png")),
@@ -1087,7 +1098,7 @@ fn cases() -> Vec<Case> {
         },
         Case {
             name: "--clip-on-cpu on a simulated GPU: the all-device image",
-            setup: none,
+            setup: ggml_ops_on_the_cpu,
             args: |d| {
                 with(
                     gen(d.join("o.png")),
@@ -1102,7 +1113,7 @@ fn cases() -> Vec<Case> {
         },
         Case {
             name: "--backend te=cpu,vae=cpu,diffusion=sim:64: the all-device image",
-            setup: none,
+            setup: ggml_ops_on_the_cpu,
             args: |d| {
                 with(
                     gen(d.join("o.png")),
@@ -1955,8 +1966,21 @@ fn every_case() {
                 std::fs::write(out, bytes).unwrap();
             })
         });
+        let env_file = dir.join(ENV_FILE);
+        let env: Vec<(String, String)> = std::fs::read_to_string(&env_file)
+            .map(|text| {
+                text.lines()
+                    .filter_map(|l| l.split_once('='))
+                    .map(|(k, v)| (k.to_string(), v.to_string()))
+                    .collect()
+            })
+            .unwrap_or_default();
+        if env_file.exists() {
+            std::fs::remove_file(&env_file).unwrap();
+        }
         let start = std::time::Instant::now();
         let out = Command::new(env!("CARGO_BIN_EXE_sd"))
+            .envs(env)
             .args((case.args)(&dir))
             .current_dir(&dir)
             .stdin(Stdio::null())

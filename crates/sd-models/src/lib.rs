@@ -158,10 +158,12 @@ pub struct ComputeOptions {
     /// `mul_mat` + `soft_max_ext` in f32.
     pub flash_attn: bool,
     /// The graph is computed by ggml's CPU backend: use this crate family's CPU kernels
-    /// (ggml custom ops, which only the CPU backend runs) where they beat ggml's with the
-    /// same bits: the convolutions' im2col and epilogue (`sd_tensor`'s `conv_2d_host`) and
-    /// the per-channel scale and shift of group norms and time embeddings
-    /// (`channel_affine`; [`GraphCtx::new`] sets the context's flag).
+    /// (ggml custom ops, which only the CPU backend runs) where they beat ggml's
+    /// ([`GraphCtx::new`] sets the context's flag). With ggml's bits: the convolutions'
+    /// im2col and epilogue (`sd_tensor`'s `conv_2d_host`) and the per-channel scale and
+    /// shift of group norms and time embeddings (`channel_affine`). Within f32 rounding of
+    /// ggml's: unmasked attention (`attention_host`, all f32) and the upscalers'
+    /// channels-innermost convolutions (`conv_2d_cwh`).
     pub host_kernels: bool,
 }
 

@@ -254,8 +254,9 @@ pub fn gelu_tanh_exact(ctx: &Context, x: &GTensor) -> Result<GTensor> {
 ///
 /// `q` is `[heads * d, n_q, B]`, `k` `[heads * d, n_kv, B]`, `v` `[heads * d_v, n_kv, B]`;
 /// `mask` (f32 `[n_kv, n_q]`, added to the scores) is optional. Returns
-/// `[heads * d_v, n_q, B]`. Uses `mul_mat` + `soft_max_ext` in f32, or `flash_attn_ext` with
-/// f16 K/V when `opts.flash_attn` is set and there is no mask.
+/// `[heads * d_v, n_q, B]`. Without a mask on the CPU (`host_kernels`), the project's
+/// attention kernel (`Context::attention_host`); else `mul_mat` + `soft_max_ext` in f32, or
+/// `flash_attn_ext` with f16 K/V when `opts.flash_attn` is set and there is no mask.
 pub fn attention(
     g: &GraphCtx,
     q: &GTensor,
@@ -278,6 +279,12 @@ pub fn attention(
     }
     let (d, dv, nq, nkv, b) = (qn[0] / heads, vn[0] / heads, qn[1], kn[1], qn[2]);
     let scale = 1.0 / (d as f32).sqrt();
+    if ctx.host_kernels() && mask.is_none() {
+        // On the CPU: the project's kernel, heads read in place, all f32.
+        if let Some(o) = ctx.attention_host(q, k, v, heads, scale)? {
+            return Ok(o);
+        }
+    }
     // [d, h, n, B] -> [d, n, h, B]
     let split = |t: &GTensor, dd: usize, n: usize| -> Result<GTensor> {
         let t = ctx.reshape(&ctx.cont(t)?, &[dd, heads, n, b])?;

@@ -99,6 +99,20 @@ fn unet_sd2_linear_projection_matches_diffusers() {
     check("unet_sd2", &got, &want, 1e-4);
 }
 
+/// Exact numerics on the project's CPU kernels (f32 im2col, the attention kernel) keep the
+/// exact tolerance.
+#[test]
+fn unet_exact_numerics_on_host_kernels() {
+    let opts = ComputeOptions {
+        host_kernels: true,
+        ..ComputeOptions::default()
+    };
+    for name in ["unet_sd1", "unet_sd2"] {
+        let (got, want, _) = run(name, opts);
+        check(&format!("{name} host kernels"), &got, &want, 1e-4);
+    }
+}
+
 #[test]
 fn unet_fast_numerics_stay_close() {
     let opts = ComputeOptions {

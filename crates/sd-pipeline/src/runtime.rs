@@ -170,12 +170,16 @@ pub struct RuntimeOptions {
     /// Convert weights to this type when loading (`--type`; `None`: the files' types). See
     /// [`ParamBuilder::set_weight_type`] for which tensors it applies to.
     pub weight_type: Option<DType>,
+    /// For models computed on the CPU, the project's CPU kernels where they beat ggml's
+    /// ([`ComputeOptions::host_kernels`]: convolutions, per-channel affine, attention). Off:
+    /// ggml's ops only, the bits every other backend and the simulated device compute.
+    pub host_kernels: bool,
 }
 
 impl Default for RuntimeOptions {
     /// CPU compute, parameters where [`ParamsLocation::Auto`] puts them (RAM for the
     /// CPU), no mapping, no budget, all cores, automatic segmentation with prefetch, exact
-    /// numerics.
+    /// numerics, the project's CPU kernels.
     fn default() -> Self {
         RuntimeOptions {
             compute: ComputeDevice::Cpu,
@@ -194,6 +198,7 @@ impl Default for RuntimeOptions {
             exact: None,
             flash_attn: None,
             weight_type: None,
+            host_kernels: true,
         }
     }
 }
@@ -775,7 +780,7 @@ impl Runtime {
         let dev = &self.devices[self.slot(h)?.device];
         let mut opts = self.options.compute_options;
         opts.exact = dev.exact;
-        opts.host_kernels = dev.backend.is_cpu();
+        opts.host_kernels = self.options.host_kernels && dev.backend.is_cpu();
         if dev.flash_attn_dims.is_some() {
             opts.flash_attn = true;
         }

@@ -52,6 +52,9 @@ fn load(budget: Option<u64>, placement: Vec<(Component, ComputeDevice)>) -> Pipe
                 flash_attn: true,
                 host_kernels: false,
             },
+            // ggml's ops on the CPU too: models placed there compute the simulated
+            // device's bits (the project's CPU attention kernel rounds otherwise).
+            host_kernels: false,
             ..RuntimeOptions::default()
         },
     )

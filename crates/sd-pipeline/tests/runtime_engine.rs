@@ -70,11 +70,29 @@ fn generate(opts: RuntimeOptions) -> Result<(Image, Pipeline), GenerateError> {
 
 #[test]
 fn budgeted_segmented_runs_equal_whole_runs() {
+    // ggml's ops on the CPU: the simulated device computes the same bits.
     let (cpu, _) = generate(RuntimeOptions {
+        mmap: true,
+        host_kernels: false,
+        ..options(ComputeDevice::Cpu, None)
+    })
+    .unwrap();
+    // The project's CPU kernels (as `sd` runs): the same image to within rounding.
+    let (host, _) = generate(RuntimeOptions {
         mmap: true,
         ..options(ComputeDevice::Cpu, None)
     })
     .unwrap();
+    let diffs: Vec<i32> = cpu
+        .pixels()
+        .iter()
+        .zip(host.pixels())
+        .map(|(a, b)| (*a as i32 - *b as i32).abs())
+        .collect();
+    let max = diffs.iter().max().copied().unwrap_or(0);
+    let mean = diffs.iter().sum::<i32>() as f64 / diffs.len() as f64;
+    eprintln!("host kernels against ggml's ops: max pixel diff {max}, mean {mean:.4}");
+    assert!(max <= 3 && mean < 0.5, "max {max}, mean {mean}");
     let sim = ComputeDevice::Sim { bytes: 256 << 20 };
     let (whole, p) = generate(RuntimeOptions {
         params: ParamsLocation::Disk,

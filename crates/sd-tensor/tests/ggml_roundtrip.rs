@@ -697,3 +697,94 @@ fn host_channels_innermost_convolution_agrees_with_ggmls_ops() {
         drop(buf);
     }
 }
+
+/// `attention_host` (the crate's CPU attention kernel) against attention computed here in
+/// f64: one to eight heads, value widths unlike the key width, several query blocks and one,
+/// two batch items, q, k and v read in place from one fused `[q | k | v]` projection (row
+/// strides wider than the operand), 1 and 3 threads; a mismatched shape is `None`.
+#[test]
+fn host_attention_matches_softmax_attention() {
+    // (heads, d, dv, n_q, n_kv)
+    let cases = [
+        (1, 8, 8, 5, 7),
+        (2, 16, 8, 300, 77),
+        (8, 40, 40, 70, 1000),
+        (3, 4, 12, 9, 2048),
+    ];
+    let b = 2;
+    for threads in [1, 3] {
+        for (i, &(heads, d, dv, nq, nkv)) in cases.iter().enumerate() {
+            let ctx = Context::new_descriptors(32, 32, 1).unwrap();
+            let width = 2 * heads * d + heads * dv;
+            // q from the first rows, k and v from the same fused tensor (n_kv rows).
+            let fused_q = ctx.new_tensor(DType::F32, &[width, nq, b]).unwrap();
+            let fused_kv = ctx.new_tensor(DType::F32, &[width, nkv, b]).unwrap();
+            let buf = BufferType::cpu().alloc_context_tensors(&ctx).unwrap();
+            let qv = rnd(fused_q.nelements(), 200 + i as u64);
+            let kvv = rnd(fused_kv.nelements(), 300 + i as u64);
+            fused_q.write_f32(&qv).unwrap();
+            fused_kv.write_f32(&kvv).unwrap();
+            let view = |t: &GTensor, off: usize, w: usize, n: usize| {
+                let nb = t.nb();
+                ctx.view(t, [w, n, b, 1], [nb[1], nb[2], nb[3]], off * 4)
+                    .unwrap()
+            };
+            let q = view(&fused_q, 0, heads * d, nq);
+            let k = view(&fused_kv, heads * d, heads * d, nkv);
+            let v = view(&fused_kv, 2 * heads * d, heads * dv, nkv);
+            let scale = 1.0 / (d as f32).sqrt();
+            assert!(
+                ctx.attention_host(&q, &v, &v, heads, scale)
+                    .unwrap()
+                    .is_none()
+                    || d == dv
+            );
+            let out = ctx
+                .attention_host(&q, &k, &v, heads, scale)
+                .unwrap()
+                .unwrap();
+            assert_eq!(out.ne(), [heads * dv, nq, b, 1]);
+            let (custom, values) = compute_pairs(&ctx, &[(out.clone(), out)], threads);
+            assert_eq!(custom, 1);
+            let got = &values[0].0;
+            let mut worst = 0f64;
+            for bi in 0..b {
+                for h in 0..heads {
+                    for i_q in 0..nq {
+                        let qrow = &qv[(bi * nq + i_q) * width + h * d..][..d];
+                        let scores: Vec<f64> = (0..nkv)
+                            .map(|j| {
+                                let krow = &kvv[(bi * nkv + j) * width + heads * d + h * d..][..d];
+                                let dot: f64 = qrow
+                                    .iter()
+                                    .zip(krow)
+                                    .map(|(a, c)| *a as f64 * *c as f64)
+                                    .sum();
+                                dot * scale as f64
+                            })
+                            .collect();
+                        let max = scores.iter().cloned().fold(f64::MIN, f64::max);
+                        let e: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+                        let sum: f64 = e.iter().sum();
+                        for c in 0..dv {
+                            let want: f64 = (0..nkv)
+                                .map(|j| {
+                                    e[j] * kvv[(bi * nkv + j) * width + 2 * heads * d + h * dv + c]
+                                        as f64
+                                })
+                                .sum::<f64>()
+                                / sum;
+                            let g = got[(bi * nq + i_q) * heads * dv + h * dv + c] as f64;
+                            worst = worst.max((g - want).abs());
+                        }
+                    }
+                }
+            }
+            assert!(
+                worst < 2e-5,
+                "case {i}, {threads} threads: max error {worst}"
+            );
+            drop(buf);
+        }
+    }
+}

@@ -215,8 +215,8 @@ enum Cmd {
         /// The ggml backend
         #[arg(long, value_name = "NAME")]
         backend: String,
-        /// CPU threads
-        #[arg(long, default_value_t = 8)]
+        /// CPU threads (default: all cores)
+        #[arg(long, default_value_t = all_cores())]
         threads: usize,
     },
     /// Host->device copy bandwidth
@@ -257,8 +257,8 @@ struct UnetArgs {
     /// The UNet
     #[arg(long, value_enum, default_value = "sd15")]
     config: ConfigName,
-    /// CPU threads
-    #[arg(long, default_value_t = 8)]
+    /// CPU threads (default: all cores, as `sd -t`)
+    #[arg(long, default_value_t = all_cores())]
     threads: usize,
     /// Bytes of the budget left to the backend's own allocations (default: the manager's)
     #[arg(long = "runtime-reserve", value_name = "BYTES")]
@@ -281,6 +281,12 @@ struct UnetArgs {
     /// convolutions' im2col), as `sd` uses them; off: ggml's own
     #[arg(long = "host-kernels", value_enum, default_value = "on")]
     host_kernels: OnOff,
+}
+
+/// The default CPU thread count: the cores the process may use (ggml's threads spin at
+/// their barriers, so more threads than cores costs several times the step).
+fn all_cores() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
 }
 
 fn main() -> ExitCode {

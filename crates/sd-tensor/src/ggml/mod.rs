@@ -22,6 +22,7 @@ mod context;
 mod error;
 mod graph;
 pub mod graph_ext;
+mod host_attention;
 mod host_conv;
 mod host_conv_cwh;
 mod host_io;

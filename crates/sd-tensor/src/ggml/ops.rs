@@ -368,6 +368,69 @@ impl Context {
         })
     }
 
+    /// Scaled dot-product attention over `heads` heads on this crate's CPU kernel (a ggml
+    /// custom op, see `host_attention.rs`; only the CPU backend runs it): `q`
+    /// `[heads * d, n_q, B]`, `k` `[heads * d, n_kv, B]`, `v` `[heads * dv, n_kv, B]`, f32
+    /// with contiguous rows (any row and batch strides: the heads are read in place);
+    /// returns `softmax(scale q k^T) v` as `[heads * dv, n_q, B]`. `None` when the operands
+    /// are not of that form (the caller uses ggml's attention).
+    pub fn attention_host(
+        &self,
+        q: &GTensor,
+        k: &GTensor,
+        v: &GTensor,
+        heads: usize,
+        scale: f32,
+    ) -> Result<Option<GTensor>> {
+        let (qn, kn, vn) = (q.ne(), k.ne(), v.ne());
+        let rows_f32 = |t: &GTensor| {
+            let nb = t.nb();
+            t.dtype() == Some(DType::F32)
+                && nb[0] == 4
+                && nb[1].is_multiple_of(4)
+                && nb[2].is_multiple_of(4)
+        };
+        let fits = heads > 0
+            && heads <= u32::MAX as usize
+            && qn[0].is_multiple_of(heads)
+            && vn[0].is_multiple_of(heads)
+            && qn[0] == kn[0]
+            && kn[1] == vn[1]
+            && qn[2] == kn[2]
+            && kn[2] == vn[2]
+            && qn[3] == 1
+            && kn[3] == 1
+            && vn[3] == 1
+            && qn[1] > 0
+            && kn[1] > 0
+            && [q, k, v].into_iter().all(rows_f32);
+        if !fits {
+            return Ok(None);
+        }
+        let spec = super::host_attention::AttentionSpec {
+            heads: heads as u32,
+            scale,
+        };
+        // SAFETY: shapes, types and strides checked; one tensor.
+        self.op("attention_host", 1, |c| unsafe {
+            let mut args = [q.raw(), k.raw(), v.raw()];
+            sys::ggml_custom_4d(
+                c,
+                sys::GGML_TYPE_F32,
+                vn[0] as i64,
+                qn[1] as i64,
+                qn[2] as i64,
+                1,
+                args.as_mut_ptr(),
+                3,
+                Some(super::host_attention::attention_kernel),
+                sys::GGML_N_TASKS_MAX,
+                spec.pack() as *mut std::ffi::c_void,
+            )
+        })
+        .map(Some)
+    }
+
     /// A reshaped view of a contiguous tensor with ggml dims `ne`.
     pub fn reshape(&self, a: &GTensor, ne: &[usize]) -> Result<GTensor> {
         let n: usize = ne.iter().product();

@@ -1,0 +1,320 @@
+//! A CPU kernel of this crate, run by ggml as a custom op (`ggml_custom_4d`): scaled
+//! dot-product attention over `heads` heads, read in place from the projections' layout.
+//!
+//! **Why.** A profile of the SD1.5 UNet step on 2 threads (`perf`, `sd-bench unet`,
+//! 2026-12-05) had ggml's CPU flash attention at 21.5% of the step (its tiled kernel and
+//! its softmax) for about 3% of the step's floating point work, some 20 GFLOP/s; ggml's
+//! `mul_mat` + `soft_max` path was slower still (it writes the whole `[n_kv, n_q]` score
+//! matrix of every head, a gigabyte at 64x64 latents). Both also need the heads split
+//! out of `[heads * d, n, B]` by copies, and flash attention K and V cast to f16.
+//!
+//! **How.** For each batch item, head and block of queries (the blocks of all heads shared
+//! among the threads): the block's scores `S = scale Q K^T` by one matrix product of the
+//! `gemm` crate (see `host_conv_cwh.rs` for why that crate), read straight from the strided
+//! head views (row `i` of head `h` starts at `i nb1 + h d`); a softmax per row (max, a
+//! vectorisable `exp`, sum); then `O = P V` by a second product written straight into the
+//! output rows, each scaled by its row's `1 / sum`. The block of scores stays in L2
+//! ([`SCORE_VALUES`]). All in f32 (ggml's flash path rounds K and V to f16).
+//!
+//! The sums run in another order than ggml's: results agree with ggml's attention to f32
+//! rounding and the `exp` approximation (about 2 ulp), not bit for bit.
+
+use std::ffi::{c_int, c_void};
+
+use ggml_sys as sys;
+
+/// Scores a block holds at most (2 MiB of f32; measured on the SD1.5 and VAE shapes: 96 and
+/// 160 GFLOP/s on 2 threads against 71 and 101 at 256 KiB).
+const SCORE_VALUES: usize = 512 * 1024;
+
+/// The heads and the scale of one attention, packed into the custom op's userdata.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct AttentionSpec {
+    /// Heads (each `d` of the query's `heads * d` values).
+    pub heads: u32,
+    /// The scores' scale (usually `1 / sqrt(d)`).
+    pub scale: f32,
+}
+
+impl AttentionSpec {
+    /// The spec as one integer (the custom op's userdata pointer value).
+    pub fn pack(self) -> usize {
+        ((self.heads as u64) << 32 | self.scale.to_bits() as u64) as usize
+    }
+
+    /// The spec [`pack`](Self::pack) stored.
+    pub fn unpack(v: usize) -> AttentionSpec {
+        let v = v as u64;
+        AttentionSpec {
+            heads: (v >> 32) as u32,
+            scale: f32::from_bits(v as u32),
+        }
+    }
+}
+
+/// A strided f32 operand: `[width, rows, batch]` with contiguous values within a row.
+#[derive(Clone, Copy)]
+struct Operand {
+    data: *const f32,
+    /// Values per head.
+    head_width: usize,
+    rows: usize,
+    /// Strides of a row and of a batch item, in values.
+    row_stride: usize,
+    batch_stride: usize,
+}
+
+impl Operand {
+    /// The operand of `t` split into `heads` heads.
+    ///
+    /// # Safety
+    /// `t` is a live f32 tensor whose row and batch strides are multiples of 4 bytes.
+    unsafe fn of(t: &sys::ggml_tensor, heads: usize) -> Operand {
+        Operand {
+            data: t.data as *const f32,
+            head_width: t.ne[0] as usize / heads,
+            rows: t.ne[1] as usize,
+            row_stride: t.nb[1] / 4,
+            batch_stride: t.nb[2] / 4,
+        }
+    }
+
+    /// The first value of row `row` of head `head` of batch item `b`.
+    ///
+    /// # Safety
+    /// The indices lie inside the tensor.
+    unsafe fn at(&self, b: usize, head: usize, row: usize) -> *const f32 {
+        // SAFETY: see the function's contract.
+        unsafe {
+            self.data
+                .add(b * self.batch_stride + row * self.row_stride + head * self.head_width)
+        }
+    }
+}
+
+/// The custom op: `dst` `[heads * dv, n_q, B]` f32 (contiguous) = attention of `src[0]`
+/// (q `[heads * d, n_q, B]`), `src[1]` (k `[heads * d, n_kv, B]`) and `src[2]` (v
+/// `[heads * dv, n_kv, B]`), all f32 with contiguous rows; thread `ith` of `nth` takes its
+/// share of the (batch item, head, query block) items.
+///
+/// # Safety
+/// Called by ggml with a live `dst` built by `Context::attention_host` (types, shapes and
+/// strides checked there) and `userdata` the packed [`AttentionSpec`].
+pub(crate) unsafe extern "C" fn attention_kernel(
+    dst: *mut sys::ggml_tensor,
+    ith: c_int,
+    nth: c_int,
+    userdata: *mut c_void,
+) {
+    let spec = AttentionSpec::unpack(userdata as usize);
+    let heads = spec.heads as usize;
+    // SAFETY: see the function's contract.
+    let (d, q, k, v) = unsafe {
+        let d = &*dst;
+        (
+            d,
+            Operand::of(&*d.src[0], heads),
+            Operand::of(&*d.src[1], heads),
+            Operand::of(&*d.src[2], heads),
+        )
+    };
+    let out = Operand {
+        data: d.data as *const f32,
+        head_width: v.head_width,
+        rows: q.rows,
+        row_stride: d.nb[1] / 4,
+        batch_stride: d.nb[2] / 4,
+    };
+    let batch = d.ne[2] as usize;
+    let block = (SCORE_VALUES / k.rows.max(1)).clamp(4, 256).min(q.rows);
+    let blocks = q.rows.div_ceil(block);
+    let items = batch * heads * blocks;
+    let (ith, nth) = (ith.max(0) as usize, nth.max(1) as usize);
+    let share = items * ith / nth..items * (ith + 1) / nth;
+    if share.is_empty() {
+        return;
+    }
+    let mut scores = vec![0f32; block * k.rows];
+    let mut maxes = vec![0f32; block];
+    let mut sums = vec![0f32; block];
+    for item in share {
+        let (b, rest) = (item / (heads * blocks), item % (heads * blocks));
+        let (h, blk) = (rest / blocks, rest % blocks);
+        let r0 = blk * block;
+        let m = block.min(q.rows - r0);
+        let scores = &mut scores[..m * k.rows];
+        // SAFETY: every view below lies inside its tensor (rows r0..r0+m of q and the
+        // output, all n_kv rows of k and v, head h's values of each row).
+        unsafe {
+            // S = scale Q K^T: [m, n_kv], column-major (the layout the products and the
+            // softmax below read fastest: a score column is m contiguous rows).
+            gemm::gemm(
+                m,
+                k.rows,
+                q.head_width,
+                scores.as_mut_ptr(),
+                m as isize,
+                1,
+                false,
+                q.at(b, h, r0),
+                1,
+                q.row_stride as isize,
+                k.at(b, h, 0),
+                k.row_stride as isize,
+                1,
+                0.0,
+                spec.scale,
+                false,
+                false,
+                false,
+                gemm::Parallelism::None,
+            );
+        }
+        softmax_rows_of_columns(scores, &mut maxes[..m], &mut sums[..m]);
+        // SAFETY: as above; O = P V written into the output rows.
+        unsafe {
+            let o = out.at(b, h, r0) as *mut f32;
+            gemm::gemm(
+                m,
+                v.head_width,
+                k.rows,
+                o,
+                1,
+                out.row_stride as isize,
+                false,
+                scores.as_ptr(),
+                m as isize,
+                1,
+                v.at(b, h, 0),
+                1,
+                v.row_stride as isize,
+                0.0,
+                1.0,
+                false,
+                false,
+                false,
+                gemm::Parallelism::None,
+            );
+            for (i, sum) in sums.iter().enumerate().take(m) {
+                let inv = 1.0 / sum;
+                let row = std::slice::from_raw_parts_mut(o.add(i * out.row_stride), v.head_width);
+                for x in row {
+                    *x *= inv;
+                }
+            }
+        }
+    }
+}
+
+/// The softmax numerators of the rows of `s`, a column-major `[m, n]` block (`m` =
+/// `maxes.len()`): each value replaced by `exp(value - max of its row)`; `sums` receives
+/// each row's sum. Every loop runs down a column, `m` independent rows in vector lanes.
+fn softmax_rows_of_columns(s: &mut [f32], maxes: &mut [f32], sums: &mut [f32]) {
+    let m = maxes.len();
+    maxes.fill(f32::NEG_INFINITY);
+    sums.fill(0.0);
+    for col in s.chunks_exact(m) {
+        for (mx, v) in maxes.iter_mut().zip(col) {
+            *mx = mx.max(*v);
+        }
+    }
+    for col in s.chunks_exact_mut(m) {
+        for ((v, mx), sum) in col.iter_mut().zip(maxes.iter()).zip(sums.iter_mut()) {
+            *v = exp_nonpositive(*v - mx);
+            *sum += *v;
+        }
+    }
+}
+
+/// `e^x` for `x <= 0` (scores minus their row's maximum; `NaN` stays `NaN`), branch-free and
+/// free of float-to-integer casts (Rust's saturating `as` is scalar code) so that a loop of
+/// it vectorises: `x = n ln 2 + r` with `|r| <= ln 2 / 2`, `n` rounded by adding
+/// `1.5 * 2^23` (its integer value then sits in the sum's low mantissa bits), `e^r` by the
+/// degree-6 minimax polynomial of the Cephes library's `expf`, times `2^n` built in the
+/// exponent bits. Below `-87.3` (where `e^x` leaves the normal floats) the result is 0.
+#[inline(always)]
+fn exp_nonpositive(input: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    // ln 2 split in two so that n * LN2_HI is exact.
+    const LN2_HI: f32 = 0.693_359_4;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    const SHIFT: f32 = 12_582_912.0;
+    let underflow = input < -87.3;
+    let x = input.max(-87.3);
+    let t = x * LOG2E + SHIFT;
+    let n = t - SHIFT;
+    let r = x - n * LN2_HI - n * LN2_LO;
+    let mut p = 1.987_569_1e-4_f32;
+    p = p * r + 1.398_199_9e-3;
+    p = p * r + 8.333_452e-3;
+    p = p * r + 4.166_579_6e-2;
+    p = p * r + 1.666_666_5e-1;
+    p = p * r + 0.5; // Cephes: 5.0000001201e-1, 0.5 in f32
+    let er = p * r * r + r + 1.0;
+    // n + 127 in [1, 127]: the biased exponent of 2^n.
+    let biased = t.to_bits().wrapping_sub(SHIFT.to_bits()).wrapping_add(127);
+    let scale = f32::from_bits(biased << 23);
+    let y = if underflow { 0.0 } else { er * scale };
+    if input.is_nan() {
+        input
+    } else {
+        y
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn spec_packs_into_one_word() {
+        let s = AttentionSpec {
+            heads: 8,
+            scale: 0.158_113_9,
+        };
+        assert_eq!(AttentionSpec::unpack(s.pack()), s);
+    }
+
+    #[test]
+    fn exp_is_within_a_few_ulp_of_std() {
+        let mut worst = 0f64;
+        let mut x = 0f32;
+        while x > -87.0 {
+            let (got, want) = (exp_nonpositive(x), x.exp());
+            let ulps = ((got - want).abs() / (want * f32::EPSILON)) as f64;
+            worst = worst.max(ulps);
+            x -= 0.001_37;
+        }
+        assert!(worst <= 3.0, "worst error {worst} ulp");
+        assert_eq!(exp_nonpositive(0.0), 1.0);
+        assert_eq!(exp_nonpositive(-100.0), 0.0);
+        assert_eq!(exp_nonpositive(f32::NEG_INFINITY), 0.0);
+        assert!(exp_nonpositive(f32::NAN).is_nan());
+    }
+
+    #[test]
+    fn softmax_runs_along_the_rows_of_a_column_major_block() {
+        let (m, n) = (3, 19);
+        // Row i, column j at j * m + i.
+        let mut s: Vec<f32> = (0..m * n)
+            .map(|x| ((x % m) as f32 - 1.0) * 2.0 + (x / m) as f32 * 0.5)
+            .collect();
+        let rows: Vec<Vec<f32>> = (0..m)
+            .map(|i| (0..n).map(|j| s[j * m + i]).collect())
+            .collect();
+        let (mut maxes, mut sums) = (vec![0f32; m], vec![0f32; m]);
+        softmax_rows_of_columns(&mut s, &mut maxes, &mut sums);
+        for (i, row) in rows.iter().enumerate() {
+            let max = row.iter().cloned().fold(f32::MIN, f32::max);
+            let want: Vec<f32> = row.iter().map(|x| (x - max).exp()).collect();
+            for (j, w) in want.iter().enumerate() {
+                let g = s[j * m + i];
+                assert!(
+                    (g - w).abs() <= 4.0 * f32::EPSILON * w.max(1e-30),
+                    "{g} {w}"
+                );
+            }
+            assert!((sums[i] - want.iter().sum::<f32>()).abs() < 1e-5);
+        }
+    }
+}
