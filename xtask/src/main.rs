@@ -260,7 +260,8 @@ fn run_results(cmd: &mut Command) -> Res<Vec<(String, String)>> {
 /// `cargo xtask bench unet`: one SD1.5 UNet step (random weights, batch 2, 64x64 latent,
 /// 77x768 context) in sd-rs on the ggml CPU backend (f16 weights,
 /// `crates/sd-models/benches/unet_step.rs`, which also measures the ggml f16 matmul
-/// ceiling; once with sd.cpp's CPU default f32 attention, once with flash attention), then in diffusers on PyTorch CPU (`scripts/bench/unet_step_diffusers.py`, f32
+/// ceiling; once on the project's CPU kernels as `sd` runs, once on ggml's ops only with
+/// flash attention), then in diffusers on PyTorch CPU (`scripts/bench/unet_step_diffusers.py`, f32
 /// and bf16), on the same thread count (`SD_BENCH_THREADS`, default 2); prints the times,
 /// the ratios and GFLOP/s against the ceiling. `SD_BENCH_TORCH_DTYPES` (default `f32,bf16`)
 /// picks the PyTorch runs, `SD_BENCH_REPS` (default 2) the timed steps of each.
@@ -291,9 +292,10 @@ fn bench_unet(benv: &BuildEnv, args: &[String]) -> Res<()> {
         ));
     }
     let (threads, reps, dtypes) = bench_env();
-    // sd.cpp's CPU default (f32 mul_mat attention), then with flash attention (`fa_` keys).
+    // The project's CPU kernels (what `sd` runs), then ggml's ops only with flash attention
+    // (`fa_` keys: stable-diffusion.cpp's CPU path with `--diffusion-fa`).
     let mut results = Vec::new();
-    for (flash, prefix) in [("0", ""), ("1", "fa_")] {
+    for (host, prefix) in [("1", ""), ("0", "fa_")] {
         let r = run_results(
             cargo(benv)
                 .args(["bench", "--workspace", "--bench", "unet_step"])
@@ -301,7 +303,8 @@ fn bench_unet(benv: &BuildEnv, args: &[String]) -> Res<()> {
                 .env("SD_BENCH_REPS", &reps)
                 .env("SD_BENCH_MODEL", &model)
                 .env("SD_BENCH_LATENT", &side)
-                .env("SD_BENCH_FLASH_ATTN", flash),
+                .env("SD_BENCH_HOST_KERNELS", host)
+                .env("SD_BENCH_FLASH_ATTN", "1"),
         )?;
         results.extend(r.into_iter().map(|(k, v)| (format!("{prefix}{k}"), v)));
     }
@@ -322,7 +325,7 @@ fn bench_unet(benv: &BuildEnv, args: &[String]) -> Res<()> {
     let label = if model == "sdxl" { "SDXL" } else { "SD1.5" };
     println!("{label} UNet step, batch 2, {side}x{side} latent, {threads} CPU threads ({gflop:.0} GFLOP of matrix products)");
     println!(
-        "  sd-rs (ggml, f16 weights)   {ours:8.2} s  {:6.1} GFLOP/s  {:5.1}% of the ggml f16 matmul ceiling ({ceiling:.1} GFLOP/s)  CPU {ours_cpu:.2} s",
+        "  sd-rs (CPU kernels, as sd)  {ours:8.2} s  {:6.1} GFLOP/s  {:5.1}% of the ggml f16 matmul ceiling ({ceiling:.1} GFLOP/s)  CPU {ours_cpu:.2} s",
         gflop / ours,
         100.0 * gflop / ours / ceiling
     );
@@ -330,7 +333,7 @@ fn bench_unet(benv: &BuildEnv, args: &[String]) -> Res<()> {
     let fa_cpu = get("fa_ggml_unet_cpu_seconds")?;
     let fa_ceiling = get("fa_matmul_f16_gflops")?;
     println!(
-        "  sd-rs, flash attention      {fa:8.2} s  {:6.1} GFLOP/s  {:5.1}% of the ceiling measured in its run ({fa_ceiling:.1} GFLOP/s)  CPU {fa_cpu:.2} s",
+        "  sd-rs, ggml ops + flash     {fa:8.2} s  {:6.1} GFLOP/s  {:5.1}% of the ceiling measured in its run ({fa_ceiling:.1} GFLOP/s)  CPU {fa_cpu:.2} s",
         gflop / fa,
         100.0 * gflop / fa / fa_ceiling
     );
@@ -343,7 +346,7 @@ fn bench_unet(benv: &BuildEnv, args: &[String]) -> Res<()> {
             100.0 * gflop / theirs / ceiling,
         );
         println!(
-            "    sd-rs / diffusers {dtype}: time {:.2} (CPU time {:.2}); with flash attention: time {:.2} (CPU time {:.2})",
+            "    sd-rs / diffusers {dtype}: time {:.2} (CPU time {:.2}); ggml ops + flash: time {:.2} (CPU time {:.2})",
             ours / theirs,
             ours_cpu / theirs_cpu,
             fa / theirs,

@@ -72,7 +72,7 @@ fn main() {
         t.elapsed().as_secs_f64()
     );
     let flash_attn = env_usize("SD_BENCH_FLASH_ATTN", 0) != 0;
-    // SD_BENCH_HOST_KERNELS=0: ggml's own im2col (as before the host kernel).
+    // SD_BENCH_HOST_KERNELS=0: ggml's own ops (im2col, attention) only.
     let host_kernels = env_usize("SD_BENCH_HOST_KERNELS", 1) != 0;
     let opts = ComputeOptions {
         exact: false,
@@ -81,7 +81,9 @@ fn main() {
     };
     println!(
         "attention: {}",
-        if flash_attn {
+        if host_kernels {
+            "the project's CPU kernel (f32, heads in place)"
+        } else if flash_attn {
             "flash_attn_ext (K, V in f16)"
         } else {
             "f32 mul_mat + softmax"

@@ -318,7 +318,7 @@ impl UnetStep {
 /// Floating point operations of the matrix products of `graph`, the work that dominates a
 /// diffusion model: `2 K M N` for every `MUL_MAT` of `[K, M] x [K, N]` (times its batch
 /// dimensions; convolutions are `IM2COL` + `MUL_MAT` and counted here), and `4 d n_q n_kv`
-/// per head for `FLASH_ATTN_EXT`. Normalisations, activations and element-wise ops (a few
+/// per head for `FLASH_ATTN_EXT` and the CPU attention kernel (`ATTENTION_HOST_NAME`). Normalisations, activations and element-wise ops (a few
 /// percent for SD UNets) are not counted.
 pub fn graph_flops(graph: &Graph) -> f64 {
     let mut total = 0.0f64;
@@ -333,6 +333,14 @@ pub fn graph_flops(graph: &Graph) -> f64 {
                 if let (Some(q), Some(k)) = (node.src(0), node.src(1)) {
                     let [d, nq, heads, b] = q.ne();
                     total += 4.0 * (d * nq * heads * b) as f64 * k.ne()[1] as f64;
+                }
+            }
+            "CUSTOM" if node.name() == sd_tensor::ggml::ATTENTION_HOST_NAME => {
+                // q [heads d, n_q, B], k [heads d, n_kv, B], v [heads dv, n_kv, B].
+                if let (Some(q), Some(k), Some(v)) = (node.src(0), node.src(1), node.src(2)) {
+                    let [qw, nq, b, _] = q.ne();
+                    let pairs = (nq * b) as f64 * k.ne()[1] as f64;
+                    total += 2.0 * pairs * (qw + v.ne()[0]) as f64;
                 }
             }
             _ => {}

@@ -53,6 +53,14 @@ fn graph_flops_counts_matrix_products() {
     let mut g = Graph::new(&ctx, 8).unwrap();
     g.build_forward_expand(&sum).unwrap();
     assert_eq!(graph_flops(&g), 2.0 * 24.0 * 10.0 * 7.0 * 3.0);
+    // The CPU attention kernel: 2 n_q n_kv (d + dv) per head and batch item.
+    let q = ctx.new_tensor(DType::F32, &[4 * 8, 5, 2]).unwrap();
+    let k = ctx.new_tensor(DType::F32, &[4 * 8, 9, 2]).unwrap();
+    let v = ctx.new_tensor(DType::F32, &[4 * 6, 9, 2]).unwrap();
+    let o = ctx.attention_host(&q, &k, &v, 4, 0.5).unwrap().unwrap();
+    let mut g = Graph::new(&ctx, 8).unwrap();
+    g.build_forward_expand(&o).unwrap();
+    assert_eq!(graph_flops(&g), 2.0 * 5.0 * 9.0 * 2.0 * (32.0 + 24.0));
 }
 
 #[test]

@@ -43,7 +43,7 @@ pub use error::GgmlError;
 pub use graph::Graph;
 pub use mapped::SharedBytes;
 pub use modules::{load_backend_modules, ModuleOutcome, MODULES_ENV};
-pub use ops::{Interpolation, Precision};
+pub use ops::{Interpolation, Precision, ATTENTION_HOST_NAME};
 #[cfg(feature = "rpc")]
 pub use rpc::rpc_device_memory;
 pub use sched::{EvalCallback, Scheduler};

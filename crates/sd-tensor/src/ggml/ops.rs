@@ -31,6 +31,10 @@ pub enum Precision {
     F32,
 }
 
+/// The name of the node [`Context::attention_host`] makes (a `CUSTOM` op: counters of the
+/// graph's work find it by this name; its sources are q, k and v).
+pub const ATTENTION_HOST_NAME: &str = "attention_host";
+
 fn bad(op: &'static str, detail: String) -> GgmlError {
     GgmlError::InvalidOperands { op, detail }
 }
@@ -428,7 +432,10 @@ impl Context {
                 spec.pack() as *mut std::ffi::c_void,
             )
         })
-        .map(Some)
+        .map(|t| {
+            t.set_name(ATTENTION_HOST_NAME);
+            Some(t)
+        })
     }
 
     /// A reshaped view of a contiguous tensor with ggml dims `ne`.
