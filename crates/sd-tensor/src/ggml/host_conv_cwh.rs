@@ -201,24 +201,53 @@ impl Geometry {
         if rows.is_empty() {
             return;
         }
-        // The kernel slices, [k C_j, OC] row-major per piece and kernel row (kernel element
-        // (kx, ky, ci, o) at kx + ky k + ci k k + o k k C).
-        let packed: Vec<Vec<f32>> = pieces
-            .iter()
-            .flat_map(|p| (0..k).map(move |ky| (p, ky)))
-            .map(|(p, ky)| {
-                let mut m = Vec::with_capacity(k * p.channels * oc);
-                for kx in 0..k {
-                    for ci in 0..p.channels {
-                        let base = kx + ky * k + (p.first_channel + ci) * k * k;
-                        m.extend((0..oc).map(|o| kernel[base + o * k * k * self.c]));
+        let band_rows = (BAND_VALUES / (pw * oc)).max(1);
+        let band_len = band_rows * pw * oc;
+        SCRATCH.with_borrow_mut(|buf| {
+            let need = band_len + k * k * self.c * oc;
+            if buf.len() < need {
+                buf.resize(need, 0.0);
+            }
+            let (band, packed) = buf.split_at_mut(band_len);
+            // The kernel slices, [k C_j, OC] row-major per piece and kernel row, one after the
+            // other (kernel element (kx, ky, ci, o) at kx + ky k + ci k k + o k k C).
+            let mut at = 0;
+            for p in pieces {
+                for ky in 0..k {
+                    for kx in 0..k {
+                        for ci in 0..p.channels {
+                            let base = kx + ky * k + (p.first_channel + ci) * k * k;
+                            for (o, v) in packed[at..at + oc].iter_mut().enumerate() {
+                                *v = kernel[base + o * k * k * self.c];
+                            }
+                            at += oc;
+                        }
                     }
                 }
-                m
-            })
-            .collect();
-        let band_rows = (BAND_VALUES / (pw * oc)).max(1);
-        let mut band = vec![0f32; band_rows * pw * oc];
+            }
+            // SAFETY: see this function's contract.
+            unsafe { self.bands(pieces, packed, band, band_rows, bias, spec, out, rows) }
+        });
+    }
+
+    /// The output rows `rows`, `band_rows` at a time in `band`, from the kernel slices
+    /// `packed` (see [`Geometry::run`]).
+    ///
+    /// # Safety
+    /// As [`Geometry::run`].
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn bands(
+        &self,
+        pieces: &[Piece],
+        packed: &[f32],
+        band: &mut [f32],
+        band_rows: usize,
+        bias: Option<&[f32]>,
+        spec: CwhSpec,
+        out: *mut f32,
+        rows: std::ops::Range<usize>,
+    ) {
+        let (k, pw, oc) = (self.k, self.pw, self.oc);
         let mut y0 = rows.start;
         while y0 < rows.end {
             let y1 = (y0 + band_rows).min(rows.end);
@@ -226,8 +255,11 @@ impl Geometry {
             // computed (they would read past the input's last row).
             let m = (y1 - y0 - 1) * pw + self.w;
             let mut first = true;
-            for (p, slices) in pieces.iter().zip(packed.chunks(k)) {
-                for (ky, rhs) in slices.iter().enumerate() {
+            let mut at = 0;
+            for p in pieces {
+                for ky in 0..k {
+                    let rhs = &packed[at..at + k * p.channels * oc];
+                    at += rhs.len();
                     // SAFETY: lhs row q reads k*C_j values from ((y0 + ky) PW + q) C_j; the
                     // last, q = m - 1, ends inside padded row y1 - 1 + ky <= H + 2 pad - 1.
                     unsafe {
@@ -278,6 +310,13 @@ impl Geometry {
             y0 = y1;
         }
     }
+}
+
+thread_local! {
+    /// Each compute thread's band and kernel slices, kept between calls (ggml's compute
+    /// threads live as long as their backend): an upscaled tile runs some 350 convolutions,
+    /// each of which would otherwise fault in fresh pages for them.
+    static SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// One output row: `out = act(src + bias)` per pixel of `oc` channels.
