@@ -109,10 +109,14 @@ fn sd_rs_sampling(log: &str) -> Option<f64> {
         .and_then(|s| s.trim().parse().ok())
 }
 
-/// The script's sampling seconds: its `RESULT sampling_seconds=S` line.
+/// stable-diffusion.cpp's sampling seconds: its log's `sampling completed, taking S s`.
 fn sdcpp_sampling(log: &str) -> Option<f64> {
     log.lines()
-        .find_map(|l| l.strip_prefix("RESULT sampling_seconds="))
+        .find_map(|l| {
+            l.split_once("sampling completed, taking ")?
+                .1
+                .strip_suffix('s')
+        })
         .and_then(|s| s.trim().parse().ok())
 }
 
@@ -126,9 +130,7 @@ mod tests {
                     sampling: 2/2 steps done (27.5 s)\nsaved x.png";
         assert_eq!(sd_rs_sampling(ours), Some(27.5));
         assert_eq!(sd_rs_sampling("nothing"), None);
-        assert_eq!(
-            sdcpp_sampling("[INFO] x\nRESULT sampling_seconds=41.25\n"),
-            Some(41.25)
-        );
+        let peer = "[INFO ] stable-diffusion.cpp:3970 - sampling completed, taking 41.25s\n";
+        assert_eq!(sdcpp_sampling(peer), Some(41.25));
     }
 }
