@@ -490,8 +490,10 @@ fn host_im2col_convolution_equals_ggmls_bit_for_bit() {
         (usize, usize),
         (usize, usize),
     );
-    let cases: [Case; 6] = [
+    let cases: [Case; 7] = [
         ([3, 3, 5, 4], [9, 7, 1], (1, 1), (1, 1), (1, 1)),
+        // 3x3, stride 1: several tiles of 16 pixels and a partial one.
+        ([3, 3, 4, 3], [37, 5, 2], (1, 1), (1, 1), (1, 1)),
         ([3, 3, 3, 2], [16, 17, 2], (2, 2), (1, 1), (1, 1)),
         ([1, 1, 6, 3], [5, 4, 1], (1, 1), (0, 0), (1, 1)),
         ([5, 3, 2, 3], [11, 9, 1], (1, 2), (2, 0), (1, 1)),

@@ -319,7 +319,8 @@ impl Job {
         let (iw, ih) = (self.iw as isize, self.ih as isize);
         let k = self.k;
         // One tile's stretch of an input row, converted once, zeros where it pads.
-        let mut stretch = vec![T::ZERO; (TILE - 1) * s0 + (kw - 1) * d0 + 1];
+        // One spare value past the longest stretch: the 3x3 path copies 4 at a time.
+        let mut stretch = vec![T::ZERO; (TILE - 1) * s0 + (kw - 1) * d0 + 2];
         for r in r0..r1 {
             let (n, y) = (r / self.oh, r % self.oh);
             // SAFETY: row `r` starts at `r * ow * k` inside `out`.
@@ -359,6 +360,24 @@ impl Job {
                         stretch[..a].fill(T::ZERO);
                         T::convert(src, &mut stretch[a..b]);
                         stretch[b..len].fill(T::ZERO);
+                        if d0 == 1 && kw == 3 && col + 4 <= k {
+                            // 3x3 taps but this pixel's last: copy 4 values in one move; the
+                            // fourth lands in the pixel's next slot (the next channel or kernel
+                            // row), which this loop writes later.
+                            for x in t0..t1 {
+                                let from = (x - t0) * s0;
+                                // SAFETY: x < ow and col + 4 <= k; stretch holds from + 4
+                                // values (len + 1 <= its length).
+                                unsafe {
+                                    std::ptr::copy_nonoverlapping(
+                                        stretch.as_ptr().add(from),
+                                        row_out.add(x * k + col),
+                                        4,
+                                    );
+                                }
+                            }
+                            continue;
+                        }
                         for x in t0..t1 {
                             let from = (x - t0) * s0;
                             // SAFETY: x < ow, col + kw <= k.
