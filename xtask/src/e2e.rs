@@ -7,8 +7,10 @@
 //! steps (default 2), `SD_BENCH_THREADS` threads (default 2). stable-diffusion.cpp runs
 //! through `scripts/bench/sdcpp_txt2img.py` (the `stable-diffusion-cpp-python` package,
 //! built from source; `pip install stable-diffusion-cpp-python`). Prints each program's
-//! whole-run seconds (the process, loading included) and sampling seconds (from its own
-//! log), and the ratios.
+//! whole-run seconds (the process, loading included), sampling seconds and VAE decode
+//! seconds (each from the program's own log: `sd -v`'s `sampling completed` and `decoding
+//! completed`, stable-diffusion.cpp's `sampling completed, taking` and `decode_first_stage
+//! completed, taking`), and the ratios.
 
 use std::env;
 use std::process::Command;
@@ -20,6 +22,7 @@ use crate::{cargo, root, run, BuildEnv, Res};
 struct Timing {
     whole: f64,
     sampling: f64,
+    decode: f64,
 }
 
 /// Runs the benchmark (see the module doc).
@@ -43,9 +46,9 @@ pub fn bench(benv: &BuildEnv) -> Res<()> {
         .arg(&ck)
         .args(["-p", prompt, "-W", "512", "-H", "512", "--cfg-scale", "7"])
         .args(["--sampling-method", "euler", "-s", "42"])
-        .args(["--steps", &steps, "-t", &threads, "-o"])
+        .args(["--steps", &steps, "-t", &threads, "-v", "-o"])
         .arg(dir.join("e2e-sd-rs.png"));
-    let ours = timed(&mut ours, sd_rs_sampling)?;
+    let ours = timed(&mut ours, [sd_rs_sampling, sd_rs_decode])?;
     let mut peer = Command::new("python3");
     peer.arg(root().join("scripts/bench/sdcpp_txt2img.py"))
         .arg("--model")
@@ -53,30 +56,29 @@ pub fn bench(benv: &BuildEnv) -> Res<()> {
         .args(["--prompt", prompt, "--steps", &steps, "--threads", &threads])
         .arg("--out")
         .arg(dir.join("e2e-sdcpp.png"));
-    let peer = timed(&mut peer, sdcpp_sampling)?;
+    let peer = timed(&mut peer, [sdcpp_sampling, sdcpp_decode])?;
     println!();
     println!(
         "txt2img SD1.5 (random f16 checkpoint), 512x512, CFG 7, Euler, {steps} steps, {threads} CPU threads"
     );
+    for (name, t) in [("sd-rs `sd`", &ours), ("stable-diffusion.cpp", &peer)] {
+        println!(
+            "  {name:<22} whole run {:7.2} s   sampling {:7.2} s   VAE decode {:7.2} s",
+            t.whole, t.sampling, t.decode
+        );
+    }
     println!(
-        "  sd-rs `sd`             whole run {:7.2} s   sampling {:7.2} s",
-        ours.whole, ours.sampling
-    );
-    println!(
-        "  stable-diffusion.cpp   whole run {:7.2} s   sampling {:7.2} s",
-        peer.whole, peer.sampling
-    );
-    println!(
-        "  sd-rs / stable-diffusion.cpp: whole run {:.2}, sampling {:.2}",
+        "  sd-rs / stable-diffusion.cpp: whole run {:.2}, sampling {:.2}, VAE decode {:.2}",
         ours.whole / peer.whole,
-        ours.sampling / peer.sampling
+        ours.sampling / peer.sampling,
+        ours.decode / peer.decode
     );
     Ok(())
 }
 
-/// Runs `cmd` to completion, echoing its stderr, and reads its sampling seconds from its
-/// output with `sampling`.
-fn timed(cmd: &mut Command, sampling: fn(&str) -> Option<f64>) -> Res<Timing> {
+/// Runs `cmd` to completion, echoing its output, and reads its sampling and decode seconds
+/// from its log with `parse`.
+fn timed(cmd: &mut Command, parse: [fn(&str) -> Option<f64>; 2]) -> Res<Timing> {
     eprintln!("+ {cmd:?}");
     let start = Instant::now();
     let out = cmd
@@ -92,31 +94,52 @@ fn timed(cmd: &mut Command, sampling: fn(&str) -> Option<f64>) -> Res<Timing> {
     if !out.status.success() {
         return Err(format!("{cmd:?} failed with {}", out.status));
     }
-    let sampling = sampling(&text).ok_or_else(|| format!("no sampling time in {cmd:?}'s log"))?;
-    Ok(Timing { whole, sampling })
+    let read = |f: fn(&str) -> Option<f64>, what: &str| {
+        f(&text).ok_or_else(|| format!("no {what} time in {cmd:?}'s log"))
+    };
+    Ok(Timing {
+        whole,
+        sampling: read(parse[0], "sampling")?,
+        decode: read(parse[1], "decode")?,
+    })
 }
 
-/// `sd`'s sampling seconds: its last `sampling: N/N steps done (S s)` line.
+/// `sd -v`'s sampling seconds: its `sampling completed seconds=S` log line.
 fn sd_rs_sampling(log: &str) -> Option<f64> {
+    sd_rs_seconds(log, "sampling completed")
+}
+
+/// `sd -v`'s decode seconds: its `decoding completed seconds=S` log line.
+fn sd_rs_decode(log: &str) -> Option<f64> {
+    sd_rs_seconds(log, "decoding completed")
+}
+
+/// The `seconds=` field of `sd -v`'s first log line with `event`.
+fn sd_rs_seconds(log: &str, event: &str) -> Option<f64> {
     log.lines()
-        .rev()
-        .find_map(|l| {
-            l.strip_prefix("sampling: ")?
-                .split_once(" done (")?
-                .1
-                .strip_suffix(" s)")
-        })
-        .and_then(|s| s.trim().parse().ok())
+        .find(|l| l.contains(event))?
+        .split_once("seconds=")?
+        .1
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
 }
 
 /// stable-diffusion.cpp's sampling seconds: its log's `sampling completed, taking S s`.
 fn sdcpp_sampling(log: &str) -> Option<f64> {
+    sdcpp_seconds(log, "sampling completed, taking ")
+}
+
+/// stable-diffusion.cpp's decode seconds: its `decode_first_stage completed, taking S s`.
+fn sdcpp_decode(log: &str) -> Option<f64> {
+    sdcpp_seconds(log, "decode_first_stage completed, taking ")
+}
+
+/// The seconds after `event` in stable-diffusion.cpp's first log line with it.
+fn sdcpp_seconds(log: &str, event: &str) -> Option<f64> {
     log.lines()
-        .find_map(|l| {
-            l.split_once("sampling completed, taking ")?
-                .1
-                .strip_suffix('s')
-        })
+        .find_map(|l| l.split_once(event)?.1.trim().strip_suffix('s'))
         .and_then(|s| s.trim().parse().ok())
 }
 
@@ -125,12 +148,16 @@ mod tests {
     use super::*;
 
     #[test]
-    fn sampling_times_are_read_from_the_logs() {
-        let ours = "loading: 1/1 tensors done (0.1 s)\nsampling: 1/2 steps (14.0 s)\n\
-                    sampling: 2/2 steps done (27.5 s)\nsaved x.png";
+    fn times_are_read_from_the_logs() {
+        let ours = "sampling: 1/2 steps (14.0 s)\n2026-12-05T10:40:01Z  INFO generate{steps=2}: \
+                    sd_pipeline::generate: sampling completed seconds=27.5 steps=2\n\
+                    INFO generate: sd_pipeline::generate: decoding completed seconds=20.5\n";
         assert_eq!(sd_rs_sampling(ours), Some(27.5));
+        assert_eq!(sd_rs_decode(ours), Some(20.5));
         assert_eq!(sd_rs_sampling("nothing"), None);
-        let peer = "[INFO ] stable-diffusion.cpp:3970 - sampling completed, taking 41.25s\n";
+        let peer = "[INFO ] stable-diffusion.cpp:3970 - sampling completed, taking 41.25s\n\
+                    stable-diffusion.cpp:3212 - decode_first_stage completed, taking 54.20s\n";
         assert_eq!(sdcpp_sampling(peer), Some(41.25));
+        assert_eq!(sdcpp_decode(peer), Some(54.2));
     }
 }

@@ -271,11 +271,16 @@ impl Pipeline {
             Some((image, _)) => Some(self.encode(image, params.vae_tiling)?),
             None => None,
         };
+        let started = std::time::Instant::now();
         let cond = self.condition(params, false)?;
         let refiner_cond = match self.refiner {
             Some(_) => Some(self.condition(params, true)?),
             None => None,
         };
+        tracing::info!(
+            seconds = started.elapsed().as_secs_f64(),
+            "conditioning completed"
+        );
 
         // Flow models sample their own sigmas (the model's time is sigma; `--scheduler` does
         // not apply); the noise schedule is then only a placeholder the flow samplers never
@@ -318,6 +323,7 @@ impl Pipeline {
                     *v += keep * z;
                 }
             }
+            let started = std::time::Instant::now();
             let latents = self.sample(
                 params,
                 (&cond, refiner_cond.as_ref()),
@@ -326,8 +332,13 @@ impl Pipeline {
                 rng.as_mut(),
                 &mut *callbacks.on_step,
             )?;
+            let seconds = started.elapsed().as_secs_f64();
+            tracing::info!(seconds, steps = sigmas.len() - 1, "sampling completed");
             (callbacks.on_latents)(i, &latents);
+            let started = std::time::Instant::now();
             let image = self.decode(&latents, params.vae_tiling)?;
+            let seconds = started.elapsed().as_secs_f64();
+            tracing::info!(seconds, "decoding completed");
             (callbacks.on_image)(i, &image);
             images.push(image);
         }
