@@ -129,28 +129,16 @@ pub(crate) unsafe extern "C" fn attention_kernel(
     let block = (SCORE_VALUES / k.rows.max(1)).clamp(4, 256).min(q.rows);
     let blocks = q.rows.div_ceil(block);
     let items = batch * heads * blocks;
-    let (ith, nth) = (ith.max(0) as usize, nth.max(1) as usize);
-    let share = items * ith / nth..items * (ith + 1) / nth;
+    let share = super::host_conv::thread_share(items, ith, nth);
     if share.is_empty() {
         return;
     }
-    SCRATCH.with_borrow_mut(|buf| {
-        let need = block * k.rows + 2 * block;
-        if buf.len() < need {
-            buf.resize(need, 0.0);
-        }
+    super::host_conv::with_scratch(block * k.rows + 2 * block, |buf| {
         let (scores, rest) = buf.split_at_mut(block * k.rows);
         let (maxes, sums) = rest.split_at_mut(block);
         // SAFETY: the items of this thread's share (see the function's contract).
         unsafe { attend(&spec, [q, k, v, out], block, share, scores, maxes, sums) }
     });
-}
-
-thread_local! {
-    /// Each compute thread's score block and row statistics, kept between calls (ggml's
-    /// compute threads live as long as their backend): a fresh 2 MiB block a call cost its
-    /// page faults and zeroing, 2.6% of an SD1.5 step.
-    static SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// The items `share` of one attention (item = (batch item, head, block of `block` queries)),

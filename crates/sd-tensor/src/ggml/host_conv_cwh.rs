@@ -131,8 +131,8 @@ pub(crate) unsafe extern "C" fn conv_cwh_kernel(
         c: kernel.ne[2] as usize,
         oc: kernel.ne[3] as usize,
     };
+    let rows = super::host_conv::thread_share(geometry.h, ith, nth);
     let (ith, nth) = (ith.max(0) as usize, nth.max(1) as usize);
-    let rows = geometry.h * ith / nth..geometry.h * (ith + 1) / nth;
     // SAFETY: the kernel holds k*k*C*OC f32 values, the bias OC or is null, dst is built
     // for the spec's output form.
     unsafe {
@@ -203,11 +203,7 @@ impl Geometry {
         }
         let band_rows = (BAND_VALUES / (pw * oc)).max(1);
         let band_len = band_rows * pw * oc;
-        SCRATCH.with_borrow_mut(|buf| {
-            let need = band_len + k * k * self.c * oc;
-            if buf.len() < need {
-                buf.resize(need, 0.0);
-            }
+        super::host_conv::with_scratch(band_len + k * k * self.c * oc, |buf| {
             let (band, packed) = buf.split_at_mut(band_len);
             // The kernel slices, [k C_j, OC] row-major per piece and kernel row, one after the
             // other (kernel element (kx, ky, ci, o) at kx + ky k + ci k k + o k k C).
@@ -310,13 +306,6 @@ impl Geometry {
             y0 = y1;
         }
     }
-}
-
-thread_local! {
-    /// Each compute thread's band and kernel slices, kept between calls (ggml's compute
-    /// threads live as long as their backend): an upscaled tile runs some 350 convolutions,
-    /// each of which would otherwise fault in fresh pages for them.
-    static SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// One output row: `out = act(src + bias)` per pixel of `oc` channels.
