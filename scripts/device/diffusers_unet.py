@@ -4,12 +4,16 @@ the same weights and inputs.
 Reads the LDM-layout safetensors that `sd-bench write-weights` wrote, converts it to the
 diffusers layout with diffusers' own `convert_ldm_unet_checkpoint`, loads it into
 `UNet2DConditionModel` (SD1.5 config) in f16, and times one step (batch 2, 64x64 latents,
-77x768 context) with CUDA events (warm-up, median of --iters). With --dump DIR (the inputs
+77x768 context) with CUDA events (warm-up, median of --iters). `--offload leaf|block` runs
+diffusers' own group offloading (`enable_group_offload`, CUDA streams, weights in pinned host
+memory): the peer of `sd-bench unet --max-vram`. `--model sdxl` times the SDXL UNet (random
+weights, 128x128 latents, 77x2048 context) instead of the file's. With --dump DIR (the inputs
 and output `sd-bench unet --dump DIR` wrote: raw little-endian f32) it runs the same inputs
 and prints the relative L2 error of sd-rs's output and of diffusers' f16 output against a
 diffusers f32 reference. Prints one JSON line.
 
 usage: python3 diffusers_unet.py WEIGHTS.safetensors [--dump DIR] [--iters N] [--warmup N]
+                                 [--offload none|leaf|block] [--model sd15|sdxl]
 """
 
 import argparse
@@ -39,6 +43,29 @@ def sd15_unet(dtype):
     ).to(dtype)
 
 
+def sdxl_unet(dtype):
+    from diffusers import UNet2DConditionModel
+
+    # stabilityai/stable-diffusion-xl-base-1.0 unet/config.json
+    return UNet2DConditionModel(
+        sample_size=128,
+        in_channels=4,
+        out_channels=4,
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
+        block_out_channels=(320, 640, 1280),
+        layers_per_block=2,
+        cross_attention_dim=2048,
+        transformer_layers_per_block=(1, 2, 10),
+        attention_head_dim=(5, 10, 20),
+        use_linear_projection=True,
+        addition_embed_type="text_time",
+        addition_time_embed_dim=256,
+        projection_class_embeddings_input_dim=2816,
+        norm_num_groups=32,
+    ).to(dtype)
+
+
 def rel_l2(a, r):
     a = a.double().flatten()
     r = r.double().flatten()
@@ -52,20 +79,40 @@ def main():
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--offload", choices=["none", "leaf", "block"], default="none")
+    ap.add_argument("--model", choices=["sd15", "sdxl"], default="sd15")
     args = ap.parse_args()
     from diffusers.loaders.single_file_utils import convert_ldm_unet_checkpoint
 
     dev = torch.device(args.device)
-    ldm = load_file(args.weights)
-    unet = sd15_unet(torch.float16)
-    sd = convert_ldm_unet_checkpoint(ldm, unet.config)
-    unet.load_state_dict(sd, strict=True)
-    del ldm
-    unet = unet.to(dev).eval()
+    xl = args.model == "sdxl"
+    if xl:
+        torch.manual_seed(0)
+        with dev if args.offload == "none" else torch.device("cpu"):
+            unet = sdxl_unet(torch.float16).eval()
+    else:
+        ldm = load_file(args.weights)
+        unet = sd15_unet(torch.float16)
+        sd = convert_ldm_unet_checkpoint(ldm, unet.config)
+        unet.load_state_dict(sd, strict=True)
+        del ldm
     weight_bytes = sum(p.numel() * p.element_size() for p in unet.parameters())
+    if args.offload == "none":
+        unet = unet.to(dev).eval()
+    else:
+        unet.eval().enable_group_offload(
+            onload_device=dev, offload_device=torch.device("cpu"),
+            offload_type=f"{args.offload}_level", num_blocks_per_group=1, use_stream=True)
 
     b, n_ctx = 2, 77
-    if args.dump:
+    side, ctx_dim = (128, 2048) if xl else (64, 768)
+    extra = {}
+    if xl:
+        extra["added_cond_kwargs"] = {
+            "text_embeds": torch.zeros(b, 1280, device=dev, dtype=torch.float16),
+            "time_ids": torch.tensor([[1024.0, 1024.0, 0.0, 0.0, 1024.0, 1024.0]] * b, device=dev, dtype=torch.float16),
+        }
+    if args.dump and not xl:
         rd = lambda n: torch.from_numpy(np.fromfile(f"{args.dump}/{n}", dtype="<f4"))
         x = rd("x.f32").reshape(b, 4, 64, 64)
         t = rd("t.f32").reshape(b)
@@ -73,28 +120,33 @@ def main():
         ours = rd("out.f32").reshape(b, 4, 64, 64)
     else:
         g = torch.Generator().manual_seed(0)
-        x = torch.rand(b, 4, 64, 64, generator=g) * 2 - 1
+        x = torch.rand(b, 4, side, side, generator=g) * 2 - 1
         t = torch.tensor([999.0, 499.0])
-        c = torch.rand(b, n_ctx, 768, generator=g) * 2 - 1
+        c = torch.rand(b, n_ctx, ctx_dim, generator=g) * 2 - 1
         ours = None
     x16, t16, c16 = x.to(dev, torch.float16), t.to(dev), c.to(dev, torch.float16)
 
     torch.cuda.reset_peak_memory_stats()
     with torch.no_grad():
         for _ in range(args.warmup):
-            out16 = unet(x16, t16, encoder_hidden_states=c16).sample
+            out16 = unet(x16, t16, encoder_hidden_states=c16, **extra).sample
         torch.cuda.synchronize()
         times = []
         for _ in range(args.iters):
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             s.record()
-            unet(x16, t16, encoder_hidden_states=c16)
+            unet(x16, t16, encoder_hidden_states=c16, **extra)
             e.record()
             torch.cuda.synchronize()
             times.append(s.elapsed_time(e))
     peak = torch.cuda.max_memory_allocated()
+    free, total = torch.cuda.mem_get_info()
     res = {
         "cmd": "diffusers-unet",
+        "model": args.model,
+        "offload": args.offload,
+        "peak_reserved_bytes": torch.cuda.max_memory_reserved(),
+        "device_used_bytes_after": total - free,
         "torch": torch.__version__,
         "gpu": torch.cuda.get_device_name(),
         "weight_bytes": weight_bytes,
@@ -104,7 +156,7 @@ def main():
         "peak_allocated_bytes": peak,
         "attn_processor": type(next(iter(unet.attn_processors.values()))).__name__,
     }
-    if ours is not None:
+    if ours is not None and args.offload == "none":
         unet32 = unet.float()
         with torch.no_grad():
             ref = unet32(x.to(dev), t.to(dev), encoder_hidden_states=c.to(dev)).sample.cpu()

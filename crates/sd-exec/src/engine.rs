@@ -297,7 +297,12 @@ impl<M: DeviceResidencyManager> ExecutionEngine<M> {
             })
         });
         // The cut cache only lives for one graph; the workspace stays (idle, reclaimable).
-        session.clear_cut_caches();
+        // A graph run whole keeps its output entries with its graph (see
+        // `execution::reuses_graphs`): its next run writes them again in place; idle
+        // reclamation releases them with the workspace.
+        if !(session.config.reuse_graphs && matches!(&result, Ok(r) if r.segments.len() == 1)) {
+            session.clear_cut_caches();
+        }
         match &result {
             Ok(r) => {
                 session.last_reports = r.segments.clone();

@@ -79,6 +79,11 @@ pub struct SessionConfig {
     /// GPUs with a measured reserve; default off (the CPU and the simulated device
     /// allocate nothing behind the engine's back).
     pub runtime_temporaries: bool,
+    /// Whether a graph run whole keeps its ggml graph (and output entries) for the next
+    /// execution of the same graph, which then runs it again as it is: nothing built or
+    /// allocated, and the same graph for the backend (ggml's CUDA backend replays it as a
+    /// CUDA graph). Default: on.
+    pub reuse_graphs: bool,
     /// Extra devices for layer split (`diffusion=cuda0&cuda1`): with any, a graph with cuts
     /// runs segment by segment, each segment on the device its weights are assigned to
     /// (contiguous ranges of segments per device, in list order, the primary first).
@@ -110,6 +115,7 @@ impl SessionConfig {
             prefetch: true,
             staging_pool: true,
             runtime_temporaries: false,
+            reuse_graphs: true,
             split: Vec::new(),
         }
     }
@@ -156,6 +162,12 @@ impl SessionConfig {
     /// Sets [`SessionConfig::staging_pool`].
     pub fn with_staging_pool(mut self, on: bool) -> Self {
         self.staging_pool = on;
+        self
+    }
+
+    /// Sets [`SessionConfig::reuse_graphs`].
+    pub fn with_graph_reuse(mut self, on: bool) -> Self {
+        self.reuse_graphs = on;
         self
     }
 

@@ -94,6 +94,9 @@ pub struct SegmentReport {
     pub prefetched: bool,
     /// Outputs it computed straight into cut-cache storage (no copy after computing).
     pub direct_outputs: usize,
+    /// Whether it ran the ggml graph kept from the previous execution of the same graph
+    /// (nothing built or allocated).
+    pub graph_reused: bool,
 }
 
 impl SegmentReport {
@@ -139,6 +142,13 @@ pub struct ExecTiming {
     /// queued on the device's copy stream: the part of the asynchronous uploads that the
     /// previous segment's compute did not hide (0 without a copy stream).
     pub upload_wait: Duration,
+    /// Building the segments' ggml graphs from the captured graph (the copies of its
+    /// nodes, bound to weights, cut-cache entries and input copies).
+    pub build: Duration,
+    /// Placing the segments' graphs in the compute workspace and their cut outputs in the
+    /// cut cache (device allocations when an entry or the workspace is new or grows), and
+    /// storing the cut outputs that could not be placed there.
+    pub allocate: Duration,
     /// Uploading the task's inputs and computing the segment graphs.
     pub compute: Duration,
     /// The rest of `total`.
@@ -152,8 +162,14 @@ pub struct ExecTiming {
 impl ExecTiming {
     /// Fills `overhead` from `total` and the measured parts.
     pub fn finish(&mut self) {
-        let parts =
-            self.plan + self.capacity + self.staging + self.wait + self.upload_wait + self.compute;
+        let parts = self.plan
+            + self.capacity
+            + self.staging
+            + self.wait
+            + self.upload_wait
+            + self.build
+            + self.allocate
+            + self.compute;
         self.overhead = self.total.saturating_sub(parts);
     }
 
@@ -172,6 +188,8 @@ impl ExecTiming {
             staging_ms = Self::ms(self.staging),
             wait_ms = Self::ms(self.wait),
             upload_wait_ms = Self::ms(self.upload_wait),
+            build_ms = Self::ms(self.build),
+            allocate_ms = Self::ms(self.allocate),
             compute_ms = Self::ms(self.compute),
             overhead_ms = Self::ms(self.overhead),
             segments = self.segments,

@@ -1,7 +1,7 @@
 //! [`ComputeWorkspace`]: the compute buffer of a session (one ggml graph allocator on the
 //! session's compute buffer type) and the segment graph it currently holds.
 
-use sd_graphcut::SegmentGraph;
+use sd_graphcut::{Fingerprint, SegmentGraph};
 use sd_tensor::ggml::{BufferType, Gallocr};
 
 use crate::error::{ExecError, Result};
@@ -15,6 +15,9 @@ pub struct ComputeWorkspace {
     // Field order: the allocator (which forgets its tensors' memory) before their graph.
     galloc: Option<Gallocr>,
     current: Option<SegmentGraph>,
+    /// The last graph computed, kept for the next execution of the same graph (see
+    /// [`take_reusable`](Self::take_reusable)), with its plan's fingerprint and segment.
+    kept: Option<(Fingerprint, usize, SegmentGraph)>,
     reservations: usize,
 }
 
@@ -35,6 +38,7 @@ impl ComputeWorkspace {
             buft,
             galloc: None,
             current: None,
+            kept: None,
             reservations: 0,
         }
     }
@@ -85,12 +89,42 @@ impl ComputeWorkspace {
                 source: sd_tensor::GgmlError::Mismatch("allocator missing".into()),
             });
         };
+        // The kept graph loses its memory to this one.
+        self.kept = None;
         if let Err(e) = galloc.alloc_graph(graph.graph()) {
             // ggml may have dropped the buffer: start over next time.
             self.release();
             return Err(ExecError::ggml("allocating the compute buffer")(e));
         }
         Ok(&*self.current.insert(graph))
+    }
+
+    /// The graph kept by [`keep_graph`](Self::keep_graph) for segment `segment` of the plan
+    /// `plan`, if its tensors still have their memory here (no other graph was allocated
+    /// since): it becomes the current graph again without building or allocating.
+    pub fn take_reusable(&mut self, plan: Fingerprint, segment: usize) -> Option<&SegmentGraph> {
+        let (f, k, sg) = self.kept.take()?;
+        let galloc = self.galloc.as_ref()?;
+        if f != plan || k != segment || !galloc.holds(sg.graph()) {
+            return None;
+        }
+        Some(&*self.current.insert(sg))
+    }
+
+    /// Gives the current graph back when it is not to be reused after all.
+    pub fn drop_current(&mut self) {
+        self.current = None;
+    }
+
+    /// The current graph (mutable, see [`take_reusable`](Self::take_reusable)).
+    pub fn current_mut(&mut self) -> Option<&mut SegmentGraph> {
+        self.current.as_mut()
+    }
+
+    /// Like [`end_graph`](Self::end_graph), but keeps the graph for the next execution of
+    /// segment `segment` of the plan `plan` (see [`take_reusable`](Self::take_reusable)).
+    pub fn keep_graph(&mut self, plan: Fingerprint, segment: usize) {
+        self.kept = self.current.take().map(|sg| (plan, segment, sg));
     }
 
     /// The graph allocated last (until [`end_graph`](Self::end_graph) or release).
@@ -102,11 +136,13 @@ impl ComputeWorkspace {
     pub fn release(&mut self) {
         self.galloc = None;
         self.current = None;
+        self.kept = None;
     }
 
     /// Drops the graph it holds but keeps the buffer for the next graph.
     pub fn end_graph(&mut self) {
         // The allocator keeps its own handles on the tensors it placed.
         self.current = None;
+        self.kept = None;
     }
 }

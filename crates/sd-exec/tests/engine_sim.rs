@@ -1006,14 +1006,34 @@ fn execution_timing_is_reported() {
     for policy in [SegmentationPolicy::Never, SegmentationPolicy::Always] {
         let mut r = rig(&format!("TIMING_{policy:?}"), false);
         let id = r.session(None, policy, false);
-        for _ in 0..2 {
+        for step in 0..2 {
             let res = r.engine.execute(id, &unet(&r.w)).unwrap();
             let t = res.timing;
             assert_eq!(t.segments, res.segments.len());
             assert!(t.compute > std::time::Duration::ZERO, "{t:?}");
             assert!(t.plan > std::time::Duration::ZERO, "{t:?}");
-            let parts =
-                t.plan + t.capacity + t.staging + t.wait + t.upload_wait + t.compute + t.overhead;
+            // The whole graph's second run reuses the first run's ggml graph.
+            let reused = step == 1 && policy == SegmentationPolicy::Never;
+            assert_eq!(
+                res.segments.iter().any(|s| s.graph_reused),
+                reused,
+                "{policy:?} step {step}"
+            );
+            if reused {
+                assert_eq!(t.build, std::time::Duration::ZERO, "{t:?}");
+            } else {
+                assert!(t.build > std::time::Duration::ZERO, "{t:?}");
+                assert!(t.allocate > std::time::Duration::ZERO, "{t:?}");
+            }
+            let parts = t.plan
+                + t.capacity
+                + t.staging
+                + t.wait
+                + t.upload_wait
+                + t.build
+                + t.allocate
+                + t.compute
+                + t.overhead;
             assert_eq!(parts, t.total, "{t:?}");
             assert!(t.total >= t.compute + t.plan, "{t:?}");
             println!("{policy:?}: {t:?}");
@@ -1247,4 +1267,68 @@ fn buffers_count_at_the_allocation_granularity_of_the_device() {
         over_when_exact.iter().any(|o| *o),
         "exact-size accounting stayed inside the budget: the test shows nothing"
     );
+}
+
+/// A graph run whole (resident weights) and run again, step after step of a sampling loop
+/// with new inputs each time: from the second run on the engine runs the ggml graph it
+/// kept (nothing built, no device allocation or free inside the step), and every output is
+/// the bits a fresh session computes for the same inputs. Another graph in between, or the
+/// workspace reclaimed, makes it build again (and still right).
+#[test]
+fn a_whole_graph_run_again_reuses_its_graph_and_allocates_nothing() {
+    let with_x = |w: &HashMap<String, GTensor>, seed: u64| {
+        let mut task = unet(w);
+        task.inputs[0].1 = bytes_of(&rnd(8 * 8 * 4, seed));
+        task
+    };
+    let seeds = [7u64, 11, 13, 7];
+    // Fresh sessions: built once each.
+    let mut fresh = rig("REUSE_REF", false);
+    let want: Vec<Vec<u8>> = seeds
+        .iter()
+        .map(|&s| {
+            let id = fresh.session(None, SegmentationPolicy::Never, false);
+            let out = fresh.engine.execute(id, &with_x(&fresh.w, s)).unwrap();
+            assert!(!out.segments[0].graph_reused);
+            fresh.engine.end(id).unwrap();
+            out.output
+        })
+        .collect();
+    assert_ne!(want[0], want[1], "the inputs change the output");
+
+    let mut r = rig("REUSE", false);
+    let id = r.session(None, SegmentationPolicy::Never, false);
+    for (i, &s) in seeds.iter().enumerate() {
+        let before = r.sim.stats();
+        let out = r.engine.execute(id, &with_x(&r.w, s)).unwrap();
+        let after = r.sim.stats();
+        assert_eq!(out.output, want[i], "run {i} (seed {s})");
+        assert_eq!(out.segments.len(), 1);
+        assert_eq!(out.segments[0].graph_reused, i > 0, "run {i}");
+        if i > 0 {
+            assert_eq!(
+                (
+                    after.allocations - before.allocations,
+                    after.frees - before.frees
+                ),
+                (0, 0),
+                "run {i}: device allocations/frees inside a step"
+            );
+            assert_eq!(out.timing.build, std::time::Duration::ZERO);
+        }
+    }
+    // Another graph in the same session's workspace: the UNet's kept graph is gone.
+    let tf = r.engine.execute(id, &transformer(&r.w)).unwrap();
+    assert!(!tf.segments[0].graph_reused);
+    let out = r.engine.execute(id, &with_x(&r.w, 11)).unwrap();
+    assert!(
+        !out.segments[0].graph_reused,
+        "built again after another graph"
+    );
+    assert_eq!(out.output, want[1]);
+    let out = r.engine.execute(id, &with_x(&r.w, 13)).unwrap();
+    assert!(out.segments[0].graph_reused);
+    assert_eq!(out.output, want[2]);
+    r.engine.end(id).unwrap();
+    assert_eq!(r.sim.stats().live_buffers, 0, "nothing left on the device");
 }

@@ -117,6 +117,17 @@ impl CutCache {
         Ok(true)
     }
 
+    /// Whether `t` (a segment graph's output placed by [`bind_output`](Self::bind_output)
+    /// in an earlier execution) still lives in the entry for `name`.
+    pub fn holds_output(&self, name: &CutName, t: &GTensor) -> bool {
+        self.entries.get(name).is_some_and(|e| {
+            e.tensor.same_data(t)
+                && e.tensor.type_code() == t.type_code()
+                && e.tensor.ne() == t.ne()
+                && e.tensor.nb() == t.nb()
+        })
+    }
+
     /// Stores host `bytes` (exactly `like.nbytes()`, in its layout) under `name`, in an
     /// entry with `like`'s type and shape (reused when the layout matches).
     pub fn store_bytes(&mut self, name: &CutName, like: &GTensor, bytes: &[u8]) -> Result<()> {

@@ -138,6 +138,12 @@ pub struct SegmentGraph {
     _ctx: Context,
     outputs: Vec<(SegmentOutput, GTensor)>,
     uploads: Vec<(GTensor, TensorId)>,
+    /// The captured graph's leaf behind each of `uploads` (same order).
+    upload_leaves: Vec<usize>,
+    /// Leaves used in place (weights, inputs that already had data): (leaf, tensor).
+    in_place: Vec<(usize, TensorId)>,
+    /// Previous cuts bound to cut-cache entries: (cut, the entry's tensor).
+    cut_inputs: Vec<(CutName, TensorId)>,
     placeholders: Vec<GTensor>,
     /// Tensors of other contexts the copies point at (kept alive with the graph).
     _keep: Vec<GTensor>,
@@ -211,6 +217,44 @@ impl SegmentGraph {
             "measuring segment {} '{}'",
             self.index, self.name
         )))
+    }
+
+    /// Whether this graph, built for a graph with the same fingerprint as `graph` (an
+    /// earlier step of a sampling loop), can run `graph`'s segment again as it is: the
+    /// same weights and in-place inputs (the same tensors), host data for every input it
+    /// uploads and none for those it uses in place, and the same cut-cache entries. Then
+    /// [`retarget`](Self::retarget) points its uploads at `graph`'s inputs and nothing
+    /// needs building or allocating: the backend sees the very graph it ran before (ggml's
+    /// CUDA backend replays such a graph as a CUDA graph).
+    pub fn reusable_for(
+        &self,
+        graph: &CapturedGraph,
+        cache: &CutCache,
+        inputs: &HostInputs<'_>,
+    ) -> bool {
+        let leaves = graph.leaf_tensors();
+        let leaf_id = |l: usize| leaves.get(l).map(|t| t.id());
+        self.in_place
+            .iter()
+            .all(|(l, id)| leaf_id(*l) == Some(*id) && !inputs.contains(*id))
+            && self
+                .upload_leaves
+                .iter()
+                .all(|l| leaf_id(*l).is_some_and(|id| inputs.contains(id)))
+            && self
+                .cut_inputs
+                .iter()
+                .all(|(name, id)| cache.get(name).map(|t| t.id()) == Some(*id))
+    }
+
+    /// Points the uploads at `graph`'s input leaves (see [`reusable_for`](Self::reusable_for)).
+    pub fn retarget(&mut self, graph: &CapturedGraph) {
+        let leaves = graph.leaf_tensors();
+        for ((_, id), l) in self.uploads.iter_mut().zip(&self.upload_leaves) {
+            if let Some(t) = leaves.get(*l) {
+                *id = t.id();
+            }
+        }
     }
 
     /// Writes the host data of the external inputs copied into this graph (after the
@@ -302,6 +346,9 @@ fn build(
     let mut rebased: HashMap<usize, Rebase> = HashMap::new();
     let mut placeholders = Vec::new();
     let mut uploads = Vec::new();
+    let mut upload_leaves = Vec::new();
+    let mut in_place = Vec::new();
+    let mut cut_inputs = Vec::new();
     let mut keep = Vec::new();
     let mut roots: Vec<GTensor> = Vec::new();
 
@@ -326,6 +373,7 @@ fn build(
                             )));
                         }
                         keep.push(orig.clone());
+                        in_place.push((l, orig.id()));
                         orig.clone()
                     }
                 };
@@ -344,10 +392,12 @@ fn build(
                     c.set_input();
                     if matches!(mode, Mode::Execute { .. }) {
                         uploads.push((c.clone(), orig.id()));
+                        upload_leaves.push(l);
                     }
                     c
                 } else if orig.is_allocated() {
                     keep.push(orig.clone());
+                    in_place.push((l, orig.id()));
                     orig.clone()
                 } else {
                     return Err(err(format!(
@@ -392,6 +442,7 @@ fn build(
                             )));
                         }
                         keep.push(t.clone());
+                        cut_inputs.push((name, t.id()));
                         t.clone()
                     }
                 };
@@ -583,6 +634,9 @@ fn build(
         _ctx: ctx,
         outputs,
         uploads,
+        upload_leaves,
+        in_place,
+        cut_inputs,
         placeholders,
         _keep: keep,
     })

@@ -6,7 +6,7 @@
 //!                                                       random f16 weights (checkpoint names)
 //! sd-bench unet --weights FILE --backend NAME [--max-vram FRAC|BYTES] [--params MODE]
 //!               [--steps N] [--flash-attn auto|on|off] [--dump DIR] [--config NAME]
-//!               [--runtime-reserve BYTES] [--direct on] [--type q8_0|q4_K|...]
+//!               [--runtime-reserve BYTES] [--direct on] [--type q8_0|q4_K|...] [--reuse-graphs on|off]
 //! sd-bench check --backend NAME                         tiny UNet: backend vs CPU, resident
 //!                                                       and streamed through a budget
 //! sd-bench copy-bw --backend NAME [--mib N]             host->device copy bandwidth
@@ -269,6 +269,10 @@ struct UnetArgs {
     /// The staging pool of streamed weights (one device buffer per session)
     #[arg(long = "staging-pool", value_enum, default_value = "on")]
     staging_pool: OnOff,
+    /// Run the graph kept from the previous step when the graph runs whole (nothing
+    /// built or allocated; CUDA graphs replay it); off: a new graph copy each step
+    #[arg(long = "reuse-graphs", value_enum, default_value = "on")]
+    reuse_graphs: OnOff,
     /// Prefetch uploads queued on a copy stream of the device (a second backend, ordered
     /// against compute with events) where the backend has one; off: copied on a transfer
     /// thread
@@ -691,6 +695,7 @@ struct RigOptions<'a> {
     threads: usize,
     /// Whether the session sub-allocates streamed weights from one staging pool.
     staging_pool: bool,
+    reuse_graphs: bool,
     /// Whether prefetch uploads go to the device's copy stream where it has one.
     async_upload: bool,
     /// Bytes of the budget left to the backend runtime (0: none).
@@ -754,6 +759,7 @@ fn build_rig(o: RigOptions<'_>, inputs: &Inputs) -> Result<Rig> {
         .with_segmentation(policy)
         .with_prefetch(true);
     config.staging_pool = o.staging_pool;
+    config.reuse_graphs = o.reuse_graphs;
     // A budget with a runtime reserve left out also keeps room for the runtime's operator
     // temporaries beyond the reserve's margin (as `sd` does).
     config.runtime_temporaries = o.budget.is_some() && o.runtime_reserve > 0;
@@ -1092,6 +1098,7 @@ fn cmd_unet(a: &UnetArgs) -> Result<()> {
             flash_attn: flash_attn.clone(),
             threads,
             staging_pool: a.staging_pool == OnOff::On,
+            reuse_graphs: a.reuse_graphs == OnOff::On,
             async_upload: a.async_upload == OnOff::On,
             runtime_reserve: reserve,
             host_kernels,
@@ -1170,6 +1177,7 @@ fn cmd_unet(a: &UnetArgs) -> Result<()> {
             "segmented": last.segmented,
             "segments": last.segments.len(),
             "prefetched": last.segments.iter().filter(|s| s.prefetched).count(),
+            "graphs_reused": last.segments.iter().filter(|s| s.graph_reused).count(),
             "engine_max_footprint_bytes": max_footprint,
             "peak_device_used_bytes": peak_used,
             "device_used_peak_bytes": device_used_peak,
@@ -1183,6 +1191,8 @@ fn cmd_unet(a: &UnetArgs) -> Result<()> {
                 "staging": last.timing.staging.as_secs_f64() * 1e3,
                 "wait": last.timing.wait.as_secs_f64() * 1e3,
                 "upload_wait": last.timing.upload_wait.as_secs_f64() * 1e3,
+                "build": last.timing.build.as_secs_f64() * 1e3,
+                "allocate": last.timing.allocate.as_secs_f64() * 1e3,
                 "compute": last.timing.compute.as_secs_f64() * 1e3,
                 "overhead": last.timing.overhead.as_secs_f64() * 1e3,
                 "total": last.timing.total.as_secs_f64() * 1e3,
@@ -1235,6 +1245,7 @@ fn cmd_check(name: &str, threads: usize) -> Result<()> {
                 flash_attn: flash_attn.clone(),
                 threads,
                 staging_pool: true,
+                reuse_graphs: true,
                 async_upload,
                 runtime_reserve: 0,
                 host_kernels,

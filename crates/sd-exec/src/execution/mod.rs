@@ -36,7 +36,9 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Instant;
 
-use sd_graphcut::{CapturedGraph, CutMarks, CutName, HostInputs, Plan, SegmentGraph, SegmentKind};
+use sd_graphcut::{
+    CapturedGraph, CutMarks, CutName, HostInputs, Plan, SegmentGraph, SegmentKind, SegmentOutput,
+};
 use sd_residency::{BackendMemoryRequest, DeviceResidencyManager, ParamId, WeightPrefetchResult};
 use sd_tensor::ggml::{BufferType, GTensor, TensorId};
 
@@ -149,6 +151,16 @@ fn group_by_usage(segment_params: &[Vec<ParamId>]) -> Vec<Vec<Vec<ParamId>>> {
         .collect()
 }
 
+/// Whether the graphs of `plan` are kept from one execution to the next (a plan of one
+/// segment: the graph run whole, whose workspace holds nothing else in between). An
+/// execution of the same graph (fingerprint) then runs the kept ggml graph again as it is
+/// (inputs re-uploaded, weights and cut-cache entries unchanged): no copy of the graph is
+/// built, nothing is allocated, and ggml's CUDA backend, which recognises a graph computed
+/// again unchanged, replays it as a CUDA graph instead of launching each kernel.
+fn reuses_graphs(plan: &Plan, session: &ExecutionSession) -> bool {
+    plan.segments.len() == 1 && session.config.reuse_graphs
+}
+
 impl<M: DeviceResidencyManager> Exec<'_, M> {
     fn invalid(&self, task: &ComputeTask, detail: impl Into<String>) -> ExecError {
         ExecError::InvalidTask {
@@ -238,7 +250,12 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         for ids in &p.segment_params {
             self.session.params_used.extend(ids.iter().copied());
         }
-        self.session.clear_cut_caches();
+        // The previous execution's outputs stay in the cut cache until the first segment's
+        // pruning below keeps only those this plan writes again: a graph run again is bound
+        // to the same entries (no device allocation for them inside a step).
+        if !reuses_graphs(plan, self.session) {
+            self.session.clear_cut_caches();
+        }
         let t = Instant::now();
         self.setup_staging_pool(task, p, segmented)?;
         timing.capacity += t.elapsed();
@@ -372,9 +389,15 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
             );
             let pinned = std::mem::take(&mut self.session.pinned_now);
             let unpinned = self.manager.unpin_params(&pinned);
-            let (cache_bytes, direct_outputs) = r?;
+            let (cache_bytes, direct_outputs, graph_reused) = r?;
             unpinned?;
-            self.session.slots[d].workspace.end_graph();
+            if reuses_graphs(plan, self.session) {
+                self.session.slots[d]
+                    .workspace
+                    .keep_graph(plan.fingerprint, k);
+            } else {
+                self.session.slots[d].workspace.end_graph();
+            }
             for slot in &mut self.session.slots {
                 slot.cut_cache
                     .retain(|n| seg.future_cuts.contains(n) || outputs_so_far.contains(n));
@@ -391,6 +414,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
                 copied_bytes: import_bytes,
                 prefetched,
                 direct_outputs,
+                graph_reused,
             });
         }
         if queued.is_some() {
@@ -435,32 +459,62 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         queued: &mut Option<(usize, Vec<ParamId>)>,
         store_bytes: u64,
         timing: &mut ExecTiming,
-    ) -> Result<(u64, usize)> {
+    ) -> Result<(u64, usize, bool)> {
         let plan = &p.plan;
         let seg = &plan.segments[k];
         let d = p.segment_device[k];
-        let sg = SegmentGraph::for_execution(
-            &p.graph,
-            plan,
-            k,
-            &self.session.slots[d].cut_cache,
-            inputs,
-        )?;
+        let kept_out = |o: &SegmentOutput| o.graph_output || seg.future_cuts.contains(&o.name);
         // Cut outputs that later segments or the caller read are computed straight into
         // their cut-cache entries (capacity for them was asked for as `store_bytes`); the
         // others are copied there after computing.
         let mut direct: HashSet<CutName> = HashSet::new();
-        for (o, t) in sg.outputs() {
-            if (o.graph_output || seg.future_cuts.contains(&o.name))
-                && !direct.contains(&o.name)
-                && self.session.slots[d].cut_cache.bind_output(&o.name, t)?
-            {
-                tracing::trace!(cut = %o.name, bytes = t.nbytes(), planned = o.bytes, "cut bound");
-                direct.insert(o.name.clone());
+        // A graph run whole runs the graph it ran last time again when nothing it is bound
+        // to changed (see `reuses_graphs`).
+        let reuse = reuses_graphs(plan, self.session);
+        let slot = &mut self.session.slots[d];
+        let reused = reuse
+            && slot
+                .workspace
+                .take_reusable(plan.fingerprint, k)
+                .is_some_and(|sg| {
+                    sg.reusable_for(&p.graph, &slot.cut_cache, inputs)
+                        && sg
+                            .outputs()
+                            .iter()
+                            .filter(|(o, _)| kept_out(o))
+                            .all(|(o, t)| {
+                                t.view_src().is_some() || slot.cut_cache.holds_output(&o.name, t)
+                            })
+                });
+        if reused {
+            let Some(sg) = slot.workspace.current_mut() else {
+                return Err(self.invalid(task, "the reused graph went missing"));
+            };
+            sg.retarget(&p.graph);
+            for (o, t) in sg.outputs() {
+                if kept_out(o) && t.view_src().is_none() {
+                    direct.insert(o.name.clone());
+                }
             }
+        } else {
+            slot.workspace.drop_current();
+            let t = Instant::now();
+            let sg = SegmentGraph::for_execution(&p.graph, plan, k, &slot.cut_cache, inputs)?;
+            timing.build += t.elapsed();
+            let t = Instant::now();
+            for (o, t) in sg.outputs() {
+                if kept_out(o)
+                    && !direct.contains(&o.name)
+                    && self.session.slots[d].cut_cache.bind_output(&o.name, t)?
+                {
+                    tracing::trace!(cut = %o.name, bytes = t.nbytes(), planned = o.bytes, "cut bound");
+                    direct.insert(o.name.clone());
+                }
+            }
+            self.session.slots[d].workspace.allocate(sg)?;
+            self.session.sync(self.manager);
+            timing.allocate += t.elapsed();
         }
-        self.session.slots[d].workspace.allocate(sg)?;
-        self.session.sync(self.manager);
         if prefetch_on {
             let t = Instant::now();
             *queued = self.enqueue_prefetch(task, p, k, store_bytes);
@@ -487,6 +541,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
                 seg.name
             )))?;
         timing.compute += t.elapsed();
+        let t = Instant::now();
         let outs: Vec<_> = sg
             .outputs()
             .iter()
@@ -499,7 +554,8 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
                 slot.cut_cache.store(&name, &t)?;
             }
         }
-        Ok((slot.cut_cache.bytes() as u64, direct.len()))
+        timing.allocate += t.elapsed();
+        Ok((slot.cut_cache.bytes() as u64, direct.len(), reused))
     }
 
     /// Best effort: schedules the next segment's missing weights on its device now if they

@@ -151,6 +151,13 @@ impl Gallocr {
         Ok(())
     }
 
+    /// Whether `graph` is the graph this allocator placed last and its tensors still have
+    /// that memory (no other graph was allocated or reserved since), so that it can be
+    /// computed again without allocating.
+    pub fn holds(&self, graph: &Graph) -> bool {
+        !self.needs_reserve && self.planned_for == Some(Self::key(graph))
+    }
+
     /// Current size of the allocator's buffer.
     pub fn buffer_size(&self) -> usize {
         // SAFETY: live allocator; buffer 0 exists.

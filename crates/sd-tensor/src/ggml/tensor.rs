@@ -267,6 +267,12 @@ impl GTensor {
         self.t().data as usize
     }
 
+    /// Whether both tensors are allocated at the same address (one is placed in the
+    /// other's memory).
+    pub fn same_data(&self, other: &GTensor) -> bool {
+        self.is_allocated() && self.data_addr() == other.data_addr()
+    }
+
     /// Whether the tensor's memory is in a backend buffer.
     pub fn has_buffer(&self) -> bool {
         !self.t().buffer.is_null()
