@@ -1329,6 +1329,29 @@ fn a_whole_graph_run_again_reuses_its_graph_and_allocates_nothing() {
     let out = r.engine.execute(id, &with_x(&r.w, 13)).unwrap();
     assert!(out.segments[0].graph_reused);
     assert_eq!(out.output, want[2]);
+    // The weights leave the device and come back elsewhere (a buffer holds their old
+    // place meanwhile): views of them in the kept graph would point at the old place, so
+    // the graph is built again.
+    let weights: Vec<GTensor> = r.w.values().cloned().collect();
+    let ids: Vec<_> = weights
+        .iter()
+        .filter_map(|t| r.engine.manager().resolve_param(t.id()))
+        .collect();
+    let before: Vec<usize> = weights.iter().map(|t| t.data_address()).collect();
+    r.engine
+        .manager_mut()
+        .release_compute_backend_params(&ids)
+        .unwrap();
+    let blocker = r.backend.buffer_type().alloc(1 << 20).unwrap();
+    let out = r.engine.execute(id, &with_x(&r.w, 7)).unwrap();
+    let moved = weights
+        .iter()
+        .zip(&before)
+        .any(|(t, a)| t.is_allocated() && t.data_address() != *a);
+    assert!(moved, "no weight moved: the check below tests nothing");
+    assert!(!out.segments[0].graph_reused, "weights moved: built again");
+    assert_eq!(out.output, want[0]);
+    drop(blocker);
     r.engine.end(id).unwrap();
     assert_eq!(r.sim.stats().live_buffers, 0, "nothing left on the device");
 }

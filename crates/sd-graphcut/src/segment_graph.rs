@@ -140,10 +140,11 @@ pub struct SegmentGraph {
     uploads: Vec<(GTensor, TensorId)>,
     /// The captured graph's leaf behind each of `uploads` (same order).
     upload_leaves: Vec<usize>,
-    /// Leaves used in place (weights, inputs that already had data): (leaf, tensor).
-    in_place: Vec<(usize, TensorId)>,
-    /// Previous cuts bound to cut-cache entries: (cut, the entry's tensor).
-    cut_inputs: Vec<(CutName, TensorId)>,
+    /// Leaves used in place (weights, inputs that already had data): (leaf, tensor, data
+    /// address when built).
+    in_place: Vec<(usize, TensorId, usize)>,
+    /// Previous cuts bound to cut-cache entries: (cut, the entry's tensor, data address).
+    cut_inputs: Vec<(CutName, TensorId, usize)>,
     placeholders: Vec<GTensor>,
     /// Tensors of other contexts the copies point at (kept alive with the graph).
     _keep: Vec<GTensor>,
@@ -221,8 +222,10 @@ impl SegmentGraph {
 
     /// Whether this graph, built for a graph with the same fingerprint as `graph` (an
     /// earlier step of a sampling loop), can run `graph`'s segment again as it is: the
-    /// same weights and in-place inputs (the same tensors), host data for every input it
-    /// uploads and none for those it uses in place, and the same cut-cache entries. Then
+    /// same weights and in-place inputs (the same tensors, at the same addresses: views of
+    /// them took their addresses when the graph was built), host data for every input it
+    /// uploads and none for those it uses in place, and the same cut-cache entries (also
+    /// where they were). Then
     /// [`retarget`](Self::retarget) points its uploads at `graph`'s inputs and nothing
     /// needs building or allocating: the backend sees the very graph it ran before (ggml's
     /// CUDA backend replays such a graph as a CUDA graph).
@@ -234,9 +237,12 @@ impl SegmentGraph {
     ) -> bool {
         let leaves = graph.leaf_tensors();
         let leaf_id = |l: usize| leaves.get(l).map(|t| t.id());
+        let same = |t: Option<&GTensor>, id: TensorId, addr: usize| {
+            t.is_some_and(|t| t.id() == id && t.data_address() == addr)
+        };
         self.in_place
             .iter()
-            .all(|(l, id)| leaf_id(*l) == Some(*id) && !inputs.contains(*id))
+            .all(|(l, id, addr)| same(leaves.get(*l), *id, *addr) && !inputs.contains(*id))
             && self
                 .upload_leaves
                 .iter()
@@ -244,7 +250,7 @@ impl SegmentGraph {
             && self
                 .cut_inputs
                 .iter()
-                .all(|(name, id)| cache.get(name).map(|t| t.id()) == Some(*id))
+                .all(|(name, id, addr)| same(cache.get(name), *id, *addr))
     }
 
     /// Points the uploads at `graph`'s input leaves (see [`reusable_for`](Self::reusable_for)).
@@ -373,7 +379,7 @@ fn build(
                             )));
                         }
                         keep.push(orig.clone());
-                        in_place.push((l, orig.id()));
+                        in_place.push((l, orig.id(), orig.data_address()));
                         orig.clone()
                     }
                 };
@@ -397,7 +403,7 @@ fn build(
                     c
                 } else if orig.is_allocated() {
                     keep.push(orig.clone());
-                    in_place.push((l, orig.id()));
+                    in_place.push((l, orig.id(), orig.data_address()));
                     orig.clone()
                 } else {
                     return Err(err(format!(
@@ -442,7 +448,7 @@ fn build(
                             )));
                         }
                         keep.push(t.clone());
-                        cut_inputs.push((name, t.id()));
+                        cut_inputs.push((name, t.id(), t.data_address()));
                         t.clone()
                     }
                 };

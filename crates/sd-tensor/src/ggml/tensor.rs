@@ -267,6 +267,12 @@ impl GTensor {
         self.t().data as usize
     }
 
+    /// The address of the tensor's data (0 when unallocated), to tell whether a tensor
+    /// moved; not for access.
+    pub fn data_address(&self) -> usize {
+        self.data_addr()
+    }
+
     /// Whether both tensors are allocated at the same address (one is placed in the
     /// other's memory).
     pub fn same_data(&self, other: &GTensor) -> bool {
