@@ -104,3 +104,4 @@ if part sdxl; then
 fi
 echo "[$(el)s] done"
 tar czf $OUT/logs.tgz -C /tmp logs
+python3 scripts/device/summarize_sweep.py $RES $OUT/summary.md $OUT/runs.jsonl >/dev/null 2>&1 || echo "summary failed"
