@@ -10,7 +10,8 @@
 #
 # environment: PARTS [sd15,e2e,sdxl], BUDGETS [0.75 0.5 0.25 0.1], XL_BUDGETS [0.5 0.25 0.1],
 # RESERVES [measured 0] (the runtime reserve: measured as `sd` does, or 0 = the engine's own
-# allocations only, the way torch's peak counts), STEPS [10], DEADLINE [500] seconds.
+# allocations only, the way torch's peak counts), STEPS [10], DEADLINE [500] seconds,
+# DIFFUSERS [none leaf block] (the SD1.5 peer's offload modes).
 R=$(pwd)
 source scripts/device/stage_module.sh >/dev/null 2>&1
 PARTS=${PARTS:-sd15,e2e,sdxl}
@@ -75,7 +76,7 @@ sweep() { # MODEL WEIGHTS BUDGETS...
 if part sd15; then
   W=/tmp/w15; $B write-weights $W --config sd15 >/dev/null
   sweep sd15 $W/unet.safetensors $BUDGETS
-  for o in none leaf block; do
+  for o in ${DIFFUSERS-none leaf block}; do
     run sd15-diffusers-$o sd15 env PYTHONUNBUFFERED=1 python3 scripts/device/diffusers_unet.py $W/unet.safetensors --offload $o --iters 20 --warmup 3
   done
   rm -rf $W
