@@ -1,5 +1,6 @@
 //! ggml contexts: RAII arenas that hold tensor descriptors (and, when allocating, data).
 
+use std::collections::BTreeMap;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
@@ -31,7 +32,7 @@ unsafe impl Sync for ContextInner {}
 
 impl Drop for ContextInner {
     fn drop(&mut self) {
-        registry_remove(self.serial);
+        registry_remove(self.base, self.serial);
         // SAFETY: the context was created by ggml_init and is freed once.
         unsafe { sys::ggml_free(self.ptr.as_ptr()) }
     }
@@ -235,38 +236,47 @@ impl Context {
 }
 
 // ---- registry of live contexts, to map a raw source pointer back to its context ----
+//
+// Keyed by the start of each context's memory (contexts never overlap; a context leaves the
+// registry before its memory is freed), so that a pointer is found by one ordered lookup:
+// capturing a graph resolves every node and source, and a process holds hundreds of
+// contexts (weights, cut-cache entries, kept graphs).
 
 struct Entry {
     serial: u64,
-    base: usize,
     size: usize,
     ctx: Weak<ContextInner>,
 }
 
-fn registry() -> &'static Mutex<Vec<Entry>> {
-    static R: OnceLock<Mutex<Vec<Entry>>> = OnceLock::new();
-    R.get_or_init(|| Mutex::new(Vec::new()))
+fn registry() -> &'static Mutex<BTreeMap<usize, Entry>> {
+    static R: OnceLock<Mutex<BTreeMap<usize, Entry>>> = OnceLock::new();
+    R.get_or_init(|| Mutex::new(BTreeMap::new()))
 }
 
 fn registry_add(inner: &Arc<ContextInner>) {
     let mut r = registry().lock().unwrap_or_else(|e| e.into_inner());
-    r.push(Entry {
-        serial: inner.serial,
-        base: inner.base,
-        size: inner.size,
-        ctx: Arc::downgrade(inner),
-    });
+    r.insert(
+        inner.base,
+        Entry {
+            serial: inner.serial,
+            size: inner.size,
+            ctx: Arc::downgrade(inner),
+        },
+    );
 }
 
-fn registry_remove(serial: u64) {
+fn registry_remove(base: usize, serial: u64) {
     let mut r = registry().lock().unwrap_or_else(|e| e.into_inner());
-    r.retain(|e| e.serial != serial);
+    if r.get(&base).is_some_and(|e| e.serial == serial) {
+        r.remove(&base);
+    }
 }
 
 fn registry_find(addr: usize) -> Option<Context> {
     let r = registry().lock().unwrap_or_else(|e| e.into_inner());
-    r.iter()
-        .find(|e| addr >= e.base && addr < e.base + e.size)
-        .and_then(|e| e.ctx.upgrade())
+    r.range(..=addr)
+        .next_back()
+        .filter(|(base, e)| addr < **base + e.size)
+        .and_then(|(_, e)| e.ctx.upgrade())
         .map(|inner| Context { inner })
 }
