@@ -25,45 +25,23 @@ import torch
 from safetensors.torch import load_file
 
 
-def sd15_unet(dtype):
+def bench_configs():
+    """The SD1.5 and SDXL UNet configs of scripts/bench/unet_step_diffusers.py (one copy of
+    the published configs for every diffusers peer)."""
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench", "unet_step_diffusers.py")
+    spec = importlib.util.spec_from_file_location("unet_step_diffusers", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.SD15_UNET, mod.SDXL_UNET
+
+
+def unet_of(config, dtype):
     from diffusers import UNet2DConditionModel
 
-    # runwayml/stable-diffusion-v1-5 unet/config.json
-    return UNet2DConditionModel(
-        sample_size=64,
-        in_channels=4,
-        out_channels=4,
-        down_block_types=("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
-        up_block_types=("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3,
-        block_out_channels=(320, 640, 1280, 1280),
-        layers_per_block=2,
-        cross_attention_dim=768,
-        attention_head_dim=8,
-        norm_num_groups=32,
-    ).to(dtype)
-
-
-def sdxl_unet(dtype):
-    from diffusers import UNet2DConditionModel
-
-    # stabilityai/stable-diffusion-xl-base-1.0 unet/config.json
-    return UNet2DConditionModel(
-        sample_size=128,
-        in_channels=4,
-        out_channels=4,
-        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
-        up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
-        block_out_channels=(320, 640, 1280),
-        layers_per_block=2,
-        cross_attention_dim=2048,
-        transformer_layers_per_block=(1, 2, 10),
-        attention_head_dim=(5, 10, 20),
-        use_linear_projection=True,
-        addition_embed_type="text_time",
-        addition_time_embed_dim=256,
-        projection_class_embeddings_input_dim=2816,
-        norm_num_groups=32,
-    ).to(dtype)
+    return UNet2DConditionModel(**config).to(dtype)
 
 
 def rel_l2(a, r):
@@ -86,13 +64,14 @@ def main():
 
     dev = torch.device(args.device)
     xl = args.model == "sdxl"
+    sd15_config, sdxl_config = bench_configs()
     if xl:
         torch.manual_seed(0)
         with dev if args.offload == "none" else torch.device("cpu"):
-            unet = sdxl_unet(torch.float16).eval()
+            unet = unet_of(sdxl_config, torch.float16).eval()
     else:
         ldm = load_file(args.weights)
-        unet = sd15_unet(torch.float16)
+        unet = unet_of(sd15_config, torch.float16)
         sd = convert_ldm_unet_checkpoint(ldm, unet.config)
         unet.load_state_dict(sd, strict=True)
         del ldm

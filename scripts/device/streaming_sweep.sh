@@ -8,16 +8,16 @@
 # diffusers wheel. Results: $OUT/results.jsonl (one JSON object per run, tagged `label`,
 # `model`), $OUT/logs.tgz.
 #
-# environment: PARTS [sd15,e2e,sdxl], BUDGETS [0.75 0.5 0.25 0.1], XL_BUDGETS [0.5 0.25 0.1],
+# environment (set empty: none): PARTS [sd15,e2e,sdxl], BUDGETS [0.75 0.5 0.25 0.1], XL_BUDGETS [0.5 0.25 0.1],
 # RESERVES [measured 0] (the runtime reserve: measured as `sd` does, or 0 = the engine's own
 # allocations only, the way torch's peak counts), STEPS [10], DEADLINE [500] seconds,
 # DIFFUSERS [none leaf block] (the SD1.5 peer's offload modes).
 R=$(pwd)
 source scripts/device/stage_module.sh >/dev/null 2>&1
 PARTS=${PARTS:-sd15,e2e,sdxl}
-BUDGETS=${BUDGETS:-0.75 0.5 0.25 0.1}
-XL_BUDGETS=${XL_BUDGETS:-0.5 0.25 0.1}
-RESERVES=${RESERVES:-measured 0}
+BUDGETS=${BUDGETS-0.75 0.5 0.25 0.1}
+XL_BUDGETS=${XL_BUDGETS-0.5 0.25 0.1}
+RESERVES=${RESERVES-measured 0}
 STEPS=${STEPS:-10}
 DEADLINE=${DEADLINE:-500}
 L=/tmp/logs

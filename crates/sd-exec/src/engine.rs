@@ -300,7 +300,8 @@ impl<M: DeviceResidencyManager> ExecutionEngine<M> {
         // A graph run whole keeps its output entries with its graph (see
         // `execution::reuses_graphs`): its next run writes them again in place; idle
         // reclamation releases them with the workspace.
-        if !(session.config.reuse_graphs && matches!(&result, Ok(r) if r.segments.len() == 1)) {
+        let keep = matches!(&result, Ok(r) if crate::execution::reuses_graphs(r.segments.len(), &session.config));
+        if !keep {
             session.clear_cut_caches();
         }
         match &result {

@@ -1337,7 +1337,7 @@ fn a_whole_graph_run_again_reuses_its_graph_and_allocates_nothing() {
         .iter()
         .filter_map(|t| r.engine.manager().resolve_param(t.id()))
         .collect();
-    let before: Vec<usize> = weights.iter().map(|t| t.data_address()).collect();
+    let before: Vec<usize> = weights.iter().map(|t| t.data_addr()).collect();
     r.engine
         .manager_mut()
         .release_compute_backend_params(&ids)
@@ -1347,7 +1347,7 @@ fn a_whole_graph_run_again_reuses_its_graph_and_allocates_nothing() {
     let moved = weights
         .iter()
         .zip(&before)
-        .any(|(t, a)| t.is_allocated() && t.data_address() != *a);
+        .any(|(t, a)| t.is_allocated() && t.data_addr() != *a);
     assert!(moved, "no weight moved: the check below tests nothing");
     assert!(!out.segments[0].graph_reused, "weights moved: built again");
     assert_eq!(out.output, want[0]);

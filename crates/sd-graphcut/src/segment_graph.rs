@@ -238,7 +238,7 @@ impl SegmentGraph {
         let leaves = graph.leaf_tensors();
         let leaf_id = |l: usize| leaves.get(l).map(|t| t.id());
         let same = |t: Option<&GTensor>, id: TensorId, addr: usize| {
-            t.is_some_and(|t| t.id() == id && t.data_address() == addr)
+            t.is_some_and(|t| t.id() == id && t.data_addr() == addr)
         };
         self.in_place
             .iter()
@@ -379,7 +379,7 @@ fn build(
                             )));
                         }
                         keep.push(orig.clone());
-                        in_place.push((l, orig.id(), orig.data_address()));
+                        in_place.push((l, orig.id(), orig.data_addr()));
                         orig.clone()
                     }
                 };
@@ -403,7 +403,7 @@ fn build(
                     c
                 } else if orig.is_allocated() {
                     keep.push(orig.clone());
-                    in_place.push((l, orig.id(), orig.data_address()));
+                    in_place.push((l, orig.id(), orig.data_addr()));
                     orig.clone()
                 } else {
                     return Err(err(format!(
@@ -448,7 +448,7 @@ fn build(
                             )));
                         }
                         keep.push(t.clone());
-                        cut_inputs.push((name, t.id(), t.data_address()));
+                        cut_inputs.push((name, t.id(), t.data_addr()));
                         t.clone()
                     }
                 };

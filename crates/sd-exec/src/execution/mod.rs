@@ -45,7 +45,7 @@ use sd_tensor::ggml::{BufferType, GTensor, TensorId};
 use crate::engine::EngineOptions;
 use crate::error::{ExecError, Result};
 use crate::eviction::{ensure_capacity, CapacityAsk, ReclaimEvent};
-use crate::session::{ExecutionSession, SegmentationPolicy, SessionId};
+use crate::session::{ExecutionSession, SegmentationPolicy, SessionConfig, SessionId};
 use crate::task::{ComputeResult, ComputeTask, ExecTiming, SegmentReport};
 
 mod choice;
@@ -155,10 +155,11 @@ fn group_by_usage(segment_params: &[Vec<ParamId>]) -> Vec<Vec<Vec<ParamId>>> {
 /// segment: the graph run whole, whose workspace holds nothing else in between). An
 /// execution of the same graph (fingerprint) then runs the kept ggml graph again as it is
 /// (inputs re-uploaded, weights and cut-cache entries unchanged): no copy of the graph is
-/// built, nothing is allocated, and ggml's CUDA backend, which recognises a graph computed
-/// again unchanged, replays it as a CUDA graph instead of launching each kernel.
-fn reuses_graphs(plan: &Plan, session: &ExecutionSession) -> bool {
-    plan.segments.len() == 1 && session.config.reuse_graphs
+/// built, nothing is allocated (ggml's CUDA backend also replays such a graph as a CUDA
+/// graph; on the H200 that gained nothing for the SD1.5 UNet, the build did). The engine
+/// asks the same of a finished execution (its segment count) to keep its output entries.
+pub(crate) fn reuses_graphs(segments: usize, config: &SessionConfig) -> bool {
+    segments == 1 && config.reuse_graphs
 }
 
 impl<M: DeviceResidencyManager> Exec<'_, M> {
@@ -253,7 +254,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         // The previous execution's outputs stay in the cut cache until the first segment's
         // pruning below keeps only those this plan writes again: a graph run again is bound
         // to the same entries (no device allocation for them inside a step).
-        if !reuses_graphs(plan, self.session) {
+        if !reuses_graphs(plan.segments.len(), &self.session.config) {
             self.session.clear_cut_caches();
         }
         let t = Instant::now();
@@ -391,7 +392,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
             let unpinned = self.manager.unpin_params(&pinned);
             let (cache_bytes, direct_outputs, graph_reused) = r?;
             unpinned?;
-            if reuses_graphs(plan, self.session) {
+            if reuses_graphs(plan.segments.len(), &self.session.config) {
                 self.session.slots[d]
                     .workspace
                     .keep_graph(plan.fingerprint, k);
@@ -470,7 +471,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         let mut direct: HashSet<CutName> = HashSet::new();
         // A graph run whole runs the graph it ran last time again when nothing it is bound
         // to changed (see `reuses_graphs`).
-        let reuse = reuses_graphs(plan, self.session);
+        let reuse = reuses_graphs(plan.segments.len(), &self.session.config);
         let slot = &mut self.session.slots[d];
         let reused = reuse
             && slot
@@ -545,7 +546,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         let outs: Vec<_> = sg
             .outputs()
             .iter()
-            .filter(|(o, _)| o.graph_output || seg.future_cuts.contains(&o.name))
+            .filter(|(o, _)| kept_out(o))
             .map(|(o, t)| (o.name.clone(), t.clone()))
             .collect();
         for (name, t) in outs {

@@ -262,15 +262,10 @@ impl GTensor {
         !self.t().data.is_null()
     }
 
-    /// The address of the tensor's data (null when unallocated); for coalescing copies.
-    pub(crate) fn data_addr(&self) -> usize {
+    /// The address of the tensor's data (0 when unallocated): for coalescing copies, and
+    /// to tell whether a tensor moved; not for access.
+    pub fn data_addr(&self) -> usize {
         self.t().data as usize
-    }
-
-    /// The address of the tensor's data (0 when unallocated), to tell whether a tensor
-    /// moved; not for access.
-    pub fn data_address(&self) -> usize {
-        self.data_addr()
     }
 
     /// Whether both tensors are allocated at the same address (one is placed in the
