@@ -11,7 +11,11 @@
 # environment (set empty: none): PARTS [sd15,e2e,sdxl], BUDGETS [0.75 0.5 0.25 0.1], XL_BUDGETS [0.5 0.25 0.1],
 # RESERVES [measured 0] (the runtime reserve: measured as `sd` does, or 0 = the engine's own
 # allocations only, the way torch's peak counts), STEPS [10], DEADLINE [500] seconds,
-# DIFFUSERS [none leaf block] (the SD1.5 peer's offload modes).
+# DIFFUSERS [none leaf block] (the SD1.5 peer's offload modes);
+# part `deep`: SD1.5 resident, bare, then DEPTH_BUDGETS [0.75 0.5 0.25] x DEPTHS [1 2 all]
+# (`sd-bench --prefetch-depth`, reserve 0, pinned; `all`: the default, as far as there is
+# room) and without the resident set, the copy stream at 0.5, and diffusers leaf offload;
+# part `deepxl`: the same for SDXL at XL_BUDGETS, with diffusers XL_DIFFUSERS [none leaf].
 R=$(pwd)
 source scripts/device/stage_module.sh >/dev/null 2>&1
 PARTS=${PARTS:-sd15,e2e,sdxl}
@@ -48,7 +52,7 @@ d = json.loads(lines[-1]) if lines else {}
 d.update(label=label, model=model, rc=int(rc), smi_peak_mib=int(smi))
 t = d.get("last_step_timing_ms") or {}
 print(json.dumps(d))
-print(f"# {label}: step {d.get('step_ms_median')} segs {d.get('segments')} pre {d.get('prefetched')} "
+print(f"# {label}: step {d.get('step_ms_median')} segs {d.get('segments')} pre {d.get('prefetched')} ahead {d.get('max_prefetches_ahead')} "
       f"h2d {d.get('h2d_bytes_per_step')} peak {d.get('device_used_peak_bytes')} budget {d.get('budget_bytes')} "
       f"smi {smi} " + " ".join(f"{k}={v:.1f}" for k, v in t.items()), file=sys.stderr)
 PY
@@ -73,6 +77,38 @@ sweep() { # MODEL WEIGHTS BUDGETS...
   run $m-0.5-pinned-r0-async $m $B unet --config $m --weights $w --backend CUDA0 --params pinned --max-vram 0.5 --steps $STEPS --runtime-reserve 0 --async-upload on
   run $m-0.5-disk-r0 $m $B unet --config $m --weights $w --backend CUDA0 --params disk --max-vram 0.5 --steps $STEPS --runtime-reserve 0
 }
+# deep_sweep MODEL WEIGHTS BUDGETS...: resident, bare, then per budget the prefetch depths
+# (DEPTHS [1 2 all]; `all`: the default, as far as there is room) and the default without
+# the resident set (`-nores`), pinned params, runtime reserve 0.
+deep_sweep() {
+  local m=$1 w=$2; shift 2
+  run $m-resident $m $B unet --config $m --weights $w --backend CUDA0 --params device --steps 20
+  run $m-direct $m $B unet --config $m --weights $w --backend CUDA0 --direct on --steps 20
+  for f in "$@"; do
+    for d in ${DEPTHS-1 2 all}; do
+      da=(); [[ $d == all ]] || da=(--prefetch-depth $d)
+      run $m-$f-pinned-r0-d$d $m $B unet --config $m --weights $w --backend CUDA0 --params pinned --max-vram $f --steps $STEPS --runtime-reserve 0 "${da[@]}"
+    done
+    run $m-$f-pinned-r0-dall-nores $m $B unet --config $m --weights $w --backend CUDA0 --params pinned --max-vram $f --steps $STEPS --runtime-reserve 0 --resident-set off
+  done
+}
+if part deep; then
+  W=/tmp/w15; $B write-weights $W --config sd15 >/dev/null
+  deep_sweep sd15 $W/unet.safetensors ${DEPTH_BUDGETS-0.75 0.5 0.25}
+  run sd15-0.5-pinned-r0-async sd15 $B unet --config sd15 --weights $W/unet.safetensors --backend CUDA0 --params pinned --max-vram 0.5 --steps $STEPS --runtime-reserve 0 --async-upload on
+  for o in ${DIFFUSERS-leaf}; do
+    run sd15-diffusers-$o sd15 env PYTHONUNBUFFERED=1 python3 scripts/device/diffusers_unet.py $W/unet.safetensors --offload $o --iters 20 --warmup 3
+  done
+  rm -rf $W
+fi
+if part deepxl; then
+  W=/tmp/wxl; $B write-weights $W --config sdxl >/dev/null
+  deep_sweep sdxl $W/unet.safetensors ${XL_BUDGETS-0.5 0.25 0.1}
+  rm -rf $W
+  for o in ${XL_DIFFUSERS-none leaf}; do
+    run sdxl-diffusers-$o sdxl env PYTHONUNBUFFERED=1 python3 scripts/device/diffusers_unet.py - --model sdxl --offload $o --iters 10 --warmup 2
+  done
+fi
 if part sd15; then
   W=/tmp/w15; $B write-weights $W --config sd15 >/dev/null
   sweep sd15 $W/unet.safetensors $BUDGETS

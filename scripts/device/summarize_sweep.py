@@ -69,7 +69,7 @@ def main():
             peak = mib(r.get("device_used_peak_bytes"))
             t = r.get("last_step_timing_ms") or {}
             parts = " ".join(f"{k} {v:.1f}" for k, v in t.items() if v >= 0.05 and k != "total")
-            p(f"| {label} | {step:.1f} | {r.get('segments')} ({r.get('prefetched')}) | {h2d / 1e9:.2f} GB | "
+            p(f"| {label} | {step:.1f} | {r.get('segments')} ({r.get('prefetched')}, ahead {r.get('max_prefetches_ahead')}) | {h2d / 1e9:.2f} GB | "
               f"{floor:.1f} | {ratio:.2f} | {peak or 0:.0f} ({r.get('smi_peak_mib')}) | "
               f"{budget if budget is None else round(budget)} |")
             p(f"|  ↳ last step: {parts}; graphs reused {r.get('graphs_reused')} | | | | | | | |")
@@ -77,6 +77,8 @@ def main():
                              budget_fraction=frac, runtime_reserve_bytes=r.get("runtime_reserve_bytes"),
                              step_ms=step, h2d_bytes_per_step=h2d, floor_ms=floor, ratio=ratio,
                              segments=r.get("segments"), prefetched=r.get("prefetched"),
+                             prefetch_depth=r.get("prefetch_depth"),
+                             prefetches_ahead=r.get("max_prefetches_ahead"),
                              graphs_reused=r.get("graphs_reused"), peak_mib=peak,
                              smi_peak_mib=r.get("smi_peak_mib"), budget_mib=budget,
                              last_step_timing_ms=t))

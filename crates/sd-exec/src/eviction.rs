@@ -148,6 +148,7 @@ pub(crate) fn ensure_capacity<M: DeviceResidencyManager>(
     let mut request = ask.request;
     if ask.pending_unless_pooled
         && !ask.required.is_empty()
+        && manager.staging_pool(request.backend).is_some()
         && manager.pool_holds(request.backend, ask.required)?
     {
         request.pending_bytes = 0;

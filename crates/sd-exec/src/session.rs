@@ -59,8 +59,20 @@ pub struct SessionConfig {
     pub budget: Option<u64>,
     /// When to segment.
     pub segmentation: SegmentationPolicy,
-    /// Whether to prefetch the next segment's weights (also needs the manager's switch).
+    /// Whether to prefetch later segments' weights while a segment computes (also needs
+    /// the manager's switch).
     pub prefetch: bool,
+    /// How many segments ahead weights may be prefetched (at least 1: the next segment).
+    /// Prefetches are queued in segment order while the budget has room for them next to
+    /// every segment in between (whose weights they never evict); a deep queue keeps the
+    /// link busy through segments with much weight and little compute. Default: no limit
+    /// but room ([`usize::MAX`]).
+    pub prefetch_depth: usize,
+    /// Whether a segmented run with a staging pool keeps a fixed set of segments' weights
+    /// on the device from step to step and streams the others through the rest of the
+    /// pool (see the engine's `resident_set`); off: every weight is evictable, the one
+    /// used longest ago first. Default: on.
+    pub resident_set: bool,
     /// Whether automatic segmentation may run consecutive cut groups as one segment while
     /// a segment stays within a third of the budget (fewer, larger segments: less
     /// per-segment overhead, with room left for the prefetched next segment and a resident
@@ -113,6 +125,8 @@ impl SessionConfig {
             segmentation: SegmentationPolicy::Auto,
             merge_segments: true,
             prefetch: true,
+            prefetch_depth: usize::MAX,
+            resident_set: true,
             staging_pool: true,
             runtime_temporaries: false,
             reuse_graphs: true,
@@ -150,6 +164,18 @@ impl SessionConfig {
     /// Turns prefetch on or off.
     pub fn with_prefetch(mut self, on: bool) -> Self {
         self.prefetch = on;
+        self
+    }
+
+    /// Sets [`SessionConfig::prefetch_depth`] (0 is taken as 1).
+    pub fn with_prefetch_depth(mut self, segments: usize) -> Self {
+        self.prefetch_depth = segments.max(1);
+        self
+    }
+
+    /// Sets [`SessionConfig::resident_set`].
+    pub fn with_resident_set(mut self, on: bool) -> Self {
+        self.resident_set = on;
         self
     }
 

@@ -90,8 +90,11 @@ pub struct SegmentReport {
     pub cache_bytes: u64,
     /// Bytes of cut outputs copied to its device from another device (layer split).
     pub copied_bytes: u64,
-    /// Whether its weights had been prefetched while the previous segment computed.
+    /// Whether its weights had been prefetched while earlier segments computed.
     pub prefetched: bool,
+    /// Later segments whose weights were on their way to the device (prefetches in
+    /// flight) while it computed.
+    pub prefetches_ahead: usize,
     /// Outputs it computed straight into cut-cache storage (no copy after computing).
     pub direct_outputs: usize,
     /// Whether it ran the ggml graph kept from the previous execution of the same graph
@@ -136,8 +139,10 @@ pub struct ExecTiming {
     /// Loading, staging and uploading the segments' weights (synchronous copies).
     pub staging: Duration,
     /// Activating prefetched weights (joining a transfer thread's copies; copies queued on
-    /// a copy stream are only ordered before the compute here) and scheduling prefetches.
+    /// a copy stream are only ordered before the compute here).
     pub wait: Duration,
+    /// Scheduling prefetches: room for them, loading, placing and queueing their copies.
+    pub prefetch: Duration,
     /// Waiting on the host, just before computing a segment, for its weights' uploads
     /// queued on the device's copy stream: the part of the asynchronous uploads that the
     /// previous segment's compute did not hide (0 without a copy stream).
@@ -166,6 +171,7 @@ impl ExecTiming {
             + self.capacity
             + self.staging
             + self.wait
+            + self.prefetch
             + self.upload_wait
             + self.build
             + self.allocate
@@ -187,6 +193,7 @@ impl ExecTiming {
             capacity_ms = Self::ms(self.capacity),
             staging_ms = Self::ms(self.staging),
             wait_ms = Self::ms(self.wait),
+            prefetch_ms = Self::ms(self.prefetch),
             upload_wait_ms = Self::ms(self.upload_wait),
             build_ms = Self::ms(self.build),
             allocate_ms = Self::ms(self.allocate),

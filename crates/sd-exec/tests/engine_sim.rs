@@ -1029,6 +1029,7 @@ fn execution_timing_is_reported() {
                 + t.capacity
                 + t.staging
                 + t.wait
+                + t.prefetch
                 + t.upload_wait
                 + t.build
                 + t.allocate
@@ -1354,4 +1355,96 @@ fn a_whole_graph_run_again_reuses_its_graph_and_allocates_nothing() {
     drop(blocker);
     r.engine.end(id).unwrap();
     assert_eq!(r.sim.stats().live_buffers, 0, "nothing left on the device");
+}
+
+/// Prefetching several segments ahead (the default depth: as far as the budget has room),
+/// against only the next segment (depth 1), on a device with transfer threads and on one
+/// with a copy stream, over steps of a UNet sampling loop under a budget of about 60% of
+/// its weights: more than one later segment's weights are in flight at once (depth 1:
+/// never more than one), every step's output is the whole graph's bit for bit, the device
+/// peak stays within the budget, and the weights streamed per step are the bytes the
+/// device received (no copy lost or doubled by the deeper queue). With the run's resident
+/// set (the default) a deep queue streams no more per step than without it, where it
+/// evicts the weights the next step needs first; and without a staging pool (each staged
+/// group a buffer of its own) the deep queue never takes the room a segment needs.
+#[test]
+fn prefetch_runs_several_segments_ahead_within_budget_and_equals_whole() {
+    let (whole, _) = run("DEEP_REF", unet, None, SegmentationPolicy::Never, false);
+    let (seg, _) = run("DEEP_PROBE", unet, None, SegmentationPolicy::Always, false);
+    let weights = weight_bytes(&rig("DEEP_W", false), "unet.");
+    let footprint = seg.segments.iter().map(|s| s.footprint()).max().unwrap();
+    let budget = weights * 3 / 5 + footprint + 8192;
+    let inputs = (8 * 8 * 4 + C) as u64 * 4;
+    // (depth, staging pool, resident set)
+    let cases = [
+        (Some(1), true, true),
+        (None, true, true),
+        (None, true, false),
+        (None, false, true),
+    ];
+    for async_on in [false, true] {
+        let mut ahead = HashMap::new();
+        let mut streamed = HashMap::new();
+        for case @ (depth, pool, resident) in cases {
+            let tag = format!("async {async_on} depth {depth:?} pool {pool} resident {resident}");
+            let mut r = rig_with(
+                &format!("DEEP_{async_on}_{depth:?}_{pool}_{resident}"),
+                true,
+                SimOptions {
+                    async_transfers: async_on,
+                    ..SimOptions::default()
+                },
+            );
+            r.engine.manager_mut().set_async_uploads(async_on);
+            assert_eq!(r.engine.manager_mut().uploads_async(r.gpu), async_on);
+            let mut config = SessionConfig::new("test", r.backend.clone(), r.gpu)
+                .with_budget(Some(budget))
+                .with_segmentation(SegmentationPolicy::Always)
+                .with_prefetch(true)
+                .with_staging_pool(pool)
+                .with_resident_set(resident);
+            if let Some(d) = depth {
+                config = config.with_prefetch_depth(d);
+            }
+            let id = r.engine.create_session(config);
+            r.engine.start(id).unwrap();
+            let mut h2d = Vec::new();
+            let mut most = 0;
+            for step in 0..4 {
+                let before = r.sim.stats();
+                let out = r.engine.execute(id, &unet(&r.w)).unwrap();
+                let after = r.sim.stats();
+                assert!(out.segmented, "{tag}: not segmented");
+                assert_eq!(out.output, whole.output, "{tag} step {step}: differs");
+                assert_eq!(after.faults, 0, "{tag}: device faults");
+                assert_eq!(
+                    out.weight_upload_bytes + inputs,
+                    after.host_to_device_bytes - before.host_to_device_bytes,
+                    "{tag} step {step}"
+                );
+                h2d.push(out.weight_upload_bytes);
+                let m = out.segments.iter().map(|s| s.prefetches_ahead).max();
+                most = most.max(m.unwrap_or(0));
+            }
+            let peak = r.sim.peak_bytes();
+            println!(
+                "{tag}: weights {weights} B, budget {budget} B, peak {peak} B; \
+                 streamed per step {h2d:?}; most segments in flight {most}"
+            );
+            assert!(peak <= budget, "{tag}: peak {peak} > budget {budget}");
+            assert!(h2d[1..].iter().all(|h| *h > 0), "{tag}: nothing streamed");
+            ahead.insert(case, most);
+            streamed.insert(case, h2d[3]);
+            r.engine.end(id).unwrap();
+        }
+        assert_eq!(ahead[&cases[0]], 1, "async {async_on}: depth 1 {ahead:?}");
+        assert!(
+            ahead[&cases[1]] >= 2,
+            "async {async_on}: never more than one segment ahead {ahead:?}"
+        );
+        assert!(
+            streamed[&cases[1]] <= streamed[&cases[2]],
+            "async {async_on}: the resident set streams more {streamed:?}"
+        );
+    }
 }

@@ -283,8 +283,10 @@ pub trait DeviceResidencyManager {
     /// Loads `params` and uploads staging copies to their compute device without making
     /// them current (see [`WeightPrefetchResult`]).
     fn prefetch_params(&mut self, owner: OwnerId, params: &[ParamId]) -> WeightPrefetchResult;
-    /// Makes the owner's prefetched copies current (staged). Returns whether the owner had
-    /// prefetched weights.
+    /// Makes the owner's prefetched copies of `params` current (staged): the prefetch
+    /// blocks holding any of them, waiting (in the device's queue where it can, else on
+    /// the host) only for the transfers that fill those blocks; the owner's other
+    /// prefetches (for later segments) stay in flight. Returns whether any was found.
     fn activate_prefetched_params(&mut self, owner: OwnerId, params: &[ParamId]) -> Result<bool>;
     /// Frees the owner's prefetched copies that were not activated.
     fn clear_prefetched_params(&mut self, owner: OwnerId);
@@ -350,6 +352,12 @@ pub trait DeviceResidencyManager {
     fn weight_upload_bytes(&self) -> u64 {
         0
     }
+
+    /// Weights a runtime keeps staged from step to step (its resident set): staged at the
+    /// high end of the staging pools, so that the weights it streams through the pool find
+    /// one contiguous region at the low end instead of holes between kept blocks. Replaces
+    /// the previous set (empty: none). Default: ignored.
+    fn keep_at_pool_end(&mut self, _params: &[ParamId]) {}
 
     /// The owner and size of `backend`'s staging pool, if it has one.
     fn staging_pool(&self, _backend: BackendId) -> Option<(OwnerId, u64)> {

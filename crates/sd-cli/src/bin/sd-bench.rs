@@ -37,6 +37,9 @@
 //! `--direct on` times the step without the engine (one graph allocation, `compute` only).
 //! `RUST_LOG=sd_exec=debug` prints the engine's segment, prefetch and eviction decisions.
 
+// The unet command's JSON object has more fields than json!'s default recursion allows.
+#![recursion_limit = "256"]
+
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -263,6 +266,10 @@ struct UnetArgs {
     /// Bytes of the budget left to the backend's own allocations (default: the manager's)
     #[arg(long = "runtime-reserve", value_name = "BYTES")]
     runtime_reserve: Option<u64>,
+    /// The latent side (default: the model's usual, 64 for SD1.5); smaller for quick runs
+    /// on a simulated device
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(2..))]
+    latent: Option<u32>,
     /// Time the step without the engine
     #[arg(long, value_enum, default_value = "off")]
     direct: OnOff,
@@ -278,6 +285,14 @@ struct UnetArgs {
     /// thread
     #[arg(long = "async-upload", value_enum, default_value = "off")]
     async_upload: OnOff,
+    /// How many segments ahead weights are prefetched under a budget (1: only the next
+    /// segment's; default: as far as the budget has room)
+    #[arg(long = "prefetch-depth", value_name = "SEGMENTS", value_parser = clap::value_parser!(u32).range(1..))]
+    prefetch_depth: Option<u32>,
+    /// Under a budget with a staging pool, keep a fixed set of segments' weights on the
+    /// device from step to step and stream the rest (off: evict the least recently used)
+    #[arg(long = "resident-set", value_enum, default_value = "on")]
+    resident_set: OnOff,
     /// Convert the linear weights when loading (q8_0, q4_K, f16...; default: the file's)
     #[arg(long = "type", value_name = "TYPE")]
     weight_type: Option<String>,
@@ -696,6 +711,10 @@ struct RigOptions<'a> {
     /// Whether the session sub-allocates streamed weights from one staging pool.
     staging_pool: bool,
     reuse_graphs: bool,
+    /// Segments ahead to prefetch (`None`: as far as there is room).
+    prefetch_depth: Option<u32>,
+    /// A fixed resident set under a budget.
+    resident_set: bool,
     /// Whether prefetch uploads go to the device's copy stream where it has one.
     async_upload: bool,
     /// Bytes of the budget left to the backend runtime (0: none).
@@ -760,6 +779,10 @@ fn build_rig(o: RigOptions<'_>, inputs: &Inputs) -> Result<Rig> {
         .with_prefetch(true);
     config.staging_pool = o.staging_pool;
     config.reuse_graphs = o.reuse_graphs;
+    config.resident_set = o.resident_set;
+    if let Some(d) = o.prefetch_depth {
+        config = config.with_prefetch_depth(d as usize);
+    }
     // A budget with a runtime reserve left out also keeps room for the runtime's operator
     // temporaries beyond the reserve's margin (as `sd` does).
     config.runtime_temporaries = o.budget.is_some() && o.runtime_reserve > 0;
@@ -1002,7 +1025,28 @@ fn cmd_unet(a: &UnetArgs) -> Result<()> {
     }
     let steps: usize = a.steps.max(1);
     let threads: usize = a.threads;
-    let backend = Arc::new(Backend::by_name(backend_name)?);
+    // `sim:MiB`: a simulated device of that size (the CPU computes; its memory is counted
+    // and capped, uploads queued on a copy stream), to study streaming without a GPU.
+    let sim = match backend_name.strip_prefix("sim:") {
+        Some(mib) => {
+            let mib: u64 = mib
+                .parse()
+                .map_err(|_| BenchError::Usage(format!("--backend {backend_name}: sim:<MiB>")))?;
+            let opts = sd_tensor::ggml::SimOptions {
+                threads,
+                async_transfers: true,
+                // As CUDA rounds its allocations.
+                allocation_granularity: 2 << 20,
+                ..Default::default()
+            };
+            Some(sd_tensor::ggml::SimDevice::new("SIM0", mib << 20, opts)?)
+        }
+        None => None,
+    };
+    let backend = Arc::new(match &sim {
+        Some(s) => s.backend()?,
+        None => Backend::by_name(backend_name)?,
+    });
     if backend.is_cpu() {
         backend.set_threads(threads);
     }
@@ -1047,6 +1091,7 @@ fn cmd_unet(a: &UnetArgs) -> Result<()> {
         ConfigName::Qwen25Vl7b => (128, 1, 0),
         ConfigName::TinyLlm => (32, 1, 0),
     };
+    let w = a.latent.map_or(w, |l| l as usize);
     let inputs = Inputs::new(&cfg, w, b, n_ctx);
 
     if a.direct == OnOff::On {
@@ -1099,6 +1144,8 @@ fn cmd_unet(a: &UnetArgs) -> Result<()> {
             threads,
             staging_pool: a.staging_pool == OnOff::On,
             reuse_graphs: a.reuse_graphs == OnOff::On,
+            prefetch_depth: a.prefetch_depth,
+            resident_set: a.resident_set == OnOff::On,
             async_upload: a.async_upload == OnOff::On,
             runtime_reserve: reserve,
             host_kernels,
@@ -1162,6 +1209,8 @@ fn cmd_unet(a: &UnetArgs) -> Result<()> {
             "allocation_granularity": granularity,
             "coalesced_uploads": std::env::var("SD_BENCH_COALESCE").is_ok_and(|v| v == "1"),
             "async_upload": a.async_upload == OnOff::On,
+            "prefetch_depth": a.prefetch_depth,
+            "resident_set": a.resident_set == OnOff::On,
             "host_kernels": host_kernels,
             // Whether prefetch uploads went to a copy stream (the backend has one).
             "copy_stream": copy_stream,
@@ -1177,6 +1226,7 @@ fn cmd_unet(a: &UnetArgs) -> Result<()> {
             "segmented": last.segmented,
             "segments": last.segments.len(),
             "prefetched": last.segments.iter().filter(|s| s.prefetched).count(),
+            "max_prefetches_ahead": last.segments.iter().map(|s| s.prefetches_ahead).max().unwrap_or(0),
             "graphs_reused": last.segments.iter().filter(|s| s.graph_reused).count(),
             "engine_max_footprint_bytes": max_footprint,
             "peak_device_used_bytes": peak_used,
@@ -1190,6 +1240,7 @@ fn cmd_unet(a: &UnetArgs) -> Result<()> {
                 "capacity": last.timing.capacity.as_secs_f64() * 1e3,
                 "staging": last.timing.staging.as_secs_f64() * 1e3,
                 "wait": last.timing.wait.as_secs_f64() * 1e3,
+                "prefetch": last.timing.prefetch.as_secs_f64() * 1e3,
                 "upload_wait": last.timing.upload_wait.as_secs_f64() * 1e3,
                 "build": last.timing.build.as_secs_f64() * 1e3,
                 "allocate": last.timing.allocate.as_secs_f64() * 1e3,
@@ -1246,6 +1297,8 @@ fn cmd_check(name: &str, threads: usize) -> Result<()> {
                 threads,
                 staging_pool: true,
                 reuse_graphs: true,
+                prefetch_depth: None,
+                resident_set: true,
                 async_upload,
                 runtime_reserve: 0,
                 host_kernels,

@@ -8,15 +8,18 @@
 //! step. Per segment `k`:
 //! 1. prune the cut cache to the segment's live cuts (and graph outputs so far);
 //! 2. release the workspace if the segment needs a larger one (never two buffers at once);
-//! 3. activate the prefetched weights if they target `k`;
+//! 3. activate the prefetched weights that target `k` (prefetches for later segments stay
+//!    in flight);
 //! 4. `ensure_capacity` for the workspace growth + the cut outputs it will store, with the
 //!    segment's weights required and protected, and the other segments' weights in the
 //!    preferred eviction order [`eviction_order`] (furthest next use first);
 //! 5. `prepare_params` (load, stage, pin) the segment's weights;
 //! 6. build the segment graph (cached cuts bound as inputs), allocate it, upload host inputs;
-//! 7. best effort: prefetch the next segment's missing weights if they fit now (their
-//!    uploads queued on the device's copy stream where it has one, ordered after the compute
-//!    queued so far; the compute of their segment waits on their event);
+//! 7. best effort: prefetch the missing weights of the segments after `k`, in order, up
+//!    to [`SessionConfig::prefetch_depth`] segments ahead, while they fit now next to every
+//!    segment in between (their uploads queued on the device's copy stream where it has
+//!    one, ordered after the compute queued so far, or on transfer threads that copy one
+//!    after another; the compute of their segment waits on their event);
 //! 8. wait for the uploads this segment's compute is ordered after (timed as
 //!    [`ExecTiming::upload_wait`]), compute; store outputs later segments or the caller
 //!    need; unpin; prune the cache to the future cuts; push the runtime residency to the
@@ -32,7 +35,7 @@
 //! (planning, the cached choice, refining and merging cuts), `pool.rs` the staging pool,
 //! `layer_split.rs` the assignment of segments to devices.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -259,10 +262,15 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         }
         let t = Instant::now();
         self.setup_staging_pool(task, p, segmented)?;
+        let resident = self.resident_set(p);
+        if segmented {
+            let kept: Vec<ParamId> = resident.iter().copied().collect();
+            self.manager.keep_at_pool_end(&kept);
+        }
         timing.capacity += t.elapsed();
         let mut reports = Vec::with_capacity(plan.segments.len());
-        // (target segment, params) of the queued prefetch.
-        let mut queued: Option<(usize, Vec<ParamId>)> = None;
+        // The prefetches in flight, (target segment, params), in segment order.
+        let mut queued: VecDeque<(usize, Vec<ParamId>)> = VecDeque::new();
         let mut outputs_so_far: Vec<CutName> = Vec::new();
 
         for (k, seg) in plan.segments.iter().enumerate() {
@@ -313,11 +321,13 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
             // Prefetched weights for this segment become current.
             let mut prefetched = false;
             let t = Instant::now();
-            if let Some((target, ids)) = queued.take() {
-                if target == k {
+            // (Targets are always later segments: none is ever behind `k`.)
+            while queued.front().is_some_and(|(target, _)| *target < k) {
+                queued.pop_front();
+            }
+            if queued.front().is_some_and(|(target, _)| *target == k) {
+                if let Some((_, ids)) = queued.pop_front() {
                     prefetched = self.manager.activate_prefetched_params(owner, &ids)?;
-                } else {
-                    self.manager.clear_prefetched_params(owner);
                 }
             }
             timing.wait += t.elapsed();
@@ -325,23 +335,55 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
             let pending = compute.saturating_sub(held) + store_bytes + import_bytes;
             let preferred = eviction_order(&p.segment_params, k);
             // In the order they are prepared (a staging pool is checked placing them so).
-            let ordered: Vec<ParamId> = p.segment_groups[k].iter().flatten().copied().collect();
+            let groups = split_groups(&p.segment_groups[k], &resident);
+            let ordered: Vec<ParamId> = groups.iter().flatten().copied().collect();
+            // The resident set is kept too, unless the segment does not fit otherwise.
+            let keep: Vec<ParamId> = ordered.iter().chain(&resident).copied().collect();
             let t = Instant::now();
-            let ask = |request| CapacityAsk {
+            let ask = |request, protected| CapacityAsk {
                 what: what.clone(),
                 backend_name: backend_name.clone(),
                 request,
                 required: &ordered,
                 preferred: &preferred,
-                protected: &ordered,
+                protected,
                 pending_unless_pooled: false,
             };
-            let room = ensure_capacity(
+            let mut room = ensure_capacity(
                 self.manager,
                 self.others,
-                &ask(self.request(d, pending)),
+                &ask(self.request(d, pending), &keep),
                 self.log,
             );
+            // Prefetches for later segments hold room this one needs: they go first (the
+            // plan counted each segment alone, not with the queue ahead of it).
+            if matches!(&room, Err(e) if e.is_out_of_memory()) && !queued.is_empty() {
+                tracing::debug!(
+                    segment = k,
+                    queued = queued.len(),
+                    "dropping prefetches for room"
+                );
+                self.manager.clear_prefetched_params(owner);
+                queued.clear();
+                room = ensure_capacity(
+                    self.manager,
+                    self.others,
+                    &ask(self.request(d, pending), &keep),
+                    self.log,
+                );
+            }
+            if matches!(&room, Err(e) if e.is_out_of_memory()) && !resident.is_empty() {
+                tracing::debug!(
+                    segment = k,
+                    "no room next to the resident set: evicting from it"
+                );
+                room = ensure_capacity(
+                    self.manager,
+                    self.others,
+                    &ask(self.request(d, pending), &ordered),
+                    self.log,
+                );
+            }
             match room {
                 // The workspace kept from a larger segment is more than this one needs (the
                 // plan counts this segment's own): give it back and ask again.
@@ -353,7 +395,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
                     ensure_capacity(
                         self.manager,
                         self.others,
-                        &ask(self.request(d, pending)),
+                        &ask(self.request(d, pending), &ordered),
                         self.log,
                     )?;
                 }
@@ -366,7 +408,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
             // One call per usage group (see `Prepared::segment_groups`).
             let t = Instant::now();
             self.session.pinned_now.clear();
-            for group in &p.segment_groups[k] {
+            for group in &groups {
                 if let Err(e) = self.manager.prepare_params(group) {
                     let pinned = std::mem::take(&mut self.session.pinned_now);
                     if let Err(u) = self.manager.unpin_params(&pinned) {
@@ -383,7 +425,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
                 p,
                 k,
                 &inputs,
-                prefetch_on,
+                prefetch_on.then_some(&resident),
                 &mut queued,
                 store_bytes,
                 timing,
@@ -414,11 +456,12 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
                 cache_bytes,
                 copied_bytes: import_bytes,
                 prefetched,
+                prefetches_ahead: queued.len(),
                 direct_outputs,
                 graph_reused,
             });
         }
-        if queued.is_some() {
+        if !queued.is_empty() {
             self.manager.clear_prefetched_params(owner);
         }
         let out = self
@@ -456,8 +499,8 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         p: &Prepared,
         k: usize,
         inputs: &HostInputs<'_>,
-        prefetch_on: bool,
-        queued: &mut Option<(usize, Vec<ParamId>)>,
+        prefetch: Option<&HashSet<ParamId>>,
+        queued: &mut VecDeque<(usize, Vec<ParamId>)>,
         store_bytes: u64,
         timing: &mut ExecTiming,
     ) -> Result<(u64, usize, bool)> {
@@ -516,10 +559,10 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
             self.session.sync(self.manager);
             timing.allocate += t.elapsed();
         }
-        if prefetch_on {
+        if let Some(resident) = prefetch {
             let t = Instant::now();
-            *queued = self.enqueue_prefetch(task, p, k, store_bytes);
-            timing.wait += t.elapsed();
+            self.enqueue_prefetches(task, p, k, store_bytes, resident, queued);
+            timing.prefetch += t.elapsed();
         }
         // Weights uploaded on the copy stream: the compute backend already waits for them in
         // its queue; the host waits here, so that the wait is measured apart from compute.
@@ -559,47 +602,88 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         Ok((slot.cut_cache.bytes() as u64, direct.len(), reused))
     }
 
-    /// Best effort: schedules the next segment's missing weights on its device now if they
-    /// fit (evicting only what the policy allows, never the current segment's weights).
-    /// The manager copies them on a transfer thread while this segment computes.
-    fn enqueue_prefetch(
+    /// Best effort, while segment `k` is about to compute: extends the queue of
+    /// prefetches to the segments after it, in order, up to
+    /// [`SessionConfig::prefetch_depth`] segments ahead of `k`, stopping at the first
+    /// that does not fit now. The manager copies them on the device's copy stream or on
+    /// transfer threads while the segments before them compute.
+    fn enqueue_prefetches(
         &mut self,
         task: &ComputeTask,
         p: &Prepared,
         k: usize,
         store_bytes: u64,
-    ) -> Option<(usize, Vec<ParamId>)> {
+        resident: &HashSet<ParamId>,
+        queued: &mut VecDeque<(usize, Vec<ParamId>)>,
+    ) {
+        let depth = self.session.config.prefetch_depth.max(1);
+        let last = k.saturating_add(depth).min(p.plan.segments.len() - 1);
+        let first = queued.back().map_or(k, |(t, _)| *t) + 1;
+        for target in first..=last {
+            if p.segment_params[target].is_empty() {
+                continue;
+            }
+            match self.enqueue_prefetch(task, p, k, target, store_bytes, resident) {
+                Prefetch::Scheduled(ids) => queued.push_back((target, ids)),
+                Prefetch::Resident => {}
+                Prefetch::NoRoom => break,
+            }
+        }
+    }
+
+    /// Schedules the missing weights of segment `target` (after `k`) on its device now if
+    /// they fit next to the segments `k..target` and the resident set (evicting only what
+    /// the policy allows, never a weight of those).
+    fn enqueue_prefetch(
+        &mut self,
+        task: &ComputeTask,
+        p: &Prepared,
+        k: usize,
+        target: usize,
+        store_bytes: u64,
+        resident: &HashSet<ParamId>,
+    ) -> Prefetch {
         let current: HashSet<ParamId> = p.segment_params[k].iter().copied().collect();
-        let (target, _) = p
-            .segment_params
-            .iter()
-            .enumerate()
-            .skip(k + 1)
-            .find(|(_, ids)| !ids.is_empty())?;
-        // In the order they are prefetched (one call per usage group).
-        let missing: Vec<ParamId> = p.segment_groups[target]
+        let groups = split_groups(&p.segment_groups[target], resident);
+        // In the order they are prefetched (one call per group).
+        let missing: Vec<ParamId> = groups
             .iter()
             .flatten()
             .copied()
             .filter(|x| !current.contains(x))
             .collect();
         if missing.is_empty() {
-            return None;
+            return Prefetch::Resident;
         }
         let td = p.segment_device[target];
-        let mut protected: Vec<ParamId> = p.segment_params[k].clone();
-        protected.extend_from_slice(&missing);
+        // Every segment from `k` to the target keeps its weights, and the resident set.
+        let mut protected: Vec<ParamId> = p.segment_params[k..=target].concat();
+        protected.extend(resident.iter().copied());
         // On the current device the segment's outputs are still to be stored; and the
-        // target segment's workspace growth is left free (a prefetch must not take it).
+        // workspace growth of the segments up to the target is left free (a prefetch must
+        // not take it), and for a target further than the next segment, the growth of the
+        // cut cache in between.
         let ws = &self.session.slots[td].workspace;
-        let growth = ws
-            .buffer_type()
-            .footprint(p.plan.segments[target].bytes.compute_buffer as u64)
+        let buft = ws.buffer_type();
+        let growth = p.plan.segments[k + 1..=target]
+            .iter()
+            .map(|s| buft.footprint(s.bytes.compute_buffer as u64))
+            .max()
+            .unwrap_or(0)
             .saturating_sub(ws.bytes());
+        let held_cuts = p.plan.segments[k].bytes.future_cuts as u64;
+        let cut_growth = p.plan.segments[k + 2..=target.max(k + 1)]
+            .iter()
+            .map(|s| {
+                (s.bytes.live_cuts as u64 + p.granularity * s.live_cuts.len() as u64)
+                    .saturating_sub(held_cuts)
+            })
+            .max()
+            .unwrap_or(0);
         let pending = if td == p.segment_device[k] {
-            store_bytes + growth
+            store_bytes + growth + cut_growth
         } else {
-            growth
+            growth + cut_growth
         };
         let request = self.request(td, pending);
         let backend_name = self.session.slots[td].backend.name().to_string();
@@ -620,12 +704,13 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         );
         if ok.is_err() {
             tracing::debug!(target, "prefetch skipped: no room");
-            return None;
+            return Prefetch::NoRoom;
         }
         // One call per usage group, as for prepare.
         let owner = self.session.id.owner();
         let mut scheduled: Vec<ParamId> = Vec::new();
-        for group in &p.segment_groups[target] {
+        let mut resident = true;
+        for group in &groups {
             let group: Vec<ParamId> = group
                 .iter()
                 .copied()
@@ -636,17 +721,48 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
             }
             match self.manager.prefetch_params(owner, &group) {
                 WeightPrefetchResult::Scheduled => scheduled.extend_from_slice(&group),
+                WeightPrefetchResult::AlreadyResident => {}
                 other => {
+                    resident = false;
                     tracing::debug!(target, result = ?other, "prefetch not scheduled");
                 }
             }
         }
-        if scheduled.is_empty() {
-            None
+        if !scheduled.is_empty() {
+            Prefetch::Scheduled(scheduled)
+        } else if resident {
+            Prefetch::Resident
         } else {
-            Some((target, scheduled))
+            Prefetch::NoRoom
         }
     }
+}
+
+/// Segment usage groups (see [`Prepared::segment_groups`]), each split into its part in
+/// the run's resident set and the rest: one prepare or prefetch call each, so that no
+/// staging block mixes weights the run keeps with weights it streams (a block is evicted
+/// whole).
+fn split_groups(groups: &[Vec<ParamId>], resident: &HashSet<ParamId>) -> Vec<Vec<ParamId>> {
+    if resident.is_empty() {
+        return groups.to_vec();
+    }
+    let mut out = Vec::with_capacity(groups.len() * 2);
+    for g in groups {
+        let (kept, streamed): (Vec<ParamId>, Vec<ParamId>) =
+            g.iter().partition(|id| resident.contains(id));
+        out.extend([kept, streamed].into_iter().filter(|g| !g.is_empty()));
+    }
+    out
+}
+
+/// What asking to prefetch one segment's weights came to.
+enum Prefetch {
+    /// Copies in flight for these parameters.
+    Scheduled(Vec<ParamId>),
+    /// Nothing to copy: its weights are on the device or on their way.
+    Resident,
+    /// No room (or the manager could not schedule them): later segments wait too.
+    NoRoom,
 }
 
 #[cfg(test)]

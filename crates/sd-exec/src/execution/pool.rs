@@ -118,4 +118,127 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         }
         Ok(())
     }
+
+    /// The weights a segmented run with a staging pool keeps on the device from step to
+    /// step: protected from eviction (unless a segment does not fit otherwise) while the
+    /// other weights stream through the rest of the pool, the streaming window, where
+    /// prefetches run as far ahead as it has room. Without it, deep prefetches evict the
+    /// weights used longest ago, the next step's first, and a sampling loop ends up
+    /// streaming every weight every step.
+    ///
+    /// The window must hold the streamed part of the segment computing and of the next
+    /// one. So every segment streams at most `m` bytes and keeps the rest of its weights
+    /// resident, with the smallest `m` for which the resident weights and a window of
+    /// `2m` fit the pool (less a 1/32 slack for placement): the fewest bytes streamed per
+    /// step for that window. A segment's largest tensors are the ones it keeps. Empty
+    /// without a pool of this session, with
+    /// [`SessionConfig::resident_set`](crate::SessionConfig::resident_set) off, for a
+    /// layer split, or when no window fits.
+    pub(crate) fn resident_set(&self, p: &Prepared) -> HashSet<ParamId> {
+        let cfg = &self.session.config;
+        let n = p.plan.segments.len();
+        if !cfg.resident_set || self.session.is_layer_split() || n < 2 {
+            return HashSet::new();
+        }
+        let Some((owner, pool)) = self.manager.staging_pool(cfg.backend_id) else {
+            return HashSet::new();
+        };
+        if owner != self.session.id.owner() {
+            return HashSet::new();
+        }
+        let usable = pool - pool / 32;
+        let w = &p.segment_weight_bytes;
+        // Resident bytes when every segment streams at most `m` (shared weights counted
+        // once per segment: an upper bound).
+        let resident_at = |m: u64| w.iter().map(|b| b.saturating_sub(m)).sum::<u64>();
+        let fits = |m: u64| resident_at(m) + 2 * m <= usable;
+        let largest = w.iter().copied().max().unwrap_or(0);
+        if !fits(largest) {
+            return HashSet::new();
+        }
+        // The smallest cap that fits: `resident_at(m) + 2m` is convex in `m` (its slope,
+        // 2 less the segments over `m`, grows with `m`) and fits at `largest`, so below
+        // `largest` it fits from some cap on.
+        let (mut lo, mut hi) = (0u64, largest);
+        while lo < hi {
+            let mid = lo + (hi - lo) / 2;
+            if fits(mid) {
+                hi = mid;
+            } else {
+                lo = mid + 1;
+            }
+        }
+        let bytes = |id: &ParamId| p.param_bytes.get(id).copied().unwrap_or(0);
+        // Whole tensors overshoot the cap: raise it until the chosen set and its window
+        // fit (a sixteenth of the largest segment at a time).
+        let mut m = lo;
+        let step = (largest / 16).max(1);
+        let set = loop {
+            let (set, streamed) = keep_above(&p.segment_params, m, bytes);
+            let kept: u64 = set.iter().map(bytes).sum();
+            if kept + 2 * streamed <= usable {
+                break set;
+            }
+            if m >= largest {
+                return HashSet::new();
+            }
+            m = (m + step).min(largest);
+        };
+        tracing::debug!(
+            pool,
+            cap = m,
+            resident_bytes = set.iter().map(bytes).sum::<u64>(),
+            params = set.len(),
+            "resident set"
+        );
+        set
+    }
+}
+
+/// Per segment in order, the weights kept so that it streams at most `cap` bytes: its
+/// largest tensors while more than one is needed, then the smallest single tensor that
+/// brings it under the cap (less overshoot than taking the largest). Returns the kept set
+/// and the largest streamed bytes of any segment.
+fn keep_above(
+    segments: &[Vec<ParamId>],
+    cap: u64,
+    bytes: impl Fn(&ParamId) -> u64,
+) -> (HashSet<ParamId>, u64) {
+    let mut set: HashSet<ParamId> = HashSet::new();
+    let mut most = 0u64;
+    for params in segments {
+        let mut streamed: u64 = params
+            .iter()
+            .filter(|id| !set.contains(id))
+            .map(&bytes)
+            .sum();
+        let mut by_size: Vec<ParamId> = params
+            .iter()
+            .copied()
+            .filter(|id| !set.contains(id))
+            .collect();
+        by_size.sort_by_key(|id| std::cmp::Reverse(bytes(id)));
+        let mut closing: Option<ParamId> = None;
+        for id in by_size {
+            if streamed <= cap {
+                break;
+            }
+            let b = bytes(&id);
+            if b > streamed - cap {
+                // Would close the gap alone: remember the smallest such.
+                closing = Some(id);
+                continue;
+            }
+            streamed -= b;
+            set.insert(id);
+        }
+        if streamed > cap {
+            if let Some(id) = closing {
+                streamed -= bytes(&id);
+                set.insert(id);
+            }
+        }
+        most = most.max(streamed);
+    }
+    (set, most)
 }

@@ -64,20 +64,20 @@ impl ModelManager {
         // places them (callers pass the parameters in the order they prepare them); else
         // they would get buffers of their own.
         let pool = self.pools.get(&request.backend);
-        let mut pooled: Vec<u64> = Vec::new();
+        let mut pooled: Vec<(u64, bool)> = Vec::new();
         for p in params {
             let s = self.state(*p)?;
             if s.compute_backend == request.backend {
                 let m = self.missing_bytes(s);
                 if pool.is_some() && m > 0 && !self.is_direct(s) {
-                    pooled.push(m);
+                    pooled.push((m, self.pool_high.contains(p)));
                 } else {
                     missing = missing.saturating_add(m);
                 }
             }
         }
         if !assume_pool_room && pool.is_some_and(|p| !p.fits_all(pooled.iter().copied())) {
-            missing = missing.saturating_add(pooled.iter().sum());
+            missing = missing.saturating_add(pooled.iter().map(|(m, _)| m).sum());
         }
         // Weights outside the pool get buffers of their own (chunks of at most
         // `max_block_bytes`), each rounded up to the allocation granularity.

@@ -76,6 +76,14 @@ impl DeviceResidencyManager for ModelManager {
         self.pools.get(&backend).map(|p| (p.owner, p.size()))
     }
 
+    fn keep_at_pool_end(&mut self, params: &[ParamId]) {
+        if params.len() != self.pool_high.len()
+            || params.iter().any(|p| !self.pool_high.contains(p))
+        {
+            self.pool_high = params.iter().copied().collect();
+        }
+    }
+
     fn wait_for_uploads(&mut self) {
         self.finish_transfers_where(|j| j.is_ordered());
     }
@@ -106,7 +114,7 @@ impl DeviceResidencyManager for ModelManager {
             if s.compute_backend == backend && !self.is_direct(s) {
                 let m = self.missing_bytes(s);
                 if m > 0 {
-                    pooled.push(m);
+                    pooled.push((m, self.pool_high.contains(p)));
                 }
             }
         }
@@ -139,18 +147,22 @@ impl DeviceResidencyManager for ModelManager {
 
     fn activate_prefetched_params(&mut self, owner: OwnerId, params: &[ParamId]) -> Result<bool> {
         self.check_known(params)?;
+        // The owner's prefetch blocks holding any of `params`: prefetches for later
+        // segments stay in flight.
+        let wanted: std::collections::HashSet<ParamId> = params.iter().copied().collect();
         let prefetch_blocks = |m: &ModelManager| -> Vec<BlockId> {
             m.staging
                 .iter()
-                .filter(|(_, b)| b.prefetch_owner == Some(owner))
+                .filter(|(_, b)| {
+                    b.prefetch_owner == Some(owner) && b.members.iter().any(|p| wanted.contains(p))
+                })
                 .map(|(id, _)| *id)
                 .collect()
         };
         // The compute backend waits for their uploads in its queue (queued copies), or the
-        // host waits here (a transfer thread); other transfers are finished (the blocks of
-        // a failed one are dropped).
+        // host waits here for the transfers filling them (a transfer thread; the blocks of
+        // a failed one are dropped). Other transfers go on.
         self.order_transfers(&prefetch_blocks(self));
-        self.finish_transfers_where(|j| !j.is_ordered());
         let ids = prefetch_blocks(self);
         if ids.is_empty() {
             return Ok(false);

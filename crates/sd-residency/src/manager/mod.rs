@@ -158,6 +158,9 @@ pub struct ModelManager {
     coalesce_uploads: bool,
     async_uploads: bool,
     upload_bytes: u64,
+    /// Weights placed at the staging pools' high end (see
+    /// [`DeviceResidencyManager::keep_at_pool_end`]).
+    pub(crate) pool_high: std::collections::HashSet<ParamId>,
 }
 
 impl std::fmt::Debug for ModelManager {
@@ -214,6 +217,7 @@ impl ModelManager {
             coalesce_uploads: false,
             async_uploads: false,
             upload_bytes: 0,
+            pool_high: Default::default(),
         }
     }
 
@@ -378,17 +382,18 @@ impl ModelManager {
     }
 
     /// Orders the transfers filling any of `blocks` before the compute backend's later
-    /// work (it waits on their events in its queue); transfers that cannot be ordered so
-    /// (thread jobs, failures) are waited for on the host instead.
+    /// work (it waits on their events in its queue); those that cannot be ordered so
+    /// (thread jobs, failures) are waited for on the host instead. Other transfers go on.
     pub(crate) fn order_transfers(&mut self, blocks: &[BlockId]) {
+        let fills = |j: &transfer::TransferJob| j.blocks.iter().any(|b| blocks.contains(b));
         let mut host_wait = false;
         for job in &mut self.transfers {
-            if job.blocks.iter().any(|b| blocks.contains(b)) && !job.order_before() {
+            if fills(job) && !job.order_before() {
                 host_wait = true;
             }
         }
         if host_wait {
-            self.finish_transfers_where(|j| !j.is_ordered());
+            self.finish_transfers_where(|j| fills(j) && !j.is_ordered());
         }
     }
 

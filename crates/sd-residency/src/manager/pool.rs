@@ -50,17 +50,12 @@ impl StagingPool {
     }
 
     /// Reserves `bytes` (rounded up to the alignment) at the first free region that holds
-    /// them; returns the offset, or `None` when no region does.
-    pub fn alloc(&mut self, bytes: u64) -> Option<u64> {
+    /// them; returns the offset, or `None` when no region does. With `high`, at the end
+    /// of the last region that holds them instead (weights kept for long go to the pool's
+    /// high end, so that the ones streamed through it find one contiguous region).
+    pub fn alloc(&mut self, bytes: u64, high: bool) -> Option<u64> {
         let need = align_up(bytes.max(1), self.align);
-        let i = self.free.iter().position(|&(_, s)| s >= need)?;
-        let (off, size) = self.free[i];
-        if size == need {
-            self.free.remove(i);
-        } else {
-            self.free[i] = (off + need, size - need);
-        }
-        Some(off)
+        take(&mut self.free, need, self.align, high)
     }
 
     /// Returns the region `offset..offset+bytes` (as given to [`alloc`](Self::alloc)).
@@ -81,20 +76,17 @@ impl StagingPool {
 
     /// Whether [`alloc`](Self::alloc) would succeed for every size of `sizes`, in order
     /// (first fit on a copy of the free list; nothing changes).
-    pub fn fits_all(&self, sizes: impl IntoIterator<Item = u64>) -> bool {
+    pub fn fits_all(&self, sizes: impl IntoIterator<Item = (u64, bool)>) -> bool {
         let mut free = self.free.clone();
-        for bytes in sizes {
-            let need = align_up(bytes.max(1), self.align);
-            let Some(i) = free.iter().position(|&(_, s)| s >= need) else {
-                return false;
-            };
-            if free[i].1 == need {
-                free.remove(i);
-            } else {
-                free[i] = (free[i].0 + need, free[i].1 - need);
-            }
-        }
-        true
+        sizes.into_iter().all(|(bytes, high)| {
+            take(
+                &mut free,
+                align_up(bytes.max(1), self.align),
+                self.align,
+                high,
+            )
+            .is_some()
+        })
     }
 
     /// The largest free region.
@@ -109,6 +101,41 @@ impl StagingPool {
     }
 }
 
+/// Takes `need` bytes (a multiple of `align`) from the free list: at the start of the
+/// first region that holds them, or with `high` at the last aligned offset of the last one
+/// that does (the pool's end need not be aligned: a tail smaller than `align` stays free);
+/// returns the offset.
+fn take(free: &mut Vec<(u64, u64)>, need: u64, align: u64, high: bool) -> Option<u64> {
+    if !high {
+        let i = free.iter().position(|&(_, s)| s >= need)?;
+        let (off, size) = free[i];
+        if size == need {
+            free.remove(i);
+        } else {
+            free[i] = (off + need, size - need);
+        }
+        return Some(off);
+    }
+    let at = |&(off, size): &(u64, u64)| {
+        let end = (off + size).checked_sub(need)?;
+        let at = end / align * align;
+        (at >= off).then_some(at)
+    };
+    let i = free.iter().rposition(|r| at(r).is_some())?;
+    let (off, size) = free[i];
+    let a = at(&free[i])?;
+    let tail = (a + need, off + size - (a + need));
+    let mut parts = Vec::with_capacity(2);
+    if a > off {
+        parts.push((off, a - off));
+    }
+    if tail.1 > 0 {
+        parts.push(tail);
+    }
+    free.splice(i..=i, parts);
+    Some(a)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -120,15 +147,15 @@ mod tests {
         let mut p = StagingPool::new(buf, OwnerId(1));
         let a = p.buffer.alignment() as u64;
         assert_eq!(p.free_bytes(), 1024);
-        let x = p.alloc(100).unwrap();
-        let y = p.alloc(200).unwrap();
-        let z = p.alloc(100).unwrap();
+        let x = p.alloc(100, false).unwrap();
+        let y = p.alloc(200, false).unwrap();
+        let z = p.alloc(100, false).unwrap();
         assert_eq!(x, 0);
         assert_eq!(y, align_up(100, a));
         assert!(z >= y + 200 && z.is_multiple_of(a));
         // A hole in the middle is reused by what fits in it, first fit.
         p.free(y, 200);
-        assert_eq!(p.alloc(150), Some(y));
+        assert_eq!(p.alloc(150, false), Some(y));
         p.free(y, 150);
         // Freeing everything coalesces back into one region.
         p.free(x, 100);
@@ -136,18 +163,30 @@ mod tests {
         assert_eq!(p.largest_free(), 1024);
         assert_eq!(p.free_bytes(), 1024);
         // The check agrees with allocating in order.
-        let x = p.alloc(100).unwrap();
-        p.alloc(600).unwrap();
+        let x = p.alloc(100, false).unwrap();
+        p.alloc(600, false).unwrap();
         p.free(x, 100);
         let rest = 1024 - align_up(100, a) - align_up(600, a);
-        assert!(p.fits_all([100, rest]));
-        assert!(!p.fits_all([100, rest + a]));
+        assert!(p.fits_all([(100, false), (rest, false)]));
+        assert!(!p.fits_all([(100, false), (rest + a, false)]));
         p.free(align_up(100, a), 600);
         assert_eq!(p.free_bytes(), 1024);
         // Too large: refused, nothing changes.
-        assert_eq!(p.alloc(2048), None);
-        assert_eq!(p.alloc(1024), Some(0));
+        assert_eq!(p.alloc(2048, false), None);
+        assert_eq!(p.alloc(1024, false), Some(0));
         assert_eq!(p.largest_free(), 0);
-        assert_eq!(p.alloc(1), None);
+        assert_eq!(p.alloc(1, false), None);
+        // High placements come from the end of the last region that holds them.
+        p.free(0, 1024);
+        let lo = p.alloc(100, false).unwrap();
+        let hi = p.alloc(100, true).unwrap();
+        assert_eq!(lo, 0);
+        assert_eq!(hi, (1024 - align_up(100, a)) / a * a);
+        let hi2 = p.alloc(200, true).unwrap();
+        assert_eq!(hi2, hi - align_up(200, a));
+        assert!(p.fits_all([(1024 - align_up(100, a) * 2 - align_up(200, a), true)]));
+        p.free(hi, 100);
+        // The freed top region is the last that holds 100 bytes again.
+        assert_eq!(p.alloc(100, true), Some(hi));
     }
 }

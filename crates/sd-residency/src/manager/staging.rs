@@ -86,10 +86,11 @@ impl ModelManager {
                 .collect();
             // The backend's staging pool first: a region of it per tensor, first fit, in
             // order (as the capacity check simulates it); all or none.
+            let high = &self.pool_high;
             let pooled = self.pools.get_mut(&backend).and_then(|pool| {
                 let mut regions: Vec<(u64, u64)> = Vec::with_capacity(sizes.len());
-                for &(_, bytes) in &sizes {
-                    match pool.alloc(bytes) {
+                for &(p, bytes) in &sizes {
+                    match pool.alloc(bytes, high.contains(&p)) {
                         Some(off) => regions.push((off, bytes)),
                         None => {
                             for &(off, bytes) in &regions {
@@ -251,13 +252,12 @@ impl ModelManager {
                 .collect()
         };
         // Uploads of these parameters' prefetched copies are ordered before the compute
-        // backend's later work (queued copies) or waited for (a transfer thread); any
-        // other transfer not so ordered is finished. LoRAs read and write the staged
-        // copies on the host: everything is finished first.
+        // backend's later work (queued copies) or waited for (a transfer thread); other
+        // prefetches (for later segments) go on: staging here frees only blocks no
+        // transfer fills, or waits for it (`drop_staging_block`). LoRAs read and write the
+        // staged copies on the host: everything is finished first.
         self.order_transfers(&prefetched_blocks(self));
-        if !self.lora.has_patches() {
-            self.finish_transfers_where(|j| !j.is_ordered());
-        } else {
+        if self.lora.has_patches() {
             self.finish_transfers();
         }
         let _span = tracing::info_span!("prepare_params", params = params.len()).entered();
@@ -365,8 +365,10 @@ impl ModelManager {
         if let Some(pool) = self.pools.get(&backend) {
             let buft = pool.buffer.buffer_type();
             let fits = pool.fits_all(wanted.iter().map(|p| {
-                buft.as_ref()
-                    .map_or(0, |t| t.alloc_size(&self.states[p].tensor) as u64)
+                let bytes = buft
+                    .as_ref()
+                    .map_or(0, |t| t.alloc_size(&self.states[p].tensor) as u64);
+                (bytes, self.pool_high.contains(p))
             }));
             if !fits {
                 // A prefetch stays inside the pool (see `stage_groups`).
@@ -398,7 +400,12 @@ impl ModelManager {
                     (Some(compute), Some(stream)) => {
                         TransferJob::queue(stream, compute, copies, blocks, coalesce)
                     }
-                    _ => TransferJob::spawn(copies, blocks, coalesce),
+                    // After the thread jobs still in flight: the first segment's
+                    // weights are not slowed down by a later segment's.
+                    _ => {
+                        let after = self.transfers.iter().rev().find_map(|j| j.completion());
+                        TransferJob::spawn(copies, blocks, coalesce, after)
+                    }
                 };
                 self.transfers.push(job);
                 WeightPrefetchResult::Scheduled

@@ -15,19 +15,52 @@
 //! before freeing or reusing the memory involved.
 //!
 //! **Transfer thread** ([`TransferJob::spawn`]): synchronous copies on a thread of their
-//! own, joined when the prefetch is activated.
+//! own, joined when the prefetch is activated. Prefetches for several segments ahead each
+//! get a thread; each starts copying when the one before it is done ([`Completion`]), so
+//! the copies run in the order the segments need them, as on a copy stream, instead of
+//! sharing the link.
 //!
 //! The manager waits for a transfer before anything can free or read the buffers involved
 //! (activating or clearing the prefetch, dropping a block it fills or any params copy,
 //! preparing other parameters, changing or applying LoRAs), and a [`TransferJob`] waits
 //! for its copies when dropped, so no copy outlives its buffers.
 
-use std::sync::Arc;
+use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 
 use sd_tensor::ggml::{Backend, CopyStream, Event, GTensor};
 
 use crate::residency::BlockId;
+
+/// Set when a transfer thread has finished its copies (or failed, or panicked): the next
+/// thread job waits on it before copying.
+#[derive(Clone, Default)]
+pub(crate) struct Completion(Arc<(Mutex<bool>, Condvar)>);
+
+impl Completion {
+    fn set(&self) {
+        let (done, cv) = &*self.0;
+        *done.lock().unwrap_or_else(|e| e.into_inner()) = true;
+        cv.notify_all();
+    }
+
+    fn wait(&self) {
+        let (done, cv) = &*self.0;
+        let mut d = done.lock().unwrap_or_else(|e| e.into_inner());
+        while !*d {
+            d = cv.wait(d).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+}
+
+/// Sets its completion when dropped: also when the copies panic.
+struct SetOnDrop(Completion);
+
+impl Drop for SetOnDrop {
+    fn drop(&mut self) {
+        self.0.set();
+    }
+}
 
 /// One copy: source (a params copy) into destination (its staging placement).
 pub(crate) struct WeightCopy {
@@ -40,6 +73,8 @@ pub(crate) struct WeightCopy {
 pub(crate) struct TransferJob {
     pub blocks: Vec<BlockId>,
     state: Option<State>,
+    /// A thread job's completion (what the next thread job waits for).
+    done: Option<Completion>,
 }
 
 enum State {
@@ -80,25 +115,51 @@ fn copy_all(copies: &[WeightCopy], coalesce: bool) -> Result<u64, String> {
 }
 
 impl TransferJob {
-    /// Starts copying `copies` on a new thread; when no thread can be started, copies
-    /// synchronously and returns a finished job.
-    /// With `coalesce`, see [`Backend::copy_tensors`].
-    pub fn spawn(copies: Vec<WeightCopy>, blocks: Vec<BlockId>, coalesce: bool) -> TransferJob {
-        let shared = std::sync::Arc::new(copies);
+    /// Starts copying `copies` on a new thread, once `after` (the previous thread job) is
+    /// done; when no thread can be started, waits for `after`, copies synchronously and
+    /// returns a finished job. With `coalesce`, see [`Backend::copy_tensors`].
+    pub fn spawn(
+        copies: Vec<WeightCopy>,
+        blocks: Vec<BlockId>,
+        coalesce: bool,
+        after: Option<Completion>,
+    ) -> TransferJob {
+        let shared = Arc::new(copies);
         let theirs = shared.clone();
+        let done = Completion::default();
+        let guard = SetOnDrop(done.clone());
+        let before = after.clone();
         let state = match std::thread::Builder::new()
             .name("sd-weight-transfer".into())
-            .spawn(move || copy_all(&theirs, coalesce))
-        {
+            .spawn(move || {
+                let _done = guard;
+                if let Some(a) = before {
+                    a.wait();
+                }
+                copy_all(&theirs, coalesce)
+            }) {
             Ok(h) => State::Running(h),
             Err(e) => {
+                // The closure (and its guard) was dropped: `done` is set.
                 tracing::debug!(error = %e, "no transfer thread: copying synchronously");
+                if let Some(a) = after {
+                    a.wait();
+                }
                 State::Done(copy_all(&shared, coalesce))
             }
         };
         TransferJob {
             blocks,
             state: Some(state),
+            done: Some(done),
+        }
+    }
+
+    /// A thread job's completion, for the next thread job to wait on.
+    pub fn completion(&self) -> Option<Completion> {
+        match self.state {
+            Some(State::Running(_)) => self.done.clone(),
+            _ => None,
         }
     }
 
@@ -148,6 +209,7 @@ impl TransferJob {
         TransferJob {
             blocks,
             state: Some(state),
+            done: None,
         }
     }
 
