@@ -5,14 +5,18 @@
 //! share one loop. A segmented run under a limit first gives its device a staging pool
 //! (`Exec::staging_pool_size`; allocated once and kept from step to step), so that the
 //! weights streamed per segment are sub-allocated instead of allocated and freed inside the
-//! step. Per segment `k`:
+//! step, and a resident set (`Exec::resident_set`): weights kept from step to step at the
+//! pool's high end, so that every segment streams at most a cap and the rest of the pool
+//! is a window the prefetches fill in order. Per segment `k`:
 //! 1. prune the cut cache to the segment's live cuts (and graph outputs so far);
 //! 2. release the workspace if the segment needs a larger one (never two buffers at once);
 //! 3. activate the prefetched weights that target `k` (prefetches for later segments stay
 //!    in flight);
 //! 4. `ensure_capacity` for the workspace growth + the cut outputs it will store, with the
-//!    segment's weights required and protected, and the other segments' weights in the
-//!    preferred eviction order [`eviction_order`] (furthest next use first);
+//!    segment's weights required and protected (the resident set too, unless the segment
+//!    does not fit otherwise; prefetches for later segments are dropped first), and the
+//!    other segments' weights in the preferred eviction order [`eviction_order`]
+//!    (furthest next use first);
 //! 5. `prepare_params` (load, stage, pin) the segment's weights;
 //! 6. build the segment graph (cached cuts bound as inputs), allocate it, upload host inputs;
 //! 7. best effort: prefetch the missing weights of the segments after `k`, in order, up
