@@ -300,9 +300,13 @@ impl<M: DeviceResidencyManager> ExecutionEngine<M> {
         // A graph run whole keeps its output entries with its graph (see
         // `execution::reuses_graphs`): its next run writes them again in place; idle
         // reclamation releases them with the workspace.
+        // A segmented run's entries become spares of the cut cache (within its spare limit,
+        // see `CutCache::set_spare_limit`) for the next step's same cuts.
         let keep = matches!(&result, Ok(r) if crate::execution::reuses_graphs(r.segments.len(), &session.config));
-        if !keep {
+        if result.is_err() {
             session.clear_cut_caches();
+        } else if !keep {
+            session.drop_cut_entries();
         }
         match &result {
             Ok(r) => {

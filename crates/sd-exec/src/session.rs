@@ -388,10 +388,18 @@ impl ExecutionSession {
             .sum()
     }
 
-    /// Clears the cut caches (they live for one graph).
+    /// Clears the cut caches (they live for one graph), spares too.
     pub(crate) fn clear_cut_caches(&mut self) {
         for s in &mut self.slots {
             s.cut_cache.clear();
+        }
+    }
+
+    /// Removes the cut caches' entries, keeping their buffers as spares within each
+    /// cache's spare limit (for the next execution of the same plan).
+    pub(crate) fn drop_cut_entries(&mut self) {
+        for s in &mut self.slots {
+            s.cut_cache.retain(|_| false);
         }
     }
 

@@ -1343,7 +1343,9 @@ fn a_whole_graph_run_again_reuses_its_graph_and_allocates_nothing() {
         .manager_mut()
         .release_compute_backend_params(&ids)
         .unwrap();
-    let blocker = r.backend.buffer_type().alloc(1 << 20).unwrap();
+    // As large as the weights: it takes their old place wherever the device fits it first.
+    let bytes: usize = weights.iter().map(|t| t.nbytes()).sum();
+    let blocker = r.backend.buffer_type().alloc(bytes).unwrap();
     let out = r.engine.execute(id, &with_x(&r.w, 7)).unwrap();
     let moved = weights
         .iter()

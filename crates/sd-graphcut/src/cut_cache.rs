@@ -4,6 +4,13 @@
 //! holds, in its own context and its own buffer of the cache's buffer type. Later segments
 //! read it directly as a source, so a strided cut (a transposed view, say) keeps the layout
 //! the consuming ops expect.
+//!
+//! Spares: with a spare limit ([`CutCache::set_spare_limit`]), an entry that is removed
+//! keeps its buffer as a spare while the cache's bytes stay within the limit, and a new
+//! entry of the same layout takes a spare instead of allocating (the one at the lowest
+//! address, so that a run repeating the same cuts gets the same entries every time: no
+//! device allocation or free inside a step, and the same addresses for graphs kept from
+//! the step before).
 
 use std::collections::HashMap;
 
@@ -21,6 +28,11 @@ struct Entry {
 pub struct CutCache {
     buft: BufferType,
     entries: HashMap<CutName, Entry>,
+    /// Buffers of removed entries kept for reuse (see the module documentation).
+    spares: Vec<Entry>,
+    /// The most bytes entries and spares may hold together for spares to be kept (`0`:
+    /// none kept).
+    spare_limit: u64,
 }
 
 impl std::fmt::Debug for CutCache {
@@ -30,6 +42,7 @@ impl std::fmt::Debug for CutCache {
         f.debug_struct("CutCache")
             .field("buffer_type", &self.buft.name())
             .field("entries", &names)
+            .field("spares", &self.spares.len())
             .field("bytes", &self.bytes())
             .finish()
     }
@@ -41,7 +54,104 @@ impl CutCache {
         CutCache {
             buft,
             entries: HashMap::new(),
+            spares: Vec::new(),
+            spare_limit: 0,
         }
+    }
+
+    /// Keeps the buffers of removed entries as spares while the cache (entries and spares)
+    /// holds at most `bytes` (`None` or 0: no spares; the ones held are freed).
+    pub fn set_spare_limit(&mut self, bytes: Option<u64>) {
+        self.spare_limit = bytes.unwrap_or(0);
+        self.trim_spares(0);
+    }
+
+    /// Frees spares, the largest first, until `extra` more bytes keep the cache within
+    /// its spare limit (all of them without a limit).
+    fn trim_spares(&mut self, extra: u64) {
+        if self.spare_limit == 0 {
+            self.spares.clear();
+            return;
+        }
+        while !self.spares.is_empty() && self.bytes() as u64 + extra > self.spare_limit {
+            let largest = (0..self.spares.len())
+                .max_by_key(|&i| self.spares[i].buffer.footprint())
+                .unwrap_or(0);
+            self.spares.swap_remove(largest);
+        }
+    }
+
+    /// Moves removed entries to the spares (or frees them, see [`trim_spares`](Self::trim_spares)).
+    fn keep_spares(&mut self, removed: impl IntoIterator<Item = Entry>) {
+        if self.spare_limit == 0 {
+            return;
+        }
+        self.spares.extend(removed);
+        self.trim_spares(0);
+    }
+
+    /// Bytes of new buffers that entries shaped like `likes` (outputs about to be stored
+    /// or bound, none of them cached yet) would allocate: those no spare of the same
+    /// layout would hold, at their footprint in this cache's buffer type. Frees spares
+    /// first so that the cache with those new buffers stays within its spare limit
+    /// (keeping the ones that would be reused).
+    pub fn room_for(&mut self, likes: &[&GTensor]) -> u64 {
+        // Match each to a distinct spare, as `entry_like` would take them.
+        let mut taken = vec![false; self.spares.len()];
+        let mut new_bytes = 0u64;
+        for &like in likes {
+            let hit = (0..self.spares.len())
+                .filter(|&i| !taken[i])
+                .filter(|&i| {
+                    let t = &self.spares[i].tensor;
+                    t.type_code() == like.type_code() && t.ne() == like.ne() && t.nb() == like.nb()
+                })
+                .min_by_key(|&i| self.spares[i].tensor.data_addr());
+            match hit {
+                Some(i) => taken[i] = true,
+                None => {
+                    new_bytes += self.buft.footprint(self.buft.alloc_size(like) as u64);
+                }
+            }
+        }
+        if self.spare_limit == 0 {
+            return new_bytes;
+        }
+        // Free unmatched spares, the largest first, while over the limit.
+        let mut unmatched: Vec<usize> = (0..self.spares.len()).filter(|&i| !taken[i]).collect();
+        unmatched.sort_by_key(|&i| std::cmp::Reverse(self.spares[i].buffer.footprint()));
+        let mut bytes = self.bytes() as u64 + new_bytes;
+        let mut drop: Vec<usize> = Vec::new();
+        for i in unmatched {
+            if bytes <= self.spare_limit {
+                break;
+            }
+            bytes -= self.spares[i].buffer.footprint();
+            drop.push(i);
+        }
+        drop.sort_unstable_by(|a, b| b.cmp(a));
+        for i in drop {
+            self.spares.swap_remove(i);
+        }
+        new_bytes
+    }
+
+    /// Takes the spare at the lowest address with `like`'s type and shape (and strides,
+    /// unless `contiguous`), if any.
+    fn take_spare(&mut self, like: &GTensor, contiguous: bool) -> Option<Entry> {
+        let i = (0..self.spares.len())
+            .filter(|&i| {
+                let t = &self.spares[i].tensor;
+                t.type_code() == like.type_code()
+                    && t.ne() == like.ne()
+                    && (if contiguous {
+                        t.is_contiguous()
+                    } else {
+                        t.nb() == like.nb()
+                    })
+            })
+            .min_by_key(|&i| self.spares[i].tensor.data_addr())?;
+        Some(self.spares.swap_remove(i))
     }
 
     /// An empty cache in host memory.
@@ -63,7 +173,14 @@ impl CutCache {
                 && (contiguous || e.tensor.nb() == like.nb())
         });
         if !reusable {
-            self.entries.remove(name);
+            if let Some(old) = self.entries.remove(name) {
+                self.keep_spares([old]);
+            }
+            if let Some(spare) = self.take_spare(like, contiguous) {
+                spare.tensor.set_name(&like.name());
+                self.entries.insert(name.clone(), spare);
+                return Ok(&self.entries[name]);
+            }
             let ctx = Context::new_descriptors(1, 1, 0)
                 .map_err(ggml(format!("cut cache entry '{name}'")))?;
             let tensor = if contiguous {
@@ -79,6 +196,7 @@ impl CutCache {
                 ctx.new_tensor_like(like)
             }
             .map_err(ggml(format!("cut cache entry '{name}'")))?;
+            self.trim_spares(self.buft.footprint(self.buft.alloc_size(&tensor) as u64));
             let buffer = self
                 .buft
                 .alloc_context_tensors(&ctx)
@@ -172,26 +290,38 @@ impl CutCache {
         self.entries.is_empty()
     }
 
-    /// Bytes of all entry buffers.
+    /// Bytes of all entry buffers, spares included.
     pub fn bytes(&self) -> usize {
         self.entries
             .values()
+            .chain(&self.spares)
             .map(|e| e.buffer.footprint() as usize)
             .sum()
     }
 
-    /// Keeps only the entries `keep` accepts (their buffers are freed).
+    /// Spare buffers held (see the module documentation).
+    pub fn spares(&self) -> usize {
+        self.spares.len()
+    }
+
+    /// Keeps only the entries `keep` accepts (the others' buffers are freed, or kept as
+    /// spares).
     pub fn retain(&mut self, mut keep: impl FnMut(&CutName) -> bool) {
-        self.entries.retain(|k, _| keep(k));
+        let gone: Vec<CutName> = self.entries.keys().filter(|k| !keep(k)).cloned().collect();
+        let removed: Vec<Entry> = gone.iter().filter_map(|k| self.entries.remove(k)).collect();
+        self.keep_spares(removed);
     }
 
-    /// Removes an entry.
+    /// Removes an entry (its buffer is freed, or kept as a spare).
     pub fn remove(&mut self, name: &CutName) {
-        self.entries.remove(name);
+        if let Some(e) = self.entries.remove(name) {
+            self.keep_spares([e]);
+        }
     }
 
-    /// Drops every entry.
+    /// Drops every entry and every spare.
     pub fn clear(&mut self) {
         self.entries.clear();
+        self.spares.clear();
     }
 }

@@ -262,11 +262,13 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         // pruning below keeps only those this plan writes again: a graph run again is bound
         // to the same entries (no device allocation for them inside a step).
         if !reuses_graphs(plan.segments.len(), &self.session.config) {
-            self.session.clear_cut_caches();
+            self.session.drop_cut_entries();
         }
         let t = Instant::now();
         self.setup_staging_pool(task, p, segmented)?;
         let resident = self.resident_set(p);
+        let spares = self.cut_spare_limit(p);
+        self.session.slots[0].cut_cache.set_spare_limit(spares);
         if segmented {
             let kept: Vec<ParamId> = resident.iter().copied().collect();
             self.manager.keep_at_pool_end(&kept);
@@ -313,12 +315,16 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
             let import_bytes: u64 = imports.iter().map(|(_, t)| buffer_bytes(buft, t)).sum();
             let params = &p.segment_params[k];
             let compute = buft.footprint(seg.bytes.compute_buffer as u64);
-            let store_bytes: u64 = seg
+            // New cut-cache buffers for the outputs it keeps (spares of the same layout
+            // are reused, see `CutCache::room_for`).
+            let kept_outputs: Vec<&GTensor> = seg
                 .outputs
                 .iter()
                 .filter(|o| o.graph_output || seg.future_cuts.contains(&o.name))
-                .map(|o| buffer_bytes(buft, &p.graph.node_tensors()[o.node]))
-                .sum();
+                .filter(|o| !self.session.slots[d].cut_cache.contains(&o.name))
+                .map(|o| &p.graph.node_tensors()[o.node])
+                .collect();
+            let store_bytes = self.session.slots[d].cut_cache.room_for(&kept_outputs);
             let held = self.session.slots[d].workspace.prepare(compute);
             self.session.sync(self.manager);
 

@@ -119,6 +119,30 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         Ok(())
     }
 
+    /// The spare limit of the session's cut cache for plan `p` (see
+    /// [`sd_graphcut::CutCache::set_spare_limit`]): with a staging pool of this session,
+    /// the largest cut and output bytes of any segment (rounded per buffer), which the
+    /// pool's size already leaves room for, so that entries removed between segments keep
+    /// their buffers for the next step's same cuts; `None` otherwise.
+    pub(crate) fn cut_spare_limit(&self, p: &Prepared) -> Option<u64> {
+        let cfg = &self.session.config;
+        if self.session.is_layer_split() {
+            return None;
+        }
+        let (owner, _) = self.manager.staging_pool(cfg.backend_id)?;
+        if owner != self.session.id.owner() {
+            return None;
+        }
+        (0..p.plan.segments.len())
+            .map(|k| {
+                let d = crate::refine::segment_plan(p, k);
+                let seg = &p.plan.segments[k];
+                let buffers = (seg.live_cuts.len() + seg.outputs.len()) as u64;
+                d.cut_bytes + d.output_bytes + p.granularity.saturating_sub(1) * buffers
+            })
+            .max()
+    }
+
     /// The weights a segmented run with a staging pool keeps on the device from step to
     /// step: protected from eviction (unless a segment does not fit otherwise) while the
     /// other weights stream through the rest of the pool, the streaming window, where
