@@ -325,3 +325,55 @@ impl CutCache {
         self.spares.clear();
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sd_tensor::DType;
+
+    fn like(ctx: &Context, n: usize) -> GTensor {
+        ctx.new_tensor(DType::F32, &[n, 2]).unwrap()
+    }
+
+    #[test]
+    fn removed_entries_become_spares_that_the_same_layout_takes_back() {
+        let ctx = Context::new_descriptors(8, 8, 0).unwrap();
+        let (a, b) = (like(&ctx, 64), like(&ctx, 32));
+        let name = |s: &str| CutName::new("g", s).unwrap();
+        let mut cache = CutCache::host();
+        let bytes_ab = {
+            let mut probe = CutCache::host();
+            probe.store_bytes(&name("a"), &a, &[0; 512]).unwrap();
+            probe.store_bytes(&name("b"), &b, &[0; 256]).unwrap();
+            probe.bytes() as u64
+        };
+        // Without a limit nothing is kept.
+        cache.store_bytes(&name("a"), &a, &[1; 512]).unwrap();
+        cache.remove(&name("a"));
+        assert_eq!((cache.spares(), cache.bytes()), (0, 0));
+        // With room for both, removed entries stay as spares and a new cut of the same
+        // layout takes one back (the same memory), counting nothing new.
+        cache.set_spare_limit(Some(bytes_ab));
+        cache.store_bytes(&name("a"), &a, &[1; 512]).unwrap();
+        cache.store_bytes(&name("b"), &b, &[2; 256]).unwrap();
+        let addr = cache.get(&name("a")).unwrap().data_addr();
+        cache.retain(|_| false);
+        assert_eq!(cache.spares(), 2);
+        assert_eq!(cache.bytes() as u64, bytes_ab);
+        assert_eq!(cache.room_for(&[&a]), 0, "a spare holds it");
+        cache.store_bytes(&name("c"), &a, &[3; 512]).unwrap();
+        assert_eq!(cache.get(&name("c")).unwrap().data_addr(), addr);
+        assert_eq!(cache.spares(), 1);
+        // A layout no spare has needs a new buffer; the unmatched spare goes to keep the
+        // cache within the limit.
+        let big = like(&ctx, 96);
+        assert!(cache.room_for(&[&big]) > 0);
+        assert_eq!(cache.spares(), 0);
+        cache.store_bytes(&name("d"), &big, &[4; 768]).unwrap();
+        assert_eq!(cache.len(), 2);
+        // Clearing drops spares too.
+        cache.retain(|_| false);
+        cache.clear();
+        assert_eq!((cache.spares(), cache.bytes()), (0, 0));
+    }
+}
