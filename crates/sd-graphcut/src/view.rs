@@ -7,6 +7,8 @@
 //! generate graphs without ggml.
 
 use std::collections::{HashMap, HashSet};
+
+use rustc_hash::FxHashMap;
 use std::panic::Location;
 
 use sd_tensor::ggml::{GTensor, Graph, TensorId};
@@ -317,10 +319,15 @@ impl CapturedGraph {
         let _span = tracing::debug_span!("capture_graph", nodes = graph.n_nodes()).entered();
         let all = graph.nodes();
         let mut index: HashMap<TensorId, TensorRef> = HashMap::with_capacity(all.len() * 2);
+        // The same references by descriptor address: most sources are found here without
+        // resolving a handle (a context lookup per source); the rest go through `resolve`.
+        let mut by_addr: FxHashMap<usize, TensorRef> = FxHashMap::default();
+        by_addr.reserve(all.len() * 2);
         let mut nodes: Vec<GTensor> = Vec::with_capacity(all.len());
         for t in &all {
             if !t.is_leaf() {
                 index.insert(t.id(), TensorRef::Node(nodes.len()));
+                by_addr.insert(t.addr(), TensorRef::Node(nodes.len()));
                 nodes.push(t.clone());
             }
         }
@@ -330,31 +337,45 @@ impl CapturedGraph {
         let mut found_marks = 0usize;
         for (i, t) in nodes.iter().enumerate() {
             let here = || format!("node #{i} '{}' ({})", t.name(), t.op_name());
-            let slots = t.source_slots().map_err(ggml(here()))?;
-            let mut srcs = Vec::with_capacity(slots.len());
-            for s in slots {
-                srcs.push(match s {
+            let addrs = t.source_addrs();
+            let srcs: Vec<Option<TensorRef>> =
+                match addrs.iter().map(|&a| known(&by_addr, a)).collect() {
+                    Some(srcs) => srcs,
+                    None => {
+                        let slots = t.source_slots().map_err(ggml(here()))?;
+                        let mut srcs = Vec::with_capacity(slots.len());
+                        for s in slots {
+                            srcs.push(match s {
+                                None => None,
+                                Some(s) => {
+                                    let r = resolve(
+                                        &s,
+                                        &mut index,
+                                        &mut leaves,
+                                        &mut leaf_descs,
+                                        params,
+                                        &here,
+                                    )?;
+                                    by_addr.insert(s.addr(), r);
+                                    Some(r)
+                                }
+                            });
+                        }
+                        srcs
+                    }
+                };
+            let va = t.view_source_addr();
+            let view_src = match known(&by_addr, va) {
+                Some(r) => r,
+                None => match t.view_source().map_err(ggml(here()))? {
                     None => None,
-                    Some(s) => Some(resolve(
-                        &s,
-                        &mut index,
-                        &mut leaves,
-                        &mut leaf_descs,
-                        params,
-                        &here,
-                    )?),
-                });
-            }
-            let view_src = match t.view_source().map_err(ggml(here()))? {
-                None => None,
-                Some(v) => Some(resolve(
-                    &v,
-                    &mut index,
-                    &mut leaves,
-                    &mut leaf_descs,
-                    params,
-                    &here,
-                )?),
+                    Some(v) => {
+                        let r =
+                            resolve(&v, &mut index, &mut leaves, &mut leaf_descs, params, &here)?;
+                        by_addr.insert(v.addr(), r);
+                        Some(r)
+                    }
+                },
             };
             let mut d = describe_tensor(t, srcs, view_src, false);
             if let Some(m) = marks.get(t.id()) {
@@ -466,6 +487,16 @@ impl CapturedGraph {
     /// Problems with the marks found while capturing (marks on tensors outside the graph).
     pub fn diagnostics(&self) -> &[Diagnostic] {
         &self.diagnostics
+    }
+}
+
+/// A source by descriptor address: `Some(None)` for an empty slot (address 0),
+/// `Some(Some(r))` when the address is known, `None` when it must be resolved.
+fn known(by_addr: &FxHashMap<usize, TensorRef>, a: usize) -> Option<Option<TensorRef>> {
+    if a == 0 {
+        Some(None)
+    } else {
+        by_addr.get(&a).map(|r| Some(*r))
     }
 }
 

@@ -38,6 +38,31 @@ impl GTensor {
         raw_ref(self).type_
     }
 
+    /// The descriptor's address: equal for two handles of the same tensor while it lives
+    /// (a key for lookups that need no handle, see [`source_addrs`](Self::source_addrs)).
+    pub fn addr(&self) -> usize {
+        self.raw() as usize
+    }
+
+    /// The descriptor addresses of this tensor's sources, one per slot up to the last
+    /// used one (0 for an empty slot), without resolving them to handles: for callers that
+    /// look sources up by [`addr`](Self::addr) and resolve only the ones they do not know
+    /// (with [`source_slots`](Self::source_slots)).
+    pub fn source_addrs(&self) -> Vec<usize> {
+        let tr = raw_ref(self);
+        let used = tr
+            .src
+            .iter()
+            .rposition(|p| !p.is_null())
+            .map_or(0, |i| i + 1);
+        tr.src[..used].iter().map(|&p| p as usize).collect()
+    }
+
+    /// The descriptor address of this tensor's view source (0 when it is not a view).
+    pub fn view_source_addr(&self) -> usize {
+        raw_ref(self).view_src as usize
+    }
+
     /// The source slots of this tensor's op, one entry per slot up to the last used one
     /// (`None` for an empty slot in between, e.g. an absent attention mask). A source that
     /// belongs to no live context is an error instead of being skipped.
