@@ -629,12 +629,21 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         let depth = self.session.config.prefetch_depth.max(1);
         let last = k.saturating_add(depth).min(p.plan.segments.len() - 1);
         let first = queued.back().map_or(k, |(t, _)| *t) + 1;
+        let mut scheduled = 0;
         for target in first..=last {
             if p.segment_params[target].is_empty() {
                 continue;
             }
             match self.enqueue_prefetch(task, p, k, target, store_bytes, resident) {
-                Prefetch::Scheduled(ids) => queued.push_back((target, ids)),
+                Prefetch::Scheduled(ids) => {
+                    queued.push_back((target, ids));
+                    scheduled += 1;
+                    // Each segment extends the queue by a bounded number of targets: the
+                    // scheduling is host work the segment's compute waits for.
+                    if scheduled == MAX_PREFETCHES_PER_SEGMENT {
+                        break;
+                    }
+                }
                 Prefetch::Resident => {}
                 Prefetch::NoRoom => break,
             }
@@ -666,8 +675,16 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
             return Prefetch::Resident;
         }
         let td = p.segment_device[target];
-        // Every segment from `k` to the target keeps its weights, and the resident set.
-        let mut protected: Vec<ParamId> = p.segment_params[k..=target].concat();
+        // Every segment from `k` to the target keeps its weights, and the resident set. A
+        // prefetch beyond the next segment evicts only weights already used this step
+        // (needed again next step at the earliest): evicting one still to come would
+        // stream it twice.
+        let keep_until = if target > k + 1 {
+            p.plan.segments.len() - 1
+        } else {
+            target
+        };
+        let mut protected: Vec<ParamId> = p.segment_params[k..=keep_until].concat();
         protected.extend(resident.iter().copied());
         // On the current device the segment's outputs are still to be stored; and the
         // workspace growth of the segments up to the target is left free (a prefetch must
@@ -764,6 +781,9 @@ fn split_groups(groups: &[Vec<ParamId>], resident: &HashSet<ParamId>) -> Vec<Vec
     }
     out
 }
+
+/// How many segments' prefetches one segment may add to the queue.
+const MAX_PREFETCHES_PER_SEGMENT: usize = 2;
 
 /// What asking to prefetch one segment's weights came to.
 enum Prefetch {
