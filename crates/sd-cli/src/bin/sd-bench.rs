@@ -293,6 +293,10 @@ struct UnetArgs {
     /// device from step to step and stream the rest (off: evict the least recently used)
     #[arg(long = "resident-set", value_enum, default_value = "on")]
     resident_set: OnOff,
+    /// Merged segments' weights within a quarter of the pool's room (see
+    /// `SessionConfig::pool_sized_segments`)
+    #[arg(long = "pool-sized-segments", value_enum, default_value = "off")]
+    pool_sized_segments: OnOff,
     /// Convert the linear weights when loading (q8_0, q4_K, f16...; default: the file's)
     #[arg(long = "type", value_name = "TYPE")]
     weight_type: Option<String>,
@@ -715,6 +719,8 @@ struct RigOptions<'a> {
     prefetch_depth: Option<u32>,
     /// A fixed resident set under a budget.
     resident_set: bool,
+    /// Merged segments sized by the pool.
+    pool_sized_segments: bool,
     /// Whether prefetch uploads go to the device's copy stream where it has one.
     async_upload: bool,
     /// Bytes of the budget left to the backend runtime (0: none).
@@ -780,6 +786,7 @@ fn build_rig(o: RigOptions<'_>, inputs: &Inputs) -> Result<Rig> {
     config.staging_pool = o.staging_pool;
     config.reuse_graphs = o.reuse_graphs;
     config.resident_set = o.resident_set;
+    config.pool_sized_segments = o.pool_sized_segments;
     if let Some(d) = o.prefetch_depth {
         config = config.with_prefetch_depth(d as usize);
     }
@@ -1146,6 +1153,7 @@ fn cmd_unet(a: &UnetArgs) -> Result<()> {
             reuse_graphs: a.reuse_graphs == OnOff::On,
             prefetch_depth: a.prefetch_depth,
             resident_set: a.resident_set == OnOff::On,
+            pool_sized_segments: a.pool_sized_segments == OnOff::On,
             async_upload: a.async_upload == OnOff::On,
             runtime_reserve: reserve,
             host_kernels,
@@ -1211,6 +1219,7 @@ fn cmd_unet(a: &UnetArgs) -> Result<()> {
             "async_upload": a.async_upload == OnOff::On,
             "prefetch_depth": a.prefetch_depth,
             "resident_set": a.resident_set == OnOff::On,
+            "pool_sized_segments": a.pool_sized_segments == OnOff::On,
             "host_kernels": host_kernels,
             // Whether prefetch uploads went to a copy stream (the backend has one).
             "copy_stream": copy_stream,
@@ -1299,6 +1308,7 @@ fn cmd_check(name: &str, threads: usize) -> Result<()> {
                 reuse_graphs: true,
                 prefetch_depth: None,
                 resident_set: true,
+                pool_sized_segments: false,
                 async_upload,
                 runtime_reserve: 0,
                 host_kernels,

@@ -223,8 +223,12 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
     /// estimated footprint (its weights, the largest compute buffer of its parts, the cut
     /// outputs it produces and the largest set of live cuts) stays within a third of the
     /// limit: one third for the segment computing, one for the next one's prefetched
-    /// weights, one for weights that stay resident from step to step. The merged plan is
-    /// measured like any other; if a merged segment does not fit the limit after all, the
+    /// weights, one for weights that stay resident from step to step. With a staging pool
+    /// (and [`SessionConfig::pool_sized_segments`](crate::SessionConfig::pool_sized_segments))
+    /// a merged segment's weights also stay within a quarter of the room the fine plan
+    /// leaves for weights (the limit less its largest non-weight need: about the pool), so
+    /// that the streaming window of the resident set (two segments' streamed weights) fits
+    /// beside kept weights. The merged plan is measured like any other; if a merged segment does not fit the limit after all, the
     /// fine plan runs. Off with [`SessionConfig::merge_segments`], under
     /// [`SegmentationPolicy::Always`], and without a limit.
     pub(super) fn merge_segments(
@@ -240,6 +244,18 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
             return Ok(fine);
         };
         let target = limit / 3;
+        let weight_cap = if cfg.staging_pool && cfg.pool_sized_segments {
+            let nonweight = (0..fine.plan.segments.len())
+                .map(|k| {
+                    crate::refine::segment_need(&fine, k)
+                        .saturating_sub(fine.segment_weight_bytes[k])
+                })
+                .max()
+                .unwrap_or(0);
+            limit.saturating_sub(nonweight) / 4
+        } else {
+            u64::MAX
+        };
         let segs = &fine.plan.segments;
         // Ranges of consecutive cut segments; the final segment stays on its own.
         let mut ranges: Vec<(usize, usize)> = Vec::new();
@@ -249,7 +265,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
             let sc = seg.bytes.compute_buffer as u64;
             let so = seg.bytes.outputs as u64;
             let sl = seg.bytes.live_cuts as u64;
-            let fits = w + sw + c.max(sc) + o + so + l.max(sl) <= target;
+            let fits = w + sw + c.max(sc) + o + so + l.max(sl) <= target && w + sw <= weight_cap;
             match ranges.last_mut() {
                 Some(r)
                     if seg.kind == SegmentKind::Cut
