@@ -86,8 +86,13 @@ pub struct SegmentReport {
     pub weight_bytes: u64,
     /// The compute buffer (workspace) bytes it needed.
     pub compute_bytes: u64,
-    /// Bytes in the cut cache right after it computed (before pruning).
+    /// Bytes in the cut cache's entries right after it computed (before pruning).
     pub cache_bytes: u64,
+    /// Bytes of cut-cache spares held beside them (buffers of earlier entries kept for the
+    /// next step's same cuts, within the room the staging pool leaves; see
+    /// `sd_graphcut::CutCache::set_spare_limit`). Not part of [`footprint`](Self::footprint),
+    /// which is what the plan counts per segment.
+    pub spare_bytes: u64,
     /// Bytes of cut outputs copied to its device from another device (layer split).
     pub copied_bytes: u64,
     /// Whether its weights had been prefetched while earlier segments computed.

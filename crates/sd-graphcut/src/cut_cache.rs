@@ -299,6 +299,14 @@ impl CutCache {
             .sum()
     }
 
+    /// Bytes of the entries' buffers, spares not included.
+    pub fn entry_bytes(&self) -> usize {
+        self.entries
+            .values()
+            .map(|e| e.buffer.footprint() as usize)
+            .sum()
+    }
+
     /// Spare buffers held (see the module documentation).
     pub fn spares(&self) -> usize {
         self.spares.len()

@@ -464,6 +464,11 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
                 weight_bytes: p.segment_weight_bytes[k],
                 compute_bytes: compute,
                 cache_bytes,
+                spare_bytes: self.session.slots[d]
+                    .cut_cache
+                    .bytes()
+                    .saturating_sub(self.session.slots[d].cut_cache.entry_bytes())
+                    as u64,
                 copied_bytes: import_bytes,
                 prefetched,
                 prefetches_ahead: queued.len(),
@@ -609,7 +614,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
             }
         }
         timing.allocate += t.elapsed();
-        Ok((slot.cut_cache.bytes() as u64, direct.len(), reused))
+        Ok((slot.cut_cache.entry_bytes() as u64, direct.len(), reused))
     }
 
     /// Best effort, while segment `k` is about to compute: extends the queue of
