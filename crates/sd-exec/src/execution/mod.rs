@@ -350,24 +350,28 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
             // The resident set is kept too, unless the segment does not fit otherwise.
             let keep: Vec<ParamId> = ordered.iter().chain(&resident).copied().collect();
             let t = Instant::now();
-            let ask = |request, protected| CapacityAsk {
-                what: what.clone(),
-                backend_name: backend_name.clone(),
-                request,
-                required: &ordered,
-                preferred: &preferred,
-                protected,
-                pending_unless_pooled: false,
+            let room_for = |this: &mut Self, pending: u64, protected: &[ParamId]| {
+                let request = this.request(d, pending);
+                ensure_capacity(
+                    this.manager,
+                    this.others,
+                    &CapacityAsk {
+                        what: what.clone(),
+                        backend_name: backend_name.clone(),
+                        request,
+                        required: &ordered,
+                        preferred: &preferred,
+                        protected,
+                        pending_unless_pooled: false,
+                    },
+                    this.log,
+                )
             };
-            let mut room = ensure_capacity(
-                self.manager,
-                self.others,
-                &ask(self.request(d, pending), &keep),
-                self.log,
-            );
+            let out_of_memory = |r: &Result<()>| matches!(r, Err(e) if e.is_out_of_memory());
+            let mut room = room_for(self, pending, &keep);
             // Prefetches for later segments hold room this one needs: they go first (the
             // plan counted each segment alone, not with the queue ahead of it).
-            if matches!(&room, Err(e) if e.is_out_of_memory()) && !queued.is_empty() {
+            if out_of_memory(&room) && !queued.is_empty() {
                 tracing::debug!(
                     segment = k,
                     queued = queued.len(),
@@ -375,42 +379,24 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
                 );
                 self.manager.clear_prefetched_params(owner);
                 queued.clear();
-                room = ensure_capacity(
-                    self.manager,
-                    self.others,
-                    &ask(self.request(d, pending), &keep),
-                    self.log,
-                );
+                room = room_for(self, pending, &keep);
             }
-            if matches!(&room, Err(e) if e.is_out_of_memory()) && !resident.is_empty() {
+            if out_of_memory(&room) && !resident.is_empty() {
                 tracing::debug!(
                     segment = k,
                     "no room next to the resident set: evicting from it"
                 );
-                room = ensure_capacity(
-                    self.manager,
-                    self.others,
-                    &ask(self.request(d, pending), &ordered),
-                    self.log,
-                );
+                room = room_for(self, pending, &ordered);
             }
-            match room {
-                // The workspace kept from a larger segment is more than this one needs (the
-                // plan counts this segment's own): give it back and ask again.
-                Err(e) if e.is_out_of_memory() && held > compute => {
-                    tracing::debug!(held, compute, "releasing the larger workspace for room");
-                    self.session.slots[d].workspace.release();
-                    self.session.sync(self.manager);
-                    let pending = compute + store_bytes + import_bytes;
-                    ensure_capacity(
-                        self.manager,
-                        self.others,
-                        &ask(self.request(d, pending), &ordered),
-                        self.log,
-                    )?;
-                }
-                other => other?,
+            // The workspace kept from a larger segment is more than this one needs (the
+            // plan counts this segment's own): give it back and ask again.
+            if out_of_memory(&room) && held > compute {
+                tracing::debug!(held, compute, "releasing the larger workspace for room");
+                self.session.slots[d].workspace.release();
+                self.session.sync(self.manager);
+                room = room_for(self, compute + store_bytes + import_bytes, &ordered);
             }
+            room?;
             timing.capacity += t.elapsed();
             for (name, t) in &imports {
                 self.session.slots[d].cut_cache.store(name, t)?;

@@ -23,6 +23,16 @@ fn raw_ref(t: &GTensor) -> &sys::ggml_tensor {
     unsafe { &*t.raw() }
 }
 
+/// The source slots of `t` up to the last used one (empty slots in between are null).
+fn used_srcs(t: &sys::ggml_tensor) -> &[*mut sys::ggml_tensor] {
+    let used = t
+        .src
+        .iter()
+        .rposition(|p| !p.is_null())
+        .map_or(0, |i| i + 1);
+    &t.src[..used]
+}
+
 fn same_layout(a: &sys::ggml_tensor, b: &sys::ggml_tensor) -> bool {
     a.type_ == b.type_ && a.ne == b.ne && a.nb == b.nb
 }
@@ -49,13 +59,10 @@ impl GTensor {
     /// look sources up by [`addr`](Self::addr) and resolve only the ones they do not know
     /// (with [`source_slots`](Self::source_slots)).
     pub fn source_addrs(&self) -> Vec<usize> {
-        let tr = raw_ref(self);
-        let used = tr
-            .src
+        used_srcs(raw_ref(self))
             .iter()
-            .rposition(|p| !p.is_null())
-            .map_or(0, |i| i + 1);
-        tr.src[..used].iter().map(|&p| p as usize).collect()
+            .map(|&p| p as usize)
+            .collect()
     }
 
     /// The descriptor address of this tensor's view source (0 when it is not a view).
@@ -67,14 +74,9 @@ impl GTensor {
     /// (`None` for an empty slot in between, e.g. an absent attention mask). A source that
     /// belongs to no live context is an error instead of being skipped.
     pub fn source_slots(&self) -> Result<Vec<Option<GTensor>>> {
-        let tr = raw_ref(self);
-        let used = tr
-            .src
-            .iter()
-            .rposition(|p| !p.is_null())
-            .map_or(0, |i| i + 1);
-        let mut out = Vec::with_capacity(used);
-        for (i, &p) in tr.src[..used].iter().enumerate() {
+        let srcs = used_srcs(raw_ref(self));
+        let mut out = Vec::with_capacity(srcs.len());
+        for (i, &p) in srcs.iter().enumerate() {
             if p.is_null() {
                 out.push(None);
             } else {
