@@ -126,6 +126,30 @@ fn bad_flags_files_and_modules_are_clear_errors() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("/nonexistent/libggml-cuda.so"), "{err}");
 
+    // A simulated device needs a positive size that fits in bytes (checked before the
+    // weights are read); a prefetch depth is at least one segment.
+    for bad in ["sim:0", "sim:x", "sim:99999999999999999"] {
+        let out = bench()
+            .args([
+                "unet",
+                "--backend",
+                bad,
+                "--weights",
+                missing.to_str().unwrap(),
+            ])
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(2), "{bad}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(bad) && err.contains("positive size"), "{err}");
+    }
+    let out = bench()
+        .args(["unet", "--weights", "w", "--prefetch-depth", "0"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--prefetch-depth"));
+
     let out = bench()
         .args(["copy-bw", "--backend", "NO_SUCH_DEVICE"])
         .output()

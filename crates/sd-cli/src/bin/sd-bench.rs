@@ -1036,9 +1036,16 @@ fn cmd_unet(a: &UnetArgs) -> Result<()> {
     // and capped, uploads queued on a copy stream), to study streaming without a GPU.
     let sim = match backend_name.strip_prefix("sim:") {
         Some(mib) => {
-            let mib: u64 = mib
-                .parse()
-                .map_err(|_| BenchError::Usage(format!("--backend {backend_name}: sim:<MiB>")))?;
+            let bytes = mib
+                .parse::<u64>()
+                .ok()
+                .filter(|m| *m > 0)
+                .and_then(|m| m.checked_mul(1 << 20))
+                .ok_or_else(|| {
+                    BenchError::Usage(format!(
+                        "--backend {backend_name}: sim:<MiB> takes a positive size in MiB"
+                    ))
+                })?;
             let opts = sd_tensor::ggml::SimOptions {
                 threads,
                 async_transfers: true,
@@ -1046,7 +1053,7 @@ fn cmd_unet(a: &UnetArgs) -> Result<()> {
                 allocation_granularity: 2 << 20,
                 ..Default::default()
             };
-            Some(sd_tensor::ggml::SimDevice::new("SIM0", mib << 20, opts)?)
+            Some(sd_tensor::ggml::SimDevice::new("SIM0", bytes, opts)?)
         }
         None => None,
     };
