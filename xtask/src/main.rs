@@ -230,13 +230,28 @@ fn bench(rest: &[String]) -> Res<()> {
             .args(["bench", "-p", "sd-exec", "--bench", "exec", "--"])
             .args(&rest[1..])),
         "unet" => bench_unet(&benv, &rest[1..]),
-        "vae" => bench_vae(&benv),
+        "vae" => bench_vae(&benv, &rest[1..]),
         "upscale" => bench_upscale(&benv, &rest[1..]),
         "e2e" => e2e::bench(&benv),
         other => Err(format!(
             "unknown benchmark '{other}' (known: matmul, exec, unet, vae, upscale, e2e)"
         )),
     }
+}
+
+/// The weight types of a `--weights` value: `f16`, `bf16` or both, comma-separated
+/// (`f16` always runs: it is the reference row).
+fn weights_arg(v: Option<&str>, what: &str) -> Res<Vec<String>> {
+    let v = v.ok_or_else(|| format!("{what}: --weights needs f16, bf16 or f16,bf16"))?;
+    let mut out = vec!["f16".to_string()];
+    for w in v.split(',') {
+        match w {
+            "f16" => {}
+            "bf16" => out.push(w.to_string()),
+            _ => return Err(format!("{what}: --weights {v}: f16, bf16 or f16,bf16")),
+        }
+    }
+    Ok(out)
 }
 
 /// Runs `cmd`, echoing its output, and returns the `RESULT key=value` lines it printed.
@@ -268,18 +283,24 @@ fn run_results(cmd: &mut Command) -> Res<Vec<(String, String)>> {
 /// the ratios and GFLOP/s against the ceiling. `SD_BENCH_TORCH_DTYPES` (default `f32,bf16`)
 /// picks the PyTorch runs, `SD_BENCH_REPS` (default 2) the timed steps of each.
 /// `--model sdxl` runs the SDXL base UNet instead (1024x1024: 128x128 latent, 77x2048
-/// context, `y` of 2816); `--latent N` sets the latent side of either.
+/// context, `y` of 2816); `--latent N` sets the latent side of either; `--weights f16,bf16`
+/// adds a run of the kernels with bf16 weights (`sd --type bf16`), against the bf16 matmul
+/// ceiling and diffusers.
 fn bench_unet(benv: &BuildEnv, args: &[String]) -> Res<()> {
     let mut model = "sd15".to_string();
     let mut latent: Option<String> = None;
+    let mut weights = vec!["f16".to_string()];
     let mut it = args.iter();
     while let Some(a) = it.next() {
         match a.as_str() {
             "--model" => model = it.next().cloned().ok_or("--model needs sd15 or sdxl")?,
             "--latent" => latent = Some(it.next().cloned().ok_or("--latent needs a size")?),
+            "--weights" => {
+                weights = weights_arg(it.next().map(String::as_str), "bench unet")?;
+            }
             other => {
                 return Err(format!(
-                    "bench unet: unknown argument '{other}' (--model, --latent)"
+                    "bench unet: unknown argument '{other}' (--model, --latent, --weights)"
                 ))
             }
         }
@@ -297,7 +318,16 @@ fn bench_unet(benv: &BuildEnv, args: &[String]) -> Res<()> {
     // The project's CPU kernels (what `sd` runs), then ggml's ops only with flash attention
     // (`fa_` keys: stable-diffusion.cpp's CPU path with `--diffusion-fa`).
     let mut results = Vec::new();
-    for (host, prefix) in [("1", ""), ("0", "fa_")] {
+    // Then the kernels with each other weight type asked for (`bf16_` keys, ...).
+    let runs = [("1", "f16", String::new()), ("0", "f16", "fa_".into())]
+        .into_iter()
+        .chain(
+            weights
+                .iter()
+                .filter(|w| *w != "f16")
+                .map(|w| ("1", w.as_str(), format!("{w}_"))),
+        );
+    for (host, w, prefix) in runs {
         let r = run_results(
             cargo(benv)
                 .args(["bench", "--workspace", "--bench", "unet_step"])
@@ -306,6 +336,7 @@ fn bench_unet(benv: &BuildEnv, args: &[String]) -> Res<()> {
                 .env("SD_BENCH_MODEL", &model)
                 .env("SD_BENCH_LATENT", &side)
                 .env("SD_BENCH_HOST_KERNELS", host)
+                .env("SD_BENCH_WEIGHTS", w)
                 .env("SD_BENCH_FLASH_ATTN", "1"),
         )?;
         results.extend(r.into_iter().map(|(k, v)| (format!("{prefix}{k}"), v)));
@@ -339,6 +370,20 @@ fn bench_unet(benv: &BuildEnv, args: &[String]) -> Res<()> {
         gflop / fa,
         100.0 * gflop / fa / fa_ceiling
     );
+    for w in weights.iter().filter(|w| *w != "f16") {
+        let t = get(&format!("{w}_ggml_unet_seconds"))?;
+        let c = get(&format!("{w}_matmul_weights_gflops"))?;
+        let cpu = get(&format!("{w}_ggml_unet_cpu_seconds"))?;
+        println!(
+            "  sd-rs, {w} weights ({w:4})   {t:8.2} s  {:6.1} GFLOP/s  {:5.1}% of the ggml {w} matmul ceiling ({c:.1} GFLOP/s)  CPU {cpu:.2} s",
+            gflop / t,
+            100.0 * gflop / t / c
+        );
+        for dtype in dtypes.split(',').filter(|d| !d.is_empty()) {
+            let theirs = get(&format!("torch_{dtype}_seconds"))?;
+            println!("    sd-rs {w} / diffusers {dtype}: time {:.2}", t / theirs);
+        }
+    }
     for dtype in dtypes.split(',').filter(|d| !d.is_empty()) {
         let theirs = get(&format!("torch_{dtype}_seconds"))?;
         let theirs_cpu = get(&format!("torch_{dtype}_cpu_seconds"))?;
@@ -368,18 +413,39 @@ fn bench_unet(benv: &BuildEnv, args: &[String]) -> Res<()> {
 /// then in diffusers on PyTorch CPU (`scripts/bench/vae_decode_diffusers.py`, f32 and bf16),
 /// on the same thread count (`SD_BENCH_THREADS`, default 2); prints the times and ratios.
 /// `SD_BENCH_TORCH_DTYPES` (default `f32,bf16`), `SD_BENCH_REPS` (default 2) and
-/// `SD_BENCH_LATENT` (default 64) as for `bench unet`.
-fn bench_vae(benv: &BuildEnv) -> Res<()> {
+/// `SD_BENCH_LATENT` (default 64) as for `bench unet`; `--weights f16,bf16` adds a decode
+/// with bf16 weights.
+fn bench_vae(benv: &BuildEnv, args: &[String]) -> Res<()> {
+    let mut weights = vec!["f16".to_string()];
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--weights" => weights = weights_arg(it.next().map(String::as_str), "bench vae")?,
+            other => return Err(format!("bench vae: unknown argument '{other}' (--weights)")),
+        }
+    }
     let (threads, reps, dtypes) = bench_env();
     let side = env::var("SD_BENCH_LATENT").unwrap_or_else(|_| "64".into());
     let mut results = Vec::new();
-    for (host, prefix) in [("1", ""), ("0", "ggml_im2col_")] {
+    let runs = [
+        ("1", "f16", String::new()),
+        ("0", "f16", "ggml_im2col_".into()),
+    ]
+    .into_iter()
+    .chain(
+        weights
+            .iter()
+            .filter(|w| *w != "f16")
+            .map(|w| ("1", w.as_str(), format!("{w}_"))),
+    );
+    for (host, w, prefix) in runs {
         let r = run_results(
             cargo(benv)
                 .args(["bench", "--workspace", "--bench", "vae_decode"])
                 .env("SD_BENCH_THREADS", &threads)
                 .env("SD_BENCH_REPS", &reps)
                 .env("SD_BENCH_LATENT", &side)
+                .env("SD_BENCH_WEIGHTS", w)
                 .env("SD_BENCH_HOST_KERNELS", host),
         )?;
         results.extend(r.into_iter().map(|(k, v)| (format!("{prefix}{k}"), v)));
@@ -408,6 +474,19 @@ fn bench_vae(benv: &BuildEnv) -> Res<()> {
         "  sd-rs, ggml's own im2col     {plain:8.2} s  {:6.1} GFLOP/s",
         gflop / plain
     );
+    for w in weights.iter().filter(|w| *w != "f16") {
+        let t = get(&format!("{w}_ggml_vae_seconds"))?;
+        let c = get(&format!("{w}_matmul_weights_gflops"))?;
+        println!(
+            "  sd-rs, {w} weights           {t:8.2} s  {:6.1} GFLOP/s  {:5.1}% of the ggml {w} matmul ceiling ({c:.1} GFLOP/s)",
+            gflop / t,
+            100.0 * gflop / t / c
+        );
+        for dtype in dtypes.split(',').filter(|d| !d.is_empty()) {
+            let theirs = get(&format!("torch_vae_{dtype}_seconds"))?;
+            println!("    sd-rs {w} / diffusers {dtype}: {:.2}", t / theirs);
+        }
+    }
     for dtype in dtypes.split(',').filter(|d| !d.is_empty()) {
         let theirs = get(&format!("torch_vae_{dtype}_seconds"))?;
         println!(

@@ -121,7 +121,7 @@ pub struct Cli {
     /// LLM text encoder (Qwen-Image: Qwen2.5-VL-7B's language model)
     #[arg(long = "llm", help_heading = "Model files")]
     pub llm: Option<PathBuf>,
-    /// Convert weights when loading: f32, f16, q8_0, q5_0, q5_1, q4_0, q4_1, q2_K..q6_K
+    /// Convert weights when loading: f32, f16, bf16, q8_0, q5_0, q5_1, q4_0, q4_1, q2_K..q6_K
     /// (quantized types apply to linear weights; default: the files' types)
     #[arg(long = "type", value_name = "TYPE", value_parser = parse_weight_type, help_heading = "Model files")]
     pub weight_type: Option<DType>,
@@ -672,11 +672,9 @@ pub fn params_location(cli: &Cli) -> Result<ParamsLocation, String> {
 fn parse_weight_type(text: &str) -> Result<DType, String> {
     let t = DType::parse(text).filter(|d| (d.is_float() && *d != DType::F64) || d.is_quantized());
     match t {
-        // ggml has no bf16 kernels for every operation the models use: it aborts.
-        Some(DType::BF16) => Err("bf16 cannot run yet (ggml aborts on it); use f16 or f32".into()),
         Some(d) => Ok(d),
         None => Err(format!(
-            "unknown weight type '{text}' (known: f32, f16, q8_0, q5_0, q5_1, q4_0, q4_1, q2_K, \
+            "unknown weight type '{text}' (known: f32, f16, bf16, q8_0, q5_0, q5_1, q4_0, q4_1, q2_K, \
              q3_K, q4_K, q5_K, q6_K)"
         )),
     }
@@ -1077,7 +1075,10 @@ mod tests {
         assert!(cli(&["-W", "100000"]).is_err());
         assert!(cli(&["--steps", "1000000000"]).is_err());
         assert!(cli(&["--upscale-repeats", "6"]).is_err());
-        assert!(cli(&["--type", "bf16"]).is_err());
+        assert_eq!(
+            cli(&["--type", "bf16"]).unwrap().weight_type,
+            Some(DType::BF16)
+        );
         assert_eq!(
             cli(&["--type", "q8_0"]).unwrap().weight_type,
             Some(DType::Q8_0)

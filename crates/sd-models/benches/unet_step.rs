@@ -17,6 +17,10 @@
 //! `SD_BENCH_MODEL=sdxl` runs the SDXL base UNet (`UnetConfig::sdxl`, context 2048, `y` of
 //! 2816) at 1024x1024 (latents `[2, 4, 128, 128]`); `SD_BENCH_LATENT=N` sets the latent side.
 //!
+//! `SD_BENCH_WEIGHTS=bf16` gives the UNet bf16 weights instead of f16 (`sd --type bf16`: on
+//! a CPU with AVX512-BF16 the products run on bf16 dot products); the ceiling is then also
+//! measured for bf16 weights (`matmul_weights_gflops`).
+//!
 //! Environment: `SD_BENCH_THREADS` (default 2), `SD_BENCH_REPS` (timed UNet steps after one
 //! warm-up, default 2), `SD_BENCH_FLASH_ATTN=1` (ggml's `flash_attn_ext` for attention instead of
 //! the default f32 `mul_mat` + softmax). Prints the CPU time per step too (on a shared machine
@@ -25,8 +29,9 @@
 use std::time::Instant;
 
 use sd_models::bench::{
-    load_average as loadavg, matmul_f16_ceiling as matmul_ceiling,
-    process_cpu_seconds as cpu_seconds, StepShape, SyntheticUnet, UnetStep,
+    bench_weights, load_average as loadavg, matmul_ceiling as matmul_ceiling_of,
+    matmul_f16_ceiling as matmul_ceiling, process_cpu_seconds as cpu_seconds, StepShape,
+    SyntheticUnet, UnetStep,
 };
 use sd_models::ComputeOptions;
 use sd_tensor::ggml::Backend;
@@ -58,15 +63,18 @@ fn main() {
     };
     let side = env_usize("SD_BENCH_LATENT", shape.width);
     (shape.width, shape.height) = (side, side);
+    let weights = bench_weights();
+    println!("RESULT weights={}", weights.name());
     let t = Instant::now();
     let unet = if sdxl {
-        SyntheticUnet::sdxl_cpu(DType::F16, 1)
+        SyntheticUnet::sdxl_cpu(weights, 1)
     } else {
-        SyntheticUnet::sd15_cpu(DType::F16, 1)
+        SyntheticUnet::sd15_cpu(weights, 1)
     }
     .expect("synthetic UNet");
     println!(
-        "{label} UNet, random f16 weights: {} tensors, {:.2} GB, built in {:.1} s",
+        "{label} UNet, random {} weights: {} tensors, {:.2} GB, built in {:.1} s",
+        weights.name(),
         unet.params.tensors.len(),
         unet.params.nbytes() as f64 / 1e9,
         t.elapsed().as_secs_f64()
@@ -135,5 +143,17 @@ fn main() {
     println!("RESULT matmul_f16_gflops={ceiling:.2}");
     println!("RESULT matmul_f16_gflops_before={ceiling_before:.2}");
     println!("RESULT matmul_f16_gflops_after={ceiling_after:.2}");
+    let weights_ceiling = if weights == DType::F16 {
+        ceiling
+    } else {
+        let c = matmul_ceiling_of(&backend, weights).expect("matmul ceiling");
+        println!(
+            "ggml {} matmul 2048^3: {c:.1} GFLOP/s; the step at {:.0}% of it",
+            weights.name(),
+            100.0 * rate / c
+        );
+        c
+    };
+    println!("RESULT matmul_weights_gflops={weights_ceiling:.2}");
     println!("RESULT load_end={}", loadavg());
 }

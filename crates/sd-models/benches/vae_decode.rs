@@ -9,11 +9,16 @@
 //! kernels, f32 attention, and the project's CPU convolution kernels (`host_kernels`;
 //! `SD_BENCH_HOST_KERNELS=0` for ggml's own).
 //!
+//! `SD_BENCH_WEIGHTS=bf16` decodes with bf16 weights (`sd --type bf16`; bf16 im2col and
+//! products), with the bf16 matmul ceiling beside (`matmul_weights_gflops`).
+//!
 //! Environment: `SD_BENCH_THREADS` (default 2), `SD_BENCH_REPS` (timed decodes after one
 //! warm-up, default 2), `SD_BENCH_LATENT` (latent side, default 64). Prints `RESULT
 //! key=value` lines for xtask.
 
-use sd_models::bench::{load_average, matmul_f16_ceiling, process_cpu_seconds, VaeDecode};
+use sd_models::bench::{
+    bench_weights, load_average, matmul_ceiling, matmul_f16_ceiling, process_cpu_seconds, VaeDecode,
+};
 use sd_models::ComputeOptions;
 use sd_tensor::ggml::Backend;
 use sd_tensor::DType;
@@ -38,11 +43,14 @@ fn main() {
         flash_attn: false,
         host_kernels,
     };
-    let decode = VaeDecode::new(DType::F16, side, opts, &backend, 1).expect("VAE decode graph");
+    let weights = bench_weights();
+    println!("RESULT weights={}", weights.name());
+    let decode = VaeDecode::new(weights, side, opts, &backend, 1).expect("VAE decode graph");
     let gflop = decode.flops() / 1e9;
     println!(
-        "SD1.5 VAE decode {side}x{side} -> {0}x{0}, {threads} threads, host kernels {host_kernels}: {gflop:.1} GFLOP",
-        side * 8
+        "SD1.5 VAE decode {side}x{side} -> {0}x{0}, {threads} threads, {1} weights, host kernels {host_kernels}: {gflop:.1} GFLOP",
+        side * 8,
+        weights.name()
     );
     let warm = decode.run(&backend).expect("decode");
     println!("warm-up decode: {warm:.2} s");
@@ -65,5 +73,17 @@ fn main() {
     println!("RESULT ggml_vae_cpu_seconds={cpu:.4}");
     println!("RESULT vae_gflop={gflop:.2}");
     println!("RESULT matmul_f16_gflops={ceiling:.2}");
+    let weights_ceiling = if weights == DType::F16 {
+        ceiling
+    } else {
+        let c = matmul_ceiling(&backend, weights).expect("matmul ceiling");
+        println!(
+            "ggml {} matmul 2048^3: {c:.1} GFLOP/s; the decode at {:.0}% of it",
+            weights.name(),
+            100.0 * gflop / best / c
+        );
+        c
+    };
+    println!("RESULT matmul_weights_gflops={weights_ceiling:.2}");
     println!("RESULT load_end={}", load_average());
 }

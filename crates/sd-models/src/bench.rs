@@ -370,12 +370,32 @@ pub fn process_cpu_seconds() -> f64 {
     (tick(11) + tick(12)) / 100.0
 }
 
+/// The weights' type a model benchmark runs with: `SD_BENCH_WEIGHTS` (`f16`, the default,
+/// or `bf16`, as `sd --type bf16` loads them).
+///
+/// # Panics
+/// On any other value (a benchmark's usage error).
+pub fn bench_weights() -> DType {
+    match std::env::var("SD_BENCH_WEIGHTS").as_deref() {
+        Err(_) | Ok("f16") => DType::F16,
+        Ok("bf16") => DType::BF16,
+        Ok(other) => panic!("SD_BENCH_WEIGHTS={other}: f16 or bf16"),
+    }
+}
+
 /// Best GFLOP/s of a 2048^3 f16 x f32 `mul_mat` on `backend` over five runs: the ceiling
 /// the model benchmarks report their rate against.
 pub fn matmul_f16_ceiling(backend: &Backend) -> Result<f64> {
+    matmul_ceiling(backend, DType::F16)
+}
+
+/// The ggml matmul ceiling for `dtype` weights: GFLOP/s of a 2048^3 `dtype` x f32
+/// `mul_mat` on `backend` (ggml converts the f32 operand to the weights' dot-product type,
+/// as in a model's linear layers), best of 5 after a warm-up.
+pub fn matmul_ceiling(backend: &Backend, dtype: DType) -> Result<f64> {
     let n = 2048;
     let ctx = sd_tensor::ggml::Context::new_descriptors(8, 8, 1)?;
-    let a = ctx.new_tensor(DType::F16, &[n, n])?;
+    let a = ctx.new_tensor(dtype, &[n, n])?;
     let b = ctx.new_tensor(DType::F32, &[n, n])?;
     let _buf = BufferType::cpu().alloc_context_tensors(&ctx)?;
     let vals: Vec<f32> = (0..n * n)

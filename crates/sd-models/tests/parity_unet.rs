@@ -7,6 +7,7 @@ use common::{catalog, check, config, io, ne};
 use sd_models::run::run_cpu;
 use sd_models::unet::{HeadSpec, UnetConfig, UnetModel};
 use sd_models::{load_all_to_cpu, ComputeOptions, GraphCtx, HostData, ParamBuilder};
+use sd_tensor::ggml::GTensor;
 use sd_tensor::DType;
 
 fn tiny_config(name: &str) -> UnetConfig {
@@ -51,12 +52,29 @@ fn tiny_config(name: &str) -> UnetConfig {
 }
 
 fn run(name: &str, opts: ComputeOptions) -> (Vec<f32>, Vec<f32>, GraphCtx) {
+    run_typed(name, opts, None)
+}
+
+/// [`run`] with the weights converted to `weight_type` as they load (`sd --type`).
+fn run_typed(
+    name: &str,
+    opts: ComputeOptions,
+    weight_type: Option<DType>,
+) -> (Vec<f32>, Vec<f32>, GraphCtx) {
     let cat = catalog(name);
     let pb = ParamBuilder::new(Some(&cat), 1024).unwrap();
+    pb.set_weight_type(weight_type);
     let unet = UnetModel::new(&pb, tiny_config(name)).unwrap();
     let params = pb.finish();
     // Every tensor of the file is used.
     assert_eq!(params.tensors.len(), cat.len());
+    if let Some(t) = weight_type {
+        // The convolution kernels among them.
+        let converted = params.tensors.iter().filter(|(name, p)| {
+            p.dtype() == Some(t) && GTensor::ne(p)[0] == 3 && name.ends_with("weight")
+        });
+        assert!(converted.count() > 0, "no {t:?} convolution kernel");
+    }
     let _buf = load_all_to_cpu(&params, &cat).unwrap();
     let refs = io(name);
     let (xr, tr, cr) = (&refs["x"], &refs["timesteps"], &refs["context"]);
@@ -122,6 +140,28 @@ fn unet_fast_numerics_stay_close() {
     };
     let (got, want, _) = run("unet_sd1", opts);
     check("unet_sd1 fast", &got, &want, 1e-2);
+}
+
+/// bf16 weights (`sd --type bf16`, or a bf16 checkpoint): the convolutions' products run on
+/// bf16 columns with the project's CPU kernels (ggml's CPU product takes a bf16 kernel
+/// against bf16 or f32 columns only; an f16 im2col aborted), on f32 columns with ggml's
+/// im2col; both stay within bf16's precision of diffusers' f32 output.
+#[test]
+fn unet_bf16_weights_stay_close() {
+    for host_kernels in [true, false] {
+        let opts = ComputeOptions {
+            exact: false,
+            flash_attn: false,
+            host_kernels,
+        };
+        let (got, want, _) = run_typed("unet_sd1", opts, Some(DType::BF16));
+        check(
+            &format!("unet_sd1 bf16 host {host_kernels}"),
+            &got,
+            &want,
+            2e-2,
+        );
+    }
 }
 
 #[test]

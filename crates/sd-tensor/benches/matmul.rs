@@ -25,7 +25,13 @@ fn bench_matmul(c: &mut Criterion) {
     let mut group = c.benchmark_group(format!("matmul_{n}_{threads}t"));
     group.sample_size(10);
     group.throughput(Throughput::Elements(2 * (n as u64).pow(3)));
-    for dtype in [DType::F32, DType::F16, DType::Q8_0, DType::Q4_0] {
+    for dtype in [
+        DType::F32,
+        DType::F16,
+        DType::BF16,
+        DType::Q8_0,
+        DType::Q4_0,
+    ] {
         let ctx = Context::new_descriptors(8, 8, 1).unwrap();
         let a = ctx.new_tensor(dtype, &[n, n]).unwrap();
         let b = ctx.new_tensor(DType::F32, &[n, n]).unwrap();

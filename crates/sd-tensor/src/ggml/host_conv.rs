@@ -33,7 +33,7 @@
 use std::ffi::{c_int, c_void};
 
 use ggml_sys as sys;
-use half::f16;
+use half::{bf16, f16};
 
 /// Output pixels filled per tile (their rows of `IC * KH * KW` values stay in cache).
 const TILE: usize = 16;
@@ -111,7 +111,8 @@ impl Im2colGeometry {
     }
 }
 
-/// A value the kernel writes: f32 or f16 (converted as ggml converts, to nearest even).
+/// A value the kernel writes: f32, f16 or bf16 (converted as ggml converts, to nearest
+/// even).
 trait Element: Copy {
     const ZERO: Self;
     /// Converts `src` into `dst` (same length).
@@ -133,7 +134,15 @@ impl Element for f16 {
     }
 }
 
-/// The custom op: `dst` `[IC*KH*KW, OW, OH, N]` (f32 or f16) from `dst->src[0]`, the f32
+impl Element for bf16 {
+    const ZERO: bf16 = bf16::ZERO;
+    fn convert(src: &[f32], dst: &mut [bf16]) {
+        // Round to nearest even, NaN kept quiet: ggml's `GGML_FP32_TO_BF16`.
+        half::slice::HalfFloatSliceExt::convert_from_f32_slice(dst, src);
+    }
+}
+
+/// The custom op: `dst` `[IC*KH*KW, OW, OH, N]` (f32, f16 or bf16) from `dst->src[0]`, the f32
 /// input `[W, H, IC, N]` with contiguous rows; thread `ith` of `nth` fills its share of the
 /// `N * OH` output rows.
 ///
@@ -166,6 +175,9 @@ pub(crate) unsafe extern "C" fn im2col_kernel(
     if d.type_ == sys::GGML_TYPE_F16 {
         // SAFETY: dst holds `rows * ow * k` f16 values (built so).
         unsafe { job.fill(d.data as *mut f16, r0, r1) }
+    } else if d.type_ == sys::GGML_TYPE_BF16 {
+        // SAFETY: as above, bf16.
+        unsafe { job.fill(d.data as *mut bf16, r0, r1) }
     } else {
         // SAFETY: as above, f32.
         unsafe { job.fill(d.data as *mut f32, r0, r1) }
