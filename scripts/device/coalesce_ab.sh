@@ -1,15 +1,16 @@
 #!/bin/bash
 # A/B on the GPU: uploads coalesced (runs of tensors laid out alike in host and device memory
-# copied as one, `SD_BENCH_COALESCE=1`) against one copy per tensor (the default), now that
-# several segments are prefetched ahead. SD1.5 at SD15_BUDGETS [0.75 0.5 0.25] of its weights
+# copied as one, `SD_BENCH_COALESCE=1`, the default since this A/B) against one copy per tensor
+# (`SD_BENCH_COALESCE=0`), with several segments prefetched ahead. SD1.5 at SD15_BUDGETS [0.75 0.5 0.25] of its weights
 # in ROUNDS [2] interleaved rounds, SDXL at XL_BUDGETS [0.5] once, pinned params, reserve 0.
 # Prints one line per run; the JSON lines in $OUT/results.jsonl. Run from the checkout root
 # with stage/ as for streaming_sweep.sh.
 source scripts/device/stage_module.sh >/dev/null 2>&1
 R=$OUT/results.jsonl
-one() { # LABEL COALESCE ARGS...
+one() { # LABEL COALESCE ARGS... (pinned params unless ARGS name --params)
   local label=$1 co=$2; shift 2
-  SD_BENCH_COALESCE=$co $B unet --backend CUDA0 --params pinned --steps ${STEPS:-10} --runtime-reserve 0 "$@" 2>/dev/null |
+  local pa=(--params pinned); [[ " $* " == *" --params "* ]] && pa=()
+  SD_BENCH_COALESCE=$co $B unet --backend CUDA0 "${pa[@]}" --steps ${STEPS:-10} --runtime-reserve 0 "$@" 2>/dev/null |
     grep '^{' | tail -1 | python3 -c "
 import json, sys
 d = json.loads(sys.stdin.read()); d['label'] = sys.argv[1]

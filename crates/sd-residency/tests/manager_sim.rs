@@ -384,7 +384,8 @@ fn prefetch_then_activate() {
     assert_eq!(r.sim.live_bytes(), 1024);
     assert!(b.iter().all(|p| !r.mm.tensor(*p).unwrap().is_allocated()));
     // prepare uses a pending prefetch: it waits for the transfer thread's copies (one per
-    // parameter) and makes none of its own.
+    // parameter, with uploads not coalesced) and makes none of its own.
+    r.mm.set_coalesce_uploads(false);
     let copies = r.sim.stats().host_to_device_copies;
     assert_eq!(
         r.mm.prefetch_params(owner, &b),

@@ -312,6 +312,11 @@ fn all_cores() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
 }
 
+/// Whether uploads are coalesced: the manager's default (on) unless `SD_BENCH_COALESCE=0`.
+fn coalesce_uploads() -> bool {
+    std::env::var("SD_BENCH_COALESCE").map_or(true, |v| v != "0")
+}
+
 fn main() -> ExitCode {
     // The engine's decisions (segments, prefetches, evictions) with RUST_LOG, on stderr.
     let _ = tracing_subscriber::fmt()
@@ -738,8 +743,9 @@ fn build_rig(o: RigOptions<'_>, inputs: &Inputs) -> Result<Rig> {
     mm.set_segmented_compute(o.budget.is_some());
     mm.set_prefetch(true);
     mm.set_pinned_host_params(o.mode != ParamsMode::Ram);
-    // A/B switch for the coalesced uploads (SD_BENCH_COALESCE=1: on; default off).
-    mm.set_coalesce_uploads(std::env::var("SD_BENCH_COALESCE").is_ok_and(|v| v == "1"));
+    // A/B switch for the coalesced uploads (SD_BENCH_COALESCE=0: off; default on, as the
+    // manager's default).
+    mm.set_coalesce_uploads(coalesce_uploads());
     mm.set_async_uploads(o.async_upload);
     let gpu = mm.add_backend(o.backend.clone())?;
     let params_backend = match o.mode {
@@ -1222,7 +1228,7 @@ fn cmd_unet(a: &UnetArgs) -> Result<()> {
             "budget_bytes": budget,
             "runtime_reserve_bytes": reserve,
             "allocation_granularity": granularity,
-            "coalesced_uploads": std::env::var("SD_BENCH_COALESCE").is_ok_and(|v| v == "1"),
+            "coalesced_uploads": coalesce_uploads(),
             "async_upload": a.async_upload == OnOff::On,
             "prefetch_depth": a.prefetch_depth,
             "resident_set": a.resident_set == OnOff::On,

@@ -214,7 +214,7 @@ impl ModelManager {
             prefetch: false,
             load_threads: 0,
             pinned_host_params: true,
-            coalesce_uploads: false,
+            coalesce_uploads: true,
             async_uploads: false,
             upload_bytes: 0,
             pool_high: Default::default(),
