@@ -126,8 +126,11 @@ if part e2e; then
   e2e sd-direct $S/sd "${C[@]}" -o /tmp/direct.png
   e2e sd-offload $S/sd "${C[@]}" --offload-to-cpu -o /tmp/offload.png
   e2e sd-vram-1.2 $S/sd "${C[@]}" --max-vram 1.2 -o /tmp/v12.png
+  # bf16 weights on the GPU (the convolutions' kernels bf16: ggml's im2col in f32 there).
+  e2e sd-bf16 $S/sd "${C[@]}" --type bf16 -o /tmp/bf16.png
   python3 $S/compare.py /tmp/direct.png /tmp/offload.png | tee -a $L/e2e.txt
-  for f in sd-direct sd-offload sd-vram-1.2; do
+  python3 $S/compare.py /tmp/direct.png /tmp/bf16.png | tee -a $L/e2e.txt
+  for f in sd-direct sd-offload sd-vram-1.2 sd-bf16; do
     sed 's/\x1b\[[0-9;]*m//g' $L/$f.err | grep -E "completed|steps in" | cut -c1-200 | tail -3 | tee -a $L/e2e.txt
   done
 fi
