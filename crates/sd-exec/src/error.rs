@@ -146,8 +146,9 @@ pub struct BudgetShortfall {
     /// The limit (tightest of session budget, manager budget and device memory).
     pub limit: u64,
     /// Bytes of the user's budget left to the backend runtime's own allocations (CUDA
-    /// context, BLAS, kernels), outside `limit`; 0 when not known. Set by the layer that
-    /// applied the budget, so the message can name the budget to ask for.
+    /// context, BLAS, kernels, the operator temporaries kept for it), outside `limit`; 0
+    /// when not known. Set by the layer that applied the budget, so the message can name
+    /// the budget to ask for.
     pub runtime_reserve: u64,
 }
 
@@ -173,8 +174,9 @@ impl std::fmt::Display for BudgetShortfall {
             let mib = |b: u64| b.div_ceil(1 << 20);
             write!(
                 f,
-                " (the limit is the --max-vram budget minus {} MiB the backend runtime itself \
-                 uses on the device, measured at start: a budget of at least {} MiB is needed)",
+                " (the limit is the --max-vram budget minus {} MiB left to the backend runtime \
+                 itself on the device, measured at start, and its operators' temporaries: a \
+                 budget of at least {} MiB is needed)",
                 mib(self.runtime_reserve),
                 mib(self.minimum + self.runtime_reserve)
             )?;

@@ -755,12 +755,16 @@ impl Runtime {
             .map_err(|e| self.with_reserve(e))
     }
 
-    /// Adds the runtime reserve to a budget shortfall, so its message names the
-    /// `--max-vram` to ask for.
+    /// Adds the runtime reserve, and the operator temporaries kept from the budget since, to
+    /// a budget shortfall, so its message names the `--max-vram` to ask for.
     fn with_reserve(&self, e: sd_exec::ExecError) -> RuntimeError {
         match e {
             sd_exec::ExecError::BudgetTooSmall(mut b) => {
-                b.runtime_reserve = self.runtime_reserve;
+                let kept = match (self.runtime_reserve, self.compute_device()) {
+                    (r, Some(d)) if r > 0 => self.engine.manager().backend_temporaries(&d),
+                    _ => 0,
+                };
+                b.runtime_reserve = self.runtime_reserve + kept;
                 RuntimeError::Exec(sd_exec::ExecError::BudgetTooSmall(b))
             }
             other => RuntimeError::Exec(other),

@@ -556,4 +556,8 @@ fn backend_temporaries_lower_the_budget_by_the_largest_ask() {
     let max_vram = sd_residency::capacity::MaxVram::parse("200000b").unwrap();
     mm.apply_max_vram(&max_vram);
     assert_eq!(mm.backend_budget(r.gpu), Some(200_000 - 25_000));
+    // What a shortfall's message adds to the limit to name the budget to ask for.
+    let device = |id| mm.backend(id).unwrap().device().unwrap();
+    assert_eq!(mm.backend_temporaries(&device(r.gpu)), 25_000);
+    assert_eq!(mm.backend_temporaries(&device(r.cpu)), 0);
 }

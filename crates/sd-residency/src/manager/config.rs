@@ -77,6 +77,15 @@ impl ModelManager {
         }
     }
 
+    /// Bytes of `device`'s budget kept for backend operator temporaries so far (see
+    /// [`DeviceResidencyManager::reserve_backend_temporaries`]; 0 when none): with
+    /// [`ModelManager::runtime_reserve`], what a `--max-vram` budget holds beyond the
+    /// engine's limit.
+    pub fn backend_temporaries(&self, device: &Device) -> u64 {
+        let key = device.name().to_ascii_lowercase();
+        self.temporaries.get(&key).copied().unwrap_or(0)
+    }
+
     /// Sets how many bytes of each `--max-vram` budget are left to the backend runtime's own
     /// allocations, which no tracked tensor accounts for (`None`: the default, see
     /// [`ModelManager::runtime_reserve`]). Applies to later [`ModelManager::apply_max_vram`]

@@ -13,7 +13,11 @@ impl DeviceResidencyManager for ModelManager {
     }
 
     fn reserve_backend_temporaries(&mut self, backend: BackendId, bytes: u64) {
-        let Some(d) = self.device_of(backend) else {
+        // The CPU is not budgeted: nothing to keep room in.
+        let Some(d) = self
+            .device_of(backend)
+            .filter(|d| d.kind() != DeviceKind::Cpu)
+        else {
             return;
         };
         let key = d.name().to_ascii_lowercase();
