@@ -466,6 +466,12 @@ fn generate(cli: &Cli, threads: usize) -> Result<(), Fail> {
     if cli.max_vram.is_some() && on_cpu {
         tracing::warn!("--max-vram budgets a GPU (--backend); the CPU backend ignores it");
     }
+    if on_cpu && cli.weight_type.is_none() && devices::cpu_has_bf16_products() {
+        tracing::info!(
+            "this CPU has bf16 dot products (AVX512_BF16): with f16 or f32 weights, \
+             `--type bf16` computes about 1.3x faster, at bf16's precision"
+        );
+    }
 
     let mut progress = Progress::new();
     progress.phase("loading", "tensors");
