@@ -268,6 +268,12 @@ impl UnetStep {
             tokens,
         } = shape;
         let mut g = GraphCtx::new(UNET_GRAPH, UNET_GRAPH, opts)?;
+        // bf16 weights (`SD_BENCH_WEIGHTS=bf16`): the attention's products in bf16 too, as
+        // the Runtime runs `--type bf16` (`SD_BENCH_BF16_ATTENTION=0`: f32 products).
+        let bf16_attention = std::env::var("SD_BENCH_BF16_ATTENTION").map_or(true, |v| v != "0");
+        g.ctx.set_bf16_attention(
+            opts.host_kernels && bench_weights() == DType::BF16 && bf16_attention,
+        );
         let c = unet.config.in_channels;
         let x = g.ctx.new_tensor(DType::F32, &[width, height, c, batch])?;
         let t = g.ctx.new_tensor(DType::F32, &[batch])?;

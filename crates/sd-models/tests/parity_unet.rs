@@ -79,6 +79,9 @@ fn run_typed(
     let refs = io(name);
     let (xr, tr, cr) = (&refs["x"], &refs["timesteps"], &refs["context"]);
     let mut g = GraphCtx::new(8192, 8192, opts).unwrap();
+    // As the Runtime runs `--type bf16`: the attention's products in bf16 too.
+    g.ctx
+        .set_bf16_attention(opts.host_kernels && weight_type == Some(DType::BF16));
     let x = g.ctx.new_tensor(DType::F32, &ne(&xr.shape)).unwrap();
     let t = g.ctx.new_tensor(DType::F32, &ne(&tr.shape)).unwrap();
     let c = g.ctx.new_tensor(DType::F32, &ne(&cr.shape)).unwrap();
@@ -144,8 +147,9 @@ fn unet_fast_numerics_stay_close() {
 
 /// bf16 weights (`sd --type bf16`, or a bf16 checkpoint): the convolutions' products run on
 /// bf16 columns with the project's CPU kernels (ggml's CPU product takes a bf16 kernel
-/// against bf16 or f32 columns only; an f16 im2col aborted), on f32 columns with ggml's
-/// im2col; both stay within bf16's precision of diffusers' f32 output.
+/// against bf16 or f32 columns only; an f16 im2col aborted), and so do the attention's
+/// where the CPU has AVX512-BF16; on f32 columns with ggml's im2col and attention; both
+/// stay within bf16's precision of diffusers' f32 output.
 #[test]
 fn unet_bf16_weights_stay_close() {
     for host_kernels in [true, false] {

@@ -792,6 +792,10 @@ impl Runtime {
         if let Some(dims) = &dev.flash_attn_dims {
             g.flash_attn_head_dims = Some(dims.clone());
         }
+        // Weights converted to bf16 (`--type bf16`): the CPU attention kernel runs its
+        // products in bf16 too, where the CPU has bf16 dot products.
+        g.ctx
+            .set_bf16_attention(opts.host_kernels && self.options.weight_type == Some(DType::BF16));
         let built = build(&mut g)?;
         let mut graph = Graph::new(&g.ctx, graph_size).map_err(ModelError::from)?;
         built.output.set_output();

@@ -720,7 +720,8 @@ fn host_channels_innermost_convolution_agrees_with_ggmls_ops() {
 /// `attention_host` (the crate's CPU attention kernel) against attention computed here in
 /// f64: one to eight heads, value widths unlike the key width, several query blocks and one,
 /// two batch items, q, k and v read in place from one fused `[q | k | v]` projection (row
-/// strides wider than the operand), 1 and 3 threads; a mismatched shape is `None`.
+/// strides wider than the operand), 1 and 3 threads, f32 and (where the CPU has AVX512-BF16)
+/// bf16 products; a mismatched shape is `None`.
 #[test]
 fn host_attention_matches_softmax_attention() {
     // (heads, d, dv, n_q, n_kv)
@@ -731,9 +732,21 @@ fn host_attention_matches_softmax_attention() {
         (3, 4, 12, 9, 2048),
     ];
     let b = 2;
-    for threads in [1, 3] {
+    let has_bf16 = cfg!(target_arch = "x86_64") && {
+        #[cfg(target_arch = "x86_64")]
+        {
+            std::arch::is_x86_feature_detected!("avx512f")
+                && std::arch::is_x86_feature_detected!("avx512bf16")
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            false
+        }
+    };
+    for (threads, bf16) in [(1, false), (3, false), (1, true), (3, true)] {
         for (i, &(heads, d, dv, nq, nkv)) in cases.iter().enumerate() {
             let ctx = Context::new_descriptors(32, 32, 1).unwrap();
+            ctx.set_bf16_attention(bf16);
             let width = 2 * heads * d + heads * dv;
             // q from the first rows, k and v from the same fused tensor (n_kv rows).
             let fused_q = ctx.new_tensor(DType::F32, &[width, nq, b]).unwrap();
@@ -799,10 +812,20 @@ fn host_attention_matches_softmax_attention() {
                     }
                 }
             }
+            // bf16 products (where the CPU has them): Q, K, V and the numerators rounded to
+            // bf16 (8 bits of mantissa); otherwise f32.
+            let tol = if bf16 && has_bf16 { 5e-3 } else { 2e-5 };
             assert!(
-                worst < 2e-5,
-                "case {i}, {threads} threads: max error {worst}"
+                worst < tol,
+                "case {i}, {threads} threads, bf16 {bf16}: max error {worst}"
             );
+            if bf16 && has_bf16 {
+                // The bf16 products ran (their rounding shows).
+                assert!(
+                    worst > 2e-5,
+                    "case {i}: bf16 attention gave f32's error {worst}"
+                );
+            }
             drop(buf);
         }
     }

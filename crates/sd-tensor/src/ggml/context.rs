@@ -22,6 +22,9 @@ pub(crate) struct ContextInner {
     pub(crate) lock: Mutex<()>,
     /// Whether graphs built here run on the CPU backend (see [`Context::set_host_kernels`]).
     pub(crate) host_kernels: std::sync::atomic::AtomicBool,
+    /// Whether the attention kernel runs its products in bf16 (see
+    /// [`Context::set_bf16_attention`]).
+    pub(crate) bf16_attention: std::sync::atomic::AtomicBool,
 }
 
 // SAFETY: a ggml context is plain memory; every mutation (new tensors, names, flags,
@@ -63,6 +66,23 @@ impl Context {
         self.inner
             .host_kernels
             .store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Declares that the attention kernel of this crate ([`Context::attention_host`]) may run
+    /// its two products on bf16 dot products (Q, K, V and the softmax numerators rounded to
+    /// bf16, f32 sums) where the CPU has AVX512-BF16: for graphs of bf16 weights, whose
+    /// precision is bf16's already. Off by default (all f32).
+    pub fn set_bf16_attention(&self, on: bool) {
+        self.inner
+            .bf16_attention
+            .store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Whether [`Context::set_bf16_attention`] is on.
+    pub fn bf16_attention(&self) -> bool {
+        self.inner
+            .bf16_attention
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Whether [`Context::set_host_kernels`] is on.
@@ -122,6 +142,7 @@ impl Context {
             size: mem_size,
             lock: Mutex::new(()),
             host_kernels: std::sync::atomic::AtomicBool::new(false),
+            bf16_attention: std::sync::atomic::AtomicBool::new(false),
         });
         registry_add(&inner);
         Ok(Context { inner })

@@ -30,26 +30,48 @@ const SCORE_VALUES: usize = 512 * 1024;
 /// The heads and the scale of one attention, packed into the custom op's userdata.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub(crate) struct AttentionSpec {
-    /// Heads (each `d` of the query's `heads * d` values).
+    /// Heads (each `d` of the query's `heads * d` values), below `2^31`.
     pub heads: u32,
     /// The scores' scale (usually `1 / sqrt(d)`).
     pub scale: f32,
+    /// The products on bf16 dot products (`host_attention_bf16.rs`) where the CPU has them.
+    pub bf16: bool,
 }
 
 impl AttentionSpec {
     /// The spec as one integer (the custom op's userdata pointer value).
     pub fn pack(self) -> usize {
-        ((self.heads as u64) << 32 | self.scale.to_bits() as u64) as usize
+        let flags = (self.bf16 as u64) << 63;
+        (flags | (self.heads as u64 & 0x7fff_ffff) << 32 | self.scale.to_bits() as u64) as usize
     }
 
     /// The spec [`pack`](Self::pack) stored.
     pub fn unpack(v: usize) -> AttentionSpec {
         let v = v as u64;
         AttentionSpec {
-            heads: (v >> 32) as u32,
+            heads: ((v >> 32) & 0x7fff_ffff) as u32,
             scale: f32::from_bits(v as u32),
+            bf16: v >> 63 == 1,
         }
     }
+}
+
+/// Whether this CPU runs the bf16 products of the attention (AVX-512 F and BF16).
+pub(crate) fn bf16_available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        super::host_attention_bf16::available()
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+thread_local! {
+    /// Each compute thread's packed bf16 operands (see `host_attention_bf16.rs`).
+    static PACKS: std::cell::RefCell<Vec<u32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// A strided f32 operand: `[width, rows, batch]` with contiguous values within a row.
@@ -131,6 +153,29 @@ pub(crate) unsafe extern "C" fn attention_kernel(
     let items = batch * heads * blocks;
     let share = super::host_conv::thread_share(items, ith, nth);
     if share.is_empty() {
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if spec.bf16 && q.head_width.is_multiple_of(2) && bf16_available() {
+        let mp = block.next_multiple_of(16);
+        let pairs = k.rows.div_ceil(2);
+        let words = [
+            k.rows * q.head_width / 2,
+            pairs * v.head_width,
+            q.head_width / 2 * mp,
+            pairs * mp,
+        ];
+        super::host_conv::with_scratch(mp * k.rows + 3 * mp, |buf| {
+            PACKS.with_borrow_mut(|packs| {
+                let total: usize = words.iter().sum();
+                if packs.len() < total {
+                    packs.resize(total, 0);
+                }
+                // SAFETY: the items of this thread's share (see the function's contract);
+                // the CPU has the instructions (checked above).
+                unsafe { attend_bf16(&spec, [q, k, v, out], block, share, buf, packs, words) }
+            })
+        });
         return;
     }
     super::host_conv::with_scratch(block * k.rows + 2 * block, |buf| {
@@ -228,6 +273,69 @@ unsafe fn attend(
     }
 }
 
+/// [`attend`] on bf16 products: `buf` holds `mp * n_kv + 3 mp` f32 values (scores, maxes,
+/// sums, reciprocals; `mp` = `block` rounded up to 16), `packs` the four packed operands
+/// (`words`: K, V, the query block, the numerators). K and V are packed once per head this
+/// thread takes.
+///
+/// # Safety
+/// As [`attend`]; the CPU has AVX-512 F and BF16; the head width of q and k is even.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn attend_bf16(
+    spec: &AttentionSpec,
+    [q, k, v, out]: [Operand; 4],
+    block: usize,
+    share: std::ops::Range<usize>,
+    buf: &mut [f32],
+    packs: &mut [u32],
+    words: [usize; 4],
+) {
+    use super::host_attention_bf16 as bf;
+    let heads = spec.heads as usize;
+    let blocks = q.rows.div_ceil(block);
+    let (d, dv, n_kv) = (q.head_width, v.head_width, k.rows);
+    let pairs = n_kv.div_ceil(2);
+    let (kp, rest) = packs.split_at_mut(words[0]);
+    let (vp, rest) = rest.split_at_mut(words[1]);
+    let (qp, rest) = rest.split_at_mut(words[2]);
+    let pp = &mut rest[..words[3]];
+    let mut current = None;
+    for item in share {
+        let (b, r) = (item / (heads * blocks), item % (heads * blocks));
+        let (h, blk) = (r / blocks, r % blocks);
+        let r0 = blk * block;
+        let m = block.min(q.rows - r0);
+        let mp = m.next_multiple_of(16);
+        let (scores, rest) = buf.split_at_mut(mp * n_kv);
+        let (maxes, rest) = rest.split_at_mut(mp);
+        let (sums, rest) = rest.split_at_mut(mp);
+        let inv = &mut rest[..mp];
+        // SAFETY: every view lies inside its tensor (rows r0..r0+m of q and the output, all
+        // n_kv rows of k and v, head h's values of each row); the packs are sized by
+        // `words` for the largest block.
+        unsafe {
+            if current != Some((b, h)) {
+                bf::pack_rows(k.at(b, h, 0), k.row_stride, n_kv, d, kp);
+                bf::pack_values(v.at(b, h, 0), v.row_stride, n_kv, dv, vp);
+                current = Some((b, h));
+            }
+            bf::pack_queries(q.at(b, h, r0), q.row_stride, m, mp, d, qp);
+            bf::scores(qp, kp, d / 2, mp, n_kv, spec.scale, scores);
+        }
+        softmax_rows_of_columns(scores, maxes, sums);
+        for (x, s) in inv.iter_mut().zip(sums.iter()) {
+            *x = 1.0 / s;
+        }
+        // SAFETY: as above.
+        unsafe {
+            bf::pack_scores(scores, mp, n_kv, pp);
+            let o = out.at(b, h, r0) as *mut f32;
+            bf::values(pp, vp, pairs, mp, dv, m, inv, o, out.row_stride);
+        }
+    }
+}
+
 /// The softmax numerators of the rows of `s`, a column-major `[m, n]` block (`m` =
 /// `maxes.len()`): each value replaced by `exp(value - max of its row)`; `sums` receives
 /// each row's sum. Every loop runs down a column, `m` independent rows in vector lanes.
@@ -290,11 +398,14 @@ mod tests {
 
     #[test]
     fn spec_packs_into_one_word() {
-        let s = AttentionSpec {
-            heads: 8,
-            scale: 0.158_113_9,
-        };
-        assert_eq!(AttentionSpec::unpack(s.pack()), s);
+        for bf16 in [false, true] {
+            let s = AttentionSpec {
+                heads: 8,
+                scale: 0.158_113_9,
+                bf16,
+            };
+            assert_eq!(AttentionSpec::unpack(s.pack()), s);
+        }
     }
 
     #[test]

@@ -23,6 +23,8 @@ mod error;
 mod graph;
 pub mod graph_ext;
 mod host_attention;
+#[cfg(target_arch = "x86_64")]
+mod host_attention_bf16;
 mod host_conv;
 mod host_conv_cwh;
 mod host_io;

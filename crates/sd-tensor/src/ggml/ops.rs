@@ -395,7 +395,7 @@ impl Context {
                 && nb[2].is_multiple_of(4)
         };
         let fits = heads > 0
-            && heads <= u32::MAX as usize
+            && heads < 1 << 31
             && qn[0].is_multiple_of(heads)
             && vn[0].is_multiple_of(heads)
             && qn[0] == kn[0]
@@ -414,6 +414,9 @@ impl Context {
         let spec = super::host_attention::AttentionSpec {
             heads: heads as u32,
             scale,
+            bf16: self.bf16_attention()
+                && (qn[0] / heads).is_multiple_of(2)
+                && super::host_attention::bf16_available(),
         };
         // SAFETY: shapes, types and strides checked; one tensor.
         self.op("attention_host", 1, |c| unsafe {
