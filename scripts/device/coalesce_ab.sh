@@ -6,33 +6,20 @@
 # Prints one line per run; the JSON lines in $OUT/results.jsonl. Run from the checkout root
 # with stage/ as for streaming_sweep.sh.
 source scripts/device/stage_module.sh >/dev/null 2>&1
-R=$OUT/results.jsonl
-one() { # LABEL COALESCE ARGS... (pinned params unless ARGS name --params)
-  local label=$1 co=$2; shift 2
-  local pa=(--params pinned); [[ " $* " == *" --params "* ]] && pa=()
-  SD_BENCH_COALESCE=$co $B unet --backend CUDA0 "${pa[@]}" --steps ${STEPS:-10} --runtime-reserve 0 "$@" 2>/dev/null |
-    grep '^{' | tail -1 | python3 -c "
-import json, sys
-d = json.loads(sys.stdin.read()); d['label'] = sys.argv[1]
-print(json.dumps(d), file=open(sys.argv[2], 'a'))
-t = d['last_step_timing_ms']
-print(sys.argv[1], 'step %.1f' % d['step_ms_median'], 'h2d %.2f GB' % (d['h2d_bytes_per_step'] / 1e9),
-      'segs', d['segments'], 'pre', d['prefetched'], 'ahead', d['max_prefetches_ahead'],
-      ' '.join('%s=%.1f' % kv for kv in t.items()))" $label $R
-}
+source scripts/device/ab_run.sh
 $B copy-bw --backend CUDA0 --mib 1024 | tail -1
 $B write-weights /tmp/w15 --config sd15 >/dev/null
-one sd15-resident 0 --config sd15 --weights /tmp/w15/unet.safetensors --params device
+ab_one sd15-resident --config sd15 --weights /tmp/w15/unet.safetensors --params device
 for r in $(seq ${ROUNDS-2}); do
   for f in ${SD15_BUDGETS-0.75 0.5 0.25}; do
-    for co in 0 1; do one sd15-$f-co$co-r$r $co --config sd15 --weights /tmp/w15/unet.safetensors --max-vram $f; done
+    for co in 0 1; do SD_BENCH_COALESCE=$co ab_one sd15-$f-co$co-r$r --config sd15 --weights /tmp/w15/unet.safetensors --max-vram $f; done
   done
 done
 rm -rf /tmp/w15
 if [ -n "${XL_BUDGETS-0.5}" ]; then
   $B write-weights /tmp/wxl --config sdxl >/dev/null
   for f in ${XL_BUDGETS-0.5}; do
-    for co in 0 1; do one sdxl-$f-co$co $co --config sdxl --weights /tmp/wxl/unet.safetensors --max-vram $f; done
+    for co in 0 1; do SD_BENCH_COALESCE=$co ab_one sdxl-$f-co$co --config sdxl --weights /tmp/wxl/unet.safetensors --max-vram $f; done
   done
   rm -rf /tmp/wxl
 fi

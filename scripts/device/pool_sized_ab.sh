@@ -5,25 +5,13 @@
 # lines in $OUT/results.jsonl. Run from the checkout root with stage/ as for
 # streaming_sweep.sh.
 source scripts/device/stage_module.sh >/dev/null 2>&1
-R=$OUT/results.jsonl
-one() { # LABEL ARGS...
-  local label=$1; shift
-  $B unet --backend CUDA0 --params pinned --steps ${STEPS:-10} --runtime-reserve 0 "$@" 2>/dev/null |
-    grep '^{' | tail -1 | python3 -c "
-import json, sys
-d = json.loads(sys.stdin.read()); d['label'] = sys.argv[1]
-print(json.dumps(d), file=open(sys.argv[2], 'a'))
-t = d['last_step_timing_ms']
-print(sys.argv[1], 'step %.1f' % d['step_ms_median'], 'h2d %.2f GB' % (d['h2d_bytes_per_step'] / 1e9),
-      'segs', d['segments'], 'pre', d['prefetched'], 'ahead', d['max_prefetches_ahead'],
-      ' '.join('%s=%.1f' % kv for kv in t.items()))" $label $R
-}
+source scripts/device/ab_run.sh
 $B write-weights /tmp/w15 --config sd15 >/dev/null
 for f in ${SD15_BUDGETS-0.75 0.5}; do
-  for ps in off on; do one sd15-$f-psz-$ps --config sd15 --weights /tmp/w15/unet.safetensors --max-vram $f --pool-sized-segments $ps; done
+  for ps in off on; do ab_one sd15-$f-psz-$ps --config sd15 --weights /tmp/w15/unet.safetensors --max-vram $f --pool-sized-segments $ps; done
 done
 rm -rf /tmp/w15
 $B write-weights /tmp/wxl --config sdxl >/dev/null
 for f in ${XL_BUDGETS-0.5}; do
-  for ps in off on; do one sdxl-$f-psz-$ps --config sdxl --weights /tmp/wxl/unet.safetensors --max-vram $f --pool-sized-segments $ps; done
+  for ps in off on; do ab_one sdxl-$f-psz-$ps --config sdxl --weights /tmp/wxl/unet.safetensors --max-vram $f --pool-sized-segments $ps; done
 done

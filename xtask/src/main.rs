@@ -239,6 +239,35 @@ fn bench(rest: &[String]) -> Res<()> {
     }
 }
 
+/// The rows of `bench unet` / `bench vae` for the weight types past f16: sd-rs's time
+/// (`{w}_{ours}_seconds`) against the ggml matmul ceiling for `w` and each diffusers dtype
+/// (`{theirs}_{dtype}_seconds`), `gflop` the run's matrix products.
+fn weight_rows(
+    results: &[(String, String)],
+    weights: &[String],
+    ours: &str,
+    theirs: &str,
+    gflop: f64,
+    dtypes: &str,
+) -> Res<()> {
+    let get = |k: &str| result(results, k);
+    for w in weights.iter().filter(|w| *w != "f16") {
+        let t = get(&format!("{w}_{ours}_seconds"))?;
+        let c = get(&format!("{w}_matmul_weights_gflops"))?;
+        let cpu = get(&format!("{w}_{ours}_cpu_seconds"))?;
+        println!(
+            "  sd-rs, {w} weights ({w:4})   {t:8.2} s  {:6.1} GFLOP/s  {:5.1}% of the ggml {w} matmul ceiling ({c:.1} GFLOP/s)  CPU {cpu:.2} s",
+            gflop / t,
+            100.0 * gflop / t / c
+        );
+        for dtype in dtypes.split(',').filter(|d| !d.is_empty()) {
+            let other = get(&format!("{theirs}_{dtype}_seconds"))?;
+            println!("    sd-rs {w} / diffusers {dtype}: time {:.2}", t / other);
+        }
+    }
+    Ok(())
+}
+
 /// The weight types of a `--weights` value: `f16`, `bf16` or both, comma-separated
 /// (`f16` always runs: it is the reference row).
 fn weights_arg(v: Option<&str>, what: &str) -> Res<Vec<String>> {
@@ -370,20 +399,7 @@ fn bench_unet(benv: &BuildEnv, args: &[String]) -> Res<()> {
         gflop / fa,
         100.0 * gflop / fa / fa_ceiling
     );
-    for w in weights.iter().filter(|w| *w != "f16") {
-        let t = get(&format!("{w}_ggml_unet_seconds"))?;
-        let c = get(&format!("{w}_matmul_weights_gflops"))?;
-        let cpu = get(&format!("{w}_ggml_unet_cpu_seconds"))?;
-        println!(
-            "  sd-rs, {w} weights ({w:4})   {t:8.2} s  {:6.1} GFLOP/s  {:5.1}% of the ggml {w} matmul ceiling ({c:.1} GFLOP/s)  CPU {cpu:.2} s",
-            gflop / t,
-            100.0 * gflop / t / c
-        );
-        for dtype in dtypes.split(',').filter(|d| !d.is_empty()) {
-            let theirs = get(&format!("torch_{dtype}_seconds"))?;
-            println!("    sd-rs {w} / diffusers {dtype}: time {:.2}", t / theirs);
-        }
-    }
+    weight_rows(&results, &weights, "ggml_unet", "torch", gflop, &dtypes)?;
     for dtype in dtypes.split(',').filter(|d| !d.is_empty()) {
         let theirs = get(&format!("torch_{dtype}_seconds"))?;
         let theirs_cpu = get(&format!("torch_{dtype}_cpu_seconds"))?;
@@ -474,19 +490,7 @@ fn bench_vae(benv: &BuildEnv, args: &[String]) -> Res<()> {
         "  sd-rs, ggml's own im2col     {plain:8.2} s  {:6.1} GFLOP/s",
         gflop / plain
     );
-    for w in weights.iter().filter(|w| *w != "f16") {
-        let t = get(&format!("{w}_ggml_vae_seconds"))?;
-        let c = get(&format!("{w}_matmul_weights_gflops"))?;
-        println!(
-            "  sd-rs, {w} weights           {t:8.2} s  {:6.1} GFLOP/s  {:5.1}% of the ggml {w} matmul ceiling ({c:.1} GFLOP/s)",
-            gflop / t,
-            100.0 * gflop / t / c
-        );
-        for dtype in dtypes.split(',').filter(|d| !d.is_empty()) {
-            let theirs = get(&format!("torch_vae_{dtype}_seconds"))?;
-            println!("    sd-rs {w} / diffusers {dtype}: {:.2}", t / theirs);
-        }
-    }
+    weight_rows(&results, &weights, "ggml_vae", "torch_vae", gflop, &dtypes)?;
     for dtype in dtypes.split(',').filter(|d| !d.is_empty()) {
         let theirs = get(&format!("torch_vae_{dtype}_seconds"))?;
         println!(

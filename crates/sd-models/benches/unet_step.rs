@@ -29,13 +29,11 @@
 use std::time::Instant;
 
 use sd_models::bench::{
-    bench_weights, load_average as loadavg, matmul_ceiling as matmul_ceiling_of,
-    matmul_f16_ceiling as matmul_ceiling, process_cpu_seconds as cpu_seconds, StepShape,
-    SyntheticUnet, UnetStep,
+    bench_weights, load_average as loadavg, matmul_f16_ceiling as matmul_ceiling,
+    process_cpu_seconds as cpu_seconds, report_weights_ceiling, StepShape, SyntheticUnet, UnetStep,
 };
 use sd_models::ComputeOptions;
 use sd_tensor::ggml::Backend;
-use sd_tensor::DType;
 
 fn env_usize(name: &str, default: usize) -> usize {
     std::env::var(name)
@@ -143,17 +141,6 @@ fn main() {
     println!("RESULT matmul_f16_gflops={ceiling:.2}");
     println!("RESULT matmul_f16_gflops_before={ceiling_before:.2}");
     println!("RESULT matmul_f16_gflops_after={ceiling_after:.2}");
-    let weights_ceiling = if weights == DType::F16 {
-        ceiling
-    } else {
-        let c = matmul_ceiling_of(&backend, weights).expect("matmul ceiling");
-        println!(
-            "ggml {} matmul 2048^3: {c:.1} GFLOP/s; the step at {:.0}% of it",
-            weights.name(),
-            100.0 * rate / c
-        );
-        c
-    };
-    println!("RESULT matmul_weights_gflops={weights_ceiling:.2}");
+    report_weights_ceiling(&backend, weights, ceiling, rate, "step").expect("matmul ceiling");
     println!("RESULT load_end={}", loadavg());
 }

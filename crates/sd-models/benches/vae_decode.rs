@@ -17,11 +17,11 @@
 //! key=value` lines for xtask.
 
 use sd_models::bench::{
-    bench_weights, load_average, matmul_ceiling, matmul_f16_ceiling, process_cpu_seconds, VaeDecode,
+    bench_weights, load_average, matmul_f16_ceiling, process_cpu_seconds, report_weights_ceiling,
+    VaeDecode,
 };
 use sd_models::ComputeOptions;
 use sd_tensor::ggml::Backend;
-use sd_tensor::DType;
 
 fn env_usize(name: &str, default: usize) -> usize {
     std::env::var(name)
@@ -73,17 +73,7 @@ fn main() {
     println!("RESULT ggml_vae_cpu_seconds={cpu:.4}");
     println!("RESULT vae_gflop={gflop:.2}");
     println!("RESULT matmul_f16_gflops={ceiling:.2}");
-    let weights_ceiling = if weights == DType::F16 {
-        ceiling
-    } else {
-        let c = matmul_ceiling(&backend, weights).expect("matmul ceiling");
-        println!(
-            "ggml {} matmul 2048^3: {c:.1} GFLOP/s; the decode at {:.0}% of it",
-            weights.name(),
-            100.0 * gflop / best / c
-        );
-        c
-    };
-    println!("RESULT matmul_weights_gflops={weights_ceiling:.2}");
+    report_weights_ceiling(&backend, weights, ceiling, gflop / best, "decode")
+        .expect("matmul ceiling");
     println!("RESULT load_end={}", load_average());
 }

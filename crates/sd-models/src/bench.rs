@@ -389,6 +389,31 @@ pub fn bench_weights() -> DType {
     }
 }
 
+/// Prints the matmul ceiling for `weights` and a run's `rate` (GFLOP/s) against it, and the
+/// `RESULT matmul_weights_gflops` line `cargo xtask bench` reads: `f16_ceiling` (measured
+/// by the caller) for f16 weights, else measured here with [`matmul_ceiling`].
+pub fn report_weights_ceiling(
+    backend: &Backend,
+    weights: DType,
+    f16_ceiling: f64,
+    rate: f64,
+    what: &str,
+) -> Result<f64> {
+    let c = if weights == DType::F16 {
+        f16_ceiling
+    } else {
+        let c = matmul_ceiling(backend, weights)?;
+        println!(
+            "ggml {} matmul 2048^3: {c:.1} GFLOP/s; the {what} at {:.0}% of it",
+            weights.name(),
+            100.0 * rate / c
+        );
+        c
+    };
+    println!("RESULT matmul_weights_gflops={c:.2}");
+    Ok(c)
+}
+
 /// Best GFLOP/s of a 2048^3 f16 x f32 `mul_mat` on `backend` over five runs: the ceiling
 /// the model benchmarks report their rate against.
 pub fn matmul_f16_ceiling(backend: &Backend) -> Result<f64> {

@@ -689,11 +689,6 @@ impl Context {
     ) -> Result<GTensor> {
         let (kn, xn) = (kernel.ne(), input.ne());
         self.check_conv(kn, xn, stride, pad, dilation)?;
-        let mut im2col_type = if exact_f32 && kernel.dtype() == Some(DType::F32) {
-            sys::GGML_TYPE_F32
-        } else {
-            sys::GGML_TYPE_F16
-        };
         let (s0, s1, p0, p1, d0, d1) = (
             stride.0 as i32,
             stride.1 as i32,
@@ -712,16 +707,15 @@ impl Context {
                 (input.dtype() == Some(DType::F32) && rows_contiguous).then_some((g, ow, oh))
             })
             .flatten();
-        if kernel.dtype() == Some(DType::BF16) {
-            // ggml's CPU product takes bf16 kernels against bf16 or f32 columns only (it
-            // widens f16 to f32 for f32 kernels alone): this crate's im2col writes bf16
-            // (the product then runs on bf16 dot products), ggml's writes f32.
-            im2col_type = if host.is_some() {
-                sys::GGML_TYPE_BF16
-            } else {
-                sys::GGML_TYPE_F32
-            };
-        }
+        // ggml's CPU product takes bf16 kernels against bf16 or f32 columns only (it widens
+        // f16 to f32 for f32 kernels alone): for a bf16 kernel this crate's im2col writes bf16
+        // (the product then runs on bf16 dot products), ggml's writes f32.
+        let im2col_type = match kernel.dtype() {
+            Some(DType::BF16) if host.is_some() => sys::GGML_TYPE_BF16,
+            Some(DType::BF16) => sys::GGML_TYPE_F32,
+            Some(DType::F32) if exact_f32 => sys::GGML_TYPE_F32,
+            _ => sys::GGML_TYPE_F16,
+        };
         // SAFETY: shapes checked; im2col + mul_mat + reshapes + permute + cont = 8 tensors.
         self.op("conv_2d", 8, |c| unsafe {
             let im = match host {

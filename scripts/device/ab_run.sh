@@ -1,0 +1,18 @@
+# Sourced by the A/B device scripts (pool_sized_ab.sh, coalesce_ab.sh) after stage_module.sh:
+# `ab_one LABEL ARGS...` runs `sd-bench unet` on CUDA0 (pinned params unless ARGS name
+# --params, STEPS [10] timed steps, runtime reserve 0) with ARGS, appends its JSON line,
+# tagged `label`, to $OUT/results.jsonl and prints one summary line. Environment set on the
+# call (`SD_BENCH_COALESCE=0 ab_one ...`) reaches sd-bench.
+ab_one() {
+  local label=$1; shift
+  local pa=(--params pinned); [[ " $* " == *" --params "* ]] && pa=()
+  $B unet --backend CUDA0 "${pa[@]}" --steps ${STEPS:-10} --runtime-reserve 0 "$@" 2>/dev/null |
+    grep '^{' | tail -1 | python3 -c "
+import json, sys
+d = json.loads(sys.stdin.read()); d['label'] = sys.argv[1]
+print(json.dumps(d), file=open(sys.argv[2], 'a'))
+t = d['last_step_timing_ms']
+print(sys.argv[1], 'step %.1f' % d['step_ms_median'], 'h2d %.2f GB' % (d['h2d_bytes_per_step'] / 1e9),
+      'segs', d['segments'], 'pre', d['prefetched'], 'ahead', d['max_prefetches_ahead'],
+      ' '.join('%s=%.1f' % kv for kv in t.items()))" $label $OUT/results.jsonl
+}
