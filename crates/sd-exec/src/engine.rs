@@ -315,10 +315,15 @@ impl<M: DeviceResidencyManager> ExecutionEngine<M> {
             }
             Err(e) => {
                 tracing::warn!(session = %id, error = %e, "execution failed");
+                // A segment may still be queued (a panic while one was in flight).
+                for slot in &session.slots {
+                    slot.backend.synchronize();
+                }
                 session.release_all();
                 self.manager.clear_prefetched_params(id.owner());
                 // A panic between pin and unpin leaves the segment's weights pinned.
-                let pinned = std::mem::take(&mut session.pinned_now);
+                let mut pinned = std::mem::take(&mut session.pinned_now);
+                pinned.append(&mut session.pinned_in_flight);
                 if let Err(u) = self.manager.unpin_params(&pinned) {
                     tracing::warn!(error = %u, "unpinning after a failed execution");
                 }

@@ -131,6 +131,26 @@ fn make_pool_room<M: DeviceResidencyManager>(
     Ok(())
 }
 
+/// Whether `ask` fits as the device stands: the staging pool holds its required weights
+/// (where they go there) and the request fits, without releasing or evicting anything.
+pub(crate) fn fits_as_is<M: DeviceResidencyManager>(
+    manager: &M,
+    ask: &CapacityAsk<'_>,
+) -> Result<bool> {
+    let backend = ask.request.backend;
+    let pooled = !ask.required.is_empty() && manager.staging_pool(backend).is_some();
+    if pooled && !manager.pool_holds(backend, ask.required)? {
+        return Ok(false);
+    }
+    let mut request = ask.request;
+    if ask.pending_unless_pooled && pooled {
+        request.pending_bytes = 0;
+    }
+    Ok(manager
+        .inspect_compute_backend_capacity(&request, ask.required)?
+        .fits(false))
+}
+
 /// Makes room for `ask` (see the module documentation). `others` are the engine's other
 /// sessions (the asking one is not among them).
 pub(crate) fn ensure_capacity<M: DeviceResidencyManager>(

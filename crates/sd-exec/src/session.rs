@@ -103,6 +103,14 @@ pub struct SessionConfig {
     /// allocated, and the same graph for the backend (ggml's CUDA backend replays it as a
     /// CUDA graph). Default: on.
     pub reuse_graphs: bool,
+    /// Whether a segmented run queues each segment's compute and prepares the next
+    /// segment on the host while it runs (capacity, staging, building, allocating,
+    /// prefetch scheduling), waiting for it only before queueing the next one, on devices
+    /// whose backend queues work (events and queued copies: a GPU; the CPU backend computes
+    /// at the call either way). The segment in flight keeps its weights pinned and its cut
+    /// inputs cached until it is done; anything that would free or overwrite memory it
+    /// uses waits for it first. Not with layer split. Default: on.
+    pub async_compute: bool,
     /// Extra devices for layer split (`diffusion=cuda0&cuda1`): with any, a graph with cuts
     /// runs segment by segment, each segment on the device its weights are assigned to
     /// (contiguous ranges of segments per device, in list order, the primary first).
@@ -138,6 +146,7 @@ impl SessionConfig {
             staging_pool: true,
             runtime_temporaries: false,
             reuse_graphs: true,
+            async_compute: true,
             split: Vec::new(),
         }
     }
@@ -205,6 +214,12 @@ impl SessionConfig {
         self
     }
 
+    /// Sets [`SessionConfig::async_compute`].
+    pub fn with_async_compute(mut self, on: bool) -> Self {
+        self.async_compute = on;
+        self
+    }
+
     /// Sets [`SessionConfig::merge_segments`].
     pub fn with_segment_merging(mut self, on: bool) -> Self {
         self.merge_segments = on;
@@ -229,6 +244,9 @@ pub struct ExecutionSession {
     pub(crate) choices: HashMap<crate::execution::ChoiceKey, crate::execution::Choice>,
     /// The parameters pinned by the segment now running (unpinned after a panic).
     pub(crate) pinned_now: Vec<ParamId>,
+    /// The parameters pinned by the segment in flight (asynchronous compute), until it is
+    /// done (unpinned after a failure).
+    pub(crate) pinned_in_flight: Vec<ParamId>,
     pub(crate) params_used: BTreeSet<ParamId>,
     pub(crate) started: bool,
     pub(crate) last_reports: Vec<SegmentReport>,
@@ -264,6 +282,7 @@ impl ExecutionSession {
             slots,
             split_assignment: HashMap::new(),
             pinned_now: Vec::new(),
+            pinned_in_flight: Vec::new(),
             planner: GraphPlanner::new(buft, PlanOptions::default(), PLAN_CACHE_PLANS),
             choices: HashMap::new(),
             params_used: BTreeSet::new(),

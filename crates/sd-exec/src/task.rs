@@ -105,6 +105,9 @@ pub struct SegmentReport {
     /// Whether it ran the ggml graph kept from the previous execution of the same graph
     /// (nothing built or allocated).
     pub graph_reused: bool,
+    /// Whether its preparation on the host (capacity, staging, graph, prefetches) ran
+    /// while the segment before it computed (asynchronous compute).
+    pub overlapped: bool,
 }
 
 impl SegmentReport {
@@ -159,8 +162,12 @@ pub struct ExecTiming {
     /// cut cache (device allocations when an entry or the workspace is new or grows), and
     /// storing the cut outputs that could not be placed there.
     pub allocate: Duration,
-    /// Uploading the task's inputs and computing the segment graphs.
+    /// Uploading the task's inputs and computing the segment graphs (with asynchronous
+    /// compute: queueing them).
     pub compute: Duration,
+    /// Waiting on the host for segments queued without waiting (asynchronous compute):
+    /// the part of their compute that the next segment's preparation did not hide.
+    pub compute_wait: Duration,
     /// The rest of `total`.
     pub overhead: Duration,
     /// The whole execution.
@@ -180,7 +187,8 @@ impl ExecTiming {
             + self.upload_wait
             + self.build
             + self.allocate
-            + self.compute;
+            + self.compute
+            + self.compute_wait;
         self.overhead = self.total.saturating_sub(parts);
     }
 
@@ -203,6 +211,7 @@ impl ExecTiming {
             build_ms = Self::ms(self.build),
             allocate_ms = Self::ms(self.allocate),
             compute_ms = Self::ms(self.compute),
+            compute_wait_ms = Self::ms(self.compute_wait),
             overhead_ms = Self::ms(self.overhead),
             segments = self.segments,
             "execution timing"

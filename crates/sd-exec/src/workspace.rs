@@ -19,6 +19,9 @@ pub struct ComputeWorkspace {
     /// [`take_reusable`](Self::take_reusable)), with its plan's fingerprint and segment.
     kept: Option<(Fingerprint, usize, SegmentGraph)>,
     reservations: usize,
+    /// The compute bytes of segment graphs measured by [`grows_for`](Self::grows_for),
+    /// by plan and segment.
+    needs: std::collections::HashMap<(Fingerprint, usize), u64>,
 }
 
 impl std::fmt::Debug for ComputeWorkspace {
@@ -40,6 +43,7 @@ impl ComputeWorkspace {
             current: None,
             kept: None,
             reservations: 0,
+            needs: std::collections::HashMap::new(),
         }
     }
 
@@ -73,6 +77,30 @@ impl ComputeWorkspace {
             self.release();
         }
         self.bytes()
+    }
+
+    /// The buffer bytes `graph` (segment `segment` of the plan `plan`) needs, as the
+    /// allocator will lay it out: measured once per plan and segment.
+    pub fn need(&mut self, graph: &SegmentGraph, plan: Fingerprint, segment: usize) -> u64 {
+        if self.needs.len() > 4096 {
+            self.needs.clear();
+        }
+        let buft = self.buft;
+        *self.needs.entry((plan, segment)).or_insert_with(|| {
+            sd_tensor::ggml::Gallocr::new(buft)
+                .map(|g| g.measure(graph.graph()) as u64)
+                .unwrap_or(0)
+        })
+    }
+
+    /// Whether allocating `graph` (segment `segment` of the plan `plan`) would grow the
+    /// buffer, freeing the one held (ggml reallocates a buffer too small for a graph).
+    /// False without a buffer.
+    pub fn grows_for(&mut self, graph: &SegmentGraph, plan: Fingerprint, segment: usize) -> bool {
+        let need = self.need(graph, plan, segment);
+        self.galloc
+            .as_ref()
+            .is_some_and(|g| need > g.buffer_size() as u64)
     }
 
     /// Allocates `graph`'s tensors in the buffer (creating or growing it) and keeps the

@@ -33,6 +33,9 @@ pub struct CutCache {
     /// The most bytes entries and spares may hold together for spares to be kept (`0`:
     /// none kept).
     spare_limit: u64,
+    /// Whether removed entries are all kept as spares, whatever the limit (see
+    /// [`CutCache::hold_frees`]).
+    holding: bool,
 }
 
 impl std::fmt::Debug for CutCache {
@@ -56,6 +59,18 @@ impl CutCache {
             entries: HashMap::new(),
             spares: Vec::new(),
             spare_limit: 0,
+            holding: false,
+        }
+    }
+
+    /// While on, the cache frees no buffer: removed entries become spares even past the
+    /// spare limit (a graph still queued on the device may read them, and freeing device
+    /// memory under queued work waits for it on some backends); turning it off frees the
+    /// spares past the limit. Clearing the cache frees everything either way.
+    pub fn hold_frees(&mut self, on: bool) {
+        self.holding = on;
+        if !on {
+            self.trim_spares(0);
         }
     }
 
@@ -69,6 +84,9 @@ impl CutCache {
     /// Frees spares, the largest first, until `extra` more bytes keep the cache within
     /// its spare limit (all of them without a limit).
     fn trim_spares(&mut self, extra: u64) {
+        if self.holding {
+            return;
+        }
         if self.spare_limit == 0 {
             self.spares.clear();
             return;
@@ -83,7 +101,7 @@ impl CutCache {
 
     /// Moves removed entries to the spares (or frees them, see [`trim_spares`](Self::trim_spares)).
     fn keep_spares(&mut self, removed: impl IntoIterator<Item = Entry>) {
-        if self.spare_limit == 0 {
+        if self.spare_limit == 0 && !self.holding {
             return;
         }
         self.spares.extend(removed);
@@ -114,7 +132,7 @@ impl CutCache {
                 }
             }
         }
-        if self.spare_limit == 0 {
+        if self.spare_limit == 0 || self.holding {
             return new_bytes;
         }
         // Free unmatched spares, the largest first, while over the limit.
@@ -341,6 +359,28 @@ mod tests {
 
     fn like(ctx: &Context, n: usize) -> GTensor {
         ctx.new_tensor(DType::F32, &[n, 2]).unwrap()
+    }
+
+    #[test]
+    fn held_frees_keep_every_removed_buffer_until_released() {
+        let ctx = Context::new_descriptors(8, 8, 0).unwrap();
+        let (a, b) = (like(&ctx, 64), like(&ctx, 32));
+        let name = |s: &str| CutName::new("g", s).unwrap();
+        let mut cache = CutCache::host();
+        cache.store_bytes(&name("a"), &a, &[1; 512]).unwrap();
+        cache.store_bytes(&name("b"), &b, &[2; 256]).unwrap();
+        let total = cache.bytes();
+        // No limit: removed entries would be freed, but not while frees are held (a
+        // graph in flight may read them), nor to make room for new buffers.
+        cache.hold_frees(true);
+        cache.retain(|_| false);
+        assert_eq!((cache.spares(), cache.bytes()), (2, total));
+        let big = like(&ctx, 96);
+        assert!(cache.room_for(&[&big]) > 0);
+        assert_eq!(cache.spares(), 2, "room_for freed a spare while held");
+        // Released: freed down to the limit (none).
+        cache.hold_frees(false);
+        assert_eq!((cache.spares(), cache.bytes()), (0, 0));
     }
 
     #[test]

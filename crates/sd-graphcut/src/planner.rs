@@ -38,6 +38,13 @@ pub trait SegmentMeasure {
     /// The compute buffer bytes of segment `index` (its inputs and outputs are final; its
     /// liveness and recomputation lists are not filled in yet).
     fn measure(&mut self, index: usize, segment: &Segment) -> Result<usize>;
+
+    /// The compute buffer bytes of segment `index` once its liveness is filled in: the
+    /// cut outputs no later segment reads (cuts inside a merged segment) stay in its
+    /// workspace instead of the cut cache. Default: [`measure`](Self::measure).
+    fn remeasure(&mut self, index: usize, segment: &Segment) -> Result<usize> {
+        self.measure(index, segment)
+    }
 }
 
 impl<F: FnMut(usize, &Segment) -> Result<usize>> SegmentMeasure for F {
@@ -338,6 +345,17 @@ pub fn plan_view(
         s.live_cuts = l.live;
         s.bytes.live_cuts = l.live_bytes;
         s.bytes.future_cuts = l.future_bytes;
+    }
+    // Cuts read only inside their own (merged) segment live in its workspace at run time:
+    // measured again with that known.
+    for (k, s) in segments.iter_mut().enumerate() {
+        let inner = s
+            .outputs
+            .iter()
+            .any(|o| o.is_cut && !o.graph_output && !s.future_cuts.contains(&o.name));
+        if inner {
+            s.bytes.compute_buffer = measure.remeasure(k, s)?;
+        }
     }
 
     // Cuts nothing reads.

@@ -204,6 +204,12 @@ impl SegmentGraph {
     /// The compute buffer a fresh allocator of `buft` needs for this graph (placeholders
     /// counted as allocated elsewhere).
     pub fn measure(&self, buft: BufferType) -> Result<usize> {
+        self.measure_kept(buft, |_| true)
+    }
+
+    /// [`measure`](Self::measure) with only the cut outputs `kept` accepts (those a later
+    /// segment reads) in the cut cache: the others stay in the workspace, as at run time.
+    pub fn measure_kept(&self, buft: BufferType, kept: impl Fn(&CutName) -> bool) -> Result<usize> {
         // Cut and graph outputs that are not views go to the cut cache when the segment
         // runs (`CutCache::bind_output`): measured as allocated elsewhere, as they will be,
         // so that the allocator lays the rest out as it will at run time.
@@ -211,7 +217,9 @@ impl SegmentGraph {
         external.extend(
             self.outputs
                 .iter()
-                .filter(|(o, t)| (o.is_cut || o.graph_output) && t.view_src().is_none())
+                .filter(|(o, t)| {
+                    (o.graph_output || (o.is_cut && kept(&o.name))) && t.view_src().is_none()
+                })
                 .map(|(_, t)| t.clone()),
         );
         measure_with_external(buft, &self.graph, &external).map_err(ggml(format!(
@@ -665,6 +673,11 @@ impl<'g> GallocrMeasure<'g> {
 impl SegmentMeasure for GallocrMeasure<'_> {
     fn measure(&mut self, index: usize, segment: &Segment) -> Result<usize> {
         SegmentGraph::for_measure(self.graph, segment, index)?.measure(self.buft)
+    }
+
+    fn remeasure(&mut self, index: usize, segment: &Segment) -> Result<usize> {
+        SegmentGraph::for_measure(self.graph, segment, index)?
+            .measure_kept(self.buft, |n| segment.future_cuts.contains(n))
     }
 }
 

@@ -389,6 +389,52 @@ fn alternating_cfg_shapes_are_planned_once_each() {
     assert_eq!(fps[0], fps[2]);
 }
 
+/// A merged segment (two cut groups run as one) keeps the cut between them in its
+/// workspace (no later segment reads it, so it is not bound to the cut cache at run time):
+/// the plan measures its compute buffer with that cut allocated there, which is more than
+/// when every cut output counts as held elsewhere (before, the run outgrew the planned
+/// buffer and, under a budget, the budget).
+#[test]
+fn merged_segments_measure_their_inner_cuts_in_the_workspace() {
+    let backend = Backend::cpu(1).unwrap();
+    let buft = backend.buffer_type();
+    let mut net = unet(&UnetOpts { batch: 1 });
+    net.marks = net
+        .marks
+        .regrouped(|g| match g {
+            "mid" | "up1" => "mid+up1".to_string(),
+            other => other.to_string(),
+        })
+        .unwrap();
+    let cap = net.capture();
+    let plan = plan_for(&backend, &cap);
+    let mut inner = 0;
+    for (k, s) in plan.segments.iter().enumerate() {
+        let g = SegmentGraph::for_measure(&cap, s, k).unwrap();
+        let kept = g.measure_kept(buft, |n| s.future_cuts.contains(n)).unwrap();
+        assert_eq!(kept, s.bytes.compute_buffer, "segment {k} '{}'", s.name);
+        let has_inner = s
+            .outputs
+            .iter()
+            .any(|o| o.is_cut && !o.graph_output && !s.future_cuts.contains(&o.name));
+        if has_inner {
+            inner += 1;
+            let all_external = g.measure(buft).unwrap();
+            assert!(
+                kept > all_external,
+                "segment {k}: {kept} <= {all_external} with its inner cut held elsewhere"
+            );
+        }
+    }
+    assert_eq!(
+        inner,
+        1,
+        "{:?}",
+        plan.segments.iter().map(|s| &s.name).collect::<Vec<_>>()
+    );
+    check_equivalence(&backend, &net);
+}
+
 #[test]
 fn segment_graphs_measure_and_report_missing_bindings() {
     let backend = Backend::cpu(1).unwrap();

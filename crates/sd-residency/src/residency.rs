@@ -364,6 +364,13 @@ pub trait DeviceResidencyManager {
         None
     }
 
+    /// Whether uploads queued on a device's copy stream wait, in the device's queues, for
+    /// the compute queued on it so far (default: on). A caller that keeps every weight a
+    /// queued compute reads pinned until that compute is done (so that no memory freed for
+    /// an upload is read by queued compute) turns it off, so that uploads overlap the
+    /// queued compute. Default: ignored.
+    fn set_uploads_wait_for_compute(&mut self, _on: bool) {}
+
     /// Waits on the host for the queued uploads of the prefetches made current so far
     /// (those a compute backend already waits on in its queue); the caller calls it just
     /// before computing and times it as the upload wait: the part of the asynchronous

@@ -141,3 +141,72 @@ fn dropping_the_stream_finishes_its_copies() {
     drop(stream);
     assert_eq!(dst[0].read_f32().unwrap(), values(3, 32));
 }
+
+/// A graph queued with `compute_async` on a device with queued work is in flight until the
+/// host waits for it: the simulated device counts a fault for each access a GPU would let
+/// race with it (the host writing a source, reading an output, freeing its memory; a copy
+/// queued on another stream without waiting on an event after it), and none once waited
+/// for (the backend synchronised, an event recorded after it synchronised, or the copy
+/// stream ordered after it).
+#[test]
+fn graphs_in_flight_race_with_unordered_accesses() {
+    let dev = async_sim("SIM-in-flight");
+    let compute = dev.backend().unwrap();
+    let stream = CopyStream::new(&compute).unwrap();
+    let ctx = Context::new_descriptors(8, 8, 1).unwrap();
+    let x = ctx.new_tensor(DType::F32, &[64]).unwrap();
+    let y = ctx.scale(&x, 2.0).unwrap();
+    y.set_output();
+    let mut graph = sd_tensor::ggml::Graph::new(&ctx, 8).unwrap();
+    graph.build_forward_expand(&y).unwrap();
+    let _mem = dev.buffer_type().alloc_context_tensors(&ctx).unwrap();
+    let (_hctx, host) = tensors(1, 64);
+    let _hbuf = BufferType::cpu().alloc_context_tensors(&_hctx).unwrap();
+    host[0].write_f32(&values(1, 64)).unwrap();
+    let faults = |n: u64, what: &str| assert_eq!(dev.stats().faults, n, "{what}");
+    let queue = |what: &str| {
+        x.write_f32(&values(0, 64)).unwrap();
+        // SAFETY: the tensors live until the end of the test; every access below is
+        // either a deliberate race (counted by the simulated device) or waits first.
+        unsafe { compute.compute_async(&graph) }.expect(what);
+    };
+
+    queue("first");
+    let _ = y.read_f32().unwrap();
+    faults(1, "reading an output in flight");
+    x.write_f32(&values(2, 64)).unwrap();
+    faults(2, "writing a source in flight");
+    // SAFETY: see above (a deliberate race).
+    unsafe { stream.upload(&[(host[0].clone(), x.clone())], false) }.unwrap();
+    faults(3, "a copy queued on another stream into a source in flight");
+    compute.synchronize();
+    stream.backend().synchronize();
+    let want: Vec<f32> = values(0, 64).iter().map(|v| v * 2.0).collect();
+    assert_eq!(
+        y.read_f32().unwrap(),
+        want,
+        "computed from the first values"
+    );
+    faults(3, "after synchronising");
+
+    queue("second");
+    let done = Event::new(dev.device()).unwrap();
+    done.record(&compute).unwrap();
+    done.synchronize();
+    let _ = y.read_f32().unwrap();
+    faults(3, "after an event recorded after the graph");
+
+    queue("third");
+    stream.after(&compute).unwrap();
+    // SAFETY: ordered after the graph by `after`.
+    unsafe { stream.upload(&[(host[0].clone(), x.clone())], false) }.unwrap();
+    faults(3, "a copy ordered after the graph");
+    stream.backend().synchronize();
+    compute.synchronize();
+    assert_eq!(
+        x.read_f32().unwrap(),
+        values(1, 64),
+        "the ordered copy landed"
+    );
+    faults(3, "end");
+}

@@ -7,6 +7,7 @@
 //! sd-bench unet --weights FILE --backend NAME [--max-vram FRAC|BYTES] [--params MODE]
 //!               [--steps N] [--flash-attn auto|on|off] [--dump DIR] [--config NAME]
 //!               [--runtime-reserve BYTES] [--direct on] [--type q8_0|q4_K|...] [--reuse-graphs on|off]
+//!               [--async-compute on|off]
 //! sd-bench check --backend NAME                         tiny UNet: backend vs CPU, resident
 //!                                                       and streamed through a budget
 //! sd-bench copy-bw --backend NAME [--mib N]             host->device copy bandwidth
@@ -280,6 +281,10 @@ struct UnetArgs {
     /// built or allocated; CUDA graphs replay it); off: a new graph copy each step
     #[arg(long = "reuse-graphs", value_enum, default_value = "on")]
     reuse_graphs: OnOff,
+    /// Queue each segment's compute and prepare the next one on the host while it runs
+    /// (where the backend queues work); off: wait for each segment before the next
+    #[arg(long = "async-compute", value_enum, default_value = "on")]
+    async_compute: OnOff,
     /// Prefetch uploads queued on a copy stream of the device (a second backend, ordered
     /// against compute with events) where the backend has one; off: copied on a transfer
     /// thread
@@ -720,6 +725,8 @@ struct RigOptions<'a> {
     /// Whether the session sub-allocates streamed weights from one staging pool.
     staging_pool: bool,
     reuse_graphs: bool,
+    /// Whether segments are queued without waiting (see `SessionConfig::async_compute`).
+    async_compute: bool,
     /// Segments ahead to prefetch (`None`: as far as there is room).
     prefetch_depth: Option<u32>,
     /// A fixed resident set under a budget.
@@ -791,6 +798,7 @@ fn build_rig(o: RigOptions<'_>, inputs: &Inputs) -> Result<Rig> {
         .with_prefetch(true);
     config.staging_pool = o.staging_pool;
     config.reuse_graphs = o.reuse_graphs;
+    config.async_compute = o.async_compute;
     config.resident_set = o.resident_set;
     config.pool_sized_segments = o.pool_sized_segments;
     if let Some(d) = o.prefetch_depth {
@@ -1164,6 +1172,7 @@ fn cmd_unet(a: &UnetArgs) -> Result<()> {
             threads,
             staging_pool: a.staging_pool == OnOff::On,
             reuse_graphs: a.reuse_graphs == OnOff::On,
+            async_compute: a.async_compute == OnOff::On,
             prefetch_depth: a.prefetch_depth,
             resident_set: a.resident_set == OnOff::On,
             pool_sized_segments: a.pool_sized_segments == OnOff::On,
@@ -1177,6 +1186,7 @@ fn cmd_unet(a: &UnetArgs) -> Result<()> {
     let setup_s = t_setup.elapsed().as_secs_f64();
     rig.step()?;
     let up0 = rig.engine.manager().upload_bytes();
+    let sim0 = sim.as_ref().map(|s| s.stats());
     let mut times = Vec::with_capacity(steps);
     let mut last = first.clone();
     for _ in 0..steps {
@@ -1185,6 +1195,15 @@ fn cmd_unet(a: &UnetArgs) -> Result<()> {
         times.push(t0.elapsed().as_secs_f64());
     }
     let uploaded = rig.engine.manager().upload_bytes() - up0;
+    // The simulated device's buffer allocations and frees per timed step.
+    let sim_churn = sim.as_ref().zip(sim0).map(|(s, s0)| {
+        let s1 = s.stats();
+        (
+            (s1.allocations - s0.allocations) as f64 / steps as f64,
+            (s1.frees - s0.frees) as f64 / steps as f64,
+            (s1.frees_in_flight - s0.frees_in_flight) as f64 / steps as f64,
+        )
+    });
     let backend_id = rig.engine.session(rig.session).map(|s| s.backend_id());
     let copy_stream = backend_id.is_some_and(|id| rig.engine.manager_mut().uploads_async(id));
     let peak_used = free_before.saturating_sub(sampler.min_free());
@@ -1230,6 +1249,7 @@ fn cmd_unet(a: &UnetArgs) -> Result<()> {
             "allocation_granularity": granularity,
             "coalesced_uploads": coalesce_uploads(),
             "async_upload": a.async_upload == OnOff::On,
+            "async_compute": a.async_compute == OnOff::On,
             "prefetch_depth": a.prefetch_depth,
             "resident_set": a.resident_set == OnOff::On,
             "pool_sized_segments": a.pool_sized_segments == OnOff::On,
@@ -1250,6 +1270,12 @@ fn cmd_unet(a: &UnetArgs) -> Result<()> {
             "prefetched": last.segments.iter().filter(|s| s.prefetched).count(),
             "max_prefetches_ahead": last.segments.iter().map(|s| s.prefetches_ahead).max().unwrap_or(0),
             "graphs_reused": last.segments.iter().filter(|s| s.graph_reused).count(),
+            "segments_overlapped": last.segments.iter().filter(|s| s.overlapped).count(),
+            // The simulated device's faults (accesses a GPU would let race or fail; 0 in a correct run).
+            "sim_faults": sim.as_ref().map(|s| s.stats().faults),
+            "sim_allocations_per_step": sim_churn.map(|c| c.0),
+            "sim_frees_per_step": sim_churn.map(|c| c.1),
+            "sim_frees_in_flight_per_step": sim_churn.map(|c| c.2),
             "engine_max_footprint_bytes": max_footprint,
             "peak_device_used_bytes": peak_used,
             "device_used_peak_bytes": device_used_peak,
@@ -1267,6 +1293,7 @@ fn cmd_unet(a: &UnetArgs) -> Result<()> {
                 "build": last.timing.build.as_secs_f64() * 1e3,
                 "allocate": last.timing.allocate.as_secs_f64() * 1e3,
                 "compute": last.timing.compute.as_secs_f64() * 1e3,
+                "compute_wait": last.timing.compute_wait.as_secs_f64() * 1e3,
                 "overhead": last.timing.overhead.as_secs_f64() * 1e3,
                 "total": last.timing.total.as_secs_f64() * 1e3,
             },
@@ -1319,6 +1346,7 @@ fn cmd_check(name: &str, threads: usize) -> Result<()> {
                 threads,
                 staging_pool: true,
                 reuse_graphs: true,
+                async_compute: true,
                 prefetch_depth: None,
                 resident_set: true,
                 pool_sized_segments: false,

@@ -51,7 +51,7 @@ use sd_tensor::ggml::{BufferType, GTensor, TensorId};
 
 use crate::engine::EngineOptions;
 use crate::error::{ExecError, Result};
-use crate::eviction::{ensure_capacity, CapacityAsk, ReclaimEvent};
+use crate::eviction::{ensure_capacity, fits_as_is, CapacityAsk, ReclaimEvent};
 use crate::session::{ExecutionSession, SegmentationPolicy, SessionConfig, SessionId};
 use crate::task::{ComputeResult, ComputeTask, ExecTiming, SegmentReport};
 
@@ -252,7 +252,6 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
                 })?;
             inputs.insert_tensor(t, entry)?;
         }
-        let owner = self.session.id.owner();
         let prefetch_on =
             segmented && self.session.config.prefetch && self.manager.prefetch_enabled();
         for ids in &p.segment_params {
@@ -269,11 +268,94 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         let resident = self.resident_set(p);
         let spares = self.cut_spare_limit(p);
         self.session.slots[0].cut_cache.set_spare_limit(spares);
+        self.session.slots[0].cut_cache.hold_frees(false);
         if segmented {
             let kept: Vec<ParamId> = resident.iter().copied().collect();
             self.manager.keep_at_pool_end(&kept);
         }
         timing.capacity += t.elapsed();
+        // Segments queued without waiting (see `SessionConfig::async_compute`): one device,
+        // whose backend queues work. Uploads then need not wait for queued compute: the
+        // segment in flight keeps its weights pinned, so no memory freed for an upload is
+        // read by it.
+        let async_compute = segmented
+            && self.session.config.async_compute
+            && self.session.slots.len() == 1
+            && self.session.slots[0].backend.supports_events();
+        self.manager.set_uploads_wait_for_compute(!async_compute);
+        let mut in_flight: Option<InFlight> = None;
+        let run = self.run_segments(
+            task,
+            p,
+            &inputs,
+            segmented,
+            &resident,
+            prefetch_on,
+            async_compute.then_some(&mut in_flight),
+            timing,
+        );
+        let settled = in_flight.take().map(|f| self.settle(f, timing));
+        let reports = run?;
+        settled.transpose()?;
+        let out = self
+            .session
+            .slots
+            .iter()
+            .find_map(|s| s.cut_cache.get(&output_index))
+            .ok_or_else(|| {
+                self.invalid(task, format!("output '{output_index}' was not produced"))
+            })?;
+        let bytes = out.read_bytes().map_err(ExecError::ggml(format!(
+            "reading output '{}'",
+            task.output.name()
+        )))?;
+        let ne = out.ne();
+        if let Some(peak) = reports.iter().map(|r| r.compute_bytes).max() {
+            tracing::debug!(segments = reports.len(), peak_compute = peak, "executed");
+        }
+        Ok(ComputeResult {
+            output: bytes,
+            ne,
+            segmented,
+            segments: reports,
+            timing: ExecTiming::default(),
+            weight_upload_bytes: 0,
+        })
+    }
+
+    /// Waits for the segment in flight and finishes it: drops the cut entries nothing
+    /// after it reads and unpins its weights.
+    fn settle(&mut self, f: InFlight, timing: &mut ExecTiming) -> Result<()> {
+        let t = Instant::now();
+        self.session.slots[f.device].backend.synchronize();
+        timing.compute_wait += t.elapsed();
+        tracing::trace!(segment = f.index, "segment done");
+        for slot in &mut self.session.slots {
+            slot.cut_cache.retain(|n| !f.dead.contains(n));
+            slot.cut_cache.hold_frees(false);
+        }
+        self.session.sync(self.manager);
+        let pinned = std::mem::take(&mut self.session.pinned_in_flight);
+        self.manager.unpin_params(&pinned)?;
+        Ok(())
+    }
+
+    /// The segment loop of [`run_plan`](Self::run_plan). With `in_flight` (asynchronous
+    /// compute), the last segment is left in it, queued and not waited for.
+    #[allow(clippy::too_many_arguments)]
+    fn run_segments(
+        &mut self,
+        task: &ComputeTask,
+        p: &Prepared,
+        inputs: &HostInputs<'_>,
+        segmented: bool,
+        resident: &HashSet<ParamId>,
+        prefetch_on: bool,
+        mut in_flight: Option<&mut Option<InFlight>>,
+        timing: &mut ExecTiming,
+    ) -> Result<Vec<SegmentReport>> {
+        let plan = &p.plan;
+        let owner = self.session.id.owner();
         let mut reports = Vec::with_capacity(plan.segments.len());
         // The prefetches in flight, (target segment, params), in segment order.
         let mut queued: VecDeque<(usize, Vec<ParamId>)> = VecDeque::new();
@@ -295,9 +377,17 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
                     .filter(|o| o.graph_output)
                     .map(|o| o.name.clone()),
             );
+            // The segment in flight still reads its cuts: they go when it is done.
+            let still_read: &[CutName] = in_flight
+                .as_deref()
+                .and_then(|f| f.as_ref())
+                .map_or(&[], |f| f.dead.as_slice());
             for slot in &mut self.session.slots {
-                slot.cut_cache
-                    .retain(|n| seg.live_cuts.contains(n) || outputs_so_far.contains(n));
+                slot.cut_cache.retain(|n| {
+                    seg.live_cuts.contains(n)
+                        || outputs_so_far.contains(n)
+                        || still_read.contains(n)
+                });
             }
             // Cuts this segment reads that another device holds (layer split boundaries).
             let imports: Vec<(CutName, GTensor)> = seg
@@ -324,7 +414,14 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
                 .filter(|o| !self.session.slots[d].cut_cache.contains(&o.name))
                 .map(|o| &p.graph.node_tensors()[o.node])
                 .collect();
-            let store_bytes = self.session.slots[d].cut_cache.room_for(&kept_outputs);
+            // A workspace too small for this segment is released: not under the one in
+            // flight.
+            let ws = &self.session.slots[d].workspace;
+            if !ws.is_released() && ws.bytes() < compute {
+                self.settle_in_flight(&mut in_flight, timing)?;
+            }
+            // (Spares past the limit are freed here unless a segment is in flight.)
+            let mut store_bytes = self.session.slots[d].cut_cache.room_for(&kept_outputs);
             let held = self.session.slots[d].workspace.prepare(compute);
             self.session.sync(self.manager);
 
@@ -342,30 +439,45 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
             }
             timing.wait += t.elapsed();
 
-            let pending = compute.saturating_sub(held) + store_bytes + import_bytes;
+            let mut pending = compute.saturating_sub(held) + store_bytes + import_bytes;
             let preferred = eviction_order(&p.segment_params, k);
             // In the order they are prepared (a staging pool is checked placing them so).
-            let groups = split_groups(&p.segment_groups[k], &resident);
+            let groups = split_groups(&p.segment_groups[k], resident);
             let ordered: Vec<ParamId> = groups.iter().flatten().copied().collect();
             // The resident set is kept too, unless the segment does not fit otherwise.
-            let keep: Vec<ParamId> = ordered.iter().chain(&resident).copied().collect();
+            let keep: Vec<ParamId> = ordered.iter().chain(resident).copied().collect();
             let t = Instant::now();
+            // The segment in flight holds its weights and the cuts only it reads: a
+            // segment that needs room waits for it first, so that it evicts what it would
+            // have without it (and its cut entries become spares this one may take).
+            if in_flight.as_deref().is_some_and(|f| f.is_some())
+                && !fits_as_is(
+                    self.manager,
+                    &segment_ask(
+                        &what,
+                        &backend_name,
+                        self.request(d, pending),
+                        &ordered,
+                        &preferred,
+                        &keep,
+                    ),
+                )?
+            {
+                tracing::debug!(segment = k, "waiting for the segment in flight for room");
+                self.settle_in_flight(&mut in_flight, timing)?;
+                store_bytes = self.session.slots[d].cut_cache.room_for(&kept_outputs);
+                pending = compute.saturating_sub(held) + store_bytes + import_bytes;
+            }
             let room_for = |this: &mut Self, pending: u64, protected: &[ParamId]| {
-                let request = this.request(d, pending);
-                ensure_capacity(
-                    this.manager,
-                    this.others,
-                    &CapacityAsk {
-                        what: what.clone(),
-                        backend_name: backend_name.clone(),
-                        request,
-                        required: &ordered,
-                        preferred: &preferred,
-                        protected,
-                        pending_unless_pooled: false,
-                    },
-                    this.log,
-                )
+                let a = segment_ask(
+                    &what,
+                    &backend_name,
+                    this.request(d, pending),
+                    &ordered,
+                    &preferred,
+                    protected,
+                );
+                ensure_capacity(this.manager, this.others, &a, this.log)
             };
             let out_of_memory = |r: &Result<()>| matches!(r, Err(e) if e.is_out_of_memory());
             let mut room = room_for(self, pending, &keep);
@@ -398,6 +510,9 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
             }
             room?;
             timing.capacity += t.elapsed();
+            if !imports.is_empty() {
+                self.settle_in_flight(&mut in_flight, timing)?;
+            }
             for (name, t) in &imports {
                 self.session.slots[d].cut_cache.store(name, t)?;
             }
@@ -415,20 +530,28 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
                 self.session.pinned_now.extend_from_slice(group);
             }
             timing.staging += t.elapsed();
-            // From here on the segment's weights are pinned: unpin whatever happens.
+            // From here on the segment's weights are pinned: unpin whatever happens (or
+            // when the segment is done, if it is left in flight).
             let r = self.compute_segment(
                 task,
                 p,
                 k,
-                &inputs,
-                prefetch_on.then_some(&resident),
+                inputs,
+                prefetch_on.then_some(resident),
                 &mut queued,
                 store_bytes,
+                in_flight.as_deref_mut(),
                 timing,
             );
             let pinned = std::mem::take(&mut self.session.pinned_now);
-            let unpinned = self.manager.unpin_params(&pinned);
-            let (cache_bytes, direct_outputs, graph_reused) = r?;
+            let queued_now = matches!(&r, Ok(c) if c.queued);
+            let unpinned = if queued_now {
+                self.session.pinned_in_flight = pinned;
+                Ok(())
+            } else {
+                self.manager.unpin_params(&pinned)
+            };
+            let done = r?;
             unpinned?;
             if reuses_graphs(plan.segments.len(), &self.session.config) {
                 self.session.slots[d]
@@ -437,9 +560,29 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
             } else {
                 self.session.slots[d].workspace.end_graph();
             }
-            for slot in &mut self.session.slots {
-                slot.cut_cache
-                    .retain(|n| seg.future_cuts.contains(n) || outputs_so_far.contains(n));
+            let keep = |n: &CutName| seg.future_cuts.contains(n) || outputs_so_far.contains(n);
+            match in_flight.as_deref_mut() {
+                Some(slot) if queued_now => {
+                    // Dropped when the segment is done (see `settle`).
+                    let dead: Vec<CutName> = self.session.slots[d]
+                        .cut_cache
+                        .names()
+                        .filter(|n| !keep(n))
+                        .cloned()
+                        .collect();
+                    // No cut-cache buffer is freed under it (see `CutCache::hold_frees`).
+                    self.session.slots[d].cut_cache.hold_frees(true);
+                    *slot = Some(InFlight {
+                        index: k,
+                        device: d,
+                        dead,
+                    });
+                }
+                _ => {
+                    for slot in &mut self.session.slots {
+                        slot.cut_cache.retain(keep);
+                    }
+                }
             }
             self.session.sync(self.manager);
             reports.push(SegmentReport {
@@ -449,7 +592,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
                 params: params.len(),
                 weight_bytes: p.segment_weight_bytes[k],
                 compute_bytes: compute,
-                cache_bytes,
+                cache_bytes: done.cache_bytes,
                 spare_bytes: self.session.slots[d]
                     .cut_cache
                     .bytes()
@@ -458,41 +601,33 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
                 copied_bytes: import_bytes,
                 prefetched,
                 prefetches_ahead: queued.len(),
-                direct_outputs,
-                graph_reused,
+                direct_outputs: done.direct_outputs,
+                graph_reused: done.graph_reused,
+                overlapped: done.overlapped,
             });
         }
         if !queued.is_empty() {
             self.manager.clear_prefetched_params(owner);
         }
-        let out = self
-            .session
-            .slots
-            .iter()
-            .find_map(|s| s.cut_cache.get(&output_index))
-            .ok_or_else(|| {
-                self.invalid(task, format!("output '{output_index}' was not produced"))
-            })?;
-        let bytes = out.read_bytes().map_err(ExecError::ggml(format!(
-            "reading output '{}'",
-            task.output.name()
-        )))?;
-        let ne = out.ne();
-        if let Some(peak) = reports.iter().map(|r| r.compute_bytes).max() {
-            tracing::debug!(segments = reports.len(), peak_compute = peak, "executed");
-        }
-        Ok(ComputeResult {
-            output: bytes,
-            ne,
-            segmented,
-            segments: reports,
-            timing: ExecTiming::default(),
-            weight_upload_bytes: 0,
-        })
+        Ok(reports)
     }
 
-    /// Steps 6-8 of segment `k` on its device; returns the device's cut cache bytes after
-    /// storing its outputs.
+    /// [`settle`](Self::settle)s the segment in flight, if any.
+    fn settle_in_flight(
+        &mut self,
+        in_flight: &mut Option<&mut Option<InFlight>>,
+        timing: &mut ExecTiming,
+    ) -> Result<()> {
+        match in_flight.as_deref_mut().and_then(Option::take) {
+            Some(f) => self.settle(f, timing),
+            None => Ok(()),
+        }
+    }
+
+    /// Steps 6-8 of segment `k` on its device. With `in_flight` (asynchronous compute),
+    /// waits for the segment in flight just before queueing this one, and queues this one
+    /// without waiting when all its kept outputs are computed into their cut-cache entries
+    /// ([`SegmentDone::queued`]; the caller puts it in flight).
     #[allow(clippy::too_many_arguments)]
     fn compute_segment(
         &mut self,
@@ -503,8 +638,9 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         prefetch: Option<&HashSet<ParamId>>,
         queued: &mut VecDeque<(usize, Vec<ParamId>)>,
         store_bytes: u64,
+        mut in_flight: Option<&mut Option<InFlight>>,
         timing: &mut ExecTiming,
-    ) -> Result<(u64, usize, bool)> {
+    ) -> Result<SegmentDone> {
         let plan = &p.plan;
         let seg = &plan.segments[k];
         let d = p.segment_device[k];
@@ -556,13 +692,42 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
                     direct.insert(o.name.clone());
                 }
             }
+            let need = self.session.slots[d]
+                .workspace
+                .need(&sg, plan.fingerprint, k);
+            tracing::trace!(
+                segment = k,
+                need,
+                planned = seg.bytes.compute_buffer,
+                held = self.session.slots[d].workspace.bytes(),
+                "workspace need"
+            );
+            // A buffer too small for this graph is freed and allocated again: not under
+            // the segment in flight.
+            if in_flight.as_deref().is_some_and(|f| f.is_some())
+                && self.session.slots[d]
+                    .workspace
+                    .grows_for(&sg, plan.fingerprint, k)
+            {
+                tracing::debug!(
+                    segment = k,
+                    "the workspace grows: waiting for the segment in flight"
+                );
+                self.settle_in_flight(&mut in_flight, timing)?;
+            }
             self.session.slots[d].workspace.allocate(sg)?;
             self.session.sync(self.manager);
             timing.allocate += t.elapsed();
         }
+        // Under a segment in flight, only prefetches that need no eviction (its weights
+        // are pinned: one that would evict waits until it is done, to evict what it would
+        // have without it).
+        let overlapped = in_flight.as_deref().is_some_and(|f| f.is_some());
+        let mut deferred = false;
         if let Some(resident) = prefetch {
             let t = Instant::now();
-            self.enqueue_prefetches(task, p, k, store_bytes, resident, queued);
+            deferred =
+                self.enqueue_prefetches(task, p, k, store_bytes, resident, queued, overlapped);
             timing.prefetch += t.elapsed();
         }
         // Weights uploaded on the copy stream: the compute backend already waits for them in
@@ -570,6 +735,14 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         let t = Instant::now();
         self.manager.wait_for_uploads();
         timing.upload_wait += t.elapsed();
+        // Everything above overlapped the segment in flight; the inputs' uploads below
+        // write the workspace it may still use.
+        self.settle_in_flight(&mut in_flight, timing)?;
+        if let (Some(resident), true) = (prefetch, deferred) {
+            let t = Instant::now();
+            self.enqueue_prefetches(task, p, k, store_bytes, resident, queued, false);
+            timing.prefetch += t.elapsed();
+        }
         let slot = &mut self.session.slots[d];
         let Some(sg) = slot.workspace.current() else {
             return Err(ExecError::Ggml {
@@ -577,37 +750,54 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
                 source: sd_tensor::GgmlError::Mismatch("workspace lost its graph".into()),
             });
         };
-        let t = Instant::now();
-        sg.upload(inputs)?;
-        slot.backend
-            .compute(sg.graph())
-            .map_err(ExecError::ggml(format!(
-                "computing segment {k} '{}'",
-                seg.name
-            )))?;
-        timing.compute += t.elapsed();
-        let t = Instant::now();
-        let outs: Vec<_> = sg
+        let stores: Vec<_> = sg
             .outputs()
             .iter()
-            .filter(|(o, _)| kept_out(o))
+            .filter(|(o, _)| kept_out(o) && !direct.contains(&o.name))
             .map(|(o, t)| (o.name.clone(), t.clone()))
             .collect();
-        for (name, t) in outs {
-            if !direct.contains(&name) {
-                tracing::trace!(cut = %name, bytes = t.nbytes(), view = t.view_src().is_some(), store_bytes, "storing a cut after compute");
-                slot.cut_cache.store(&name, &t)?;
-            }
+        // Copies into the cut cache after computing need the results on the host's
+        // side of the queue: such a segment is waited for.
+        let queue = in_flight.is_some() && stores.is_empty();
+        let t = Instant::now();
+        sg.upload(inputs)?;
+        let context = || format!("computing segment {k} '{}'", seg.name);
+        if queue {
+            // SAFETY: the graph's memory is the workspace (kept until the caller settles
+            // this segment: a workspace is released only after that), the cut-cache
+            // entries it reads (kept until then, see `InFlight::dead`) or writes (kept),
+            // and its weights (pinned until then); nothing writes them before then
+            // without waiting for it first, and its outputs are read only after.
+            unsafe { slot.backend.compute_async(sg.graph()) }
+                .map_err(ExecError::ggml(context()))?;
+        } else {
+            slot.backend
+                .compute(sg.graph())
+                .map_err(ExecError::ggml(context()))?;
+        }
+        timing.compute += t.elapsed();
+        let t = Instant::now();
+        for (name, t) in stores {
+            tracing::trace!(cut = %name, bytes = t.nbytes(), view = t.view_src().is_some(), store_bytes, "storing a cut after compute");
+            slot.cut_cache.store(&name, &t)?;
         }
         timing.allocate += t.elapsed();
-        Ok((slot.cut_cache.entry_bytes() as u64, direct.len(), reused))
+        Ok(SegmentDone {
+            cache_bytes: slot.cut_cache.entry_bytes() as u64,
+            direct_outputs: direct.len(),
+            graph_reused: reused,
+            queued: queue,
+            overlapped,
+        })
     }
 
     /// Best effort, while segment `k` is about to compute: extends the queue of
     /// prefetches to the segments after it, in order, up to
     /// [`SessionConfig::prefetch_depth`] segments ahead of `k`, stopping at the first
     /// that does not fit now. The manager copies them on the device's copy stream or on
-    /// transfer threads while the segments before them compute.
+    /// transfer threads while the segments before them compute. With `as_is`, stops at
+    /// the first that would need an eviction and returns `true` (deferred).
+    #[allow(clippy::too_many_arguments)]
     fn enqueue_prefetches(
         &mut self,
         task: &ComputeTask,
@@ -616,7 +806,8 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         store_bytes: u64,
         resident: &HashSet<ParamId>,
         queued: &mut VecDeque<(usize, Vec<ParamId>)>,
-    ) {
+        as_is: bool,
+    ) -> bool {
         let depth = self.session.config.prefetch_depth.max(1);
         let last = k.saturating_add(depth).min(p.plan.segments.len() - 1);
         let first = queued.back().map_or(k, |(t, _)| *t) + 1;
@@ -625,7 +816,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
             if p.segment_params[target].is_empty() {
                 continue;
             }
-            match self.enqueue_prefetch(task, p, k, target, store_bytes, resident) {
+            match self.enqueue_prefetch(task, p, k, target, store_bytes, resident, as_is) {
                 Prefetch::Scheduled(ids) => {
                     queued.push_back((target, ids));
                     scheduled += 1;
@@ -637,13 +828,17 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
                 }
                 Prefetch::Resident => {}
                 Prefetch::NoRoom => break,
+                Prefetch::Later => return true,
             }
         }
+        false
     }
 
     /// Schedules the missing weights of segment `target` (after `k`) on its device now if
     /// they fit next to the segments `k..target` and the resident set (evicting only what
-    /// the policy allows, never a weight of those).
+    /// the policy allows, never a weight of those; with `as_is`, nothing:
+    /// [`Prefetch::Later`] when it would).
+    #[allow(clippy::too_many_arguments)]
     fn enqueue_prefetch(
         &mut self,
         task: &ComputeTask,
@@ -652,6 +847,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         target: usize,
         store_bytes: u64,
         resident: &HashSet<ParamId>,
+        as_is: bool,
     ) -> Prefetch {
         let current: HashSet<ParamId> = p.segment_params[k].iter().copied().collect();
         let groups = split_groups(&p.segment_groups[target], resident);
@@ -706,20 +902,20 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         let request = self.request(td, pending);
         let backend_name = self.session.slots[td].backend.name().to_string();
         let preferred = eviction_order(&p.segment_params, target);
-        let ok = ensure_capacity(
-            self.manager,
-            self.others,
-            &CapacityAsk {
-                what: format!("prefetch for segment {target} of '{}'", task.description),
-                backend_name,
-                request,
-                required: &missing,
-                preferred: &preferred,
-                protected: &protected,
-                pending_unless_pooled: true,
-            },
-            self.log,
-        );
+        let ask = CapacityAsk {
+            what: format!("prefetch for segment {target} of '{}'", task.description),
+            backend_name,
+            request,
+            required: &missing,
+            preferred: &preferred,
+            protected: &protected,
+            pending_unless_pooled: true,
+        };
+        if as_is && !fits_as_is(self.manager, &ask).unwrap_or(false) {
+            tracing::trace!(target, "prefetch deferred: it needs an eviction");
+            return Prefetch::Later;
+        }
+        let ok = ensure_capacity(self.manager, self.others, &ask, self.log);
         if ok.is_err() {
             tracing::debug!(target, "prefetch skipped: no room");
             return Prefetch::NoRoom;
@@ -773,6 +969,52 @@ fn split_groups(groups: &[Vec<ParamId>], resident: &HashSet<ParamId>) -> Vec<Vec
     out
 }
 
+/// A segment queued on its device and not waited for yet (see
+/// [`SessionConfig::async_compute`]). Its weights are pinned
+/// (`ExecutionSession::pinned_in_flight`) until it is done.
+pub(crate) struct InFlight {
+    index: usize,
+    device: usize,
+    /// The cut-cache entries to drop once it is done: those it reads that nothing after
+    /// it reads (kept meanwhile, since it reads them).
+    dead: Vec<CutName>,
+}
+
+/// What computing one segment came to.
+struct SegmentDone {
+    /// The device's cut-cache bytes after storing its outputs.
+    cache_bytes: u64,
+    /// Outputs computed into their cut-cache entries.
+    direct_outputs: usize,
+    /// Whether the graph kept from the last execution ran again.
+    graph_reused: bool,
+    /// Whether it was queued without waiting (the caller puts it in flight).
+    queued: bool,
+    /// Whether its preparation overlapped the compute of the segment before it.
+    overlapped: bool,
+}
+
+/// The capacity a segment asks for: room for `required` (its weights) and the request's
+/// pending bytes, never evicting `protected`.
+fn segment_ask<'a>(
+    what: &str,
+    backend_name: &str,
+    request: BackendMemoryRequest,
+    required: &'a [ParamId],
+    preferred: &'a [Vec<ParamId>],
+    protected: &'a [ParamId],
+) -> CapacityAsk<'a> {
+    CapacityAsk {
+        what: what.to_string(),
+        backend_name: backend_name.to_string(),
+        request,
+        required,
+        preferred,
+        protected,
+        pending_unless_pooled: false,
+    }
+}
+
 /// How many segments' prefetches one segment may add to the queue.
 const MAX_PREFETCHES_PER_SEGMENT: usize = 2;
 
@@ -784,6 +1026,8 @@ enum Prefetch {
     Resident,
     /// No room (or the manager could not schedule them): later segments wait too.
     NoRoom,
+    /// Not scheduled now: it would need an eviction while a segment is in flight.
+    Later,
 }
 
 #[cfg(test)]

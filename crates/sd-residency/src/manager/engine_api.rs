@@ -88,6 +88,10 @@ impl DeviceResidencyManager for ModelManager {
         }
     }
 
+    fn set_uploads_wait_for_compute(&mut self, on: bool) {
+        self.uploads_wait_for_compute = on;
+    }
+
     fn wait_for_uploads(&mut self) {
         self.finish_transfers_where(|j| j.is_ordered());
     }

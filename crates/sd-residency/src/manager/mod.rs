@@ -156,6 +156,8 @@ pub struct ModelManager {
     load_threads: usize,
     pinned_host_params: bool,
     coalesce_uploads: bool,
+    /// See [`DeviceResidencyManager::set_uploads_wait_for_compute`].
+    uploads_wait_for_compute: bool,
     async_uploads: bool,
     upload_bytes: u64,
     /// Weights placed at the staging pools' high end (see
@@ -215,6 +217,7 @@ impl ModelManager {
             load_threads: 0,
             pinned_host_params: true,
             coalesce_uploads: true,
+            uploads_wait_for_compute: true,
             async_uploads: false,
             upload_bytes: 0,
             pool_high: Default::default(),

@@ -395,10 +395,11 @@ impl ModelManager {
                 // while the caller computes.
                 self.upload_bytes += copies.iter().map(|c| c.dst.nbytes() as u64).sum::<u64>();
                 let coalesce = self.coalesce_uploads;
+                let after_compute = self.uploads_wait_for_compute;
                 let compute = self.backend(backend).cloned();
                 let job = match (compute, self.copy_stream(backend)) {
                     (Some(compute), Some(stream)) => {
-                        TransferJob::queue(stream, compute, copies, blocks, coalesce)
+                        TransferJob::queue(stream, compute, copies, blocks, coalesce, after_compute)
                     }
                     // After the thread jobs still in flight: the first segment's
                     // weights are not slowed down by a later segment's.

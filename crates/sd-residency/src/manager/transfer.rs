@@ -163,15 +163,17 @@ impl TransferJob {
         }
     }
 
-    /// Queues `copies` on `stream` after the work queued on `compute` so far, and records
-    /// an event after them; a failure to queue is a finished job with the error.
-    /// With `coalesce`, see [`Backend::copy_tensors`].
+    /// Queues `copies` on `stream` (with `after_compute`, after the work queued on
+    /// `compute` so far: the caller may have freed memory a queued compute still reads),
+    /// and records an event after them; a failure to queue is a finished job with the
+    /// error. With `coalesce`, see [`Backend::copy_tensors`].
     pub fn queue(
         stream: &CopyStream,
         compute: Arc<Backend>,
         copies: Vec<WeightCopy>,
         blocks: Vec<BlockId>,
         coalesce: bool,
+        after_compute: bool,
     ) -> TransferJob {
         let _span = tracing::debug_span!("weight_upload_queued", copies = copies.len()).entered();
         let bytes = copies.iter().map(|c| c.dst.nbytes() as u64).sum();
@@ -179,7 +181,12 @@ impl TransferJob {
             .iter()
             .map(|c| (c.src.clone(), c.dst.clone()))
             .collect();
-        let queued = stream.after(&compute).and_then(|()| {
+        let ordered = if after_compute {
+            stream.after(&compute)
+        } else {
+            Ok(())
+        };
+        let queued = ordered.and_then(|()| {
             // SAFETY: the sources are params copies and the destinations staging
             // placements of `blocks`; the manager waits for this job (its event) before
             // freeing any params copy or any of `blocks`, before reading or writing them

@@ -642,6 +642,29 @@ impl Backend {
 
     /// Computes a graph whose tensors all have memory.
     pub fn compute(&self, graph: &Graph) -> Result<()> {
+        self.check_allocated(graph)?;
+        // SAFETY: every node and source has memory.
+        let status = unsafe { sys::ggml_backend_graph_compute(self.raw(), graph.raw()) };
+        self.status(status)
+    }
+
+    /// Queues a graph whose tensors all have memory and returns without waiting for it
+    /// where the backend queues work (a GPU stream; the CPU backend computes at the call).
+    /// The ggml graph and its context may be dropped once this returns.
+    ///
+    /// # Safety
+    /// Until the backend is [synchronised](Self::synchronize) (or an event recorded on it
+    /// after this call has completed), the memory of the graph's tensors must stay
+    /// allocated, nothing not ordered after the graph on this backend may write it, and
+    /// nothing may read what the graph writes.
+    pub unsafe fn compute_async(&self, graph: &Graph) -> Result<()> {
+        self.check_allocated(graph)?;
+        // SAFETY: every node and source has memory; the caller keeps it (see above).
+        let status = unsafe { sys::ggml_backend_graph_compute_async(self.raw(), graph.raw()) };
+        self.status(status)
+    }
+
+    fn check_allocated(&self, graph: &Graph) -> Result<()> {
         for t in graph.nodes() {
             if !t.is_allocated() {
                 return Err(GgmlError::NotAllocated { name: t.name() });
@@ -652,8 +675,10 @@ impl Backend {
                 }
             }
         }
-        // SAFETY: every node and source has memory.
-        let status = unsafe { sys::ggml_backend_graph_compute(self.raw(), graph.raw()) };
+        Ok(())
+    }
+
+    fn status(&self, status: sys::ggml_status) -> Result<()> {
         if status != sys::GGML_STATUS_SUCCESS {
             return Err(GgmlError::ComputeFailed {
                 backend: self.name.clone(),

@@ -76,6 +76,14 @@ pub struct SimOptions {
     /// synchronised, its backend is synchronised, computes or is freed), so a reader that
     /// is not ordered after an upload sees the memory as it was. The source bytes are read
     /// when the copy is queued.
+    ///
+    /// A graph computed with `ggml_backend_graph_compute_async` on such a backend is then
+    /// *in flight* until the host waits for it (the backend is synchronised, or an event
+    /// recorded after it is synchronised), as a GPU's queued kernels are: the arithmetic is
+    /// done at the call, but any access that a real device would let race with the graph
+    /// counts a fault: the host reading memory the graph writes, the host writing or
+    /// freeing memory it reads or writes, or a copy queued on another backend (stream) into
+    /// that memory without first waiting on an event recorded after the graph.
     pub async_transfers: bool,
     /// Unit every buffer's memory is charged in (0 or 1: exact sizes): a buffer of `n`
     /// bytes takes `n` rounded up to it from the device, in the live bytes, the peak and
@@ -119,6 +127,10 @@ pub struct SimStats {
     pub failed_allocations: u64,
     /// Buffers freed.
     pub frees: u64,
+    /// Buffers freed while a graph was in flight ([`SimOptions::async_transfers`]), its
+    /// memory or not: a GPU runtime may wait for the device to go idle first (`cudaFree`
+    /// does), so each is a stall a queued pipeline should avoid.
+    pub frees_in_flight: u64,
     /// Bytes written from host memory into device memory (`tensor_set`).
     pub host_to_device_bytes: u64,
     /// Number of host-to-device transfers.
@@ -154,6 +166,7 @@ struct Counters {
     allocations: u64,
     failed_allocations: u64,
     frees: u64,
+    frees_in_flight: u64,
     h2d_bytes: u64,
     h2d_copies: u64,
     queued_h2d: u64,
@@ -169,6 +182,37 @@ struct Counters {
     history: VecDeque<u64>,
     /// Live buffers' memory: base address -> size (where a queued copy may land).
     regions: std::collections::BTreeMap<usize, usize>,
+    /// Graphs computed asynchronously that the host has not waited for yet.
+    in_flight: Vec<InFlightGraph>,
+    /// (waiting backend, computing backend) -> the computing backend's last graph that the
+    /// waiting backend's later work is ordered after (an event wait).
+    ordered: std::collections::HashMap<(u64, u64), u64>,
+}
+
+/// Device memory `[start, end)`.
+type Range = (usize, usize);
+
+/// The memory of a graph in flight ([`SimOptions::async_transfers`]): the ranges its
+/// nodes write and its sources read.
+struct InFlightGraph {
+    backend: u64,
+    /// The graph's number on its backend (1, 2, ...).
+    seq: u64,
+    writes: Vec<Range>,
+    reads: Vec<Range>,
+}
+
+impl InFlightGraph {
+    fn overlaps(ranges: &[Range], start: usize, end: usize) -> bool {
+        ranges.iter().any(|&(s, e)| s < end && start < e)
+    }
+
+    /// Whether an access to `[start, end)` races with the graph: a read with its writes,
+    /// a write with any of its memory.
+    fn races(&self, start: usize, end: usize, write: bool) -> bool {
+        Self::overlaps(&self.writes, start, end)
+            || (write && Self::overlaps(&self.reads, start, end))
+    }
 }
 
 #[derive(Clone, Copy)]
@@ -289,6 +333,31 @@ impl State {
         self.counters().faults += 1;
     }
 
+    /// Checks a host access (not queued on a backend) to device memory `[start, start +
+    /// len)` against the graphs in flight: a fault when one races with it.
+    fn check_host_access(&self, start: usize, len: usize, write: bool, what: &str) {
+        if len == 0 {
+            return;
+        }
+        let racing = self
+            .counters()
+            .in_flight
+            .iter()
+            .any(|g| g.races(start, start + len, write));
+        if racing {
+            self.fault(format_args!(
+                "{what} of {len} bytes races with a graph still in flight (the host did not wait for it)"
+            ));
+        }
+    }
+
+    /// Forgets the graphs in flight on `backend` up to its graph `seq` (the host waited).
+    fn graphs_done(&self, backend: u64, seq: u64) {
+        self.counters()
+            .in_flight
+            .retain(|g| g.backend != backend || g.seq > seq);
+    }
+
     /// Allocates a buffer of `size` bytes, or returns NULL when the device has no room.
     fn alloc_buffer(
         self: &Arc<Self>,
@@ -371,6 +440,9 @@ impl State {
         let live = c.live.saturating_sub(self.charged(size));
         self.set_live(&mut c, live);
         c.frees += 1;
+        if !c.in_flight.is_empty() {
+            c.frees_in_flight += 1;
+        }
         c.live_buffers = c.live_buffers.saturating_sub(1);
     }
 
@@ -436,6 +508,16 @@ struct SimBackend {
     lock: Mutex<()>,
     /// Copies queued on this backend (stream), in order.
     queue: Arc<Mutex<CopyQueue>>,
+    /// A number unique among the process's simulated backends.
+    id: u64,
+    /// Graphs computed so far (the last one's number).
+    graphs: std::sync::atomic::AtomicU64,
+}
+
+/// The next [`SimBackend::id`].
+fn next_backend_id() -> u64 {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
 }
 
 /// A backend's queued copies ([`SimOptions::async_transfers`]).
@@ -483,26 +565,38 @@ impl CopyQueue {
     }
 }
 
-/// The context of one event: the queue and sequence number it was last recorded at.
+/// Where an event was last recorded: a backend's copy queue and sequence number, and the
+/// backend's last graph at that time.
+#[derive(Clone)]
+struct Recorded {
+    queue: Arc<Mutex<CopyQueue>>,
+    seq: u64,
+    backend: u64,
+    graph: u64,
+}
+
+/// The context of one event.
 struct SimEvent {
     state: Arc<State>,
-    recorded: Mutex<Option<(Arc<Mutex<CopyQueue>>, u64)>>,
+    recorded: Mutex<Option<Recorded>>,
 }
 
 impl SimEvent {
-    /// Makes the copies queued before the record take effect.
-    fn complete(&self) {
-        let recorded = self
-            .recorded
+    fn recorded(&self) -> Option<Recorded> {
+        self.recorded
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .clone();
-        if let Some((queue, seq)) = recorded {
-            queue
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .run_until(&self.state, seq);
-        }
+            .clone()
+    }
+
+    /// Makes the copies queued before the record take effect; returns the record.
+    fn complete(&self) -> Option<Recorded> {
+        let r = self.recorded()?;
+        r.queue
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .run_until(&self.state, r.seq);
+        Some(r)
     }
 }
 
@@ -673,6 +767,7 @@ impl SimDevice {
             allocations: c.allocations,
             failed_allocations: c.failed_allocations,
             frees: c.frees,
+            frees_in_flight: c.frees_in_flight,
             host_to_device_bytes: c.h2d_bytes,
             host_to_device_copies: c.h2d_copies,
             queued_host_to_device_copies: c.queued_h2d,
@@ -712,6 +807,8 @@ impl SimDevice {
             fail_next: c.fail_next,
             history: std::mem::take(&mut c.history),
             regions: std::mem::take(&mut c.regions),
+            in_flight: std::mem::take(&mut c.in_flight),
+            ordered: std::mem::take(&mut c.ordered),
             ..Counters::default()
         };
         *c = keep;
@@ -912,7 +1009,10 @@ unsafe extern "C" fn dev_event_synchronize(
     ffi((), || {
         // SAFETY: ggml passes one of our events.
         if let Some(e) = unsafe { sim_event(event) } {
-            e.complete();
+            // The host waited: the graphs recorded before the event are done too.
+            if let Some(r) = e.complete() {
+                e.state.graphs_done(r.backend, r.graph);
+            }
         }
     })
 }
@@ -1026,6 +1126,8 @@ unsafe extern "C" fn dev_init_backend(
             cpu,
             lock: Mutex::new(()),
             queue: Arc::default(),
+            id: next_backend_id(),
+            graphs: Default::default(),
         }));
         // SAFETY: `dev` is our device, whose context is the never-freed shell; the guid
         // lives in it. The backend struct and `ctx` are reclaimed by `backend_free`.
@@ -1186,6 +1288,8 @@ unsafe extern "C" fn buffer_free(buffer: sys::ggml_backend_buffer_t) {
         }
         // SAFETY: see above.
         let b = unsafe { Box::from_raw(ctx) };
+        b.state
+            .check_host_access(b.base.as_ptr() as usize, b.size, true, "freeing a buffer");
         // SAFETY: the memory was allocated with this layout and is no longer referenced by
         // ggml (the buffer is being freed).
         b.state
@@ -1218,8 +1322,12 @@ unsafe extern "C" fn buffer_memset_tensor(
         // SAFETY: live tensor.
         let data = unsafe { (*tensor).data };
         match b.region(data, offset, size) {
-            // SAFETY: the region lies inside the buffer's allocation.
-            Some(dst) => unsafe { ptr::write_bytes(dst, value, size) },
+            Some(dst) => {
+                b.state
+                    .check_host_access(dst as usize, size, true, "memset_tensor");
+                // SAFETY: the region lies inside the buffer's allocation.
+                unsafe { ptr::write_bytes(dst, value, size) }
+            }
             None => b
                 .state
                 .fault(format_args!("memset of {size} bytes outside the buffer")),
@@ -1248,6 +1356,8 @@ unsafe extern "C" fn buffer_set_tensor(
         let tdata = unsafe { (*tensor).data };
         match b.region(tdata, offset, size) {
             Some(dst) => {
+                b.state
+                    .check_host_access(dst as usize, size, true, "tensor_set");
                 // SAFETY: `data` holds `size` readable bytes (caller contract); `dst` lies
                 // inside the buffer. `copy` tolerates overlap.
                 unsafe { ptr::copy(data.cast::<u8>(), dst, size) };
@@ -1281,6 +1391,8 @@ unsafe extern "C" fn buffer_get_tensor(
         let tdata = unsafe { (*tensor).data };
         match b.region(tdata, offset, size) {
             Some(src) => {
+                b.state
+                    .check_host_access(src as usize, size, false, "tensor_get");
                 // SAFETY: `data` holds `size` writable bytes (caller contract); `src` lies
                 // inside the buffer. `copy` tolerates overlap.
                 unsafe { ptr::copy(src, data.cast::<u8>(), size) };
@@ -1326,6 +1438,10 @@ unsafe extern "C" fn buffer_cpy_tensor(
             let n = sys::ggml_nbytes(src);
             match (sb.region(s.data, 0, n), b.region((*dst).data, 0, n)) {
                 (Some(from), Some(to)) => {
+                    b.state
+                        .check_host_access(from as usize, n, false, "tensor_copy (source)");
+                    b.state
+                        .check_host_access(to as usize, n, true, "tensor_copy (destination)");
                     // Both regions lie inside live allocations of this device.
                     ptr::copy(from, to, n);
                     b.state.count(Dir::DeviceToDevice, n);
@@ -1344,6 +1460,8 @@ unsafe extern "C" fn buffer_cpy_tensor(
 unsafe extern "C" fn buffer_clear(buffer: sys::ggml_backend_buffer_t, value: u8) {
     // SAFETY: ggml passes our buffer.
     if let Some(b) = unsafe { sim_buffer(buffer) } {
+        b.state
+            .check_host_access(b.base.as_ptr() as usize, b.size, true, "buffer_clear");
         // SAFETY: the whole allocation is writable.
         unsafe { ptr::write_bytes(b.base.as_ptr(), value, b.size) };
     }
@@ -1426,6 +1544,22 @@ unsafe extern "C" fn backend_set_tensor_async(
                 "set_tensor_async of {size} bytes outside this device's buffers"
             ));
         };
+        // Another stream's graph in flight that this stream is not ordered after races
+        // with the copy.
+        let racing = {
+            let c = ctx.state.counters();
+            let (start, end) = (dst as usize, dst as usize + size);
+            c.in_flight.iter().any(|g| {
+                g.backend != ctx.id
+                    && g.seq > c.ordered.get(&(ctx.id, g.backend)).copied().unwrap_or(0)
+                    && g.races(start, end, true)
+            })
+        };
+        if racing {
+            ctx.state.fault(format_args!(
+                "a copy of {size} bytes queued into memory a graph of another stream still uses, without waiting for it"
+            ));
+        }
         // SAFETY: `data` holds `size` readable bytes (caller contract).
         let bytes = unsafe { std::slice::from_raw_parts(data.cast::<u8>(), size) }.to_vec();
         let mut q = ctx.queue.lock().unwrap_or_else(|e| e.into_inner());
@@ -1445,6 +1579,7 @@ unsafe extern "C" fn backend_synchronize(backend: sys::ggml_backend_t) {
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
                 .run_all(&ctx.state);
+            ctx.state.graphs_done(ctx.id, u64::MAX);
         }
     })
 }
@@ -1460,20 +1595,30 @@ unsafe extern "C" fn backend_event_record(
             return;
         };
         let seq = ctx.queue.lock().unwrap_or_else(|e| e.into_inner()).queued;
-        *e.recorded.lock().unwrap_or_else(|e| e.into_inner()) = Some((ctx.queue.clone(), seq));
+        *e.recorded.lock().unwrap_or_else(|e| e.into_inner()) = Some(Recorded {
+            queue: ctx.queue.clone(),
+            seq,
+            backend: ctx.id,
+            graph: ctx.graphs.load(std::sync::atomic::Ordering::SeqCst),
+        });
     })
 }
 
 /// Waiting in a backend's queue: the backend's later work (a compute, which runs at the
-/// call) comes after the event's copies, so they take effect now.
+/// call) comes after the event's copies, so they take effect now; and its later copies
+/// come after the graphs recorded before the event.
 unsafe extern "C" fn backend_event_wait(
-    _backend: sys::ggml_backend_t,
+    backend: sys::ggml_backend_t,
     event: sys::ggml_backend_event_t,
 ) {
     ffi((), || {
         // SAFETY: ggml passes one of our events.
         if let Some(e) = unsafe { sim_event(event) } {
-            e.complete();
+            if let (Some(r), Some(ctx)) = (e.complete(), unsafe { sim_backend(backend) }) {
+                let mut c = ctx.state.counters();
+                let after = c.ordered.entry((ctx.id, r.backend)).or_insert(0);
+                *after = (*after).max(r.graph);
+            }
         }
     })
 }
@@ -1497,11 +1642,12 @@ unsafe extern "C" fn backend_free(backend: sys::ggml_backend_t) {
             let ctx = (*backend).context as *mut SimBackend;
             if !ctx.is_null() {
                 let c = Box::from_raw(ctx);
-                // Freeing a backend finishes its queued copies.
+                // Freeing a backend finishes its queued copies and graphs.
                 c.queue
                     .lock()
                     .unwrap_or_else(|e| e.into_inner())
                     .run_all(&c.state);
+                c.state.graphs_done(c.id, u64::MAX);
                 sys::ggml_backend_free(c.cpu.as_ptr());
             }
             drop(Box::from_raw(backend));
@@ -1557,8 +1703,50 @@ unsafe extern "C" fn backend_graph_compute(
         state.counters().graph_computes += 1;
         // SAFETY: every tensor of the graph lies in host memory owned by this device, so the
         // CPU kernels can read and write it; the CPU backend is ours and used under `lock`.
-        unsafe { sys::ggml_backend_graph_compute(ctx.cpu.as_ptr(), cgraph) }
+        let status = unsafe { sys::ggml_backend_graph_compute(ctx.cpu.as_ptr(), cgraph) };
+        if state.opts.async_transfers {
+            // In flight until the host waits (`ggml_backend_graph_compute` synchronises
+            // right after this call; `_async` does not).
+            let seq = ctx.graphs.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+            // SAFETY: live graph (see above).
+            let (writes, reads) = unsafe { graph_ranges(cgraph) };
+            state.counters().in_flight.push(InFlightGraph {
+                backend: ctx.id,
+                seq,
+                writes,
+                reads,
+            });
+        }
+        status
     })
+}
+
+/// The memory `[start, end)` a graph's nodes write and its sources read.
+///
+/// # Safety
+/// `cgraph` is a live graph whose nodes and sources are live tensors.
+unsafe fn graph_ranges(cgraph: *mut sys::ggml_cgraph) -> (Vec<Range>, Vec<Range>) {
+    let range = |t: *const sys::ggml_tensor| {
+        // SAFETY: live tensor (caller contract).
+        let start = unsafe { (*t).data } as usize;
+        // SAFETY: live tensor.
+        (start, start + unsafe { sys::ggml_nbytes(t) })
+    };
+    let (mut writes, mut reads) = (Vec::new(), Vec::new());
+    // SAFETY: live graph.
+    let n = unsafe { sys::ggml_graph_n_nodes(cgraph) };
+    for i in 0..n {
+        // SAFETY: index in range; live node.
+        let node = unsafe { sys::ggml_graph_node(cgraph, i) };
+        writes.push(range(node));
+        // SAFETY: live node; its sources are null or live.
+        for &s in unsafe { (*node).src.iter() } {
+            if !s.is_null() {
+                reads.push(range(s));
+            }
+        }
+    }
+    (writes, reads)
 }
 
 /// # Safety
