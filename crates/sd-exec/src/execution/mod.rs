@@ -692,16 +692,6 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
                     direct.insert(o.name.clone());
                 }
             }
-            let need = self.session.slots[d]
-                .workspace
-                .need(&sg, plan.fingerprint, k);
-            tracing::trace!(
-                segment = k,
-                need,
-                planned = seg.bytes.compute_buffer,
-                held = self.session.slots[d].workspace.bytes(),
-                "workspace need"
-            );
             // A buffer too small for this graph is freed and allocated again: not under
             // the segment in flight.
             if in_flight.as_deref().is_some_and(|f| f.is_some())
