@@ -59,6 +59,37 @@ pub(crate) fn segment_plan(p: &Prepared, k: usize) -> crate::task::SegmentPlan {
     }
 }
 
+/// Refinement rounds tried for a staging pool (see `Exec::refine_for_pool`).
+const MAX_POOL_ROUNDS: usize = 4;
+
+/// Turns on the next finer level of `task`'s marks inside each of `targets` (segments of
+/// `p`); `false` when none has a finer mark left.
+fn enable_finer(
+    task: &ComputeTask,
+    p: &Prepared,
+    targets: &[usize],
+    enabled: &mut HashSet<TensorId>,
+    node_of: &HashMap<TensorId, usize>,
+) -> bool {
+    let mut added = false;
+    for &k in targets {
+        let inside: HashSet<usize> = p.plan.segments[k].internal_nodes.iter().copied().collect();
+        let candidates: Vec<_> = task
+            .marks
+            .iter()
+            .filter(|m| !enabled.contains(&m.tensor))
+            .filter(|m| node_of.get(&m.tensor).is_some_and(|n| inside.contains(n)))
+            .collect();
+        if let Some(level) = candidates.iter().map(|m| m.level).min() {
+            for m in candidates.iter().filter(|m| m.level == level) {
+                enabled.insert(m.tensor);
+            }
+            added = true;
+        }
+    }
+    added
+}
+
 impl<M: DeviceResidencyManager> Exec<'_, M> {
     /// Refines `coarse` (planned with the task's level-0 marks) with finer marks inside
     /// every segment over the limit (see the module documentation). Without a limit, or
@@ -89,7 +120,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
                         "plan refined with cuts inside blocks"
                     );
                 }
-                return Ok(p);
+                return self.refine_for_pool(task, p, enabled, &node_of, limit);
             }
             // The workspace is sized by the largest compute buffer: refine its segment too.
             let mut targets = over.clone();
@@ -100,30 +131,65 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
                     targets.push(k);
                 }
             }
-            let mut added = false;
-            for &k in &targets {
-                let inside: HashSet<usize> =
-                    p.plan.segments[k].internal_nodes.iter().copied().collect();
-                let candidates: Vec<_> = task
-                    .marks
-                    .iter()
-                    .filter(|m| !enabled.contains(&m.tensor))
-                    .filter(|m| node_of.get(&m.tensor).is_some_and(|n| inside.contains(n)))
-                    .collect();
-                if let Some(level) = candidates.iter().map(|m| m.level).min() {
-                    for m in candidates.iter().filter(|m| m.level == level) {
-                        enabled.insert(m.tensor);
-                    }
-                    added = true;
-                }
-            }
-            if !added {
+            if !enable_finer(task, &p, &targets, &mut enabled, &node_of) {
                 return Err(self.too_small(task, &p, &over, limit));
             }
             rounds += 1;
             let marks = task.marks.select(|m| enabled.contains(&m.tensor));
             p = self.prepare_plan(task, &marks)?;
         }
+    }
+
+    /// A plan whose segments all fit can still leave a staging pool (the limit less the
+    /// largest non-weight need, see `Exec::staging_pool_size`) too little room for the
+    /// largest segment's weights: then no pool is used and every streamed segment is staged
+    /// in buffers of its own, allocated and freed inside every step (SD1.5 at 64x64
+    /// latents under a quarter of its weights: 81 device allocations a step, a third of
+    /// their frees under queued compute). Refines the segments whose weights exceed that
+    /// room (the next finer marks inside them) while every segment still fits, until the
+    /// pool holds the largest; returns `p` as it was when that is not reached.
+    fn refine_for_pool(
+        &mut self,
+        task: &ComputeTask,
+        p: Prepared,
+        mut enabled: HashSet<TensorId>,
+        node_of: &HashMap<TensorId, usize>,
+        limit: u64,
+    ) -> Result<Prepared> {
+        if p.plan.segments.len() < 2 || self.staging_pool_size(&p, true).is_some() {
+            return Ok(p);
+        }
+        let mut refined: Option<Prepared> = None;
+        for round in 1..=MAX_POOL_ROUNDS {
+            let q = refined.as_ref().unwrap_or(&p);
+            let Some((room, _)) = self.staging_pool_room(q, true) else {
+                break;
+            };
+            let targets: Vec<usize> = (0..q.plan.segments.len())
+                .filter(|&k| q.segment_weight_bytes[k] > room)
+                .collect();
+            if !enable_finer(task, q, &targets, &mut enabled, node_of) {
+                break;
+            }
+            let marks = task.marks.select(|m| enabled.contains(&m.tensor));
+            let next = self.prepare_plan(task, &marks)?;
+            if (0..next.plan.segments.len()).any(|k| segment_need(&next, k) > limit) {
+                break;
+            }
+            let pooled = self.staging_pool_size(&next, true).is_some();
+            if pooled {
+                tracing::debug!(
+                    segments = next.plan.segments.len(),
+                    was = p.plan.segments.len(),
+                    round,
+                    "plan refined so that a staging pool holds every segment's weights"
+                );
+                return Ok(next);
+            }
+            refined = Some(next);
+        }
+        tracing::debug!("no refinement leaves a staging pool room: the plan as it was");
+        Ok(p)
     }
 
     /// The error for segments `over` of `p` that fit the limit at no granularity.

@@ -113,6 +113,13 @@ pub struct SessionConfig {
     /// UNet steps on an H100 were 3-6% faster in each interleaved pair
     /// (`sd-bench unet --async-compute on|off`, docs/benchmarks.md).
     pub async_compute: bool,
+    /// With [`async_compute`](Self::async_compute), the most segments queued on the device
+    /// and not waited for: at 1 the host waits for the segment in flight before queueing the
+    /// next one (its inputs are written after it is done); at 2 or more the next segment's
+    /// inputs are written in the device's queue behind it and the segment queued at once,
+    /// so that the device always has work queued while the host prepares the one after
+    /// (each segment in flight keeps its weights pinned until it is done). Default: 2.
+    pub segments_in_flight: usize,
     /// Extra devices for layer split (`diffusion=cuda0&cuda1`): with any, a graph with cuts
     /// runs segment by segment, each segment on the device its weights are assigned to
     /// (contiguous ranges of segments per device, in list order, the primary first).
@@ -149,6 +156,7 @@ impl SessionConfig {
             runtime_temporaries: false,
             reuse_graphs: true,
             async_compute: true,
+            segments_in_flight: 2,
             split: Vec::new(),
         }
     }
@@ -222,6 +230,12 @@ impl SessionConfig {
         self
     }
 
+    /// Sets [`SessionConfig::segments_in_flight`] (at least 1).
+    pub fn with_segments_in_flight(mut self, n: usize) -> Self {
+        self.segments_in_flight = n.max(1);
+        self
+    }
+
     /// Sets [`SessionConfig::merge_segments`].
     pub fn with_segment_merging(mut self, on: bool) -> Self {
         self.merge_segments = on;
@@ -246,8 +260,8 @@ pub struct ExecutionSession {
     pub(crate) choices: HashMap<crate::execution::ChoiceKey, crate::execution::Choice>,
     /// The parameters pinned by the segment now running (unpinned after a panic).
     pub(crate) pinned_now: Vec<ParamId>,
-    /// The parameters pinned by the segment in flight (asynchronous compute), until it is
-    /// done (unpinned after a failure).
+    /// The parameters pinned by the segments in flight (asynchronous compute), oldest
+    /// segment's first, until each is done (unpinned after a failure).
     pub(crate) pinned_in_flight: Vec<ParamId>,
     pub(crate) params_used: BTreeSet<ParamId>,
     pub(crate) started: bool,

@@ -108,6 +108,10 @@ pub struct SegmentReport {
     /// Whether its preparation on the host (capacity, staging, graph, prefetches) ran
     /// while the segment before it computed (asynchronous compute).
     pub overlapped: bool,
+    /// Segments still queued on the device ahead of it when it was queued (asynchronous
+    /// compute with [`segments_in_flight`](crate::SessionConfig::segments_in_flight) above
+    /// 1: its inputs were written in the device's queue behind them).
+    pub queued_behind: usize,
 }
 
 impl SegmentReport {

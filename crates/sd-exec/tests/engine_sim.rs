@@ -1078,7 +1078,11 @@ fn async_uploads_on_a_copy_stream_equal_whole_within_budget_with_a_fixed_pool() 
             SessionConfig::new("test", r.backend.clone(), r.gpu)
                 .with_budget(Some(budget))
                 .with_prefetch(true)
-                .with_staging_pool(true),
+                .with_staging_pool(true)
+                // Counting the copy stream's copies: with asynchronous compute the
+                // segments' inputs are queued writes too (covered by
+                // `async_compute_overlaps_preparation_without_races`).
+                .with_async_compute(false),
         );
         r.engine.start(id).unwrap();
         let mut pool = None;
@@ -1145,7 +1149,10 @@ fn async_uploads_on_a_copy_stream_equal_whole_within_budget_with_a_fixed_pool() 
 /// access that would race with one), a UNet streamed at budgets from a half to a tenth of
 /// its weights (copy stream and transfer threads) equals the whole graph bit for bit every
 /// step with no fault and within the budget, as the same run without it does; the
-/// segments after the first are prepared under the compute of the one before.
+/// segments after the first are prepared under the compute of the one before. With two or
+/// three segments in flight (`SessionConfig::segments_in_flight`), segments are queued
+/// behind the one still computing, their inputs written in the device's queue: same bits,
+/// no fault, the same bytes streamed.
 #[test]
 fn async_compute_overlaps_preparation_without_races() {
     let (whole, _) = run("ACOMP_REF", unet, None, SegmentationPolicy::Never, false);
@@ -1155,10 +1162,13 @@ fn async_compute_overlaps_preparation_without_races() {
     for (fraction, copy_stream) in [(2, true), (2, false), (4, true), (10, true), (10, false)] {
         let budget = weights / fraction + footprint + 8192;
         let mut uploads = Vec::new();
-        for async_compute in [true, false] {
-            let tag = format!("1/{fraction} copy stream {copy_stream} async {async_compute}");
+        // (async compute, segments in flight)
+        for (async_compute, depth) in [(true, 1), (true, 2), (true, 3), (false, 1)] {
+            let tag = format!(
+                "1/{fraction} copy stream {copy_stream} async {async_compute} in flight {depth}"
+            );
             let mut r = rig_with(
-                &format!("ACOMP_{fraction}_{copy_stream}_{async_compute}"),
+                &format!("ACOMP_{fraction}_{copy_stream}_{async_compute}_{depth}"),
                 true,
                 SimOptions {
                     async_transfers: true,
@@ -1170,7 +1180,8 @@ fn async_compute_overlaps_preparation_without_races() {
                 SessionConfig::new("test", r.backend.clone(), r.gpu)
                     .with_budget(Some(budget))
                     .with_prefetch(true)
-                    .with_async_compute(async_compute),
+                    .with_async_compute(async_compute)
+                    .with_segments_in_flight(depth),
             );
             r.engine.start(id).unwrap();
             let mut streamed = 0;
@@ -1184,10 +1195,20 @@ fn async_compute_overlaps_preparation_without_races() {
                 );
                 assert_eq!(r.sim.stats().faults, 0, "{tag}: device faults");
                 let overlapped = out.segments.iter().filter(|s| s.overlapped).count();
+                let behind = out.segments.iter().filter(|s| s.queued_behind > 0).count();
                 if async_compute {
                     assert!(overlapped > 0, "{tag}: no segment prepared under another");
                 } else {
                     assert_eq!(overlapped, 0, "{tag}");
+                }
+                if step == 2 {
+                    println!("{tag}: {overlapped} prepared under another, {behind} queued behind another, of {}", out.segments.len());
+                }
+                if depth > 1 {
+                    // Queued behind the segment in flight, inputs written in the queue.
+                    assert!(behind > 0, "{tag}: no segment queued behind another");
+                } else {
+                    assert_eq!(behind, 0, "{tag}");
                 }
                 streamed = out.weight_upload_bytes;
             }
@@ -1199,11 +1220,11 @@ fn async_compute_overlaps_preparation_without_races() {
             uploads.push(streamed);
             r.engine.end(id).unwrap();
         }
-        println!("1/{fraction}, copy stream {copy_stream}: bytes streamed a step (async, sync): {uploads:?}");
-        // The segment in flight changes no eviction: what needs room waits for it.
-        assert_eq!(
-            uploads[0], uploads[1],
-            "1/{fraction}: streamed bytes differ"
+        println!("1/{fraction}, copy stream {copy_stream}: bytes streamed a step (async 1, 2, 3 in flight, sync): {uploads:?}");
+        // The segments in flight change no eviction: what needs room waits for them.
+        assert!(
+            uploads.iter().all(|u| *u == uploads[0]),
+            "1/{fraction}: streamed bytes differ: {uploads:?}"
         );
     }
 }

@@ -287,6 +287,38 @@ impl SegmentGraph {
         Ok(())
     }
 
+    /// Whether [`upload_queued`](Self::upload_queued) can queue every upload of this graph
+    /// on `backend`: each input's data is host bytes (a tensor source is copied
+    /// synchronously, by [`upload`](Self::upload)) and its copy in the graph is in a buffer
+    /// the backend queues writes into.
+    pub fn uploads_queue(&self, inputs: &HostInputs<'_>, backend: &Backend) -> bool {
+        self.uploads
+            .iter()
+            .all(|(t, id)| inputs.get(*id).is_some() && backend.queues_write(t))
+    }
+
+    /// [`upload`](Self::upload) queued on `backend` ([`Backend::write_queued`]): the
+    /// writes land after the work queued on it before (a graph still computing in the same
+    /// workspace) and before this graph, without the host waiting.
+    ///
+    /// # Safety
+    /// The inputs' bytes must stay allocated and unchanged until `backend` is
+    /// synchronised (or an event recorded on it after this call has completed).
+    pub unsafe fn upload_queued(&self, inputs: &HostInputs<'_>, backend: &Backend) -> Result<()> {
+        for (t, id) in &self.uploads {
+            let bytes = inputs
+                .get(*id)
+                .ok_or_else(|| self.err(format!("no host bytes for input '{}'", t.name())))?;
+            // SAFETY: the caller keeps the inputs' bytes until the copies ran.
+            unsafe { backend.write_queued(t, bytes) }.map_err(ggml(format!(
+                "queueing the upload of input '{}' of segment {}",
+                t.name(),
+                self.index
+            )))?;
+        }
+        Ok(())
+    }
+
     fn err(&self, detail: String) -> GraphCutError {
         GraphCutError::Segment {
             segment: self.index,

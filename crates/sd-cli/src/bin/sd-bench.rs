@@ -7,7 +7,7 @@
 //! sd-bench unet --weights FILE --backend NAME [--max-vram FRAC|BYTES] [--params MODE]
 //!               [--steps N] [--flash-attn auto|on|off] [--dump DIR] [--config NAME]
 //!               [--runtime-reserve BYTES] [--direct on] [--type q8_0|q4_K|...] [--reuse-graphs on|off]
-//!               [--async-compute on|off]
+//!               [--async-compute on|off] [--segments-in-flight N]
 //! sd-bench check --backend NAME                         tiny UNet: backend vs CPU, resident
 //!                                                       and streamed through a budget
 //! sd-bench copy-bw --backend NAME [--mib N]             host->device copy bandwidth
@@ -285,6 +285,10 @@ struct UnetArgs {
     /// (where the backend queues work); off: wait for each segment before the next
     #[arg(long = "async-compute", value_enum, default_value = "on")]
     async_compute: OnOff,
+    /// With async compute, the most segments queued and not waited for (1: wait for the
+    /// segment in flight before queueing the next; see `SessionConfig::segments_in_flight`)
+    #[arg(long = "segments-in-flight", default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=64))]
+    segments_in_flight: u32,
     /// Prefetch uploads queued on a copy stream of the device (a second backend, ordered
     /// against compute with events) where the backend has one; off: copied on a transfer
     /// thread
@@ -727,6 +731,8 @@ struct RigOptions<'a> {
     reuse_graphs: bool,
     /// Whether segments are queued without waiting (see `SessionConfig::async_compute`).
     async_compute: bool,
+    /// See `SessionConfig::segments_in_flight`.
+    segments_in_flight: usize,
     /// Segments ahead to prefetch (`None`: as far as there is room).
     prefetch_depth: Option<u32>,
     /// A fixed resident set under a budget.
@@ -799,6 +805,7 @@ fn build_rig(o: RigOptions<'_>, inputs: &Inputs) -> Result<Rig> {
     config.staging_pool = o.staging_pool;
     config.reuse_graphs = o.reuse_graphs;
     config.async_compute = o.async_compute;
+    config = config.with_segments_in_flight(o.segments_in_flight);
     config.resident_set = o.resident_set;
     config.pool_sized_segments = o.pool_sized_segments;
     if let Some(d) = o.prefetch_depth {
@@ -1173,6 +1180,7 @@ fn cmd_unet(a: &UnetArgs) -> Result<()> {
             staging_pool: a.staging_pool == OnOff::On,
             reuse_graphs: a.reuse_graphs == OnOff::On,
             async_compute: a.async_compute == OnOff::On,
+            segments_in_flight: a.segments_in_flight as usize,
             prefetch_depth: a.prefetch_depth,
             resident_set: a.resident_set == OnOff::On,
             pool_sized_segments: a.pool_sized_segments == OnOff::On,
@@ -1250,6 +1258,7 @@ fn cmd_unet(a: &UnetArgs) -> Result<()> {
             "coalesced_uploads": coalesce_uploads(),
             "async_upload": a.async_upload == OnOff::On,
             "async_compute": a.async_compute == OnOff::On,
+            "segments_in_flight": a.segments_in_flight,
             "prefetch_depth": a.prefetch_depth,
             "resident_set": a.resident_set == OnOff::On,
             "pool_sized_segments": a.pool_sized_segments == OnOff::On,
@@ -1271,6 +1280,7 @@ fn cmd_unet(a: &UnetArgs) -> Result<()> {
             "max_prefetches_ahead": last.segments.iter().map(|s| s.prefetches_ahead).max().unwrap_or(0),
             "graphs_reused": last.segments.iter().filter(|s| s.graph_reused).count(),
             "segments_overlapped": last.segments.iter().filter(|s| s.overlapped).count(),
+            "segments_queued_behind": last.segments.iter().filter(|s| s.queued_behind > 0).count(),
             // The simulated device's faults (accesses a GPU would let race or fail; 0 in a correct run).
             "sim_faults": sim.as_ref().map(|s| s.stats().faults),
             "sim_allocations_per_step": sim_churn.map(|c| c.0),
@@ -1347,6 +1357,7 @@ fn cmd_check(name: &str, threads: usize) -> Result<()> {
                 staging_pool: true,
                 reuse_graphs: true,
                 async_compute: true,
+                segments_in_flight: 2,
                 prefetch_depth: None,
                 resident_set: true,
                 pool_sized_segments: false,

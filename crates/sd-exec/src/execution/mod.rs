@@ -47,7 +47,7 @@ use sd_graphcut::{
     CapturedGraph, CutMarks, CutName, HostInputs, Plan, SegmentGraph, SegmentKind, SegmentOutput,
 };
 use sd_residency::{BackendMemoryRequest, DeviceResidencyManager, ParamId, WeightPrefetchResult};
-use sd_tensor::ggml::{BufferType, GTensor, TensorId};
+use sd_tensor::ggml::{BufferType, Event, GTensor, TensorId};
 
 use crate::engine::EngineOptions;
 use crate::error::{ExecError, Result};
@@ -283,7 +283,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
             && self.session.slots.len() == 1
             && self.session.slots[0].backend.supports_events();
         self.manager.set_uploads_wait_for_compute(!async_compute);
-        let mut in_flight: Option<InFlight> = None;
+        let mut in_flight: VecDeque<InFlight> = VecDeque::new();
         let run = self.run_segments(
             task,
             p,
@@ -294,9 +294,9 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
             async_compute.then_some(&mut in_flight),
             timing,
         );
-        let settled = in_flight.take().map(|f| self.settle(f, timing));
+        let settled = self.settle_all(&mut in_flight, timing);
         let reports = run?;
-        settled.transpose()?;
+        settled?;
         let out = self
             .session
             .slots
@@ -323,25 +323,75 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         })
     }
 
-    /// Waits for the segment in flight and finishes it: drops the cut entries nothing
-    /// after it reads and unpins its weights.
-    fn settle(&mut self, f: InFlight, timing: &mut ExecTiming) -> Result<()> {
+    /// Waits for every segment in flight (all the work queued on their devices) and
+    /// [`finish`](Self::finish)es them.
+    fn settle_all(&mut self, q: &mut VecDeque<InFlight>, timing: &mut ExecTiming) -> Result<()> {
+        if q.is_empty() {
+            return Ok(());
+        }
         let t = Instant::now();
-        self.session.slots[f.device].backend.synchronize();
+        let devices: BTreeSet<usize> = q.iter().map(|f| f.device).collect();
+        for d in devices {
+            self.session.slots[d].backend.synchronize();
+        }
         timing.compute_wait += t.elapsed();
+        let mut first = Ok(());
+        while let Some(f) = q.pop_front() {
+            let r = self.finish(f, q.is_empty());
+            if first.is_ok() {
+                first = r;
+            }
+        }
+        first
+    }
+
+    /// Waits for the oldest segment in flight (its event; the segments queued after it
+    /// go on computing) and [`finish`](Self::finish)es it. With `more_queued`, a segment
+    /// not in `q` is queued after it (nothing is freed under it).
+    fn settle_oldest(
+        &mut self,
+        q: &mut VecDeque<InFlight>,
+        more_queued: bool,
+        timing: &mut ExecTiming,
+    ) -> Result<()> {
+        let Some(f) = q.pop_front() else {
+            return Ok(());
+        };
+        let t = Instant::now();
+        match &f.done {
+            Some(event) => event.synchronize(),
+            None => self.session.slots[f.device].backend.synchronize(),
+        }
+        timing.compute_wait += t.elapsed();
+        self.finish(f, q.is_empty() && !more_queued)
+    }
+
+    /// Finishes a segment that is done: drops the cut entries nothing after it reads and
+    /// unpins its weights (the oldest of `ExecutionSession::pinned_in_flight`). With
+    /// `last` (nothing queued after it), the cut caches free what they held meanwhile and
+    /// the copies the device's compute waited for are collected.
+    fn finish(&mut self, f: InFlight, last: bool) -> Result<()> {
         tracing::trace!(segment = f.index, "segment done");
         for slot in &mut self.session.slots {
             slot.cut_cache.retain(|n| !f.dead.contains(n));
-            slot.cut_cache.hold_frees(false);
+            if last {
+                slot.cut_cache.hold_frees(false);
+            }
+        }
+        if last {
+            // Every copy a queued segment waited for is done: collecting them waits for
+            // nothing.
+            self.manager.wait_for_uploads();
         }
         self.session.sync(self.manager);
-        let pinned = std::mem::take(&mut self.session.pinned_in_flight);
+        let n = f.pins.min(self.session.pinned_in_flight.len());
+        let pinned: Vec<ParamId> = self.session.pinned_in_flight.drain(..n).collect();
         self.manager.unpin_params(&pinned)?;
         Ok(())
     }
 
     /// The segment loop of [`run_plan`](Self::run_plan). With `in_flight` (asynchronous
-    /// compute), the last segment is left in it, queued and not waited for.
+    /// compute), the segments still queued are left in it, not waited for.
     #[allow(clippy::too_many_arguments)]
     fn run_segments(
         &mut self,
@@ -351,7 +401,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         segmented: bool,
         resident: &HashSet<ParamId>,
         prefetch_on: bool,
-        mut in_flight: Option<&mut Option<InFlight>>,
+        mut in_flight: Option<&mut VecDeque<InFlight>>,
         timing: &mut ExecTiming,
     ) -> Result<Vec<SegmentReport>> {
         let plan = &p.plan;
@@ -377,11 +427,13 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
                     .filter(|o| o.graph_output)
                     .map(|o| o.name.clone()),
             );
-            // The segment in flight still reads its cuts: they go when it is done.
-            let still_read: &[CutName] = in_flight
+            // The segments in flight still read their cuts: they go when each is done.
+            let still_read: Vec<CutName> = in_flight
                 .as_deref()
-                .and_then(|f| f.as_ref())
-                .map_or(&[], |f| f.dead.as_slice());
+                .into_iter()
+                .flatten()
+                .flat_map(|f| f.dead.iter().cloned())
+                .collect();
             for slot in &mut self.session.slots {
                 slot.cut_cache.retain(|n| {
                     seg.live_cuts.contains(n)
@@ -447,24 +499,32 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
             // The resident set is kept too, unless the segment does not fit otherwise.
             let keep: Vec<ParamId> = ordered.iter().chain(resident).copied().collect();
             let t = Instant::now();
-            // The segment in flight holds its weights and the cuts only it reads: a
-            // segment that needs room waits for it first, so that it evicts what it would
-            // have without it (and its cut entries become spares this one may take).
-            if in_flight.as_deref().is_some_and(|f| f.is_some())
-                && !fits_as_is(
-                    self.manager,
-                    &segment_ask(
-                        &what,
-                        &backend_name,
-                        self.request(d, pending),
-                        &ordered,
-                        &preferred,
-                        &keep,
-                    ),
-                )?
-            {
-                tracing::debug!(segment = k, "waiting for the segment in flight for room");
-                self.settle_in_flight(&mut in_flight, timing)?;
+            // The segments in flight hold their weights and the cuts only they read: a
+            // segment that needs room waits for them first, oldest first, so that it
+            // evicts what it would have without them (and their cut entries become spares
+            // this one may take).
+            let mut settled = false;
+            while let Some(q) = in_flight.as_deref_mut().filter(|q| !q.is_empty()) {
+                let ask = segment_ask(
+                    &what,
+                    &backend_name,
+                    self.request(d, pending),
+                    &ordered,
+                    &preferred,
+                    &keep,
+                );
+                if fits_as_is(self.manager, &ask)? {
+                    break;
+                }
+                tracing::debug!(
+                    segment = k,
+                    in_flight = q.len(),
+                    "waiting for the oldest segment in flight for room"
+                );
+                self.settle_oldest(q, false, timing)?;
+                settled = true;
+            }
+            if settled {
                 store_bytes = self.session.slots[d].cut_cache.room_for(&kept_outputs);
                 pending = compute.saturating_sub(held) + store_bytes + import_bytes;
             }
@@ -545,13 +605,14 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
             );
             let pinned = std::mem::take(&mut self.session.pinned_now);
             let queued_now = matches!(&r, Ok(c) if c.queued);
+            let pins = pinned.len();
             let unpinned = if queued_now {
-                self.session.pinned_in_flight = pinned;
+                self.session.pinned_in_flight.extend(pinned);
                 Ok(())
             } else {
                 self.manager.unpin_params(&pinned)
             };
-            let done = r?;
+            let mut done = r?;
             unpinned?;
             if reuses_graphs(plan.segments.len(), &self.session.config) {
                 self.session.slots[d]
@@ -562,7 +623,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
             }
             let keep = |n: &CutName| seg.future_cuts.contains(n) || outputs_so_far.contains(n);
             match in_flight.as_deref_mut() {
-                Some(slot) if queued_now => {
+                Some(q) if queued_now => {
                     // Dropped when the segment is done (see `settle`).
                     let dead: Vec<CutName> = self.session.slots[d]
                         .cut_cache
@@ -572,10 +633,12 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
                         .collect();
                     // No cut-cache buffer is freed under it (see `CutCache::hold_frees`).
                     self.session.slots[d].cut_cache.hold_frees(true);
-                    *slot = Some(InFlight {
+                    q.push_back(InFlight {
                         index: k,
                         device: d,
                         dead,
+                        pins,
+                        done: done.event.take(),
                     });
                 }
                 _ => {
@@ -604,6 +667,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
                 direct_outputs: done.direct_outputs,
                 graph_reused: done.graph_reused,
                 overlapped: done.overlapped,
+                queued_behind: done.queued_behind,
             });
         }
         if !queued.is_empty() {
@@ -612,22 +676,24 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         Ok(reports)
     }
 
-    /// [`settle`](Self::settle)s the segment in flight, if any.
+    /// [`settle_all`](Self::settle_all)s the segments in flight, if any.
     fn settle_in_flight(
         &mut self,
-        in_flight: &mut Option<&mut Option<InFlight>>,
+        in_flight: &mut Option<&mut VecDeque<InFlight>>,
         timing: &mut ExecTiming,
     ) -> Result<()> {
-        match in_flight.as_deref_mut().and_then(Option::take) {
-            Some(f) => self.settle(f, timing),
+        match in_flight.as_deref_mut() {
+            Some(q) => self.settle_all(q, timing),
             None => Ok(()),
         }
     }
 
     /// Steps 6-8 of segment `k` on its device. With `in_flight` (asynchronous compute),
-    /// waits for the segment in flight just before queueing this one, and queues this one
-    /// without waiting when all its kept outputs are computed into their cut-cache entries
-    /// ([`SegmentDone::queued`]; the caller puts it in flight).
+    /// queues this one without waiting when all its kept outputs are computed into their
+    /// cut-cache entries ([`SegmentDone::queued`]; the caller puts it in flight): its
+    /// inputs are written in the device's queue behind the segments in flight (at most
+    /// [`SessionConfig::segments_in_flight`] including it; the oldest are waited for
+    /// first), or, with one segment at a time, after waiting for the one in flight.
     #[allow(clippy::too_many_arguments)]
     fn compute_segment(
         &mut self,
@@ -638,7 +704,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         prefetch: Option<&HashSet<ParamId>>,
         queued: &mut VecDeque<(usize, Vec<ParamId>)>,
         store_bytes: u64,
-        mut in_flight: Option<&mut Option<InFlight>>,
+        mut in_flight: Option<&mut VecDeque<InFlight>>,
         timing: &mut ExecTiming,
     ) -> Result<SegmentDone> {
         let plan = &p.plan;
@@ -694,7 +760,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
             }
             // A buffer too small for this graph is freed and allocated again: not under
             // the segment in flight.
-            if in_flight.as_deref().is_some_and(|f| f.is_some())
+            if in_flight.as_deref().is_some_and(|q| !q.is_empty())
                 && self.session.slots[d]
                     .workspace
                     .grows_for(&sg, plan.fingerprint, k)
@@ -709,10 +775,10 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
             self.session.sync(self.manager);
             timing.allocate += t.elapsed();
         }
-        // Under a segment in flight, only prefetches that need no eviction (its weights
-        // are pinned: one that would evict waits until it is done, to evict what it would
-        // have without it).
-        let overlapped = in_flight.as_deref().is_some_and(|f| f.is_some());
+        // Under segments in flight, only prefetches that need no eviction (their weights
+        // are pinned: one that would evict waits until they are done, to evict what it
+        // would have without them).
+        let overlapped = in_flight.as_deref().is_some_and(|q| !q.is_empty());
         let mut deferred = false;
         if let Some(resident) = prefetch {
             let t = Instant::now();
@@ -720,20 +786,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
                 self.enqueue_prefetches(task, p, k, store_bytes, resident, queued, overlapped);
             timing.prefetch += t.elapsed();
         }
-        // Weights uploaded on the copy stream: the compute backend already waits for them in
-        // its queue; the host waits here, so that the wait is measured apart from compute.
-        let t = Instant::now();
-        self.manager.wait_for_uploads();
-        timing.upload_wait += t.elapsed();
-        // Everything above overlapped the segment in flight; the inputs' uploads below
-        // write the workspace it may still use.
-        self.settle_in_flight(&mut in_flight, timing)?;
-        if let (Some(resident), true) = (prefetch, deferred) {
-            let t = Instant::now();
-            self.enqueue_prefetches(task, p, k, store_bytes, resident, queued, false);
-            timing.prefetch += t.elapsed();
-        }
-        let slot = &mut self.session.slots[d];
+        let slot = &self.session.slots[d];
         let Some(sg) = slot.workspace.current() else {
             return Err(ExecError::Ggml {
                 context: format!("segment {k} '{}'", seg.name),
@@ -747,20 +800,63 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
             .map(|(o, t)| (o.name.clone(), t.clone()))
             .collect();
         // Copies into the cut cache after computing need the results on the host's
-        // side of the queue: such a segment is waited for.
-        let queue = in_flight.is_some() && stores.is_empty();
+        // side of the queue: such a segment is waited for; so is one whose inputs are
+        // copied from tensors (synchronous copies into the workspace).
+        let queue =
+            in_flight.is_some() && stores.is_empty() && sg.uploads_queue(inputs, &slot.backend);
+        let depth = if queue {
+            self.session.config.segments_in_flight.max(1)
+        } else {
+            1
+        };
+        // At most `depth` segments in flight with this one; with one at a time, its inputs
+        // are written after the one in flight is done.
+        while let Some(q) = in_flight.as_deref_mut().filter(|q| q.len() >= depth) {
+            self.settle_oldest(q, false, timing)?;
+        }
+        if !queue {
+            self.settle_in_flight(&mut in_flight, timing)?;
+        }
+        let queued_behind = in_flight.as_deref().map_or(0, VecDeque::len);
+        if queued_behind == 0 {
+            // Weights uploaded on the copy stream: the compute backend already waits for
+            // them in its queue; with nothing in flight the host waits here, so that the
+            // wait is measured apart from compute (behind queued segments it would only
+            // hold back the next segment's preparation).
+            let t = Instant::now();
+            self.manager.wait_for_uploads();
+            timing.upload_wait += t.elapsed();
+        }
+        let slot = &mut self.session.slots[d];
+        let Some(sg) = slot.workspace.current() else {
+            return Err(ExecError::Ggml {
+                context: format!("segment {k} '{}'", seg.name),
+                source: sd_tensor::GgmlError::Mismatch("workspace lost its graph".into()),
+            });
+        };
         let t = Instant::now();
-        sg.upload(inputs)?;
         let context = || format!("computing segment {k} '{}'", seg.name);
+        let mut event = None;
         if queue {
+            // SAFETY: the inputs' bytes are borrowed for the whole execution, which waits
+            // for every segment it queued before it returns (`run_plan`).
+            unsafe { sg.upload_queued(inputs, &slot.backend) }?;
             // SAFETY: the graph's memory is the workspace (kept until the caller settles
-            // this segment: a workspace is released only after that), the cut-cache
-            // entries it reads (kept until then, see `InFlight::dead`) or writes (kept),
-            // and its weights (pinned until then); nothing writes them before then
-            // without waiting for it first, and its outputs are read only after.
+            // this segment: a workspace is released or grows only after that; a later
+            // segment's graph in it runs after this one in the backend's queue), the
+            // cut-cache entries it reads (kept until then, see `InFlight::dead`) or writes
+            // (kept), and its weights (pinned until then); nothing writes them before then
+            // without waiting for it first or being queued after it, and its outputs are
+            // read only after.
             unsafe { slot.backend.compute_async(sg.graph()) }
                 .map_err(ExecError::ggml(context()))?;
+            event = slot.backend.device().and_then(Event::new);
+            if let Some(e) = &event {
+                e.record(&slot.backend)
+                    .map_err(ExecError::ggml(format!("recording segment {k}'s event")))?;
+            }
         } else {
+            sg.upload(inputs)?;
             slot.backend
                 .compute(sg.graph())
                 .map_err(ExecError::ggml(context()))?;
@@ -772,12 +868,25 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
             slot.cut_cache.store(&name, &t)?;
         }
         timing.allocate += t.elapsed();
+        // Prefetches that need an eviction: after the segments before this one are done
+        // (this one, queued, keeps its weights pinned and goes on computing meanwhile).
+        if let (Some(resident), true) = (prefetch, deferred) {
+            while let Some(q) = in_flight.as_deref_mut().filter(|q| !q.is_empty()) {
+                self.settle_oldest(q, queue, timing)?;
+            }
+            let t = Instant::now();
+            self.enqueue_prefetches(task, p, k, store_bytes, resident, queued, false);
+            timing.prefetch += t.elapsed();
+        }
+        let slot = &self.session.slots[d];
         Ok(SegmentDone {
             cache_bytes: slot.cut_cache.entry_bytes() as u64,
             direct_outputs: direct.len(),
             graph_reused: reused,
             queued: queue,
             overlapped,
+            queued_behind,
+            event,
         })
     }
 
@@ -968,6 +1077,11 @@ pub(crate) struct InFlight {
     /// The cut-cache entries to drop once it is done: those it reads that nothing after
     /// it reads (kept meanwhile, since it reads them).
     dead: Vec<CutName>,
+    /// How many of `ExecutionSession::pinned_in_flight` (from the front) are its pins.
+    pins: usize,
+    /// Recorded on its backend right after it: done when it is (`None`: the backend is
+    /// synchronised instead).
+    done: Option<Event>,
 }
 
 /// What computing one segment came to.
@@ -982,6 +1096,10 @@ struct SegmentDone {
     queued: bool,
     /// Whether its preparation overlapped the compute of the segment before it.
     overlapped: bool,
+    /// Segments in flight ahead of it when it was queued.
+    queued_behind: usize,
+    /// Recorded on its backend right after it was queued.
+    event: Option<Event>,
 }
 
 /// The capacity a segment asks for: room for `required` (its weights) and the request's

@@ -14,6 +14,25 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
     /// that does not hold the largest segment's weights (the segments then stage into
     /// buffers of their own, as without a pool).
     pub(crate) fn staging_pool_size(&self, p: &Prepared, segmented: bool) -> Option<u64> {
+        let (size, nonweight) = self.staging_pool_room(p, segmented)?;
+        let largest = p.segment_weight_bytes.iter().copied().max()?;
+        if size == 0 || size < largest {
+            tracing::debug!(
+                nonweight,
+                largest,
+                size,
+                "no staging pool: it would not hold the largest segment's weights"
+            );
+            return None;
+        }
+        Some(size)
+    }
+
+    /// The room plan `p` leaves for a staging pool (see
+    /// [`staging_pool_size`](Self::staging_pool_size)), whether or not it holds the
+    /// largest segment's weights, and the largest non-weight need it leaves it beside;
+    /// `None` where no pool is used.
+    pub(crate) fn staging_pool_room(&self, p: &Prepared, segmented: bool) -> Option<(u64, u64)> {
         let cfg = &self.session.config;
         if !segmented || !cfg.staging_pool || self.session.is_layer_split() || cfg.backend.is_cpu()
         {
@@ -27,17 +46,18 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
                     segment = k,
                     need = d.need,
                     weights = d.weight_bytes,
+                    compute = d.compute_bytes,
+                    cuts = d.cut_bytes,
                     "segment need"
                 );
                 d.need.saturating_sub(d.weight_bytes)
             })
             .max()?
             .saturating_add(self.session.slots[0].runner_cache.bytes() as u64);
-        let largest = p.segment_weight_bytes.iter().copied().max()?;
         let weights: u64 = p.param_bytes.values().sum();
         let size = limit
-            .checked_sub(nonweight)?
-            .checked_sub(limit / 64)?
+            .saturating_sub(nonweight)
+            .saturating_sub(limit / 64)
             .min(weights);
         // Whole allocation units, so that the pool's footprint is its size.
         let g = self
@@ -47,17 +67,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
             .buffer_type()
             .allocation_granularity();
         let size = if size >= g { size / g * g } else { size };
-        if size == 0 || size < largest {
-            tracing::debug!(
-                limit,
-                nonweight,
-                largest,
-                size,
-                "no staging pool: it would not hold the largest segment's weights"
-            );
-            return None;
-        }
-        Some(size)
+        Some((size, nonweight))
     }
 
     /// Gives the session's device the staging pool `p` runs with (allocated once: a pool of

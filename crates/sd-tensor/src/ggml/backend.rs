@@ -664,6 +664,59 @@ impl Backend {
         self.status(status)
     }
 
+    /// Whether [`write_queued`](Self::write_queued) can queue a write into `dst`: the
+    /// backend queues copies and `dst` is allocated in a buffer of its type.
+    pub fn queues_write(&self, dst: &GTensor) -> bool {
+        self.supports_async_set()
+            && dst.is_allocated()
+            && dst.has_buffer()
+            && dst.buffer_type_raw() == self.buffer_type().raw()
+    }
+
+    /// Queues a write of `bytes` at the start of `dst` on this backend's queue
+    /// (`ggml_backend_tensor_set_async`): it lands after the work queued before it and
+    /// before the work queued after it, without the host waiting for either. `dst` must be
+    /// in a buffer of this backend's type, contiguous where it is written, and the
+    /// backend must queue copies ([`supports_async_set`](Self::supports_async_set)).
+    ///
+    /// # Safety
+    /// `bytes` must stay allocated and unchanged until the backend is
+    /// [synchronised](Self::synchronize) (or an event recorded on it after this call has
+    /// completed): a GPU may read pinned host memory when the copy runs, not at the call.
+    pub unsafe fn write_queued(&self, dst: &GTensor, bytes: &[u8]) -> Result<()> {
+        if !dst.is_allocated() || !dst.has_buffer() {
+            return Err(GgmlError::NotAllocated { name: dst.name() });
+        }
+        if bytes.len() > dst.nbytes() {
+            return Err(GgmlError::DataMismatch {
+                name: dst.name(),
+                detail: format!("{} bytes exceed its {} bytes", bytes.len(), dst.nbytes()),
+            });
+        }
+        if dst.buffer_type_raw() != self.buffer_type().raw() || !self.supports_async_set() {
+            return Err(GgmlError::Mismatch(format!(
+                "backend {} cannot queue a write into '{}'",
+                self.name,
+                dst.name()
+            )));
+        }
+        if bytes.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: live backend and allocated tensor of its buffer type, bounds checked; the
+        // caller keeps `bytes` until the copy ran (see above).
+        unsafe {
+            sys::ggml_backend_tensor_set_async(
+                self.raw(),
+                dst.raw(),
+                bytes.as_ptr().cast(),
+                0,
+                bytes.len(),
+            )
+        };
+        Ok(())
+    }
+
     fn check_allocated(&self, graph: &Graph) -> Result<()> {
         for t in graph.nodes() {
             if !t.is_allocated() {
