@@ -818,6 +818,15 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
             self.settle_in_flight(&mut in_flight, timing)?;
         }
         let queued_behind = in_flight.as_deref().map_or(0, VecDeque::len);
+        // Prefetches that need an eviction, with nothing in flight any more: now, so that
+        // their copies start before this segment's kernels are queued (behind segments in
+        // flight they wait until after, see below).
+        if let (Some(resident), true, 0) = (prefetch, deferred, queued_behind) {
+            let t = Instant::now();
+            self.enqueue_prefetches(task, p, k, store_bytes, resident, queued, false);
+            timing.prefetch += t.elapsed();
+            deferred = false;
+        }
         if queued_behind == 0 {
             // Weights uploaded on the copy stream: the compute backend already waits for
             // them in its queue; with nothing in flight the host waits here, so that the
