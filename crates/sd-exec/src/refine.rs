@@ -156,7 +156,10 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         node_of: &HashMap<TensorId, usize>,
         limit: u64,
     ) -> Result<Prepared> {
-        if p.plan.segments.len() < 2 || self.staging_pool_size(&p, true).is_some() {
+        if !self.session.config.refine_for_pool
+            || p.plan.segments.len() < 2
+            || self.staging_pool_size(&p, true).is_some()
+        {
             return Ok(p);
         }
         let mut refined: Option<Prepared> = None;

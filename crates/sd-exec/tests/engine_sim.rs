@@ -293,6 +293,64 @@ fn transformer(w: &HashMap<String, GTensor>) -> ComputeTask {
         .with_weights(&weights)
 }
 
+/// A lopsided graph: five MLP layers on one token (most of the weights, little else) as one
+/// block with a fine cut after each layer, then a wide tensor (many tokens, one small
+/// weight, the narrow block's output added to each) kept live until the end. The wide segments' live cut outgrows the narrow
+/// block's weights, so a staging pool beside the wide segments' needs cannot hold the
+/// narrow block whole.
+fn lopsided(w: &HashMap<String, GTensor>) -> ComputeTask {
+    const WIDE: usize = 256;
+    let ctx = Context::new_descriptors(256, 256, 1).unwrap();
+    let b = ctx.new_tensor(DType::F32, &[D, 1]).unwrap();
+    b.set_name("token");
+    let a = ctx.new_tensor(DType::F32, &[D, WIDE]).unwrap();
+    a.set_name("tokens");
+    let mut marks = CutMarks::new();
+    marks.set_scope("narrow");
+    let mut n = b.clone();
+    for l in 1..LAYERS {
+        let g = |k: &str| w[&format!("tf.{l}.{k}")].clone();
+        let attn = ctx
+            .mul_mat(&g("wo"), &ctx.mul_mat(&g("wv"), &n).unwrap())
+            .unwrap();
+        let qk = ctx
+            .mul_mat(&g("wq"), &ctx.mul_mat(&g("wk"), &attn).unwrap())
+            .unwrap();
+        let f = ctx
+            .mul_mat(
+                &g("w2"),
+                &ctx.gelu(&ctx.mul_mat(&g("w1"), &qk).unwrap()).unwrap(),
+            )
+            .unwrap();
+        n = ctx.add(&n, &f).unwrap();
+        if l + 1 < LAYERS {
+            marks
+                .mark_fine(&n, sd_graphcut::LEVEL_LAYER, &format!("layer{l}"))
+                .unwrap();
+        }
+    }
+    marks.mark(&n, "narrow", "h").unwrap();
+    // (Reading the narrow block's output: the wide segments come after it.)
+    let wide = ctx.add(&ctx.scale(&a, 0.5).unwrap(), &n).unwrap();
+    marks.mark(&wide, "wide0", "h").unwrap();
+    let wide1 = ctx.mul_mat(&w["tf.0.wq"], &wide).unwrap();
+    marks.mark(&wide1, "wide1", "h").unwrap();
+    let out = ctx.add(&wide1, &wide).unwrap();
+    out.set_output();
+    let mut graph = Graph::new(&ctx, 256).unwrap();
+    graph.build_forward_expand(&out).unwrap();
+    let weights: Vec<GTensor> = w
+        .iter()
+        .filter(|(k, _)| k.starts_with("tf."))
+        .map(|(_, t)| t.clone())
+        .collect();
+    ComputeTask::new("lopsided", graph, out)
+        .with_marks(marks)
+        .with_input(&b, bytes_of(&rnd(D, 10)))
+        .with_input(&a, bytes_of(&rnd(D * WIDE, 11)))
+        .with_weights(&weights)
+}
+
 type Builder = fn(&HashMap<String, GTensor>) -> ComputeTask;
 
 fn run(
@@ -944,6 +1002,92 @@ fn staging_pool_is_allocated_once_and_cuts_device_allocations_per_step() {
             );
         }
     }
+}
+
+/// Budgets under which every segment fits but the staging pool (the limit less the largest
+/// non-weight need) would not hold the largest segment's weights: the plan is refined
+/// further (`SessionConfig::refine_for_pool`) so that a pool is used. Scanning budgets
+/// from the segments' largest footprint up by all the weights, wherever the plan without
+/// that refinement has a pool the refined one has it too, and at least one budget gains a
+/// pool by it; there the steps allocate fewer device buffers, and every run equals the
+/// whole graph bit for bit within its budget.
+#[test]
+fn plans_are_refined_so_that_a_staging_pool_holds_every_segment() {
+    let (whole, _) = run("RFP_REF", lopsided, None, SegmentationPolicy::Never, false);
+    let (seg, _) = run(
+        "RFP_PROBE",
+        lopsided,
+        None,
+        SegmentationPolicy::Always,
+        false,
+    );
+    let weights = weight_bytes(&rig("RFP_W", false), "tf.");
+    let footprint = seg.segments.iter().map(|s| s.footprint()).max().unwrap();
+    // (budget, pool without, pool with, allocations in step 3 without, with)
+    let mut rows = Vec::new();
+    for i in 0..32u64 {
+        let budget = footprint + 4096 + i * weights / 32;
+        let one = |refine: bool| -> Option<(Option<u64>, u64)> {
+            let mut r = rig(&format!("RFP_{i}_{refine}"), true);
+            let id = r.engine.create_session(
+                SessionConfig::new("test", r.backend.clone(), r.gpu)
+                    .with_budget(Some(budget))
+                    .with_prefetch(true)
+                    .with_refine_for_pool(refine),
+            );
+            r.engine.start(id).unwrap();
+            let mut allocs = 0;
+            let mut pool = None;
+            for step in 0..3 {
+                let before = r.sim.stats();
+                // (Below the smallest budget that runs: none.)
+                let out = r.engine.execute(id, &lopsided(&r.w)).ok()?;
+                let tag = format!("budget {budget} refine {refine} step {step}");
+                assert_eq!(
+                    out.output, whole.output,
+                    "{tag}: differs from the whole graph"
+                );
+                allocs = r.sim.stats().allocations - before.allocations;
+                pool = r.engine.manager().staging_pool_bytes(r.gpu).map(|p| p.0);
+            }
+            assert!(
+                r.sim.peak_bytes() <= budget,
+                "refine {refine}: peak {} > budget {budget}",
+                r.sim.peak_bytes()
+            );
+            r.engine.end(id).unwrap();
+            Some((pool, allocs))
+        };
+        // (Below the smallest budget that runs, neither runs.)
+        let (Some((without, a_without)), Some((with, a_with))) = (one(false), one(true)) else {
+            continue;
+        };
+        rows.push((budget, without, with, a_without, a_with));
+    }
+    for r in &rows {
+        println!(
+            "budget {} B: pool {:?} / {:?} refined; allocations a step {} / {}",
+            r.0, r.1, r.2, r.3, r.4
+        );
+    }
+    for &(budget, without, with, a_without, a_with) in &rows {
+        if without.is_some() {
+            assert_eq!(
+                with, without,
+                "budget {budget}: the refinement changed a pooled plan"
+            );
+        }
+        if without.is_none() && with.is_some() {
+            assert!(
+                a_with < a_without,
+                "budget {budget}: {a_with} allocations a step refined, {a_without} without"
+            );
+        }
+    }
+    assert!(
+        rows.iter().any(|r| r.1.is_none() && r.2.is_some()),
+        "no budget gained a pool by the refinement: {rows:?}"
+    );
 }
 
 /// A session that needs the device reclaims another (idle) session's staging pool, with

@@ -256,6 +256,9 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         } else {
             u64::MAX
         };
+        // A fine plan with a staging pool keeps it: no merged segment's weights outgrow it.
+        let pooled = self.staging_pool_size(&fine, true);
+        let weight_cap = weight_cap.min(pooled.unwrap_or(u64::MAX));
         let segs = &fine.plan.segments;
         // Ranges of consecutive cut segments; the final segment stays on its own.
         let mut ranges: Vec<(usize, usize)> = Vec::new();
@@ -311,6 +314,10 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
             .find(|(k, _)| crate::refine::segment_need(&merged, *k) > limit);
         if let Some((k, seg)) = too_big {
             tracing::debug!(segment = k, name = %seg.name, limit, "merged segment too large: fine plan");
+            return Ok(fine);
+        }
+        if pooled.is_some() && self.staging_pool_size(&merged, true).is_none() {
+            tracing::debug!(limit, "merged plan leaves no staging pool: fine plan");
             return Ok(fine);
         }
         tracing::debug!(
