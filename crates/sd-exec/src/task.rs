@@ -112,6 +112,11 @@ pub struct SegmentReport {
     /// compute with [`segments_in_flight`](crate::SessionConfig::segments_in_flight) above
     /// 1: its inputs were written in the device's queue behind them).
     pub queued_behind: usize,
+    /// Of `cache_bytes`, the cut-cache entries kept only for the segments still in flight
+    /// ahead of it (cuts they read and nothing after them does): the plan's need for this
+    /// segment does not count them; a segment that needs their room waits for those
+    /// segments first.
+    pub held_for_in_flight: u64,
 }
 
 impl SegmentReport {

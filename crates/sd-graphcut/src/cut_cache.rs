@@ -325,6 +325,11 @@ impl CutCache {
             .sum()
     }
 
+    /// The device bytes of the entry for `name` (its buffer's footprint), if any.
+    pub fn entry_footprint(&self, name: &CutName) -> Option<u64> {
+        self.entries.get(name).map(|e| e.buffer.footprint() as u64)
+    }
+
     /// Spare buffers held (see the module documentation).
     pub fn spares(&self) -> usize {
         self.spares.len()

@@ -668,6 +668,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
                 graph_reused: done.graph_reused,
                 overlapped: done.overlapped,
                 queued_behind: done.queued_behind,
+                held_for_in_flight: done.held_for_in_flight,
             });
         }
         if !queued.is_empty() {
@@ -888,7 +889,16 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
             timing.prefetch += t.elapsed();
         }
         let slot = &self.session.slots[d];
+        let mut held: HashSet<&CutName> = HashSet::new();
+        for f in in_flight.as_deref().into_iter().flatten() {
+            held.extend(f.dead.iter().filter(|n| !seg.live_cuts.contains(n)));
+        }
+        let held_for_in_flight = held
+            .into_iter()
+            .filter_map(|n| slot.cut_cache.entry_footprint(n))
+            .sum();
         Ok(SegmentDone {
+            held_for_in_flight,
             cache_bytes: slot.cut_cache.entry_bytes() as u64,
             direct_outputs: direct.len(),
             graph_reused: reused,
@@ -1107,6 +1117,8 @@ struct SegmentDone {
     overlapped: bool,
     /// Segments in flight ahead of it when it was queued.
     queued_behind: usize,
+    /// See [`SegmentReport::held_for_in_flight`].
+    held_for_in_flight: u64,
     /// Recorded on its backend right after it was queued.
     event: Option<Event>,
 }
