@@ -327,7 +327,7 @@ impl CutCache {
 
     /// The device bytes of the entry for `name` (its buffer's footprint), if any.
     pub fn entry_footprint(&self, name: &CutName) -> Option<u64> {
-        self.entries.get(name).map(|e| e.buffer.footprint() as u64)
+        self.entries.get(name).map(|e| e.buffer.footprint())
     }
 
     /// Spare buffers held (see the module documentation).
