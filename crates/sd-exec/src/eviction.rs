@@ -14,7 +14,9 @@
 //! 4. Evict one block at a time, re-checking after each.
 //! 5. Fail with the needed and available device and budget bytes.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::BTreeMap;
+
+use rustc_hash::{FxHashMap, FxHashSet};
 
 use sd_residency::{
     BackendMemoryRequest, BlockId, DeviceResidencyManager, ParamId, WeightResidencyBlock,
@@ -82,7 +84,7 @@ fn candidates<M: DeviceResidencyManager>(
 ) -> Vec<WeightResidencyBlock> {
     let mut keep: Vec<ParamId> = ask.required.to_vec();
     keep.extend_from_slice(ask.protected);
-    let keep_set: HashSet<ParamId> = keep.iter().copied().collect();
+    let keep_set: FxHashSet<ParamId> = keep.iter().copied().collect();
     let mut out: Vec<WeightResidencyBlock> = manager
         .evictable_compute_backend_blocks(ask.request.backend, &keep)
         .into_iter()
@@ -282,7 +284,10 @@ pub(crate) fn ensure_capacity<M: DeviceResidencyManager>(
 /// Sorts eviction candidates (stable): no demotion first; preferred-order position
 /// (unordered after ordered); oldest last use first.
 pub(crate) fn sort_candidates(blocks: &mut [WeightResidencyBlock], preferred: &[Vec<ParamId>]) {
-    let mut pos: HashMap<ParamId, usize> = HashMap::new();
+    // (Called for every capacity ask, with every parameter of the graph in `preferred`:
+    // a fast hash, and each block's key computed once.)
+    let mut pos: FxHashMap<ParamId, usize> = FxHashMap::default();
+    pos.reserve(preferred.iter().map(Vec::len).sum());
     for (i, group) in preferred.iter().enumerate() {
         for p in group {
             pos.entry(*p).or_insert(i);
@@ -297,7 +302,7 @@ pub(crate) fn sort_candidates(blocks: &mut [WeightResidencyBlock], preferred: &[
             .unwrap_or(usize::MAX);
         (b.requires_demotion, position, b.last_use_epoch)
     };
-    blocks.sort_by_key(key);
+    blocks.sort_by_cached_key(key);
 }
 
 #[cfg(test)]

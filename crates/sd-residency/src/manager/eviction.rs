@@ -133,11 +133,13 @@ pub fn evictable_blocks(backend: BackendId, blocks: &[BlockFacts]) -> Vec<Weight
 }
 
 impl ModelManager {
-    /// The facts of every block, as seen from `backend`'s device.
-    pub(crate) fn block_facts(
+    /// The facts of the blocks on `backend`'s device, not mapped, that `pick` selects
+    /// (the only ones [`evictable_blocks`] can evict from it).
+    pub(crate) fn block_facts_where(
         &self,
         backend: BackendId,
         protected: &HashSet<ParamId>,
+        pick: impl Fn(BlockId) -> bool,
     ) -> Vec<BlockFacts> {
         let Some(device) = self.device_of(backend) else {
             return Vec::new();
@@ -145,6 +147,13 @@ impl ModelManager {
         let host_query = device.kind() == sd_tensor::ggml::DeviceKind::Cpu;
         let mut out = Vec::new();
         for block in self.all_blocks() {
+            let id = match &block {
+                super::blocks::AnyBlock::Storage(id, _)
+                | super::blocks::AnyBlock::Staging(id, _) => *id,
+            };
+            if !pick(id) {
+                continue;
+            }
             let (id, kind, mapped, members) = match &block {
                 super::blocks::AnyBlock::Storage(id, b) => {
                     (*id, BlockKind::Storage, b.mapped.is_some(), &b.members)
@@ -154,6 +163,12 @@ impl ModelManager {
                 }
             };
             let on_device = self.block_on_device(&block, &device);
+            // Only what `evictable_blocks` can evict: blocks elsewhere (weights in host
+            // RAM, most of them when params are pinned) and mappings are skipped before
+            // their members' facts are gathered.
+            if !on_device || mapped {
+                continue;
+            }
             let members = members
                 .iter()
                 .filter_map(|p| {
@@ -198,7 +213,17 @@ impl ModelManager {
         backend: BackendId,
         protected: &HashSet<ParamId>,
     ) -> Vec<WeightResidencyBlock> {
-        let mut out = evictable_blocks(backend, &self.block_facts(backend, protected));
+        self.evictable_where(backend, protected, |_| true)
+    }
+
+    /// [`evictable_inner`](Self::evictable_inner) among the blocks `pick` selects.
+    fn evictable_where(
+        &self,
+        backend: BackendId,
+        protected: &HashSet<ParamId>,
+        pick: impl Fn(BlockId) -> bool,
+    ) -> Vec<WeightResidencyBlock> {
+        let mut out = evictable_blocks(backend, &self.block_facts_where(backend, protected, pick));
         for b in &mut out {
             b.pooled = self
                 .staging
@@ -209,8 +234,9 @@ impl ModelManager {
     }
 
     pub(crate) fn evict_block_inner(&mut self, block: &WeightResidencyBlock) -> bool {
+        // (Only this block's facts: an eviction loop asks once per block it evicts.)
         let found = self
-            .evictable_inner(block.backend, &HashSet::new())
+            .evictable_where(block.backend, &HashSet::new(), |id| id == block.id)
             .into_iter()
             .any(|c| {
                 c.id == block.id
