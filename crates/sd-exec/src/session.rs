@@ -95,8 +95,8 @@ pub struct SessionConfig {
     /// inside the segments whose weights exceed that room) so that the pool is used: without
     /// it every streamed segment allocates and frees device buffers inside every step.
     /// Default: on (SD1.5 at 64x64 latents under a quarter of its weights: 11 device
-    /// allocations a step instead of 81 on the simulated device, and 10-17% faster steps
-    /// on an H200, docs/benchmarks.md).
+    /// allocations a step instead of 81 on the simulated device, and 8-17% faster steps
+    /// on an H200 and an H100, docs/benchmarks.md).
     pub refine_for_pool: bool,
     /// Whether the device's budget also keeps room for the operator temporaries a GPU
     /// runtime allocates outside the graph's buffers beyond what the measured runtime
@@ -126,7 +126,10 @@ pub struct SessionConfig {
     /// next one (its inputs are written after it is done); at 2 or more the next segment's
     /// inputs are written in the device's queue behind it and the segment queued at once,
     /// so that the device always has work queued while the host prepares the one after
-    /// (each segment in flight keeps its weights pinned until it is done). Default: 2.
+    /// (each segment in flight keeps its weights pinned until it is done). Default: 2: SDXL
+    /// UNet steps on an H100 under 0.25 / 0.5 of the weights were 26% / 4% faster than with
+    /// 1 in the same call, SD1.5 steps within the rounds' spread (`sd-bench unet
+    /// --segments-in-flight 1|2`, docs/benchmarks.md).
     pub segments_in_flight: usize,
     /// Extra devices for layer split (`diffusion=cuda0&cuda1`): with any, a graph with cuts
     /// runs segment by segment, each segment on the device its weights are assigned to
