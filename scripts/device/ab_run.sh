@@ -1,4 +1,5 @@
-# Sourced by the A/B device scripts (pool_sized_ab.sh, coalesce_ab.sh) after stage_module.sh:
+# Sourced by the A/B device scripts (pool_sized_ab.sh, coalesce_ab.sh, async_compute_ab.sh,
+# pipeline_ab.sh) after stage_module.sh:
 # `ab_one LABEL ARGS...` runs `sd-bench unet` on CUDA0 (pinned params unless ARGS name
 # --params, STEPS [10] timed steps, runtime reserve 0) with ARGS, appends its JSON line,
 # tagged `label`, to $OUT/results.jsonl and prints one summary line. Environment set on the
@@ -17,4 +18,15 @@ print(sys.argv[1], 'step %.1f' % d['step_ms_median'], 'h2d %.2f GB' % (g('h2d_by
       'overlapped', g('segments_overlapped'), 'behind', g('segments_queued_behind'), 'pool %.0f MiB' % (g('staging_pool_bytes') / 2**20), 'peak %.0f MiB' % (g('peak_device_used_bytes') / 2**20),
       'budget %.0f MiB' % (g('budget_bytes') / 2**20),
       ' '.join('%s=%.1f' % kv for kv in t.items()))" $label $OUT/results.jsonl
+}
+# `diffusers_sd15 WEIGHTS`: diffusers' group offload (modes in DIFFUSERS [leaf]) of the SD1.5
+# UNet in WEIGHTS, one JSON line each (label sd15-diffusers-MODE) appended to
+# $OUT/results.jsonl; needs .whl/ carried and torch on the machine (skipped otherwise).
+diffusers_sd15() {
+  [ -n "${DIFFUSERS-leaf}" ] && ls .whl/*.whl >/dev/null 2>&1 || return 0
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+  for o in ${DIFFUSERS-leaf}; do
+    timeout 120 env PYTHONUNBUFFERED=1 python3 scripts/device/diffusers_unet.py "$1" --offload $o --iters 20 --warmup 3 2>&1 | grep '^{' | tail -1 |
+      sed "s/^{/{\"label\":\"sd15-diffusers-$o\",/" | tee -a $OUT/results.jsonl | cut -c1-400
+  done
 }

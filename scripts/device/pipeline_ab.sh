@@ -27,13 +27,7 @@ for r in $(seq ${ROUNDS-2}); do
     done
   done
 done
-if [ -n "${DIFFUSERS-leaf}" ] && ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-  for o in ${DIFFUSERS-leaf}; do
-    timeout 120 env PYTHONUNBUFFERED=1 python3 scripts/device/diffusers_unet.py /tmp/w15/unet.safetensors --offload $o --iters 20 --warmup 3 2>&1 | grep '^{' | tail -1 |
-      sed "s/^{/{\"label\":\"sd15-diffusers-$o\",/" | tee -a $OUT/results.jsonl | cut -c1-400
-  done
-fi
+diffusers_sd15 /tmp/w15/unet.safetensors
 rm -rf /tmp/w15
 if [ -n "${XL_BUDGETS-0.5 0.25}" ]; then
   $NEW write-weights /tmp/wxl --config sdxl >/dev/null

@@ -235,11 +235,7 @@ fn unet(w: &HashMap<String, GTensor>) -> ComputeTask {
     out.set_output();
     let mut graph = Graph::new(&ctx, 512).unwrap();
     graph.build_forward_expand(&out).unwrap();
-    let weights: Vec<GTensor> = w
-        .iter()
-        .filter(|(k, _)| k.starts_with("unet."))
-        .map(|(_, t)| t.clone())
-        .collect();
+    let weights = weights_of(w, "unet.");
     ComputeTask::new("unet", graph, out)
         .with_marks(marks)
         .with_input(&x, bytes_of(&rnd(8 * 8 * 4, 7)))
@@ -282,11 +278,7 @@ fn transformer(w: &HashMap<String, GTensor>) -> ComputeTask {
     out.set_output();
     let mut graph = Graph::new(&ctx, 1024).unwrap();
     graph.build_forward_expand(&out).unwrap();
-    let weights: Vec<GTensor> = w
-        .iter()
-        .filter(|(k, _)| k.starts_with("tf."))
-        .map(|(_, t)| t.clone())
-        .collect();
+    let weights = weights_of(w, "tf.");
     ComputeTask::new("transformer", graph, out)
         .with_marks(marks)
         .with_input(&x, bytes_of(&rnd(D * T, 9)))
@@ -339,16 +331,20 @@ fn lopsided(w: &HashMap<String, GTensor>) -> ComputeTask {
     out.set_output();
     let mut graph = Graph::new(&ctx, 256).unwrap();
     graph.build_forward_expand(&out).unwrap();
-    let weights: Vec<GTensor> = w
-        .iter()
-        .filter(|(k, _)| k.starts_with("tf."))
-        .map(|(_, t)| t.clone())
-        .collect();
+    let weights = weights_of(w, "tf.");
     ComputeTask::new("lopsided", graph, out)
         .with_marks(marks)
         .with_input(&b, bytes_of(&rnd(D, 10)))
         .with_input(&a, bytes_of(&rnd(D * WIDE, 11)))
         .with_weights(&weights)
+}
+
+/// The weights whose names start with `prefix` (a builder's task weights).
+fn weights_of(w: &HashMap<String, GTensor>, prefix: &str) -> Vec<GTensor> {
+    w.iter()
+        .filter(|(k, _)| k.starts_with(prefix))
+        .map(|(_, t)| t.clone())
+        .collect()
 }
 
 type Builder = fn(&HashMap<String, GTensor>) -> ComputeTask;

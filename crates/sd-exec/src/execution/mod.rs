@@ -782,10 +782,16 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         let overlapped = in_flight.as_deref().is_some_and(|q| !q.is_empty());
         let mut deferred = false;
         if let Some(resident) = prefetch {
-            let t = Instant::now();
-            deferred =
-                self.enqueue_prefetches(task, p, k, store_bytes, resident, queued, overlapped);
-            timing.prefetch += t.elapsed();
+            deferred = self.timed_prefetches(
+                task,
+                p,
+                k,
+                store_bytes,
+                resident,
+                queued,
+                overlapped,
+                timing,
+            );
         }
         let slot = &self.session.slots[d];
         let Some(sg) = slot.workspace.current() else {
@@ -823,9 +829,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         // their copies start before this segment's kernels are queued (behind segments in
         // flight they wait until after, see below).
         if let (Some(resident), true, 0) = (prefetch, deferred, queued_behind) {
-            let t = Instant::now();
-            self.enqueue_prefetches(task, p, k, store_bytes, resident, queued, false);
-            timing.prefetch += t.elapsed();
+            self.timed_prefetches(task, p, k, store_bytes, resident, queued, false, timing);
             deferred = false;
         }
         if queued_behind == 0 {
@@ -884,9 +888,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
             while let Some(q) = in_flight.as_deref_mut().filter(|q| !q.is_empty()) {
                 self.settle_oldest(q, queue, timing)?;
             }
-            let t = Instant::now();
-            self.enqueue_prefetches(task, p, k, store_bytes, resident, queued, false);
-            timing.prefetch += t.elapsed();
+            self.timed_prefetches(task, p, k, store_bytes, resident, queued, false, timing);
         }
         let slot = &self.session.slots[d];
         let mut held: HashSet<&CutName> = HashSet::new();
@@ -907,6 +909,25 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
             queued_behind,
             event,
         })
+    }
+
+    /// [`enqueue_prefetches`](Self::enqueue_prefetches), timed as [`ExecTiming::prefetch`].
+    #[allow(clippy::too_many_arguments)]
+    fn timed_prefetches(
+        &mut self,
+        task: &ComputeTask,
+        p: &Prepared,
+        k: usize,
+        store_bytes: u64,
+        resident: &HashSet<ParamId>,
+        queued: &mut VecDeque<(usize, Vec<ParamId>)>,
+        as_is: bool,
+        timing: &mut ExecTiming,
+    ) -> bool {
+        let t = Instant::now();
+        let deferred = self.enqueue_prefetches(task, p, k, store_bytes, resident, queued, as_is);
+        timing.prefetch += t.elapsed();
+        deferred
     }
 
     /// Best effort, while segment `k` is about to compute: extends the queue of

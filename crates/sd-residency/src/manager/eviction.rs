@@ -147,13 +147,6 @@ impl ModelManager {
         let host_query = device.kind() == sd_tensor::ggml::DeviceKind::Cpu;
         let mut out = Vec::new();
         for block in self.all_blocks() {
-            let id = match &block {
-                super::blocks::AnyBlock::Storage(id, _)
-                | super::blocks::AnyBlock::Staging(id, _) => *id,
-            };
-            if !pick(id) {
-                continue;
-            }
             let (id, kind, mapped, members) = match &block {
                 super::blocks::AnyBlock::Storage(id, b) => {
                     (*id, BlockKind::Storage, b.mapped.is_some(), &b.members)
@@ -162,6 +155,9 @@ impl ModelManager {
                     (*id, BlockKind::Staging, false, &b.members)
                 }
             };
+            if !pick(id) {
+                continue;
+            }
             let on_device = self.block_on_device(&block, &device);
             // Only what `evictable_blocks` can evict: blocks elsewhere (weights in host
             // RAM, most of them when params are pinned) and mappings are skipped before
