@@ -106,10 +106,15 @@ pub struct SessionConfig {
     /// GPUs with a measured reserve; default off (the CPU and the simulated device
     /// allocate nothing behind the engine's back).
     pub runtime_temporaries: bool,
-    /// Whether a graph run whole keeps its ggml graph (and output entries) for the next
-    /// execution of the same graph, which then runs it again as it is: nothing built or
-    /// allocated, and the same graph for the backend (ggml's CUDA backend replays it as a
-    /// CUDA graph). Default: on.
+    /// Whether each segment's ggml graph (a graph run whole: its one segment) is kept in
+    /// the workspace for the next execution of the same plan (the next step of a sampling
+    /// loop), which runs it again as it is when nothing it is bound to changed: nothing
+    /// built or allocated, its outputs computed into the same cut-cache entries, views of
+    /// weights that moved pointed at their new place, and the same graph for the backend
+    /// (ggml's CUDA backend replays it as a CUDA graph when nothing moved). Every kept
+    /// graph is laid out in the one workspace buffer; they all go when it grows or is
+    /// released, or when another plan runs. A graph run whole also keeps its output
+    /// entries. Default: on.
     pub reuse_graphs: bool,
     /// Whether a segmented run queues each segment's compute and prepares the next
     /// segment on the host while it runs (capacity, staging, building, allocating,

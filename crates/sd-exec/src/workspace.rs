@@ -1,7 +1,11 @@
 //! [`ComputeWorkspace`]: the compute buffer of a session (one ggml graph allocator on the
-//! session's compute buffer type) and the segment graph it currently holds.
+//! session's compute buffer type), the segment graph it currently holds, and the graphs
+//! kept from earlier executions of the same plan (each laid out in the same buffer on its
+//! own, valid while the buffer is the one they were allocated in).
 
-use sd_graphcut::{Fingerprint, SegmentGraph};
+use std::collections::HashMap;
+
+use sd_graphcut::{CutName, Fingerprint, SegmentGraph};
 use sd_tensor::ggml::{BufferType, Gallocr};
 
 use crate::error::{ExecError, Result};
@@ -15,14 +19,27 @@ pub struct ComputeWorkspace {
     // Field order: the allocator (which forgets its tensors' memory) before their graph.
     galloc: Option<Gallocr>,
     current: Option<SegmentGraph>,
-    /// The last graph computed, kept for the next execution of the same graph (see
-    /// [`take_reusable`](Self::take_reusable)), with its plan's fingerprint and segment.
-    kept: Option<(Fingerprint, usize, SegmentGraph)>,
+    /// The allocator's generation when `current` was allocated.
+    current_generation: u64,
+    /// Graphs computed before, kept for the next execution of the same plan (see
+    /// [`take_reusable`](Self::take_reusable)), by plan fingerprint and segment: one plan's
+    /// at a time.
+    kept: HashMap<(Fingerprint, usize), KeptGraph>,
     reservations: usize,
     /// The compute bytes of segment graphs measured by [`grows_for`](Self::grows_for),
     /// by plan and segment.
-    needs: std::collections::HashMap<(Fingerprint, usize), u64>,
+    needs: HashMap<(Fingerprint, usize), u64>,
 }
+
+/// A graph kept by [`ComputeWorkspace::keep_graph`].
+struct KeptGraph {
+    generation: u64,
+    graph: SegmentGraph,
+    direct: Vec<CutName>,
+}
+
+/// At most this many graphs are kept (a plan of more segments keeps its first ones).
+const MAX_KEPT_GRAPHS: usize = 4096;
 
 impl std::fmt::Debug for ComputeWorkspace {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -41,9 +58,10 @@ impl ComputeWorkspace {
             buft,
             galloc: None,
             current: None,
-            kept: None,
+            current_generation: 0,
+            kept: HashMap::new(),
             reservations: 0,
-            needs: std::collections::HashMap::new(),
+            needs: HashMap::new(),
         }
     }
 
@@ -103,8 +121,9 @@ impl ComputeWorkspace {
             .is_some_and(|g| need > g.buffer_size() as u64)
     }
 
-    /// Allocates `graph`'s tensors in the buffer (creating or growing it) and keeps the
-    /// graph until the next allocation or release.
+    /// Allocates `graph`'s tensors in the buffer (creating or growing it; a buffer that
+    /// grows takes the memory of every kept graph, which is then dropped) and holds the
+    /// graph as the current one.
     pub fn allocate(&mut self, graph: SegmentGraph) -> Result<&SegmentGraph> {
         if self.galloc.is_none() {
             let g = Gallocr::new(self.buft).map_err(ExecError::ggml("creating the allocator"))?;
@@ -117,26 +136,30 @@ impl ComputeWorkspace {
                 source: sd_tensor::GgmlError::Mismatch("allocator missing".into()),
             });
         };
-        // The kept graph loses its memory to this one.
-        self.kept = None;
-        if let Err(e) = galloc.alloc_graph(graph.graph()) {
+        if let Err(e) = galloc.alloc_graph_kept(graph.graph()) {
             // ggml may have dropped the buffer: start over next time.
             self.release();
             return Err(ExecError::ggml("allocating the compute buffer")(e));
         }
+        let generation = galloc.generation();
+        self.current_generation = generation;
+        self.kept.retain(|_, k| k.generation == generation);
         Ok(&*self.current.insert(graph))
     }
 
     /// The graph kept by [`keep_graph`](Self::keep_graph) for segment `segment` of the plan
-    /// `plan`, if its tensors still have their memory here (no other graph was allocated
-    /// since): it becomes the current graph again without building or allocating.
-    pub fn take_reusable(&mut self, plan: Fingerprint, segment: usize) -> Option<&SegmentGraph> {
-        let (f, k, sg) = self.kept.take()?;
+    /// `plan`, if its tensors still have their memory here (the buffer is the one it was
+    /// allocated in): it becomes the current graph again without building or allocating.
+    /// Returns the outputs it computed into cut-cache entries last time.
+    pub fn take_reusable(&mut self, plan: Fingerprint, segment: usize) -> Option<Vec<CutName>> {
+        let kept = self.kept.remove(&(plan, segment))?;
         let galloc = self.galloc.as_ref()?;
-        if f != plan || k != segment || !galloc.holds(sg.graph()) {
+        if kept.generation != galloc.generation() {
             return None;
         }
-        Some(&*self.current.insert(sg))
+        self.current_generation = kept.generation;
+        self.current = Some(kept.graph);
+        Some(kept.direct)
     }
 
     /// Gives the current graph back when it is not to be reused after all.
@@ -150,9 +173,30 @@ impl ComputeWorkspace {
     }
 
     /// Like [`end_graph`](Self::end_graph), but keeps the graph for the next execution of
-    /// segment `segment` of the plan `plan` (see [`take_reusable`](Self::take_reusable)).
-    pub fn keep_graph(&mut self, plan: Fingerprint, segment: usize) {
-        self.kept = self.current.take().map(|sg| (plan, segment, sg));
+    /// segment `segment` of the plan `plan` (see [`take_reusable`](Self::take_reusable)),
+    /// with the outputs it computed into cut-cache entries (`direct`). The graphs kept for
+    /// other plans go.
+    pub fn keep_graph(&mut self, plan: Fingerprint, segment: usize, direct: Vec<CutName>) {
+        let Some(graph) = self.current.take() else {
+            return;
+        };
+        self.kept.retain(|(f, _), _| *f == plan);
+        if self.kept.len() >= MAX_KEPT_GRAPHS {
+            return;
+        }
+        self.kept.insert(
+            (plan, segment),
+            KeptGraph {
+                generation: self.current_generation,
+                graph,
+                direct,
+            },
+        );
+    }
+
+    /// Number of graphs kept for reuse.
+    pub fn kept_graphs(&self) -> usize {
+        self.kept.len()
     }
 
     /// The graph allocated last (until [`end_graph`](Self::end_graph) or release).
@@ -164,13 +208,12 @@ impl ComputeWorkspace {
     pub fn release(&mut self) {
         self.galloc = None;
         self.current = None;
-        self.kept = None;
+        self.kept.clear();
     }
 
-    /// Drops the graph it holds but keeps the buffer for the next graph.
+    /// Drops the graph it holds but keeps the buffer (and the kept graphs) for the next
+    /// graph.
     pub fn end_graph(&mut self) {
-        // The allocator keeps its own handles on the tensors it placed.
         self.current = None;
-        self.kept = None;
     }
 }

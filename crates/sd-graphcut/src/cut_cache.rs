@@ -253,6 +253,53 @@ impl CutCache {
         Ok(true)
     }
 
+    /// [`bind_output`](Self::bind_output) for an output of a graph kept from an earlier
+    /// execution, which already has memory: in the entry for `name` when it still holds
+    /// it, else in the spare that holds it (which becomes the entry, so that the graphs
+    /// reading this cut find the same entry as before), else moved into the entry as
+    /// [`bind_output`](Self::bind_output) would make it. Returns `false` when it cannot be
+    /// placed (a view, another layout, or memory that is not this cache's), doing nothing
+    /// to `t`.
+    pub fn rebind_output(&mut self, name: &CutName, t: &GTensor) -> Result<bool> {
+        if t.view_src().is_some() {
+            return Ok(false);
+        }
+        let layout = |e: &Entry| {
+            e.tensor.type_code() == t.type_code()
+                && e.tensor.ne() == t.ne()
+                && e.tensor.nb() == t.nb()
+        };
+        if self.entries.get(name).is_some_and(|e| {
+            layout(e) && e.tensor.same_data(t) && e.buffer.size() >= e.buffer.alloc_size(t)
+        }) {
+            return Ok(true);
+        }
+        if let Some(i) = self
+            .spares
+            .iter()
+            .position(|e| layout(e) && e.tensor.same_data(t))
+        {
+            let spare = self.spares.swap_remove(i);
+            if let Some(old) = self.entries.remove(name) {
+                self.keep_spares([old]);
+            }
+            spare.tensor.set_name(&t.name());
+            self.entries.insert(name.clone(), spare);
+            return Ok(true);
+        }
+        // Its memory is elsewhere in this cache (a buffer another cut took) or gone.
+        if t.is_allocated()
+            && !self
+                .entries
+                .values()
+                .chain(&self.spares)
+                .any(|e| e.buffer.unplace(t))
+        {
+            return Ok(false);
+        }
+        self.bind_output(name, t)
+    }
+
     /// Whether `t` (a segment graph's output placed by [`bind_output`](Self::bind_output)
     /// in an earlier execution) still lives in the entry for `name`.
     pub fn holds_output(&self, name: &CutName, t: &GTensor) -> bool {

@@ -143,8 +143,9 @@ pub struct SegmentGraph {
     /// Leaves used in place (weights, inputs that already had data): (leaf, tensor, data
     /// address when built).
     in_place: Vec<(usize, TensorId, usize)>,
-    /// Previous cuts bound to cut-cache entries: (cut, the entry's tensor, data address).
-    cut_inputs: Vec<(CutName, TensorId, usize)>,
+    /// Previous cuts read from cut-cache entries: (cut, the graph's stand-in for the
+    /// entry, pointed at its memory).
+    cut_inputs: Vec<(CutName, GTensor)>,
     placeholders: Vec<GTensor>,
     /// Tensors of other contexts the copies point at (kept alive with the graph).
     _keep: Vec<GTensor>,
@@ -230,13 +231,13 @@ impl SegmentGraph {
 
     /// Whether this graph, built for a graph with the same fingerprint as `graph` (an
     /// earlier step of a sampling loop), can run `graph`'s segment again as it is: the
-    /// same weights and in-place inputs (the same tensors, at the same addresses: views of
-    /// them took their addresses when the graph was built), host data for every input it
-    /// uploads and none for those it uses in place, and the same cut-cache entries (also
-    /// where they were). Then
-    /// [`retarget`](Self::retarget) points its uploads at `graph`'s inputs and nothing
-    /// needs building or allocating: the backend sees the very graph it ran before (ggml's
-    /// CUDA backend replays such a graph as a CUDA graph).
+    /// same weights and in-place inputs (the same tensors, with memory; they may have
+    /// moved, see [`rebase_views`](Self::rebase_views)), host data for every input it
+    /// uploads and none for those it uses in place, and the same cut-cache entries (where
+    /// they were). Then [`retarget`](Self::retarget) points its uploads at `graph`'s
+    /// inputs and nothing needs building or allocating: the backend sees the very graph it
+    /// ran before (ggml's CUDA backend replays such a graph as a CUDA graph when nothing it
+    /// reads moved).
     pub fn reusable_for(
         &self,
         graph: &CapturedGraph,
@@ -245,20 +246,50 @@ impl SegmentGraph {
     ) -> bool {
         let leaves = graph.leaf_tensors();
         let leaf_id = |l: usize| leaves.get(l).map(|t| t.id());
-        let same = |t: Option<&GTensor>, id: TensorId, addr: usize| {
-            t.is_some_and(|t| t.id() == id && t.data_addr() == addr)
-        };
-        self.in_place
+        // Weights are read where they are when the graph runs (they may have moved since:
+        // `rebase_views` points the views of them at their new place).
+        self.in_place.iter().all(|(l, id, _)| {
+            leaves
+                .get(*l)
+                .is_some_and(|t| t.id() == *id && t.is_allocated())
+                && !inputs.contains(*id)
+        }) && self
+            .upload_leaves
             .iter()
-            .all(|(l, id, addr)| same(leaves.get(*l), *id, *addr) && !inputs.contains(*id))
-            && self
-                .upload_leaves
-                .iter()
-                .all(|l| leaf_id(*l).is_some_and(|id| inputs.contains(id)))
-            && self
-                .cut_inputs
-                .iter()
-                .all(|(name, id, addr)| same(cache.get(name), *id, *addr))
+            .all(|l| leaf_id(*l).is_some_and(|id| inputs.contains(id)))
+            && self.cut_inputs.iter().all(|(name, t)| {
+                cache.get(name).is_some_and(|e| {
+                    e.is_allocated()
+                        && e.type_code() == t.type_code()
+                        && e.ne() == t.ne()
+                        && e.nb() == t.nb()
+                })
+            })
+    }
+
+    /// Points the graph's stand-ins for previous cuts at their entries in `cache` now
+    /// (checked by [`reusable_for`](Self::reusable_for)); run before
+    /// [`rebase_views`](Self::rebase_views).
+    pub fn rebind_cuts(&self, cache: &CutCache) -> Result<()> {
+        for (name, t) in &self.cut_inputs {
+            let e = cache
+                .get(name)
+                .ok_or_else(|| self.err(format!("cut '{name}' is not in the cut cache")))?;
+            t.alias_memory(e).map_err(ggml(format!(
+                "binding cut '{name}' of segment {}",
+                self.index
+            )))?;
+        }
+        Ok(())
+    }
+
+    /// Points every view among the graph's nodes at its source's memory as it is now (see
+    /// [`GTensor::rebase_view`]): run before computing a kept graph whose weights or cut
+    /// outputs may have moved since it was allocated.
+    pub fn rebase_views(&self) {
+        for t in self.graph.nodes() {
+            t.rebase_view();
+        }
     }
 
     /// Points the uploads at `graph`'s input leaves (see [`reusable_for`](Self::reusable_for)).
@@ -487,9 +518,16 @@ fn build(
                                 view.describe(input.tensor)
                             )));
                         }
-                        keep.push(t.clone());
-                        cut_inputs.push((name, t.id(), t.data_addr()));
-                        t.clone()
+                        // A stand-in pointed at the entry (again at each reuse, see
+                        // `rebind_cuts`): the graph outlives the entry it was built with.
+                        let stand_in = ctx
+                            .new_tensor_like(t)
+                            .map_err(gerr(format!("stand-in of cut '{name}'")))?;
+                        stand_in
+                            .alias_memory(t)
+                            .map_err(gerr(format!("stand-in of cut '{name}'")))?;
+                        cut_inputs.push((name, stand_in.clone()));
+                        stand_in
                     }
                 };
                 if let Some(TensorRef::Node(root)) = view.nodes()[c].view_src {

@@ -158,13 +158,11 @@ fn group_by_usage(segment_params: &[Vec<ParamId>]) -> Vec<Vec<Vec<ParamId>>> {
         .collect()
 }
 
-/// Whether the graphs of `plan` are kept from one execution to the next (a plan of one
-/// segment: the graph run whole, whose workspace holds nothing else in between). An
-/// execution of the same graph (fingerprint) then runs the kept ggml graph again as it is
-/// (inputs re-uploaded, weights and cut-cache entries unchanged): no copy of the graph is
-/// built, nothing is allocated (ggml's CUDA backend also replays such a graph as a CUDA
-/// graph; on the H200 that gained nothing for the SD1.5 UNet, the build did). The engine
-/// asks the same of a finished execution (its segment count) to keep its output entries.
+/// Whether the output entries of a plan of `segments` segments stay in the cut cache from
+/// one execution to the next (a graph run whole with [`SessionConfig::reuse_graphs`]):
+/// its kept graph writes them again in place. A segmented run's entries become spares
+/// instead, which its kept graphs take back (`CutCache::rebind_output`). The engine asks
+/// the same of a finished execution (its segment count).
 pub(crate) fn reuses_graphs(segments: usize, config: &SessionConfig) -> bool {
     segments == 1 && config.reuse_graphs
 }
@@ -614,10 +612,11 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
             };
             let mut done = r?;
             unpinned?;
-            if reuses_graphs(plan.segments.len(), &self.session.config) {
+            if self.session.config.reuse_graphs {
+                let direct = std::mem::take(&mut done.direct);
                 self.session.slots[d]
                     .workspace
-                    .keep_graph(plan.fingerprint, k);
+                    .keep_graph(plan.fingerprint, k, direct);
             } else {
                 self.session.slots[d].workspace.end_graph();
             }
@@ -716,34 +715,41 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         // their cut-cache entries (capacity for them was asked for as `store_bytes`); the
         // others are copied there after computing.
         let mut direct: HashSet<CutName> = HashSet::new();
-        // A graph run whole runs the graph it ran last time again when nothing it is bound
-        // to changed (see `reuses_graphs`).
-        let reuse = reuses_graphs(plan.segments.len(), &self.session.config);
+        // The graph this segment ran last time runs again when nothing it is bound to
+        // changed (see `SessionConfig::reuse_graphs`): its outputs go into the same cut-cache
+        // entries, the views of moved weights or cuts follow them.
         let slot = &mut self.session.slots[d];
-        let reused = reuse
-            && slot
-                .workspace
-                .take_reusable(plan.fingerprint, k)
-                .is_some_and(|sg| {
-                    sg.reusable_for(&p.graph, &slot.cut_cache, inputs)
-                        && sg
-                            .outputs()
-                            .iter()
-                            .filter(|(o, _)| kept_out(o))
-                            .all(|(o, t)| {
-                                t.view_src().is_some() || slot.cut_cache.holds_output(&o.name, t)
-                            })
-                });
+        let mut reused = false;
+        if self.session.config.reuse_graphs {
+            if let Some(before) = slot.workspace.take_reusable(plan.fingerprint, k) {
+                let cache = &mut slot.cut_cache;
+                reused = match slot.workspace.current() {
+                    Some(sg) if sg.reusable_for(&p.graph, cache, inputs) => {
+                        let mut ok = true;
+                        for (o, t) in sg.outputs() {
+                            if before.contains(&o.name) && !cache.rebind_output(&o.name, t)? {
+                                ok = false;
+                                break;
+                            }
+                        }
+                        ok
+                    }
+                    _ => false,
+                };
+                if reused {
+                    direct.extend(before);
+                } else {
+                    slot.workspace.drop_current();
+                }
+            }
+        }
         if reused {
             let Some(sg) = slot.workspace.current_mut() else {
                 return Err(self.invalid(task, "the reused graph went missing"));
             };
             sg.retarget(&p.graph);
-            for (o, t) in sg.outputs() {
-                if kept_out(o) && t.view_src().is_none() {
-                    direct.insert(o.name.clone());
-                }
-            }
+            sg.rebind_cuts(&slot.cut_cache)?;
+            sg.rebase_views();
         } else {
             slot.workspace.drop_current();
             let t = Instant::now();
@@ -903,6 +909,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
             held_for_in_flight,
             cache_bytes: slot.cut_cache.entry_bytes() as u64,
             direct_outputs: direct.len(),
+            direct: direct.into_iter().collect(),
             graph_reused: reused,
             queued: queue,
             overlapped,
@@ -1130,6 +1137,8 @@ struct SegmentDone {
     cache_bytes: u64,
     /// Outputs computed into their cut-cache entries.
     direct_outputs: usize,
+    /// The outputs it computed into their cut-cache entries (kept with its graph).
+    direct: Vec<CutName>,
     /// Whether the graph kept from the last execution ran again.
     graph_reused: bool,
     /// Whether it was queued without waiting (the caller puts it in flight).

@@ -26,6 +26,9 @@ pub struct Gallocr {
     /// match, even for a different topology, which silently aliases memory; a different
     /// graph is therefore always re-planned first.
     planned_for: Option<(u64, usize, usize)>,
+    /// Counts the buffers ggml may have put in place of the last one (see
+    /// [`generation`](Self::generation)).
+    generation: u64,
 }
 
 // SAFETY: used from one thread at a time through `&mut self`.
@@ -66,6 +69,7 @@ impl Gallocr {
             allocated: Vec::new(),
             needs_reserve: false,
             planned_for: None,
+            generation: 0,
         })
     }
 
@@ -86,8 +90,10 @@ impl Gallocr {
     /// Measures `graph` and reserves a buffer large enough for it; returns the buffer size.
     pub fn reserve(&mut self, graph: &Graph) -> Result<usize> {
         self.forget_allocations();
+        let before = self.buffer_size();
         // SAFETY: live allocator and graph.
         let ok = unsafe { sys::ggml_gallocr_reserve(self.ptr.as_ptr(), graph.raw()) };
+        self.note_buffer(before, ok);
         self.needs_reserve = !ok;
         self.planned_for = ok.then(|| Self::key(graph));
         if !ok {
@@ -128,13 +134,46 @@ impl Gallocr {
     /// Allocates every tensor of `graph` that has no memory yet.
     pub fn alloc_graph(&mut self, graph: &Graph) -> Result<()> {
         self.forget_allocations();
+        self.allocated = self.alloc_pending(graph)?;
+        Ok(())
+    }
+
+    /// [`alloc_graph`](Self::alloc_graph), except that the tensors keep their memory when
+    /// this allocator allocates another graph: several graphs that run one after another
+    /// share the buffer, each laid out on its own. Their memory stays valid while the
+    /// [`generation`](Self::generation) is the one they were allocated in; the caller
+    /// drops them (never computes them) once it changed.
+    pub fn alloc_graph_kept(&mut self, graph: &Graph) -> Result<()> {
+        self.forget_allocations();
+        self.alloc_pending(graph).map(drop)
+    }
+
+    /// Changes whenever ggml may have freed the buffer and allocated another one (it grew,
+    /// or a reservation failed), and on every allocation for a buffer type whose buffers
+    /// ggml may split into chunks (a finite maximum size: a chunk may be replaced while the
+    /// total stays the same). Tensors of [`alloc_graph_kept`](Self::alloc_graph_kept) have
+    /// valid memory only while it has not changed.
+    pub fn generation(&self) -> u64 {
+        self.generation
+    }
+
+    fn note_buffer(&mut self, before: usize, ok: bool) {
+        if !ok || before == 0 || self.buffer_size() != before || self.buft.max_size() != usize::MAX
+        {
+            self.generation += 1;
+        }
+    }
+
+    fn alloc_pending(&mut self, graph: &Graph) -> Result<Vec<GTensor>> {
         let pending = graph.unallocated_tensors();
+        let before = self.buffer_size();
         // SAFETY: live allocator and graph; both return false on failure.
         let replan = self.needs_reserve || self.planned_for != Some(Self::key(graph));
         let ok = unsafe {
             (!replan || sys::ggml_gallocr_reserve(self.ptr.as_ptr(), graph.raw()))
                 && sys::ggml_gallocr_alloc_graph(self.ptr.as_ptr(), graph.raw())
         };
+        self.note_buffer(before, ok);
         self.needs_reserve = !ok;
         self.planned_for = ok.then(|| Self::key(graph));
         if !ok {
@@ -147,8 +186,7 @@ impl Gallocr {
                 bytes: self.measure(graph),
             });
         }
-        self.allocated = pending;
-        Ok(())
+        Ok(pending)
     }
 
     /// Whether `graph` is the graph this allocator placed last and its tensors still have

@@ -301,6 +301,58 @@ impl GTensor {
         unsafe { sys::ggml_backend_buffer_get_type(b) }
     }
 
+    /// Makes this tensor (not a view; the same type, dimensions and strides as `of`) read
+    /// and write `of`'s memory: its buffer and data become `of`'s. Nothing owns the memory
+    /// through it: the caller uses it only while `of`'s memory lives (a segment graph's
+    /// stand-in for a cut-cache entry, pointed at the entry of each run).
+    pub fn alias_memory(&self, of: &GTensor) -> Result<()> {
+        if self.view_src().is_some()
+            || self.type_code() != of.type_code()
+            || self.ne() != of.ne()
+            || self.nb() != of.nb()
+        {
+            return Err(GgmlError::Mismatch(format!(
+                "'{}' cannot alias '{}': another layout, or a view",
+                self.name(),
+                of.name()
+            )));
+        }
+        if !of.is_allocated() {
+            return Err(GgmlError::NotAllocated { name: of.name() });
+        }
+        let _g = self.ctx.lock();
+        // SAFETY: live descriptors; only pointers are written (same layout, so the same
+        // extent).
+        unsafe {
+            let t = self.ptr.as_ptr();
+            let o = of.raw();
+            (*t).buffer = (*o).buffer;
+            (*t).data = (*o).data;
+        }
+        Ok(())
+    }
+
+    /// Points a view at its source's memory as it is now (the source's buffer, its data
+    /// plus the view's offset), as ggml does when it allocates a graph: for a graph kept
+    /// from one run to the next while the tensors it views moved. Returns `false`, changing
+    /// nothing, for a tensor that is not a view or whose source has no memory.
+    pub fn rebase_view(&self) -> bool {
+        let _g = self.ctx.lock();
+        // SAFETY: live descriptors (a view keeps its source's context alive through the
+        // graph that holds both); only pointers are written, inside the source's memory
+        // (ggml checked the view's extent against its source when it made the view).
+        unsafe {
+            let t = self.ptr.as_ptr();
+            let src = (*t).view_src;
+            if src.is_null() || (*src).data.is_null() {
+                return false;
+            }
+            (*t).buffer = (*src).buffer;
+            (*t).data = (*src).data.cast::<u8>().add((*t).view_offs).cast();
+        }
+        true
+    }
+
     /// Forgets this tensor's memory (the memory's owner is letting it go).
     pub(crate) fn clear_allocation(&self) {
         let _g = self.ctx.lock();
