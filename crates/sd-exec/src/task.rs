@@ -169,7 +169,8 @@ pub struct ExecTiming {
     pub build: Duration,
     /// Placing the segments' graphs in the compute workspace and their cut outputs in the
     /// cut cache (device allocations when an entry or the workspace is new or grows), and
-    /// storing the cut outputs that could not be placed there.
+    /// storing the cut outputs that could not be placed there; for a graph kept from the
+    /// last execution, checking and binding it again instead.
     pub allocate: Duration,
     /// Uploading the task's inputs and computing the segment graphs (with asynchronous
     /// compute: queueing them).

@@ -137,6 +137,8 @@ pub struct SegmentGraph {
     graph: Graph,
     _ctx: Context,
     outputs: Vec<(SegmentOutput, GTensor)>,
+    /// The copies that are views, in execution order (a view's source before it).
+    views: Vec<GTensor>,
     uploads: Vec<(GTensor, TensorId)>,
     /// The captured graph's leaf behind each of `uploads` (same order).
     upload_leaves: Vec<usize>,
@@ -287,7 +289,7 @@ impl SegmentGraph {
     /// [`GTensor::rebase_view`]): run before computing a kept graph whose weights or cut
     /// outputs may have moved since it was allocated.
     pub fn rebase_views(&self) {
-        for t in self.graph.nodes() {
+        for t in &self.views {
             t.rebase_view();
         }
     }
@@ -561,6 +563,7 @@ fn build(
     };
 
     let mut copies: Vec<GTensor> = Vec::with_capacity(seg.internal_nodes.len());
+    let mut views: Vec<GTensor> = Vec::new();
     for &m in &seg.internal_nodes {
         let d = &view.nodes()[m];
         let orig = graph.tensor(TensorRef::Node(m));
@@ -651,6 +654,9 @@ fn build(
             .copy_node(orig, &srcs, view_base.as_ref().map(|(t, o)| (t, *o)))
             .map_err(gerr(format!("copying {}", here())))?;
         nodes.insert(m, copy.clone());
+        if view_base.is_some() {
+            views.push(copy.clone());
+        }
         copies.push(copy);
     }
 
@@ -717,6 +723,7 @@ fn build(
         graph: g,
         _ctx: ctx,
         outputs,
+        views,
         uploads,
         upload_leaves,
         in_place,

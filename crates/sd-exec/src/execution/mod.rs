@@ -720,6 +720,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         // entries, the views of moved weights or cuts follow them.
         let slot = &mut self.session.slots[d];
         let mut reused = false;
+        let t = Instant::now();
         if self.session.config.reuse_graphs {
             if let Some(before) = slot.workspace.take_reusable(plan.fingerprint, k) {
                 let cache = &mut slot.cut_cache;
@@ -750,7 +751,9 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
             sg.retarget(&p.graph);
             sg.rebind_cuts(&slot.cut_cache)?;
             sg.rebase_views();
-        } else {
+        }
+        timing.allocate += t.elapsed();
+        if !reused {
             slot.workspace.drop_current();
             let t = Instant::now();
             let sg = SegmentGraph::for_execution(&p.graph, plan, k, &slot.cut_cache, inputs)?;
