@@ -436,6 +436,36 @@ mod tests {
     }
 
     #[test]
+    fn a_kept_output_goes_back_into_the_spare_that_held_it_or_moves() {
+        let ctx = Context::new_descriptors(8, 8, 0).unwrap();
+        let name = |s: &str| CutName::new("g", s).unwrap();
+        let (a, b) = (like(&ctx, 64), like(&ctx, 64));
+        let mut cache = CutCache::host();
+        cache.set_spare_limit(Some(1 << 20));
+        assert!(cache.bind_output(&name("a"), &a).unwrap());
+        let entry = cache.get(&name("a")).unwrap().id();
+        // The step ends: the entry becomes a spare, the output keeps its memory there.
+        cache.retain(|_| false);
+        assert!(a.is_allocated());
+        assert!(cache.rebind_output(&name("a"), &a).unwrap());
+        assert_eq!(cache.get(&name("a")).unwrap().id(), entry, "the same entry");
+        assert!(cache.get(&name("a")).unwrap().same_data(&a));
+        assert_eq!(cache.spares(), 0);
+        // The spare goes to another cut first: the kept output moves to an entry of its
+        // own, and the other cut keeps its memory.
+        cache.retain(|_| false);
+        assert!(cache.bind_output(&name("b"), &b).unwrap());
+        assert!(b.same_data(&a), "b took the spare a was in");
+        assert!(cache.rebind_output(&name("a"), &a).unwrap());
+        assert!(cache.get(&name("a")).unwrap().same_data(&a));
+        assert!(cache.get(&name("b")).unwrap().same_data(&b));
+        assert!(!a.same_data(&b));
+        // A view is never placed.
+        let v = ctx.reshape(&a, &[128]).unwrap();
+        assert!(!cache.rebind_output(&name("v"), &v).unwrap());
+    }
+
+    #[test]
     fn removed_entries_become_spares_that_the_same_layout_takes_back() {
         let ctx = Context::new_descriptors(8, 8, 0).unwrap();
         let (a, b) = (like(&ctx, 64), like(&ctx, 32));

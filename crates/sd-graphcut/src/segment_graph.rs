@@ -139,6 +139,8 @@ pub struct SegmentGraph {
     outputs: Vec<(SegmentOutput, GTensor)>,
     /// The copies that are views, in execution order (a view's source before it).
     views: Vec<GTensor>,
+    /// The segment's internal nodes copied (one copy each).
+    copied: usize,
     uploads: Vec<(GTensor, TensorId)>,
     /// The captured graph's leaf behind each of `uploads` (same order).
     upload_leaves: Vec<usize>,
@@ -267,6 +269,12 @@ impl SegmentGraph {
                         && e.nb() == t.nb()
                 })
             })
+    }
+
+    /// Whether this graph was built for `segment` (its name and its node count): a kept
+    /// graph is only run again for the segment it computes.
+    pub fn built_for(&self, segment: &Segment) -> bool {
+        self.name == segment.name && self.copied == segment.internal_nodes.len()
     }
 
     /// Points the graph's stand-ins for previous cuts at their entries in `cache` now
@@ -724,6 +732,7 @@ fn build(
         _ctx: ctx,
         outputs,
         views,
+        copied: copies.len(),
         uploads,
         upload_leaves,
         in_place,

@@ -443,6 +443,51 @@ fn gallocr_replans_for_a_different_graph_of_the_same_shape() {
     assert!(max_abs(&r.read_f32().unwrap(), &want_r) < 1e-6);
 }
 
+/// Graphs allocated with `alloc_graph_kept` keep their memory when the allocator places
+/// the next graph in the same buffer, and compute again without allocating while the
+/// generation stays; a graph that needs a larger buffer changes the generation.
+#[test]
+fn gallocr_kept_graphs_share_the_buffer_until_it_grows() {
+    let ctx = Context::new_descriptors(64, 64, 3).unwrap();
+    let x = ctx.new_tensor(DType::F32, &[8]).unwrap();
+    let _buf = BufferType::cpu().alloc_context_tensors(&ctx).unwrap();
+    let xv: Vec<f32> = (0..8).map(|i| i as f32 * 0.25 - 1.0).collect();
+    x.write_f32(&xv).unwrap();
+    let chain = |k: f32| {
+        let a = ctx.scale(&x, k).unwrap();
+        let out = ctx.tanh(&a).unwrap();
+        out.set_output();
+        let mut g = Graph::new(&ctx, 8).unwrap();
+        g.build_forward_expand(&out).unwrap();
+        (g, out)
+    };
+    let (ga, out_a) = chain(2.0);
+    let (gb, out_b) = chain(3.0);
+    let backend = Backend::cpu(1).unwrap();
+    let mut galloc = Gallocr::new(backend.buffer_type()).unwrap();
+    galloc.alloc_graph_kept(&ga).unwrap();
+    let first = galloc.generation();
+    galloc.alloc_graph_kept(&gb).unwrap();
+    assert_eq!(galloc.generation(), first, "same size: the buffer stays");
+    assert!(out_a.is_allocated(), "the kept graph keeps its memory");
+    let want = |k: f32| -> Vec<f32> { xv.iter().map(|v| (k * v).tanh()).collect() };
+    for _ in 0..2 {
+        backend.compute(&ga).unwrap();
+        assert!(max_abs(&out_a.read_f32().unwrap(), &want(2.0)) < 1e-6);
+        backend.compute(&gb).unwrap();
+        assert!(max_abs(&out_b.read_f32().unwrap(), &want(3.0)) < 1e-6);
+    }
+    // A larger graph grows the buffer: the generation changes.
+    let y = ctx.new_tensor(DType::F32, &[4096]).unwrap();
+    y.set_input();
+    let big = ctx.tanh(&ctx.scale(&y, 2.0).unwrap()).unwrap();
+    big.set_output();
+    let mut gc = Graph::new(&ctx, 8).unwrap();
+    gc.build_forward_expand(&big).unwrap();
+    galloc.alloc_graph_kept(&gc).unwrap();
+    assert_ne!(galloc.generation(), first, "the buffer grew");
+}
+
 /// Each pair's values: (ggml's op, the host kernel's).
 type PairValues = Vec<(Vec<f32>, Vec<f32>)>;
 

@@ -725,7 +725,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
             if let Some(before) = slot.workspace.take_reusable(plan.fingerprint, k) {
                 let cache = &mut slot.cut_cache;
                 reused = match slot.workspace.current() {
-                    Some(sg) if sg.reusable_for(&p.graph, cache, inputs) => {
+                    Some(sg) if sg.built_for(seg) && sg.reusable_for(&p.graph, cache, inputs) => {
                         let mut ok = true;
                         for (o, t) in sg.outputs() {
                             if before.contains(&o.name) && !cache.rebind_output(&o.name, t)? {
