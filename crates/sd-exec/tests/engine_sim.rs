@@ -1502,6 +1502,31 @@ fn buffers_count_at_the_allocation_granularity_of_the_device() {
     );
 }
 
+/// The UNet-like graph with its input `x` drawn from `seed`.
+fn unet_with_x(w: &HashMap<String, GTensor>, seed: u64) -> ComputeTask {
+    let mut task = unet(w);
+    task.inputs[0].1 = bytes_of(&rnd(8 * 8 * 4, seed));
+    task
+}
+
+/// The whole UNet-like graph's output for each seed's input, each from a fresh session
+/// (built once, never reused); checks that the inputs change the output.
+fn fresh_whole_outputs(tag: &str, seeds: &[u64]) -> Vec<Vec<u8>> {
+    let mut fresh = rig(tag, false);
+    let want: Vec<Vec<u8>> = seeds
+        .iter()
+        .map(|&s| {
+            let id = fresh.session(None, SegmentationPolicy::Never, false);
+            let out = fresh.engine.execute(id, &unet_with_x(&fresh.w, s)).unwrap();
+            assert!(!out.segments[0].graph_reused);
+            fresh.engine.end(id).unwrap();
+            out.output
+        })
+        .collect();
+    assert_ne!(want[0], want[1], "the inputs change the output");
+    want
+}
+
 /// A graph run whole (resident weights) and run again, step after step of a sampling loop
 /// with new inputs each time: from the second run on the engine runs the ggml graph it
 /// kept (nothing built, no device allocation or free inside the step), and every output is
@@ -1509,25 +1534,9 @@ fn buffers_count_at_the_allocation_granularity_of_the_device() {
 /// workspace reclaimed, makes it build again (and still right).
 #[test]
 fn a_whole_graph_run_again_reuses_its_graph_and_allocates_nothing() {
-    let with_x = |w: &HashMap<String, GTensor>, seed: u64| {
-        let mut task = unet(w);
-        task.inputs[0].1 = bytes_of(&rnd(8 * 8 * 4, seed));
-        task
-    };
+    let with_x = unet_with_x;
     let seeds = [7u64, 11, 13, 7];
-    // Fresh sessions: built once each.
-    let mut fresh = rig("REUSE_REF", false);
-    let want: Vec<Vec<u8>> = seeds
-        .iter()
-        .map(|&s| {
-            let id = fresh.session(None, SegmentationPolicy::Never, false);
-            let out = fresh.engine.execute(id, &with_x(&fresh.w, s)).unwrap();
-            assert!(!out.segments[0].graph_reused);
-            fresh.engine.end(id).unwrap();
-            out.output
-        })
-        .collect();
-    assert_ne!(want[0], want[1], "the inputs change the output");
+    let want = fresh_whole_outputs("REUSE_REF", &seeds);
 
     let mut r = rig("REUSE", false);
     let id = r.session(None, SegmentationPolicy::Never, false);
@@ -1705,23 +1714,9 @@ fn prefetch_runs_several_segments_ahead_within_budget_and_equals_whole() {
 /// flight. With graph reuse off nothing is reused and the outputs are the same.
 #[test]
 fn segment_graphs_are_kept_from_step_to_step() {
-    let with_x = |w: &HashMap<String, GTensor>, seed: u64| {
-        let mut task = unet(w);
-        task.inputs[0].1 = bytes_of(&rnd(8 * 8 * 4, seed));
-        task
-    };
+    let with_x = unet_with_x;
     let seeds = [7u64, 11, 13, 17, 7, 19];
-    let mut fresh = rig("KEEP_REF", false);
-    let want: Vec<Vec<u8>> = seeds
-        .iter()
-        .map(|&s| {
-            let id = fresh.session(None, SegmentationPolicy::Never, false);
-            let out = fresh.engine.execute(id, &with_x(&fresh.w, s)).unwrap();
-            fresh.engine.end(id).unwrap();
-            out.output
-        })
-        .collect();
-    assert_ne!(want[0], want[1], "the inputs change the output");
+    let want = fresh_whole_outputs("KEEP_REF", &seeds);
     let (seg, _) = run("KEEP_PROBE", unet, None, SegmentationPolicy::Always, false);
     let weights = weight_bytes(&rig("KEEP_W", false), "unet.");
     let footprint = seg.segments.iter().map(|s| s.footprint()).max().unwrap();

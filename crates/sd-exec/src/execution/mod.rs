@@ -921,7 +921,13 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         })
     }
 
-    /// [`enqueue_prefetches`](Self::enqueue_prefetches), timed as [`ExecTiming::prefetch`].
+    /// Best effort, while segment `k` is about to compute: extends the queue of
+    /// prefetches to the segments after it, in order, up to
+    /// [`SessionConfig::prefetch_depth`] segments ahead of `k`, stopping at the first
+    /// that does not fit now. The manager copies them on the device's copy stream or on
+    /// transfer threads while the segments before them compute. With `as_is`, stops at
+    /// the first that would need an eviction and returns `true` (deferred). Timed as
+    /// [`ExecTiming::prefetch`].
     #[allow(clippy::too_many_arguments)]
     fn timed_prefetches(
         &mut self,
@@ -935,32 +941,11 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         timing: &mut ExecTiming,
     ) -> bool {
         let t = Instant::now();
-        let deferred = self.enqueue_prefetches(task, p, k, store_bytes, resident, queued, as_is);
-        timing.prefetch += t.elapsed();
-        deferred
-    }
-
-    /// Best effort, while segment `k` is about to compute: extends the queue of
-    /// prefetches to the segments after it, in order, up to
-    /// [`SessionConfig::prefetch_depth`] segments ahead of `k`, stopping at the first
-    /// that does not fit now. The manager copies them on the device's copy stream or on
-    /// transfer threads while the segments before them compute. With `as_is`, stops at
-    /// the first that would need an eviction and returns `true` (deferred).
-    #[allow(clippy::too_many_arguments)]
-    fn enqueue_prefetches(
-        &mut self,
-        task: &ComputeTask,
-        p: &Prepared,
-        k: usize,
-        store_bytes: u64,
-        resident: &HashSet<ParamId>,
-        queued: &mut VecDeque<(usize, Vec<ParamId>)>,
-        as_is: bool,
-    ) -> bool {
         let depth = self.session.config.prefetch_depth.max(1);
         let last = k.saturating_add(depth).min(p.plan.segments.len() - 1);
         let first = queued.back().map_or(k, |(t, _)| *t) + 1;
         let mut scheduled = 0;
+        let mut deferred = false;
         for target in first..=last {
             if p.segment_params[target].is_empty() {
                 continue;
@@ -977,10 +962,14 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
                 }
                 Prefetch::Resident => {}
                 Prefetch::NoRoom => break,
-                Prefetch::Later => return true,
+                Prefetch::Later => {
+                    deferred = true;
+                    break;
+                }
             }
         }
-        false
+        timing.prefetch += t.elapsed();
+        deferred
     }
 
     /// Schedules the missing weights of segment `target` (after `k`) on its device now if

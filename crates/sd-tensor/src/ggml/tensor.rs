@@ -306,7 +306,7 @@ impl GTensor {
     /// through it: the caller uses it only while `of`'s memory lives (a segment graph's
     /// stand-in for a cut-cache entry, pointed at the entry of each run).
     pub fn alias_memory(&self, of: &GTensor) -> Result<()> {
-        if self.view_src().is_some()
+        if !self.t().view_src.is_null()
             || self.type_code() != of.type_code()
             || self.ne() != of.ne()
             || self.nb() != of.nb()
