@@ -307,7 +307,8 @@ fn run_results(cmd: &mut Command) -> Res<Vec<(String, String)>> {
 /// 77x768 context) in sd-rs on the ggml CPU backend (f16 weights,
 /// `crates/sd-models/benches/unet_step.rs`, which also measures the ggml f16 matmul
 /// ceiling; once on the project's CPU kernels as `sd` runs, once on ggml's ops only with
-/// flash attention), then in diffusers on PyTorch CPU (`scripts/bench/unet_step_diffusers.py`, f32
+/// flash attention, once on the kernels with ggml's f16 product for convolutions (after the
+/// im2col) and linear layers, `SD_F32_PRODUCTS=0`), then in diffusers on PyTorch CPU (`scripts/bench/unet_step_diffusers.py`, f32
 /// and bf16), on the same thread count (`SD_BENCH_THREADS`, default 2); prints the times,
 /// the ratios and GFLOP/s against the ceiling. `SD_BENCH_TORCH_DTYPES` (default `f32,bf16`)
 /// picks the PyTorch runs, `SD_BENCH_REPS` (default 2) the timed steps of each.
@@ -348,15 +349,21 @@ fn bench_unet(benv: &BuildEnv, args: &[String]) -> Res<()> {
     // (`fa_` keys: stable-diffusion.cpp's CPU path with `--diffusion-fa`).
     let mut results = Vec::new();
     // Then the kernels with each other weight type asked for (`bf16_` keys, ...).
-    let runs = [("1", "f16", String::new()), ("0", "f16", "fa_".into())]
-        .into_iter()
-        .chain(
-            weights
-                .iter()
-                .filter(|w| *w != "f16")
-                .map(|w| ("1", w.as_str(), format!("{w}_"))),
-        );
-    for (host, w, prefix) in runs {
+    // And the kernels with ggml's f16 product for convolutions and linear layers
+    // (`SD_F32_PRODUCTS=0`, `f16mm_` keys).
+    let runs = [
+        ("1", "f16", String::new(), "1"),
+        ("0", "f16", "fa_".into(), "1"),
+        ("1", "f16", "f16mm_".into(), "0"),
+    ]
+    .into_iter()
+    .chain(
+        weights
+            .iter()
+            .filter(|w| *w != "f16")
+            .map(|w| ("1", w.as_str(), format!("{w}_"), "1")),
+    );
+    for (host, w, prefix, f32_products) in runs {
         let r = run_results(
             cargo(benv)
                 .args(["bench", "--workspace", "--bench", "unet_step"])
@@ -366,6 +373,7 @@ fn bench_unet(benv: &BuildEnv, args: &[String]) -> Res<()> {
                 .env("SD_BENCH_LATENT", &side)
                 .env("SD_BENCH_HOST_KERNELS", host)
                 .env("SD_BENCH_WEIGHTS", w)
+                .env("SD_F32_PRODUCTS", f32_products)
                 .env("SD_BENCH_FLASH_ATTN", "1"),
         )?;
         results.extend(r.into_iter().map(|(k, v)| (format!("{prefix}{k}"), v)));
@@ -399,6 +407,12 @@ fn bench_unet(benv: &BuildEnv, args: &[String]) -> Res<()> {
         gflop / fa,
         100.0 * gflop / fa / fa_ceiling
     );
+    let f16mm = get("f16mm_ggml_unet_seconds")?;
+    println!(
+        "  sd-rs, ggml's f16 product   {f16mm:8.2} s  {:6.1} GFLOP/s  (SD_F32_PRODUCTS=0; f32 products / f16: {:.3})",
+        gflop / f16mm,
+        ours / f16mm
+    );
     weight_rows(&results, &weights, "ggml_unet", "torch", gflop, &dtypes)?;
     for dtype in dtypes.split(',').filter(|d| !d.is_empty()) {
         let theirs = get(&format!("torch_{dtype}_seconds"))?;
@@ -425,8 +439,9 @@ fn bench_unet(benv: &BuildEnv, args: &[String]) -> Res<()> {
 }
 /// `cargo xtask bench vae`: one SD1.5 VAE decode (random f16 weights, a 64x64 latent to
 /// 512x512) in sd-rs on the ggml CPU backend as `sd` runs it (`crates/sd-models/benches/
-/// vae_decode.rs`: the project's CPU convolution kernels, then ggml's own for comparison),
-/// then in diffusers on PyTorch CPU (`scripts/bench/vae_decode_diffusers.py`, f32 and bf16),
+/// vae_decode.rs`: the project's CPU convolution kernels, then ggml's own for comparison, then
+/// the kernels with ggml's f16 product after the im2col, `SD_F32_PRODUCTS=0`), then in
+/// diffusers on PyTorch CPU (`scripts/bench/vae_decode_diffusers.py`, f32 and bf16),
 /// on the same thread count (`SD_BENCH_THREADS`, default 2); prints the times and ratios.
 /// `SD_BENCH_TORCH_DTYPES` (default `f32,bf16`), `SD_BENCH_REPS` (default 2) and
 /// `SD_BENCH_LATENT` (default 64) as for `bench unet`; `--weights f16,bf16` adds a decode
@@ -444,17 +459,18 @@ fn bench_vae(benv: &BuildEnv, args: &[String]) -> Res<()> {
     let side = env::var("SD_BENCH_LATENT").unwrap_or_else(|_| "64".into());
     let mut results = Vec::new();
     let runs = [
-        ("1", "f16", String::new()),
-        ("0", "f16", "ggml_im2col_".into()),
+        ("1", "f16", String::new(), "1"),
+        ("0", "f16", "ggml_im2col_".into(), "1"),
+        ("1", "f16", "f16mm_".into(), "0"),
     ]
     .into_iter()
     .chain(
         weights
             .iter()
             .filter(|w| *w != "f16")
-            .map(|w| ("1", w.as_str(), format!("{w}_"))),
+            .map(|w| ("1", w.as_str(), format!("{w}_"), "1")),
     );
-    for (host, w, prefix) in runs {
+    for (host, w, prefix, f32_products) in runs {
         let r = run_results(
             cargo(benv)
                 .args(["bench", "--workspace", "--bench", "vae_decode"])
@@ -462,6 +478,7 @@ fn bench_vae(benv: &BuildEnv, args: &[String]) -> Res<()> {
                 .env("SD_BENCH_REPS", &reps)
                 .env("SD_BENCH_LATENT", &side)
                 .env("SD_BENCH_WEIGHTS", w)
+                .env("SD_F32_PRODUCTS", f32_products)
                 .env("SD_BENCH_HOST_KERNELS", host),
         )?;
         results.extend(r.into_iter().map(|(k, v)| (format!("{prefix}{k}"), v)));
@@ -489,6 +506,12 @@ fn bench_vae(benv: &BuildEnv, args: &[String]) -> Res<()> {
     println!(
         "  sd-rs, ggml's own im2col     {plain:8.2} s  {:6.1} GFLOP/s",
         gflop / plain
+    );
+    let f16mm = get("f16mm_ggml_vae_seconds")?;
+    println!(
+        "  sd-rs, ggml's f16 product    {f16mm:8.2} s  {:6.1} GFLOP/s  (SD_F32_PRODUCTS=0; f32 products / f16: {:.3})",
+        gflop / f16mm,
+        ours / f16mm
     );
     weight_rows(&results, &weights, "ggml_vae", "torch_vae", gflop, &dtypes)?;
     for dtype in dtypes.split(',').filter(|d| !d.is_empty()) {

@@ -938,6 +938,27 @@ pub fn host_kernels_from_env() -> Result<bool, String> {
     host_kernels_setting(std::env::var(HOST_KERNELS_ENV).ok().as_deref())
 }
 
+/// The environment variable that sends the CPU's convolutions and linear layers of f16 / f32
+/// weights back to ggml's f16 product (`0`; convolutions through the im2col) instead of the
+/// project's f32 product kernels (`1`, the default; see `RuntimeOptions::f32_products`).
+pub const F32_PRODUCTS_ENV: &str = "SD_F32_PRODUCTS";
+
+/// [`F32_PRODUCTS_ENV`]'s value as `RuntimeOptions::f32_products`: unset or empty is on.
+pub fn f32_products_setting(value: Option<&str>) -> Result<bool, String> {
+    match value.map(str::trim) {
+        None | Some("") | Some("1" | "true" | "on" | "yes") => Ok(true),
+        Some("0" | "false" | "off" | "no") => Ok(false),
+        Some(other) => Err(format!(
+            "{F32_PRODUCTS_ENV}={other}: expected 1 (the project's f32 products) or 0 (ggml's f16 product, convolutions through the im2col)"
+        )),
+    }
+}
+
+/// [`f32_products_setting`] of the process environment.
+pub fn f32_products_from_env() -> Result<bool, String> {
+    f32_products_setting(std::env::var(F32_PRODUCTS_ENV).ok().as_deref())
+}
+
 #[cfg(test)]
 mod tests {
     #[test]
@@ -959,6 +980,16 @@ mod tests {
         assert_eq!(host_kernels_setting(Some(" off ")), Ok(false));
         let e = host_kernels_setting(Some("2")).unwrap_err();
         assert!(e.contains("SD_HOST_KERNELS=2"), "{e}");
+    }
+
+    #[test]
+    fn sd_f32_products_values() {
+        use super::f32_products_setting;
+        assert_eq!(f32_products_setting(None), Ok(true));
+        assert_eq!(f32_products_setting(Some("on")), Ok(true));
+        assert_eq!(f32_products_setting(Some("0")), Ok(false));
+        let e = f32_products_setting(Some("fast")).unwrap_err();
+        assert!(e.contains("SD_F32_PRODUCTS=fast"), "{e}");
     }
 
     use super::*;

@@ -462,6 +462,7 @@ fn generate(cli: &Cli, threads: usize) -> Result<(), Fail> {
     runtime.compute_options.flash_attn = flash;
     runtime.exact = cli::exact_from_env().map_err(Fail::Usage)?;
     runtime.host_kernels = cli::host_kernels_from_env().map_err(Fail::Usage)?;
+    runtime.f32_products = cli::f32_products_from_env().map_err(Fail::Usage)?;
     let on_cpu = matches!(runtime.compute, ComputeDevice::Cpu);
     if cli.max_vram.is_some() && on_cpu {
         tracing::warn!("--max-vram budgets a GPU (--backend); the CPU backend ignores it");

@@ -186,6 +186,7 @@ pub fn run(cli: &Cli, threads: usize) -> Result<(), Fail> {
         threads,
         exact: crate::cli::exact_from_env().map_err(Fail::Usage)?,
         host_kernels: crate::cli::host_kernels_from_env().map_err(Fail::Usage)?,
+        f32_products: crate::cli::f32_products_from_env().map_err(Fail::Usage)?,
         ..RuntimeOptions::default()
     };
     let mut rt = Runtime::new(options, TensorCatalog::new())

@@ -176,6 +176,7 @@ impl VaeDecode {
         let params = pb.finish();
         let buffer = fill_synthetic(&params, &BufferType::cpu(), seed)?;
         let mut g = GraphCtx::new(UNET_GRAPH, UNET_GRAPH, opts)?;
+        g.ctx.set_f32_products(f32_products());
         let z = g.ctx.new_tensor(DType::F32, &[side, side, 4, 1])?;
         z.set_input();
         let out = vae.decode(&mut g, &z)?;
@@ -268,6 +269,7 @@ impl UnetStep {
             tokens,
         } = shape;
         let mut g = GraphCtx::new(UNET_GRAPH, UNET_GRAPH, opts)?;
+        g.ctx.set_f32_products(f32_products());
         // bf16 weights (`SD_BENCH_WEIGHTS=bf16`): the attention's products in bf16 too, as
         // the Runtime runs `--type bf16` (`SD_BENCH_BF16_ATTENTION=0`: f32 products).
         let bf16_attention = std::env::var("SD_BENCH_BF16_ATTENTION").map_or(true, |v| v != "0");
@@ -323,7 +325,8 @@ impl UnetStep {
 
 /// Floating point operations of the matrix products of `graph`, the work that dominates a
 /// diffusion model: `2 K M N` for every `MUL_MAT` of `[K, M] x [K, N]` (times its batch
-/// dimensions; convolutions are `IM2COL` + `MUL_MAT` and counted here), and `4 d n_q n_kv`
+/// dimensions; convolutions are `IM2COL` + `MUL_MAT` and counted here, or the implicit
+/// convolution op, `IMPLICIT_CONV_NAME`, `2 KW KH C` per output value), and `4 d n_q n_kv`
 /// per head for `FLASH_ATTN_EXT` and the CPU attention kernel (`ATTENTION_HOST_NAME`). Normalisations, activations and element-wise ops (a few
 /// percent for SD UNets) are not counted.
 pub fn graph_flops(graph: &Graph) -> f64 {
@@ -347,6 +350,19 @@ pub fn graph_flops(graph: &Graph) -> f64 {
                     let [qw, nq, b, _] = q.ne();
                     let pairs = (nq * b) as f64 * k.ne()[1] as f64;
                     total += 2.0 * pairs * (qw + v.ne()[0]) as f64;
+                }
+            }
+            "CUSTOM" if node.name() == sd_tensor::ggml::LINEAR_HOST_NAME => {
+                // [K, M] x [K, N]: 2 K per output value.
+                if let Some(w) = node.src(1) {
+                    total += 2.0 * w.ne()[0] as f64 * node.nelements() as f64;
+                }
+            }
+            "CUSTOM" if node.name() == sd_tensor::ggml::IMPLICIT_CONV_NAME => {
+                // A convolution without im2col: 2 KW KH C values per output value.
+                if let Some(k) = node.src(1) {
+                    let [kw, kh, c, _] = k.ne();
+                    total += 2.0 * (kw * kh * c) as f64 * node.nelements() as f64;
                 }
             }
             _ => {}
@@ -374,6 +390,13 @@ pub fn process_cpu_seconds() -> f64 {
     let f: Vec<&str> = rest.split_whitespace().collect();
     let tick = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
     (tick(11) + tick(12)) / 100.0
+}
+
+/// Whether a model benchmark runs convolutions and linear layers on the f32 product kernels,
+/// as `sd` does:
+/// `SD_F32_PRODUCTS=0` turns it off (`sd_tensor`'s `Context::set_f32_products`).
+pub fn f32_products() -> bool {
+    std::env::var("SD_F32_PRODUCTS").map_or(true, |v| v != "0")
 }
 
 /// The weights' type a model benchmark runs with: `SD_BENCH_WEIGHTS` (`f16`, the default,

@@ -31,11 +31,8 @@ impl Linear {
 
     /// `x @ W^T + b` over `ne[0]` of `x`.
     pub fn forward(&self, ctx: &Context, x: &GTensor) -> Result<GTensor> {
-        let y = ctx.mul_mat(&self.weight, x)?;
-        Ok(match &self.bias {
-            Some(b) => ctx.add(&y, b)?,
-            None => y,
-        })
+        // `mul_mat` + `add`, or one CPU kernel where the context allows it.
+        Ok(ctx.linear(&self.weight, x, self.bias.as_ref())?)
     }
 }
 

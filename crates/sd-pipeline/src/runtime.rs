@@ -174,6 +174,12 @@ pub struct RuntimeOptions {
     /// ([`ComputeOptions::host_kernels`]: convolutions, per-channel affine, attention). Off:
     /// ggml's ops only, the bits every other backend and the simulated device compute.
     pub host_kernels: bool,
+    /// With [`RuntimeOptions::host_kernels`]: the products of f16 / f32 weights in large
+    /// enough convolutions (stride 1, without an im2col) and linear layers as f32 products
+    /// of the project's CPU kernels (`sd_tensor`'s `Context::set_f32_products`: faster, the
+    /// activations kept in f32, a smaller compute buffer). Off: ggml's f16 product after the
+    /// im2col kernel (ggml's bits). On by default.
+    pub f32_products: bool,
 }
 
 impl Default for RuntimeOptions {
@@ -199,6 +205,7 @@ impl Default for RuntimeOptions {
             flash_attn: None,
             weight_type: None,
             host_kernels: true,
+            f32_products: true,
         }
     }
 }
@@ -789,6 +796,7 @@ impl Runtime {
             opts.flash_attn = true;
         }
         let mut g = GraphCtx::new(graph_size, graph_size, opts)?;
+        g.ctx.set_f32_products(self.options.f32_products);
         if let Some(dims) = &dev.flash_attn_dims {
             g.flash_attn_head_dims = Some(dims.clone());
         }

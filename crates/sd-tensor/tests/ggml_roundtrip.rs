@@ -622,6 +622,159 @@ fn host_im2col_convolution_equals_ggmls_bit_for_bit() {
     }
 }
 
+/// Stride-1 convolutions of f16 and f32 kernels over images of at least 256 padded output
+/// pixels (and, for a kernel wider than 1, padded rows at least 32 times its extra columns) run on the implicit kernel (one custom op, no im2col) and agree with ggml's exact
+/// f32 convolution (f32 im2col and product, the f16 kernel widened) to f32 rounding: 3x3,
+/// 1x1, a rectangular kernel with unequal paddings, a padding wider than the kernel's reach,
+/// several images, a channel-strided input, with and without a bias, 1 to 3 threads. With
+/// `set_f32_products(false)` the same convolutions take the im2col path again.
+#[test]
+fn host_implicit_convolution_agrees_with_ggmls_f32_convolution() {
+    // (kernel w, h, in ch, out ch), input (w, h, n), pad
+    // (3 threads split a single image's output channels into chunks: cases 1 and 2.)
+    type Case = ([usize; 4], [usize; 3], (usize, usize));
+    let cases: [Case; 6] = [
+        ([3, 3, 5, 4], [64, 9, 1], (1, 1)),
+        ([3, 3, 7, 33], [70, 5, 2], (1, 1)),
+        ([1, 1, 6, 35], [32, 17, 1], (0, 0)),
+        ([5, 3, 4, 6], [130, 4, 1], (2, 0)),
+        ([1, 1, 3, 2], [30, 20, 1], (1, 2)),
+        // Two blocks of output rows (2 MiB of padded input rows a block).
+        ([3, 3, 64, 8], [64, 130, 1], (1, 1)),
+    ];
+    for (i, (kn, xn, pad)) in cases.into_iter().enumerate() {
+        for kernel_type in [DType::F32, DType::F16] {
+            for threads in [1, 3] {
+                for implicit in [true, false] {
+                    let ctx = Context::new_descriptors(96, 96, 1).unwrap();
+                    ctx.set_f32_products(implicit);
+                    let k = ctx.new_tensor(kernel_type, &kn).unwrap();
+                    let k32 = ctx.new_tensor(DType::F32, &kn).unwrap();
+                    let bias = ctx.new_tensor(DType::F32, &[kn[3]]).unwrap();
+                    let x = ctx
+                        .new_tensor(DType::F32, &[xn[0], xn[1], kn[2], xn[2]])
+                        .unwrap();
+                    let buf = BufferType::cpu().alloc_context_tensors(&ctx).unwrap();
+                    let mut kv = rnd(kn.iter().product(), 21 + i as u64);
+                    if kernel_type == DType::F16 {
+                        kv = f16_round(&kv);
+                    }
+                    k.write_f32(&kv).unwrap();
+                    k32.write_f32(&kv).unwrap();
+                    bias.write_f32(&rnd(kn[3], 5 + i as u64)).unwrap();
+                    x.write_f32(&rnd(xn[0] * xn[1] * kn[2] * xn[2], 9 + i as u64))
+                        .unwrap();
+                    let strided = ctx.cont(&ctx.permute(&x, [0, 1, 3, 2]).unwrap()).unwrap();
+                    let strided = ctx.permute(&strided, [0, 1, 3, 2]).unwrap();
+                    let mut outs = Vec::new();
+                    for input in [x.clone(), strided] {
+                        let (s1, d1) = ((1, 1), (1, 1));
+                        let a = ctx.conv_2d(&k32, &input, s1, pad, d1, true).unwrap();
+                        let b = ctx
+                            .conv_2d_host(&k, &input, None, s1, pad, d1, false)
+                            .unwrap();
+                        outs.push((a.clone(), b));
+                        let with_bias = ctx
+                            .add(&a, &ctx.reshape(&bias, &[1, 1, kn[3], 1]).unwrap())
+                            .unwrap();
+                        let b = ctx
+                            .conv_2d_host(&k, &input, Some(&bias), s1, pad, d1, false)
+                            .unwrap();
+                        outs.push((with_bias, b));
+                    }
+                    let (custom, values) = compute_pairs(&ctx, &outs, threads);
+                    // One custom op per implicit convolution; im2col and epilogue else.
+                    let expected = if implicit { 4 } else { 8 };
+                    assert_eq!(custom, expected, "case {i} implicit {implicit}");
+                    for (a, b) in values {
+                        let scale = a.iter().fold(1f32, |m, v| m.max(v.abs()));
+                        // The im2col path (not exact) rounds the activations to f16.
+                        let tol = if implicit { 2e-6 } else { 2e-3 };
+                        assert_eq!(a.len(), b.len());
+                        assert!(
+                            max_abs(&a, &b) <= tol * scale,
+                            "case {i} {kernel_type:?} threads {threads} implicit {implicit}: \
+                             max diff {} (scale {scale})",
+                            max_abs(&a, &b)
+                        );
+                    }
+                    drop(buf);
+                }
+            }
+        }
+    }
+}
+
+/// `Context::linear` with the CPU kernels on: f16 and f32 weights over at least 512 columns
+/// take the crate's kernel (one custom op; several weight chunks a thread, a feature count
+/// that is not a multiple of the row tiles) and agree with ggml's f32 `mul_mat` + `add` to
+/// f32 rounding, with and without a bias, 1 to 3 threads; fewer columns, a bf16 weight, or
+/// `set_f32_products(false)` keep ggml's ops.
+#[test]
+fn host_linear_agrees_with_ggmls_f32_product() {
+    // (K, M), x's outer dimensions, weight type, whether the kernel takes it
+    let cases = [
+        // 8 MiB weight chunks: 256 features a chunk, two for one thread.
+        ((8192, 300), [512, 1, 1], DType::F16, true),
+        ((96, 37), [20, 13, 2], DType::F32, true),
+        ((96, 37), [20, 5, 2], DType::F16, false),
+        ((96, 37), [600, 1, 1], DType::BF16, false),
+    ];
+    for (i, ((k, m), outer, wt, expected)) in cases.into_iter().enumerate() {
+        for threads in [1, 3] {
+            for enabled in [true, false] {
+                let ctx = Context::new_descriptors(32, 32, 1).unwrap();
+                ctx.set_host_kernels(true);
+                ctx.set_f32_products(enabled);
+                let w = ctx.new_tensor(wt, &[k, m]).unwrap();
+                let w32 = ctx.new_tensor(DType::F32, &[k, m]).unwrap();
+                let b = ctx.new_tensor(DType::F32, &[m]).unwrap();
+                let x = ctx
+                    .new_tensor(DType::F32, &[k, outer[0], outer[1], outer[2]])
+                    .unwrap();
+                let buf = BufferType::cpu().alloc_context_tensors(&ctx).unwrap();
+                // Values the weight type holds exactly.
+                let wv = match wt {
+                    DType::F16 => f16_round(&rnd(k * m, 31 + i as u64)),
+                    DType::BF16 => rnd(k * m, 31 + i as u64)
+                        .iter()
+                        .map(|v| half::bf16::from_f32(*v).to_f32())
+                        .collect(),
+                    _ => rnd(k * m, 31 + i as u64),
+                };
+                w.write_f32(&wv).unwrap();
+                w32.write_f32(&wv).unwrap();
+                b.write_f32(&rnd(m, 7 + i as u64)).unwrap();
+                x.write_f32(&rnd(x.nelements(), 3 + i as u64)).unwrap();
+                let reference = ctx.mul_mat(&w32, &x).unwrap();
+                let with_bias = ctx.add(&reference, &b).unwrap();
+                let outs = vec![
+                    (reference, ctx.linear(&w, &x, None).unwrap()),
+                    (with_bias, ctx.linear(&w, &x, Some(&b)).unwrap()),
+                ];
+                let (custom, values) = compute_pairs(&ctx, &outs, threads);
+                let used = expected && enabled;
+                assert_eq!(
+                    custom,
+                    if used { 2 } else { 0 },
+                    "case {i} enabled {enabled}"
+                );
+                // ggml's products of f16 / bf16 weights round the activations too.
+                let tol = if used || wt == DType::F32 { 1e-5 } else { 2e-2 };
+                for (a, b) in values {
+                    let scale = a.iter().fold(1f32, |s, v| s.max(v.abs()));
+                    assert!(
+                        max_abs(&a, &b) <= tol * scale,
+                        "case {i} threads {threads} enabled {enabled}: max diff {}",
+                        max_abs(&a, &b)
+                    );
+                }
+                drop(buf);
+            }
+        }
+    }
+}
+
 /// `channel_affine` on the crate's CPU kernel gives the bits of ggml's broadcast `mul` then
 /// `add`, for per-channel and per-sample scales and shifts, either alone, 1 and 3 threads;
 /// a shape that fits neither is an error.

@@ -25,6 +25,9 @@ pub(crate) struct ContextInner {
     /// Whether the attention kernel runs its products in bf16 (see
     /// [`Context::set_bf16_attention`]).
     pub(crate) bf16_attention: std::sync::atomic::AtomicBool,
+    /// Whether host convolutions and linear layers may run as f32 products of this crate (see
+    /// [`Context::set_f32_products`]).
+    pub(crate) f32_products: std::sync::atomic::AtomicBool,
 }
 
 // SAFETY: a ggml context is plain memory; every mutation (new tensors, names, flags,
@@ -76,6 +79,27 @@ impl Context {
         self.inner
             .bf16_attention
             .store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// With [`Context::set_host_kernels`] on, lets graphs built here run f16 / f32 weights'
+    /// products as f32 products of this crate's CPU kernels (the `gemm` crate) instead of
+    /// ggml's f16 product: [`Context::conv_2d_host`]'s stride-1 convolutions over large enough
+    /// images, as products over shifted views of the padded input without an im2col
+    /// (`host_conv_implicit.rs`: no `KH KW` copies of the input in the compute buffer), and
+    /// [`Context::linear`] over at least 512 columns (`host_linear.rs`). The activations stay
+    /// f32 (ggml's f16 product rounds them to f16): results agree with ggml's f32 ops to f32
+    /// rounding, not bit for bit. On by default.
+    pub fn set_f32_products(&self, on: bool) {
+        self.inner
+            .f32_products
+            .store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Whether [`Context::set_f32_products`] is on.
+    pub fn f32_products(&self) -> bool {
+        self.inner
+            .f32_products
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Whether [`Context::set_bf16_attention`] is on.
@@ -143,6 +167,7 @@ impl Context {
             lock: Mutex::new(()),
             host_kernels: std::sync::atomic::AtomicBool::new(false),
             bf16_attention: std::sync::atomic::AtomicBool::new(false),
+            f32_products: std::sync::atomic::AtomicBool::new(true),
         });
         registry_add(&inner);
         Ok(Context { inner })

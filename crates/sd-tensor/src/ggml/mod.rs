@@ -27,7 +27,9 @@ mod host_attention;
 mod host_attention_bf16;
 mod host_conv;
 mod host_conv_cwh;
+mod host_conv_implicit;
 mod host_io;
+mod host_linear;
 mod mapped;
 pub mod modules;
 mod ops;
@@ -45,7 +47,9 @@ pub use error::GgmlError;
 pub use graph::Graph;
 pub use mapped::SharedBytes;
 pub use modules::{load_backend_modules, ModuleOutcome, MODULES_ENV};
-pub use ops::{Interpolation, Precision, ATTENTION_HOST_NAME};
+pub use ops::{
+    Interpolation, Precision, ATTENTION_HOST_NAME, IMPLICIT_CONV_NAME, LINEAR_HOST_NAME,
+};
 #[cfg(feature = "rpc")]
 pub use rpc::rpc_device_memory;
 pub use sched::{EvalCallback, Scheduler};

@@ -35,6 +35,15 @@ pub enum Precision {
 /// graph's work find it by this name; its sources are q, k and v).
 pub const ATTENTION_HOST_NAME: &str = "attention_host";
 
+/// The name of the node [`Context::linear`] makes on the CPU kernel (a `CUSTOM` op; its
+/// sources are the input `[K, ...]` and the weight `[K, M]`).
+pub const LINEAR_HOST_NAME: &str = "linear_host";
+
+/// The name of the node an implicit convolution of [`Context::conv_2d_host`] makes (a
+/// `CUSTOM` op, see [`Context::set_f32_products`]; its sources are the input and the kernel
+/// `[KW, KH, C, OC]`).
+pub const IMPLICIT_CONV_NAME: &str = "conv_2d_implicit";
+
 fn bad(op: &'static str, detail: String) -> GgmlError {
     GgmlError::InvalidOperands { op, detail }
 }
@@ -264,6 +273,60 @@ impl Context {
         // SAFETY: shapes checked.
         self.op("mul_mat", 1, |c| unsafe {
             sys::ggml_mul_mat(c, a.raw(), b.raw())
+        })
+    }
+
+    /// A linear layer: `weight` `[K, M]` times `x` `[K, ...]` plus `bias` (`[M]`, broadcast),
+    /// the result `[M, ...]`. With [`Context::set_host_kernels`] and
+    /// [`Context::set_f32_products`] on, a weight of f16 or f32 and a contiguous f32 `x` of
+    /// at least 512 columns (the product of its outer dimensions) take this crate's CPU
+    /// kernel (`host_linear.rs`: one custom op, f32 products on the `gemm` crate, the bias
+    /// added on the way; [`LINEAR_HOST_NAME`]); else `mul_mat` then `add`.
+    pub fn linear(&self, weight: &GTensor, x: &GTensor, bias: Option<&GTensor>) -> Result<GTensor> {
+        let (wn, xn) = (weight.ne(), x.ne());
+        let bias_ok = bias.is_none_or(|b| {
+            b.dtype() == Some(DType::F32) && b.is_contiguous() && b.nelements() == wn[1]
+        });
+        let host = self.host_kernels()
+            && self.f32_products()
+            && bias_ok
+            && super::host_linear::covers(
+                wn,
+                weight.dtype(),
+                weight.is_contiguous(),
+                xn,
+                x.dtype() == Some(DType::F32) && x.is_contiguous(),
+            );
+        if !host {
+            let y = self.mul_mat(weight, x)?;
+            return match bias {
+                Some(b) => self.add(&y, b),
+                None => Ok(y),
+            };
+        }
+        // SAFETY: shapes, types and strides checked (`covers`, the bias above); one op.
+        self.op("linear", 1, |c| unsafe {
+            let mut args = [
+                x.raw(),
+                weight.raw(),
+                bias.map_or(std::ptr::null_mut(), |b| b.raw()),
+            ];
+            sys::ggml_custom_4d(
+                c,
+                sys::GGML_TYPE_F32,
+                wn[1] as i64,
+                xn[1] as i64,
+                xn[2] as i64,
+                xn[3] as i64,
+                args.as_mut_ptr(),
+                if bias.is_some() { 3 } else { 2 },
+                Some(super::host_linear::linear_kernel),
+                sys::GGML_N_TASKS_MAX,
+                std::ptr::null_mut(),
+            )
+        })
+        .inspect(|t| {
+            t.set_name(LINEAR_HOST_NAME);
         })
     }
 
@@ -716,6 +779,47 @@ impl Context {
             Some(DType::F32) if exact_f32 => sys::GGML_TYPE_F32,
             _ => sys::GGML_TYPE_F16,
         };
+        // Stride-1 convolutions of f16 / f32 kernels over large enough images: products over
+        // shifted views of the padded input, no im2col (see `host_conv_implicit.rs`).
+        if let Some((g, ow, oh)) = host {
+            let implicit = host_kernels
+                && self.f32_products()
+                && super::host_conv_implicit::covers(
+                    kn,
+                    kernel.dtype(),
+                    kernel.is_contiguous(),
+                    xn,
+                    g,
+                );
+            if implicit {
+                // SAFETY: shapes, types and strides checked (`covers`, `check_conv`, the
+                // bias's in `conv_2d_host`); one custom op.
+                return self
+                    .op("conv_2d", 1, |c| unsafe {
+                        let mut args = [
+                            input.raw(),
+                            kernel.raw(),
+                            bias.map_or(std::ptr::null_mut(), |b| b.raw()),
+                        ];
+                        sys::ggml_custom_4d(
+                            c,
+                            sys::GGML_TYPE_F32,
+                            ow as i64,
+                            oh as i64,
+                            kn[3] as i64,
+                            xn[3] as i64,
+                            args.as_mut_ptr(),
+                            if bias.is_some() { 3 } else { 2 },
+                            Some(super::host_conv_implicit::implicit_conv_kernel),
+                            sys::GGML_N_TASKS_MAX,
+                            g.pack() as *mut std::ffi::c_void,
+                        )
+                    })
+                    .inspect(|t| {
+                        t.set_name(IMPLICIT_CONV_NAME);
+                    });
+            }
+        }
         // SAFETY: shapes checked; im2col + mul_mat + reshapes + permute + cont = 8 tensors.
         self.op("conv_2d", 8, |c| unsafe {
             let im = match host {
