@@ -235,6 +235,26 @@ fn a_budgeted_simulated_device_gives_the_cpu_image() {
         .max()
         .unwrap();
     assert!(max <= 8, "host kernels: max pixel diff {max}");
+    // The kernels with ggml's f16 product instead of the f32 products (`SD_F32_PRODUCTS=0`;
+    // the VAE decoder's 64x64 convolutions run without im2col by default): within rounding.
+    let f16_png = scratch("budget_f16_products.png");
+    ok(&run_builtin_env(&f16_png, &[], &[("SD_F32_PRODUCTS", "0")]));
+    let d = sd_tensor::Image::load_png(&f16_png).unwrap();
+    let max = d
+        .pixels()
+        .iter()
+        .zip(c.pixels())
+        .map(|(p, q)| (*p as i32 - *q as i32).abs())
+        .max()
+        .unwrap();
+    assert!(max <= 8, "f16 products: max pixel diff {max}");
+    let out = run_builtin_env(
+        &scratch("budget_bad_f32.png"),
+        &[],
+        &[("SD_F32_PRODUCTS", "2")],
+    );
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("SD_F32_PRODUCTS=2"));
     // A bad value is a usage error that writes nothing.
     let bad = scratch("budget_bad_env.png");
     let out = run_builtin_env(&bad, &[], &[("SD_HOST_KERNELS", "maybe")]);
