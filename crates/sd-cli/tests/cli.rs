@@ -191,6 +191,16 @@ fn run_builtin_env(
         .unwrap()
 }
 
+/// The largest difference between two images' pixel values.
+fn max_pixel_diff(a: &sd_tensor::Image, b: &sd_tensor::Image) -> i32 {
+    a.pixels()
+        .iter()
+        .zip(b.pixels())
+        .map(|(p, q)| (*p as i32 - *q as i32).abs())
+        .max()
+        .unwrap()
+}
+
 fn ok(out: &std::process::Output) {
     assert!(
         out.status.success(),
@@ -227,26 +237,14 @@ fn a_budgeted_simulated_device_gives_the_cpu_image() {
     let host_png = scratch("budget_host.png");
     ok(&run_builtin(&host_png, &[]));
     let c = sd_tensor::Image::load_png(&host_png).unwrap();
-    let max = a
-        .pixels()
-        .iter()
-        .zip(c.pixels())
-        .map(|(p, q)| (*p as i32 - *q as i32).abs())
-        .max()
-        .unwrap();
+    let max = max_pixel_diff(&a, &c);
     assert!(max <= 8, "host kernels: max pixel diff {max}");
     // The kernels with ggml's f16 product instead of the f32 products (`SD_F32_PRODUCTS=0`;
     // the VAE decoder's 64x64 convolutions run without im2col by default): within rounding.
     let f16_png = scratch("budget_f16_products.png");
     ok(&run_builtin_env(&f16_png, &[], &[("SD_F32_PRODUCTS", "0")]));
     let d = sd_tensor::Image::load_png(&f16_png).unwrap();
-    let max = d
-        .pixels()
-        .iter()
-        .zip(c.pixels())
-        .map(|(p, q)| (*p as i32 - *q as i32).abs())
-        .max()
-        .unwrap();
+    let max = max_pixel_diff(&d, &c);
     assert!(max <= 8, "f16 products: max pixel diff {max}");
     let out = run_builtin_env(
         &scratch("budget_bad_f32.png"),

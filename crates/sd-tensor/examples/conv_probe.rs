@@ -5,7 +5,7 @@
 
 use std::time::Instant;
 
-use sd_tensor::ggml::{Backend, BufferType, Context, Gallocr, Graph};
+use sd_tensor::ggml::{Backend, BufferType, Context, GTensor, Gallocr, Graph};
 use sd_tensor::DType;
 
 fn main() {
@@ -41,16 +41,6 @@ fn main() {
             let b = ctx.new_tensor(DType::F32, &[oc]).unwrap();
             let x = ctx.new_tensor(DType::F32, &[w, h, c, n]).unwrap();
             let buf = BufferType::cpu().alloc_context_tensors(&ctx).unwrap();
-            let fill = |t: &sd_tensor::ggml::GTensor, s: u32| {
-                let v: Vec<f32> = (0..t.nelements())
-                    .map(|i| {
-                        ((i as u32).wrapping_mul(2654435761).wrapping_add(s) >> 8) as f32
-                            / 16777216.0
-                            - 0.5
-                    })
-                    .collect();
-                t.write_f32(&v).unwrap();
-            };
             fill(&kt, 1);
             fill(&b, 2);
             fill(&x, 3);
@@ -58,17 +48,7 @@ fn main() {
             let y = ctx
                 .conv_2d_host(&kt, &x, Some(&b), (1, 1), (p, p), (1, 1), false)
                 .unwrap();
-            y.set_output();
-            let mut graph = Graph::new(&ctx, 64).unwrap();
-            graph.build_forward_expand(&y).unwrap();
-            let mut galloc = Gallocr::new(backend.buffer_type()).unwrap();
-            galloc.alloc_graph(&graph).unwrap();
-            let mut best = f64::MAX;
-            for _ in 0..3 {
-                let t = Instant::now();
-                backend.compute(&graph).unwrap();
-                best = best.min(t.elapsed().as_secs_f64());
-            }
+            let best = best_of_three(&ctx, &y, &backend);
             let flop = 2.0 * (w * h * n * oc * c * k * k) as f64;
             line += &format!(
                 "  {} {:.1} ms {:.0} GFLOP/s",
@@ -98,28 +78,11 @@ fn main() {
             let b = ctx.new_tensor(DType::F32, &[m]).unwrap();
             let x = ctx.new_tensor(DType::F32, &[k, n]).unwrap();
             let buf = BufferType::cpu().alloc_context_tensors(&ctx).unwrap();
-            for (t, s) in [(&w, 1u32), (&b, 2), (&x, 3)] {
-                let v: Vec<f32> = (0..t.nelements())
-                    .map(|i| {
-                        ((i as u32).wrapping_mul(2654435761).wrapping_add(s) >> 8) as f32
-                            / 16777216.0
-                            - 0.5
-                    })
-                    .collect();
-                t.write_f32(&v).unwrap();
-            }
+            fill(&w, 1);
+            fill(&b, 2);
+            fill(&x, 3);
             let y = ctx.linear(&w, &x, Some(&b)).unwrap();
-            y.set_output();
-            let mut graph = Graph::new(&ctx, 64).unwrap();
-            graph.build_forward_expand(&y).unwrap();
-            let mut galloc = Gallocr::new(backend.buffer_type()).unwrap();
-            galloc.alloc_graph(&graph).unwrap();
-            let mut best = f64::MAX;
-            for _ in 0..3 {
-                let t = Instant::now();
-                backend.compute(&graph).unwrap();
-                best = best.min(t.elapsed().as_secs_f64());
-            }
+            let best = best_of_three(&ctx, &y, &backend);
             let flop = 2.0 * (k * m * n) as f64;
             line += &format!(
                 "  {} {:.1} ms {:.0} GFLOP/s",
@@ -131,4 +94,31 @@ fn main() {
         }
         println!("{line}");
     }
+}
+
+/// Fills `t` with fixed values in [-0.5, 0.5) (a multiplicative hash of the index and `seed`).
+fn fill(t: &GTensor, seed: u32) {
+    let v: Vec<f32> = (0..t.nelements())
+        .map(|i| {
+            ((i as u32).wrapping_mul(2654435761).wrapping_add(seed) >> 8) as f32 / 16777216.0 - 0.5
+        })
+        .collect();
+    t.write_f32(&v).unwrap();
+}
+
+/// Allocates the graph of `y` on `backend` and returns its fastest of three computes, in
+/// seconds.
+fn best_of_three(ctx: &Context, y: &GTensor, backend: &Backend) -> f64 {
+    y.set_output();
+    let mut graph = Graph::new(ctx, 64).unwrap();
+    graph.build_forward_expand(y).unwrap();
+    let mut galloc = Gallocr::new(backend.buffer_type()).unwrap();
+    galloc.alloc_graph(&graph).unwrap();
+    (0..3)
+        .map(|_| {
+            let t = Instant::now();
+            backend.compute(&graph).unwrap();
+            t.elapsed().as_secs_f64()
+        })
+        .fold(f64::MAX, f64::min)
 }

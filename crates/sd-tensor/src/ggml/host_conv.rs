@@ -246,6 +246,48 @@ pub(super) fn with_scratch<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R 
     })
 }
 
+/// A weight's values as the f32 product kernels (`host_conv_implicit.rs`, `host_linear.rs`)
+/// read them: f16 or f32, contiguous.
+#[derive(Clone, Copy)]
+pub(super) enum F32Source<'a> {
+    F16(&'a [f16]),
+    F32(&'a [f32]),
+}
+
+impl<'a> F32Source<'a> {
+    /// The first `len` values of `t`: f16 if its type is f16, else f32.
+    ///
+    /// # Safety
+    /// `t` is a live tensor of f16 or f32 holding at least `len` contiguous values.
+    pub(super) unsafe fn of(t: &'a sys::ggml_tensor, len: usize) -> F32Source<'a> {
+        // SAFETY: see the function's contract.
+        unsafe {
+            if t.type_ == sys::GGML_TYPE_F16 {
+                F32Source::F16(std::slice::from_raw_parts(t.data as *const f16, len))
+            } else {
+                F32Source::F32(std::slice::from_raw_parts(t.data as *const f32, len))
+            }
+        }
+    }
+
+    /// Values `range` as f32: borrowed when they are f32, else converted into `buf` (at least
+    /// `range.len()` values).
+    pub(super) fn f32_values<'b>(
+        &'b self,
+        range: std::ops::Range<usize>,
+        buf: &'b mut [f32],
+    ) -> &'b [f32] {
+        match self {
+            F32Source::F16(v) => {
+                let out = &mut buf[..range.len()];
+                half::slice::HalfFloatSliceExt::convert_to_f32_slice(&v[range], out);
+                out
+            }
+            F32Source::F32(v) => &v[range],
+        }
+    }
+}
+
 /// The value of `t` (f32, `c` values or `c * n`, one set per sample) for channel `ch` of
 /// sample `img`.
 ///

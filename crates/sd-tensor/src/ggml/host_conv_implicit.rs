@@ -36,11 +36,10 @@
 use std::ffi::{c_int, c_void};
 
 use ggml_sys as sys;
-use half::f16;
 
 use crate::dtype::DType;
 
-use super::host_conv::{thread_share, with_scratch, Im2colGeometry};
+use super::host_conv::{thread_share, with_scratch, F32Source, Im2colGeometry};
 
 /// Output pixels an image (in the padded grid: `OH * PW`) below which a convolution keeps
 /// the im2col path.
@@ -202,20 +201,8 @@ pub(crate) unsafe extern "C" fn implicit_conv_kernel(
     }
     let [kernel_len, input_len, out_len] = plan.scratch();
     let taps = plan.kw * plan.kh;
-    // SAFETY: the kernel holds KW*KH*C*OC values of its type (contiguous); the bias OC f32.
-    let kernel = unsafe {
-        if k.type_ == sys::GGML_TYPE_F16 {
-            Kernel::F16(std::slice::from_raw_parts(
-                k.data as *const f16,
-                taps * plan.c * plan.oc,
-            ))
-        } else {
-            Kernel::F32(std::slice::from_raw_parts(
-                k.data as *const f32,
-                taps * plan.c * plan.oc,
-            ))
-        }
-    };
+    // SAFETY: the kernel holds KW*KH*C*OC f16 or f32 values, contiguous (`covers`).
+    let kernel = unsafe { F32Source::of(k, taps * plan.c * plan.oc) };
     // SAFETY: the bias, when present, holds OC f32 values (checked by `conv_2d_host`).
     let bias = bias.map(|b| unsafe { std::slice::from_raw_parts(b.data as *const f32, plan.oc) });
     let source = Source {
@@ -232,7 +219,7 @@ pub(crate) unsafe extern "C" fn implicit_conv_kernel(
             let oc0 = chunk * plan.chunk;
             let ocs = plan.chunk.min(plan.oc - oc0);
             if converted != Some(chunk) {
-                kernel.tap_major(&plan, oc0, ocs, &mut row, weights);
+                plan.tap_major(kernel, oc0, ocs, &mut row, weights);
                 converted = Some(chunk);
             }
             let y0 = block * plan.rows;
@@ -314,29 +301,26 @@ impl Plan {
     }
 }
 
-/// The kernel's values (`[KW, KH, C, OC]`, contiguous).
-enum Kernel<'a> {
-    F16(&'a [f16]),
-    F32(&'a [f32]),
-}
-
-impl Kernel<'_> {
-    /// Output channels `oc0..oc0 + ocs` as f32, tap-major (`out[tap][o][c]`); `row` holds
-    /// one output channel's `KH KW C` values.
-    fn tap_major(&self, plan: &Plan, oc0: usize, ocs: usize, row: &mut [f32], out: &mut [f32]) {
-        let taps = plan.kw * plan.kh;
-        let len = taps * plan.c;
+impl Plan {
+    /// Output channels `oc0..oc0 + ocs` of `kernel` (`[KW, KH, C, OC]`) as f32, tap-major
+    /// (`out[tap][o][c]`); `row` holds one output channel's `KH KW C` values when they need
+    /// converting.
+    fn tap_major(
+        &self,
+        kernel: F32Source,
+        oc0: usize,
+        ocs: usize,
+        row: &mut [f32],
+        out: &mut [f32],
+    ) {
+        let taps = self.kw * self.kh;
+        let len = taps * self.c;
         for o in 0..ocs {
             let at = (oc0 + o) * len;
-            match self {
-                Kernel::F16(k) => {
-                    half::slice::HalfFloatSliceExt::convert_to_f32_slice(&k[at..at + len], row)
-                }
-                Kernel::F32(k) => row.copy_from_slice(&k[at..at + len]),
-            }
+            let row = kernel.f32_values(at..at + len, row);
             // Tap by tap: sequential writes, reads `taps` apart within the row (in L1).
             for tap in 0..taps {
-                let dst = &mut out[(tap * ocs + o) * plan.c..][..plan.c];
+                let dst = &mut out[(tap * ocs + o) * self.c..][..self.c];
                 for (d, s) in dst.iter_mut().zip(row[tap..].iter().step_by(taps)) {
                     *d = *s;
                 }

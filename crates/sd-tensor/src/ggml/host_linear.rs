@@ -20,9 +20,8 @@
 use std::ffi::{c_int, c_void};
 
 use ggml_sys as sys;
-use half::f16;
 
-use super::host_conv::{thread_share, with_scratch};
+use super::host_conv::{thread_share, with_scratch, F32Source};
 use crate::dtype::DType;
 
 /// Columns (`N1 N2 N3`) below which a linear layer keeps ggml's product.
@@ -87,29 +86,13 @@ pub(crate) unsafe extern "C" fn linear_kernel(
     let out = d.data as *mut f32;
     // SAFETY: the bias holds M f32 values when present.
     let bias = bias.map(|b| unsafe { std::slice::from_raw_parts(b.data as *const f32, m) });
-    // SAFETY: the weight holds K*M values of its type, contiguous.
-    let weight = unsafe {
-        if w.type_ == sys::GGML_TYPE_F16 {
-            Weight::F16(std::slice::from_raw_parts(w.data as *const f16, k * m))
-        } else {
-            Weight::F32(std::slice::from_raw_parts(w.data as *const f32, k * m))
-        }
-    };
+    // SAFETY: the weight holds K*M f16 or f32 values, contiguous (`covers`).
+    let weight = unsafe { F32Source::of(w, k * m) };
     with_scratch(chunk * k, |buf| {
         let mut r0 = rows.start;
         while r0 < rows.end {
             let r1 = (r0 + chunk).min(rows.end);
-            let len = (r1 - r0) * k;
-            let lhs: &[f32] = match weight {
-                Weight::F16(v) => {
-                    half::slice::HalfFloatSliceExt::convert_to_f32_slice(
-                        &v[r0 * k..r1 * k],
-                        &mut buf[..len],
-                    );
-                    &buf[..len]
-                }
-                Weight::F32(v) => &v[r0 * k..r1 * k],
-            };
+            let lhs = weight.f32_values(r0 * k..r1 * k, buf);
             // Output rows r0..r1 of every column start at the bias.
             if let Some(b) = bias {
                 for col in 0..n {
@@ -150,62 +133,46 @@ pub(crate) unsafe extern "C" fn linear_kernel(
     });
 }
 
-/// The weight's values (`[K, M]`, contiguous).
-#[derive(Clone, Copy)]
-enum Weight<'a> {
-    F16(&'a [f16]),
-    F32(&'a [f32]),
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
     fn only_wide_inputs_of_f16_or_f32_weights_take_the_kernel() {
-        let f16 = Some(DType::F16);
-        assert!(covers(
-            [320, 1280, 1, 1],
-            f16,
-            true,
-            [320, 4096, 2, 1],
-            true
-        ));
-        assert!(covers(
-            [320, 1280, 1, 1],
-            Some(DType::F32),
-            true,
-            [320, 512, 1, 1],
-            true
-        ));
-        assert!(!covers([320, 1280, 1, 1], f16, true, [320, 77, 2, 1], true));
-        assert!(!covers(
-            [320, 1280, 1, 1],
-            Some(DType::BF16),
-            true,
-            [320, 4096, 2, 1],
-            true
-        ));
-        assert!(!covers(
-            [320, 1280, 1, 1],
-            f16,
-            true,
-            [320, 4096, 2, 1],
-            false
-        ));
-        assert!(!covers(
-            [320, 1280, 2, 1],
-            f16,
-            true,
-            [320, 4096, 2, 1],
-            true
-        ));
-        assert!(!covers(
-            [320, 1280, 1, 1],
-            f16,
-            false,
-            [320, 4096, 2, 1],
-            true
-        ));
+        let (f16, f32, bf16) = (Some(DType::F16), Some(DType::F32), Some(DType::BF16));
+        // (weight ne, type, weight contiguous, x ne, x f32 contiguous, covered)
+        let cases = [
+            ([320, 1280, 1, 1], f16, true, [320, 4096, 2, 1], true, true),
+            ([320, 1280, 1, 1], f32, true, [320, 512, 1, 1], true, true),
+            ([320, 1280, 1, 1], f16, true, [320, 77, 2, 1], true, false),
+            (
+                [320, 1280, 1, 1],
+                bf16,
+                true,
+                [320, 4096, 2, 1],
+                true,
+                false,
+            ),
+            (
+                [320, 1280, 1, 1],
+                f16,
+                true,
+                [320, 4096, 2, 1],
+                false,
+                false,
+            ),
+            ([320, 1280, 2, 1], f16, true, [320, 4096, 2, 1], true, false),
+            (
+                [320, 1280, 1, 1],
+                f16,
+                false,
+                [320, 4096, 2, 1],
+                true,
+                false,
+            ),
+        ];
+        for (i, (w, t, wc, x, xc, covered)) in cases.into_iter().enumerate() {
+            assert_eq!(covers(w, t, wc, x, xc), covered, "case {i}");
+        }
     }
 }
