@@ -98,6 +98,19 @@ pub struct SessionConfig {
     /// allocations a step instead of 81 on the simulated device, and 8-17% faster steps
     /// on an H200 and an H100, docs/benchmarks.md).
     pub refine_for_pool: bool,
+    /// How many segments' streamed weights a staging pool is to hold at once: the segment
+    /// computing, the one queued behind it and the one whose prefetch runs meanwhile. With
+    /// [`refine_for_pool`](Self::refine_for_pool) a plan whose pool holds fewer of its
+    /// largest segments is refined (finer cuts inside the segments over the pool's share of
+    /// one) while every segment fits; merging keeps merged segments within that share; the
+    /// resident set leaves a window of this many streamed segments (at least 2). At 1 the
+    /// pool need only hold the largest segment, and a segment whose weights fill more than
+    /// half of it cannot be prefetched while the one before it computes. Default: 3: on an
+    /// H100 (`sd-bench unet --stream-window 1|2|3`, docs/benchmarks.md), SDXL at half its
+    /// weights 240 ms a step against 301 ms at 1 (6 of 14 segments staged synchronously
+    /// there, 2 of 24 here), SD1.5 at 0.75 / 0.5 of its weights 4-10% faster than at 1 and
+    /// 2, SDXL at a quarter 6% faster.
+    pub stream_window: usize,
     /// Whether the device's budget also keeps room for the operator temporaries a GPU
     /// runtime allocates outside the graph's buffers beyond what the measured runtime
     /// reserve covers ([`crate::reserve::backend_temporaries`] of each graph, less
@@ -174,6 +187,7 @@ impl SessionConfig {
             async_compute: true,
             segments_in_flight: 2,
             refine_for_pool: true,
+            stream_window: 3,
             split: Vec::new(),
         }
     }
@@ -256,6 +270,12 @@ impl SessionConfig {
     /// Sets [`SessionConfig::refine_for_pool`].
     pub fn with_refine_for_pool(mut self, on: bool) -> Self {
         self.refine_for_pool = on;
+        self
+    }
+
+    /// Sets [`SessionConfig::stream_window`] (at least 1).
+    pub fn with_stream_window(mut self, segments: usize) -> Self {
+        self.stream_window = segments.max(1);
         self
     }
 

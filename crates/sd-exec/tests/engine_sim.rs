@@ -285,6 +285,57 @@ fn transformer(w: &HashMap<String, GTensor>) -> ComputeTask {
         .with_weights(&weights)
 }
 
+/// The transformer's layers as three blocks, most of the weights in the middle one: layer
+/// 0, then layers 1-4 (a fine cut after each of the first three), then layer 5.
+fn blocks(w: &HashMap<String, GTensor>) -> ComputeTask {
+    let ctx = Context::new_descriptors(1024, 1024, 1).unwrap();
+    let x = ctx.new_tensor(DType::F32, &[D, T]).unwrap();
+    x.set_name("tokens");
+    let mut marks = CutMarks::new();
+    let mut h = x.clone();
+    for l in 0..LAYERS {
+        let g = |n: &str| w[&format!("tf.{l}.{n}")].clone();
+        let n = ctx.norm(&h, 1e-5).unwrap();
+        let a = ctx
+            .mul_mat(
+                &g("wo"),
+                &ctx.mul_mat(&g("wv"), &ctx.mul_mat(&g("wq"), &n).unwrap())
+                    .unwrap(),
+            )
+            .unwrap();
+        let a = ctx.add(&a, &ctx.mul_mat(&g("wk"), &n).unwrap()).unwrap();
+        h = ctx.add(&h, &a).unwrap();
+        let f = ctx
+            .mul_mat(
+                &g("w2"),
+                &ctx.gelu(&ctx.mul_mat(&g("w1"), &ctx.norm(&h, 1e-5).unwrap()).unwrap())
+                    .unwrap(),
+            )
+            .unwrap();
+        h = ctx.add(&h, &f).unwrap();
+        match l {
+            0 => marks.mark(&h, "block0", "h").unwrap(),
+            1..=3 => {
+                marks.set_scope("block1");
+                marks
+                    .mark_fine(&h, sd_graphcut::LEVEL_LAYER, &format!("layer{l}"))
+                    .unwrap();
+            }
+            4 => marks.mark(&h, "block1", "h").unwrap(),
+            _ => marks.mark(&h, "block2", "h").unwrap(),
+        }
+    }
+    let out = ctx.scale(&h, 1.0).unwrap();
+    out.set_output();
+    let mut graph = Graph::new(&ctx, 1024).unwrap();
+    graph.build_forward_expand(&out).unwrap();
+    let weights = weights_of(w, "tf.");
+    ComputeTask::new("blocks", graph, out)
+        .with_marks(marks)
+        .with_input(&x, bytes_of(&rnd(D * T, 12)))
+        .with_weights(&weights)
+}
+
 /// A lopsided graph: five MLP layers on one token (most of the weights, little else) as one
 /// block with a fine cut after each layer, then a wide tensor (many tokens, one small
 /// weight, the narrow block's output added to each) kept live until the end. The wide segments' live cut outgrows the narrow
@@ -738,7 +789,15 @@ fn repeated_steps_keep_a_resident_set_under_a_half_weight_budget() {
     let footprint = seg.segments.iter().map(|s| s.footprint()).max().unwrap();
     // Half the weights besides the largest segment, with a little slack for alignment.
     let budget = weights / 2 + footprint + 8192;
-    let id = r.session(Some(budget), SegmentationPolicy::Auto, false);
+    // A streaming window of two segments (the one computing and the next): a wider window
+    // leaves the resident set less of this small pool.
+    let id = r.engine.create_session(
+        SessionConfig::new("test", r.backend.clone(), r.gpu)
+            .with_budget(Some(budget))
+            .with_prefetch(false)
+            .with_stream_window(2),
+    );
+    r.engine.start(id).unwrap();
     let h2d = |r: &Rig| r.sim.stats().host_to_device_bytes;
     let mut per_step = Vec::new();
     for _ in 0..4 {
@@ -1083,6 +1142,69 @@ fn plans_are_refined_so_that_a_staging_pool_holds_every_segment() {
     assert!(
         rows.iter().any(|r| r.1.is_none() && r.2.is_some()),
         "no budget gained a pool by the refinement: {rows:?}"
+    );
+}
+
+/// A staging pool that holds the largest segment but not a window of them cannot take the
+/// next segment's prefetch while a large one computes. Scanning budgets from the
+/// segments' largest footprint up by all the weights, a window of three segments
+/// (`SessionConfig::stream_window`) refines the large middle block under some budget into
+/// more segments, more of them prefetched, than a window of one; every run equals the
+/// whole graph bit for bit within its budget, without device faults.
+#[test]
+fn plans_are_refined_so_that_the_staging_pool_holds_a_window_of_segments() {
+    let (whole, _) = run("WIN_REF", blocks, None, SegmentationPolicy::Never, false);
+    let (seg, _) = run("WIN_PROBE", blocks, None, SegmentationPolicy::Always, false);
+    let weights = weight_bytes(&rig("WIN_W", false), "tf.");
+    let footprint = seg.segments.iter().map(|s| s.footprint()).max().unwrap();
+    // (budget, (segments, prefetched) in step 3 with a window of 1, of 3)
+    let mut rows = Vec::new();
+    for i in 0..32u64 {
+        let budget = footprint + 4096 + i * weights / 32;
+        let one = |window: usize| -> Option<(usize, usize)> {
+            let mut r = rig(&format!("WIN_{i}_{window}"), true);
+            let id = r.engine.create_session(
+                SessionConfig::new("test", r.backend.clone(), r.gpu)
+                    .with_budget(Some(budget))
+                    .with_prefetch(true)
+                    .with_stream_window(window),
+            );
+            r.engine.start(id).unwrap();
+            let mut last = None;
+            for step in 0..3 {
+                // (Below the smallest budget that runs: none.)
+                let out = r.engine.execute(id, &blocks(&r.w)).ok()?;
+                let tag = format!("budget {budget} window {window} step {step}");
+                assert_eq!(
+                    out.output, whole.output,
+                    "{tag}: differs from the whole graph"
+                );
+                let prefetched = out.segments.iter().filter(|s| s.prefetched).count();
+                last = Some((out.segments.len(), prefetched));
+            }
+            assert_eq!(r.sim.stats().faults, 0, "window {window}: device faults");
+            assert!(
+                r.sim.peak_bytes() <= budget,
+                "window {window}: peak {} > budget {budget}",
+                r.sim.peak_bytes()
+            );
+            r.engine.end(id).unwrap();
+            last
+        };
+        let (Some(one_segment), Some(three)) = (one(1), one(3)) else {
+            continue;
+        };
+        rows.push((budget, one_segment, three));
+    }
+    for r in &rows {
+        println!(
+            "budget {} B: (segments, prefetched) window 1 {:?}, window 3 {:?}",
+            r.0, r.1, r.2
+        );
+    }
+    assert!(
+        rows.iter().any(|(_, a, b)| b.0 > a.0 && b.1 > a.1),
+        "no budget where the window refined the plan and prefetched more: {rows:?}"
     );
 }
 
@@ -1653,12 +1775,15 @@ fn prefetch_runs_several_segments_ahead_within_budget_and_equals_whole() {
             );
             r.engine.manager_mut().set_async_uploads(async_on);
             assert_eq!(r.engine.manager_mut().uploads_async(r.gpu), async_on);
+            // (A streaming window of two segments: a wider one leaves the resident set
+            // less of this small pool than the least recently used weights keep.)
             let mut config = SessionConfig::new("test", r.backend.clone(), r.gpu)
                 .with_budget(Some(budget))
                 .with_segmentation(SegmentationPolicy::Always)
                 .with_prefetch(true)
                 .with_staging_pool(pool)
-                .with_resident_set(resident);
+                .with_resident_set(resident)
+                .with_stream_window(2);
             if let Some(d) = depth {
                 config = config.with_prefetch_depth(d);
             }

@@ -306,6 +306,10 @@ struct UnetArgs {
     /// `SessionConfig::pool_sized_segments`)
     #[arg(long = "pool-sized-segments", value_enum, default_value = "off")]
     pool_sized_segments: OnOff,
+    /// How many segments' weights the staging pool is to hold at once (the one computing
+    /// and those prefetched behind it; see `SessionConfig::stream_window`)
+    #[arg(long = "stream-window", value_name = "SEGMENTS", default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=16))]
+    stream_window: u32,
     /// Convert the linear weights when loading (q8_0, q4_K, f16...; default: the file's)
     #[arg(long = "type", value_name = "TYPE")]
     weight_type: Option<String>,
@@ -739,6 +743,8 @@ struct RigOptions<'a> {
     resident_set: bool,
     /// Merged segments sized by the pool.
     pool_sized_segments: bool,
+    /// See `SessionConfig::stream_window`.
+    stream_window: usize,
     /// Whether prefetch uploads go to the device's copy stream where it has one.
     async_upload: bool,
     /// Bytes of the budget left to the backend runtime (0: none).
@@ -808,6 +814,7 @@ fn build_rig(o: RigOptions<'_>, inputs: &Inputs) -> Result<Rig> {
     config = config.with_segments_in_flight(o.segments_in_flight);
     config.resident_set = o.resident_set;
     config.pool_sized_segments = o.pool_sized_segments;
+    config = config.with_stream_window(o.stream_window);
     if let Some(d) = o.prefetch_depth {
         config = config.with_prefetch_depth(d as usize);
     }
@@ -1184,6 +1191,7 @@ fn cmd_unet(a: &UnetArgs) -> Result<()> {
             prefetch_depth: a.prefetch_depth,
             resident_set: a.resident_set == OnOff::On,
             pool_sized_segments: a.pool_sized_segments == OnOff::On,
+            stream_window: a.stream_window as usize,
             async_upload: a.async_upload == OnOff::On,
             runtime_reserve: reserve,
             host_kernels,
@@ -1262,6 +1270,7 @@ fn cmd_unet(a: &UnetArgs) -> Result<()> {
             "prefetch_depth": a.prefetch_depth,
             "resident_set": a.resident_set == OnOff::On,
             "pool_sized_segments": a.pool_sized_segments == OnOff::On,
+            "stream_window": a.stream_window,
             "host_kernels": host_kernels,
             // Whether prefetch uploads went to a copy stream (the backend has one).
             "copy_stream": copy_stream,
@@ -1361,6 +1370,7 @@ fn cmd_check(name: &str, threads: usize) -> Result<()> {
                 prefetch_depth: None,
                 resident_set: true,
                 pool_sized_segments: false,
+                stream_window: 3,
                 async_upload,
                 runtime_reserve: 0,
                 host_kernels,

@@ -228,8 +228,11 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
     /// a merged segment's weights also stay within a quarter of the room the fine plan
     /// leaves for weights (the limit less its largest non-weight need: about the pool), so
     /// that the streaming window of the resident set (two segments' streamed weights) fits
-    /// beside kept weights. The merged plan is measured like any other; if a merged segment does not fit the limit after all, the
-    /// fine plan runs. Off with [`SessionConfig::merge_segments`], under
+    /// beside kept weights. With a staging pool, a merged segment's weights stay within the
+    /// pool divided by [`SessionConfig::stream_window`](crate::SessionConfig::stream_window),
+    /// so that merging does not undo what `refine_for_pool` cut for the window. The merged
+    /// plan is measured like any other; if a merged segment does not fit the limit after
+    /// all, the fine plan runs. Off with [`SessionConfig::merge_segments`], under
     /// [`SegmentationPolicy::Always`], and without a limit.
     pub(super) fn merge_segments(
         &mut self,
@@ -256,9 +259,17 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         } else {
             u64::MAX
         };
-        // A fine plan with a staging pool keeps it: no merged segment's weights outgrow it.
+        // A fine plan with a staging pool keeps it, and its window: no merged segment's
+        // weights outgrow the pool's share of one segment (see
+        // [`SessionConfig::stream_window`](crate::SessionConfig::stream_window)).
         let pooled = self.staging_pool_size(&fine, true);
-        let weight_cap = weight_cap.min(pooled.unwrap_or(u64::MAX));
+        let weight_cap = weight_cap.min(pooled.map_or(u64::MAX, |p| {
+            if cfg.stream_window > 1 {
+                super::pool::window_share(p, cfg.stream_window)
+            } else {
+                p
+            }
+        }));
         let segs = &fine.plan.segments;
         // Ranges of consecutive cut segments; the final segment stays on its own.
         let mut ranges: Vec<(usize, usize)> = Vec::new();

@@ -59,6 +59,8 @@ mod choice;
 mod layer_split;
 mod pool;
 
+pub(crate) use pool::window_share;
+
 /// Everything one execution borrows from the engine.
 pub(crate) struct Exec<'a, M> {
     pub manager: &'a mut M,

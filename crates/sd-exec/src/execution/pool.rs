@@ -161,10 +161,12 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
     /// streaming every weight every step.
     ///
     /// The window must hold the streamed part of the segment computing and of the next
-    /// one. So every segment streams at most `m` bytes and keeps the rest of its weights
-    /// resident, with the smallest `m` for which the resident weights and a window of
-    /// `2m` fit the pool (less a 1/32 slack for placement): the fewest bytes streamed per
-    /// step for that window. A segment's largest tensors are the ones it keeps. Empty
+    /// one, and of as many more as [`SessionConfig::stream_window`](crate::SessionConfig::stream_window)
+    /// asks beyond two (a segment still in flight while the next one's prefetch runs). So
+    /// every segment streams at most `m` bytes and keeps the rest of its weights resident,
+    /// with the smallest `m` for which the resident weights and a window of `w m` fit the
+    /// pool (less a 1/32 slack for placement), `w` the window of at least 2 segments: the
+    /// fewest bytes streamed per step for that window. A segment's largest tensors are the ones it keeps. Empty
     /// without a pool of this session, with
     /// [`SessionConfig::resident_set`](crate::SessionConfig::resident_set) off, for a
     /// layer split, or when no window fits.
@@ -180,18 +182,19 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         if owner != self.session.id.owner() {
             return HashSet::new();
         }
-        let usable = pool - pool / 32;
+        let usable = pool_usable(pool);
+        let window = cfg.stream_window.max(2) as u64;
         let w = &p.segment_weight_bytes;
         // Resident bytes when every segment streams at most `m` (shared weights counted
         // once per segment: an upper bound).
         let resident_at = |m: u64| w.iter().map(|b| b.saturating_sub(m)).sum::<u64>();
-        let fits = |m: u64| resident_at(m) + 2 * m <= usable;
+        let fits = |m: u64| resident_at(m) + window * m <= usable;
         let largest = w.iter().copied().max().unwrap_or(0);
         if !fits(largest) {
             return HashSet::new();
         }
-        // The smallest cap that fits: `resident_at(m) + 2m` is convex in `m` (its slope,
-        // 2 less the segments over `m`, grows with `m`) and fits at `largest`, so below
+        // The smallest cap that fits: `resident_at(m) + w m` is convex in `m` (its slope,
+        // `w` less the segments over `m`, grows with `m`) and fits at `largest`, so below
         // `largest` it fits from some cap on.
         let (mut lo, mut hi) = (0u64, largest);
         while lo < hi {
@@ -210,7 +213,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         let set = loop {
             let (set, streamed) = keep_above(&p.segment_params, m, bytes);
             let kept: u64 = set.iter().map(bytes).sum();
-            if kept + 2 * streamed <= usable {
+            if kept + window * streamed <= usable {
                 break set;
             }
             if m >= largest {
@@ -227,6 +230,20 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         );
         set
     }
+}
+
+/// The bytes of a staging pool of `pool` bytes that streamed weights may fill: less a 1/32
+/// slack for placement (sub-allocations are aligned, and freed regions are not always
+/// contiguous).
+pub(crate) fn pool_usable(pool: u64) -> u64 {
+    pool - pool / 32
+}
+
+/// One segment's share of a staging pool of `pool` bytes whose streaming window is
+/// `window` segments (see [`SessionConfig::stream_window`](crate::SessionConfig::stream_window)):
+/// segments whose weights stay within it can be prefetched `window - 1` ahead.
+pub(crate) fn window_share(pool: u64, window: usize) -> u64 {
+    pool_usable(pool) / window.max(1) as u64
 }
 
 /// Per segment in order, the weights kept so that it streams at most `cap` bytes: its
