@@ -460,13 +460,24 @@ impl Pipeline {
             .map(|h| self.runtime.param_ids(*h).map_or(0, <[_]>::len))
             .sum();
         let mut base = 0;
+        let t = std::time::Instant::now();
+        let mut loaded = 0;
         for h in models {
             let n = self.runtime.param_ids(h).map_or(0, <[_]>::len);
-            self.runtime
+            if self
+                .runtime
                 .preload(h, &mut |d, _| progress(base + d, total))
-                .map_err(|e| runtime_err(&self.path, e))?;
+                .map_err(|e| runtime_err(&self.path, e))?
+            {
+                loaded += 1;
+            }
             base += n;
         }
+        tracing::info!(
+            models = loaded,
+            seconds = t.elapsed().as_secs_f64(),
+            "preload completed"
+        );
         Ok(())
     }
 

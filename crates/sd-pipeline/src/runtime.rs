@@ -80,6 +80,10 @@ impl FromStr for ComputeDevice {
     }
 }
 
+/// Parameters per load call when [`Runtime::preload`] reads a model's RAM copies for a
+/// device: enough tensors for every load thread, few enough for the progress bar to move.
+const PRELOAD_BATCH: usize = 256;
+
 /// Where parameters live between uses (`--params-backend`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum ParamsLocation {
@@ -885,11 +889,13 @@ impl Runtime {
         Ok(result?)
     }
 
-    /// Loads model `h`'s weights now instead of at their first use, when that is where they
-    /// would stay: parameters kept in RAM and computed on the CPU, or kept in their
-    /// device's memory ([`ParamsLocation`]). Reports
-    /// `progress(done, total)` in parameters; returns whether anything was loaded (other
-    /// setups stream weights to the device as graphs need them, within the budget).
+    /// Loads model `h`'s weights now instead of at their first use, where they stay:
+    /// parameters kept in RAM (computed on the CPU, or streamed from RAM to a device under
+    /// a budget: then only the RAM copies load now, in batches over the load threads, and
+    /// the device gets them as graphs need them, within the budget), or kept in their
+    /// device's memory ([`ParamsLocation`]). Reports `progress(done, total)` in
+    /// parameters; returns whether anything was loaded (parameters read from the files at
+    /// each use are not).
     pub fn preload(
         &mut self,
         h: ModelHandle,
@@ -897,20 +903,31 @@ impl Runtime {
     ) -> Result<bool> {
         let slot = self.slot(h)?;
         let ids = slot.ids.clone();
-        let in_ram_for_the_cpu = self.options.params != ParamsLocation::Disk
-            && self.devices[slot.device].backend.is_cpu();
-        if !in_ram_for_the_cpu && !slot.on_device {
+        let in_ram = self.options.params != ParamsLocation::Disk && !slot.on_device;
+        let for_the_cpu = self.devices[slot.device].backend.is_cpu();
+        if !in_ram && !slot.on_device {
             return Ok(false);
         }
         let _span = tracing::info_span!("preload", model = %self.slot(h)?.name).entered();
         let total = ids.len();
         let mut done = 0;
         progress(0, total);
-        for chunk in ids.chunks(64) {
+        // RAM copies for a device: large batches (each one load call, its tensors read in
+        // parallel); the others are prepared for compute, 64 at a time.
+        let chunk = if in_ram && !for_the_cpu {
+            PRELOAD_BATCH
+        } else {
+            64
+        };
+        for ids in ids.chunks(chunk) {
             let m = self.engine.manager_mut();
-            m.prepare_params(chunk)?;
-            m.unpin_params(chunk)?;
-            done += chunk.len();
+            if in_ram && !for_the_cpu {
+                m.load_params_copies(ids)?;
+            } else {
+                m.prepare_params(ids)?;
+                m.unpin_params(ids)?;
+            }
+            done += ids.len();
             progress(done, total);
         }
         Ok(true)

@@ -398,3 +398,49 @@ fn weights_load_straight_into_a_device_without_a_budget() {
         "{placed:?}"
     );
 }
+
+/// Under a budget the weights stream to the device from copies in RAM: `preload` reads
+/// every model's RAM copies before the first step (none is on the device yet), the run
+/// then reads nothing more into RAM, and the image is the one of a run that loads them at
+/// first use.
+#[test]
+fn preload_reads_the_ram_copies_of_a_budgeted_run_before_sampling() {
+    let sim = ComputeDevice::Sim { bytes: 256 << 20 };
+    let cpu = sd_tensor::ggml::Device::cpu().unwrap();
+    let budget = 8u64 << 20;
+    let (lazy, _) = generate(options(sim.clone(), Some(budget))).unwrap();
+    let mut p = Pipeline::load(builtin(), options(sim, Some(budget))).unwrap();
+    let h = p.handles();
+    let models = [h.text_encoder, h.unet, h.vae];
+    let weights: u64 = models
+        .iter()
+        .flat_map(|m| p.runtime().params(*m).unwrap().tensors.iter())
+        .map(|(_, t)| t.nbytes() as u64)
+        .sum();
+    let host = |p: &Pipeline| p.runtime().engine().manager().resident_bytes(&cpu);
+    assert_eq!(host(&p), 0, "weights in RAM before the preload");
+    let mut calls = Vec::new();
+    p.preload(&mut |d, t| calls.push((d, t))).unwrap();
+    let total: usize = models
+        .iter()
+        .map(|m| p.runtime().param_ids(*m).unwrap().len())
+        .sum();
+    assert_eq!(calls.last(), Some(&(total, total)), "progress {calls:?}");
+    let loaded = host(&p);
+    assert!(
+        loaded >= weights,
+        "{loaded} B in RAM after the preload, {weights} B of weights"
+    );
+    for m in models {
+        assert_eq!(p.runtime().weights_on_device(m), Some(false));
+        for id in p.runtime().param_ids(m).unwrap() {
+            let info = p.runtime().engine().manager().param_info(*id).unwrap();
+            assert!(info.loaded, "{} not loaded", info.name);
+        }
+    }
+    let image = p.txt2img(&params(), &mut |_, _| {}).unwrap().remove(0);
+    assert_eq!(host(&p), loaded, "the run read more weights into RAM");
+    let peak = p.runtime().sim_device().unwrap().peak_bytes();
+    assert!(peak <= budget, "peak {peak} > budget {budget}");
+    assert_eq!(image.pixels(), lazy.pixels());
+}

@@ -107,6 +107,29 @@ impl ModelManager {
                 .is_some_and(|t| t.dtype == s.dtype)
     }
 
+    /// Loads, in one batch over the load threads, the params copies of those of `params`
+    /// that keep one in their params backend ([`ResidencyMode::ParamBackend`]) and have
+    /// not loaded it yet, instead of at their first use: a segmented run would otherwise
+    /// read them from the files one segment's group at a time during its first step.
+    /// Parameters read from the files at each use ([`ResidencyMode::Disk`]) are left as
+    /// they are. Returns how many were loaded; on error nothing this call loaded stays.
+    pub fn load_params_copies(&mut self, params: &[ParamId]) -> Result<usize> {
+        let want: Vec<ParamId> = params
+            .iter()
+            .copied()
+            .filter(|p| {
+                self.states.get(p).is_some_and(|s| {
+                    s.mode == ResidencyMode::ParamBackend && s.storage.is_none() && !s.split
+                })
+            })
+            .collect();
+        if want.is_empty() {
+            return Ok(0);
+        }
+        self.load_to_params(&want)?;
+        Ok(want.len())
+    }
+
     /// Loads the params copies of `params` that are not loaded. Returns the blocks created;
     /// on error every block this call created is freed again and the states are unchanged.
     pub(crate) fn load_to_params(&mut self, params: &[ParamId]) -> Result<Vec<BlockId>> {

@@ -1,0 +1,34 @@
+#!/bin/bash
+# A sweep on the GPU: the staging pool's streaming window (`--stream-window W`, WINDOWS
+# [3 4 5]) against the segments queued on the device (`--segments-in-flight N`, FLIGHTS
+# [2 3]): SD1.5 at SD15_BUDGETS [0.75 0.5] and SDXL at XL_BUDGETS [0.5 0.25] of their
+# weights, ROUNDS [1], pinned params, reserve 0 (SDXL 6 steps); the resident steps and the
+# pinned copy bandwidth beside them. JSON lines in $OUT/results.jsonl. Run from the checkout
+# root with stage/ as for streaming_sweep.sh.
+source scripts/device/stage_module.sh >/dev/null 2>&1
+source scripts/device/ab_run.sh
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+$B copy-bw --backend CUDA0 --mib 1024 | tail -1
+sweep() {
+  local tag=$1; shift
+  for r in $(seq ${ROUNDS-1}); do
+    for f in $BUDGETS; do
+      for n in ${FLIGHTS-2 3}; do
+        for w in ${WINDOWS-3 4 5}; do
+          ab_one $tag-$f-w$w-f$n-r$r "$@" --max-vram $f --stream-window $w --segments-in-flight $n
+        done
+      done
+    done
+  done
+}
+$B write-weights /tmp/w15 --config sd15 >/dev/null
+W15=(--config sd15 --weights /tmp/w15/unet.safetensors)
+ab_one sd15-resident "${W15[@]}" --params device
+BUDGETS=${SD15_BUDGETS-0.75 0.5} sweep sd15 "${W15[@]}"
+rm -rf /tmp/w15
+$B write-weights /tmp/wxl --config sdxl >/dev/null
+WXL=(--config sdxl --weights /tmp/wxl/unet.safetensors)
+STEPS=6 ab_one sdxl-resident "${WXL[@]}" --params device
+STEPS=6 BUDGETS=${XL_BUDGETS-0.5 0.25} sweep sdxl "${WXL[@]}"
+rm -rf /tmp/wxl
+echo "done in $(($(date +%s)-T0)) s"
