@@ -1,0 +1,37 @@
+#!/bin/bash
+# A/B on the GPU of two sd-bench builds, stage/sd-bench.xz against stage/sd-bench-base.xz
+# (used for prefetched weights activated without waiting for their transfer thread, the
+# copies joined just before the segment computed, against joining them at activation: no
+# gain, not kept; docs/benchmarks.md, twelfth session). SD1.5 at SD15_BUDGETS [0.75 0.5 0.25] of its
+# weights, ROUNDS [3] interleaved rounds; SDXL at XL_BUDGETS [0.5 0.25], XL_ROUNDS [1];
+# pinned params, reserve 0; resident steps and the pinned copy bandwidth beside them. JSON
+# lines in $OUT/results.jsonl. Run from the checkout root with stage/ as for
+# streaming_sweep.sh.
+source scripts/device/stage_module.sh >/dev/null 2>&1
+source scripts/device/ab_run.sh
+[[ -f $S/sd-bench-base || ! -f $S/sd-bench-base.xz ]] || xz -d -k $S/sd-bench-base.xz
+chmod +x $S/sd-bench-base
+BASE=$S/sd-bench-base
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+$B copy-bw --backend CUDA0 --mib 1024 | tail -1
+$B write-weights /tmp/w15 --config sd15 >/dev/null
+W15=(--config sd15 --weights /tmp/w15/unet.safetensors)
+ab_one sd15-resident "${W15[@]}" --params device
+for r in $(seq ${ROUNDS-3}); do
+  for f in ${SD15_BUDGETS-0.75 0.5 0.25}; do
+    B=$BASE ab_one sd15-$f-base-r$r "${W15[@]}" --max-vram $f
+    ab_one sd15-$f-defer-r$r "${W15[@]}" --max-vram $f
+  done
+done
+rm -rf /tmp/w15
+$B write-weights /tmp/wxl --config sdxl >/dev/null
+WXL=(--config sdxl --weights /tmp/wxl/unet.safetensors)
+STEPS=6 ab_one sdxl-resident "${WXL[@]}" --params device
+for r in $(seq ${XL_ROUNDS-1}); do
+  for f in ${XL_BUDGETS-0.5 0.25}; do
+    STEPS=6 B=$BASE ab_one sdxl-$f-base-r$r "${WXL[@]}" --max-vram $f
+    STEPS=6 ab_one sdxl-$f-defer-r$r "${WXL[@]}" --max-vram $f
+  done
+done
+rm -rf /tmp/wxl
+echo "done in $(($(date +%s)-T0)) s"
