@@ -149,6 +149,13 @@ pub struct SessionConfig {
     /// 1 in the same call, SD1.5 steps within the rounds' spread (`sd-bench unet
     /// --segments-in-flight 1|2`, docs/benchmarks.md).
     pub segments_in_flight: usize,
+    /// With segments in flight, whether the next segments' prefetches may evict weights
+    /// right away (never those of a segment in flight: they are pinned until it is done,
+    /// so no queued kernel reads memory an eviction frees), so that their copies start
+    /// while the segment before the current one still computes. Off: a prefetch that needs
+    /// an eviction waits until every segment before the current one is done, and evicts
+    /// what it would have with one segment at a time. Default: off.
+    pub evict_in_flight: bool,
     /// Extra devices for layer split (`diffusion=cuda0&cuda1`): with any, a graph with cuts
     /// runs segment by segment, each segment on the device its weights are assigned to
     /// (contiguous ranges of segments per device, in list order, the primary first).
@@ -188,6 +195,7 @@ impl SessionConfig {
             segments_in_flight: 2,
             refine_for_pool: true,
             stream_window: 3,
+            evict_in_flight: false,
             split: Vec::new(),
         }
     }
@@ -270,6 +278,12 @@ impl SessionConfig {
     /// Sets [`SessionConfig::refine_for_pool`].
     pub fn with_refine_for_pool(mut self, on: bool) -> Self {
         self.refine_for_pool = on;
+        self
+    }
+
+    /// Sets [`SessionConfig::evict_in_flight`].
+    pub fn with_evict_in_flight(mut self, on: bool) -> Self {
+        self.evict_in_flight = on;
         self
     }
 

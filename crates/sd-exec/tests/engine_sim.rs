@@ -1415,23 +1415,34 @@ fn async_uploads_on_a_copy_stream_equal_whole_within_budget_with_a_fixed_pool() 
 /// segments after the first are prepared under the compute of the one before. With two or
 /// three segments in flight (`SessionConfig::segments_in_flight`), segments are queued
 /// behind the one still computing, their inputs written in the device's queue: same bits,
-/// no fault, the same bytes streamed.
+/// no fault, the same bytes streamed. With prefetches evicting while segments are in
+/// flight (`SessionConfig::evict_in_flight`): same bits, no fault, within the budget, and
+/// under some budget other evictions than one segment at a time makes.
 #[test]
 fn async_compute_overlaps_preparation_without_races() {
     let (whole, _) = run("ACOMP_REF", unet, None, SegmentationPolicy::Never, false);
     let (seg, _) = run("ACOMP_PROBE", unet, None, SegmentationPolicy::Always, false);
     let weights = weight_bytes(&rig("ACOMP_W", false), "unet.");
     let footprint = seg.segments.iter().map(|s| s.footprint()).max().unwrap();
+    let mut evictions_differ = false;
     for (fraction, copy_stream) in [(2, true), (2, false), (4, true), (10, true), (10, false)] {
         let budget = weights / fraction + footprint + 8192;
         let mut uploads = Vec::new();
-        // (async compute, segments in flight)
-        for (async_compute, depth) in [(true, 1), (true, 2), (true, 3), (false, 1)] {
+        let mut evicting = Vec::new();
+        // (async compute, segments in flight, prefetches evicting in flight)
+        for (async_compute, depth, evict) in [
+            (true, 1, false),
+            (true, 2, false),
+            (true, 3, false),
+            (false, 1, false),
+            (true, 2, true),
+            (true, 3, true),
+        ] {
             let tag = format!(
-                "1/{fraction} copy stream {copy_stream} async {async_compute} in flight {depth}"
+                "1/{fraction} copy stream {copy_stream} async {async_compute} in flight {depth} evict {evict}"
             );
             let mut r = rig_with(
-                &format!("ACOMP_{fraction}_{copy_stream}_{async_compute}_{depth}"),
+                &format!("ACOMP_{fraction}_{copy_stream}_{async_compute}_{depth}_{evict}"),
                 true,
                 SimOptions {
                     async_transfers: true,
@@ -1444,7 +1455,8 @@ fn async_compute_overlaps_preparation_without_races() {
                     .with_budget(Some(budget))
                     .with_prefetch(true)
                     .with_async_compute(async_compute)
-                    .with_segments_in_flight(depth),
+                    .with_segments_in_flight(depth)
+                    .with_evict_in_flight(evict),
             );
             r.engine.start(id).unwrap();
             let mut streamed = 0;
@@ -1480,16 +1492,25 @@ fn async_compute_overlaps_preparation_without_races() {
                 "{tag}: peak {} > budget {budget}",
                 r.sim.peak_bytes()
             );
-            uploads.push(streamed);
+            if evict {
+                evicting.push(streamed);
+            } else {
+                uploads.push(streamed);
+            }
             r.engine.end(id).unwrap();
         }
-        println!("1/{fraction}, copy stream {copy_stream}: bytes streamed a step (async 1, 2, 3 in flight, sync): {uploads:?}");
+        println!("1/{fraction}, copy stream {copy_stream}: bytes streamed a step (async 1, 2, 3 in flight, sync): {uploads:?}; evicting in flight (2, 3): {evicting:?}");
+        evictions_differ |= evicting.iter().any(|u| *u != uploads[0]);
         // The segments in flight change no eviction: what needs room waits for them.
         assert!(
             uploads.iter().all(|u| *u == uploads[0]),
             "1/{fraction}: streamed bytes differ: {uploads:?}"
         );
     }
+    assert!(
+        evictions_differ,
+        "prefetches evicting in flight changed no eviction under any budget"
+    );
 }
 
 /// A transformer stack streamed layer by layer with the staging pool: the next layer's

@@ -310,6 +310,11 @@ struct UnetArgs {
     /// and those prefetched behind it; see `SessionConfig::stream_window`)
     #[arg(long = "stream-window", value_name = "SEGMENTS", default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=16))]
     stream_window: u32,
+    /// With segments in flight, let the next segments' prefetches evict (unpinned weights)
+    /// at once instead of after the segments before the current one are done (see
+    /// `SessionConfig::evict_in_flight`)
+    #[arg(long = "evict-in-flight", value_enum, default_value = "off")]
+    evict_in_flight: OnOff,
     /// Convert the linear weights when loading (q8_0, q4_K, f16...; default: the file's)
     #[arg(long = "type", value_name = "TYPE")]
     weight_type: Option<String>,
@@ -745,6 +750,8 @@ struct RigOptions<'a> {
     pool_sized_segments: bool,
     /// See `SessionConfig::stream_window`.
     stream_window: usize,
+    /// See `SessionConfig::evict_in_flight`.
+    evict_in_flight: bool,
     /// Whether prefetch uploads go to the device's copy stream where it has one.
     async_upload: bool,
     /// Bytes of the budget left to the backend runtime (0: none).
@@ -814,7 +821,9 @@ fn build_rig(o: RigOptions<'_>, inputs: &Inputs) -> Result<Rig> {
     config = config.with_segments_in_flight(o.segments_in_flight);
     config.resident_set = o.resident_set;
     config.pool_sized_segments = o.pool_sized_segments;
-    config = config.with_stream_window(o.stream_window);
+    config = config
+        .with_stream_window(o.stream_window)
+        .with_evict_in_flight(o.evict_in_flight);
     if let Some(d) = o.prefetch_depth {
         config = config.with_prefetch_depth(d as usize);
     }
@@ -1192,6 +1201,7 @@ fn cmd_unet(a: &UnetArgs) -> Result<()> {
             resident_set: a.resident_set == OnOff::On,
             pool_sized_segments: a.pool_sized_segments == OnOff::On,
             stream_window: a.stream_window as usize,
+            evict_in_flight: a.evict_in_flight == OnOff::On,
             async_upload: a.async_upload == OnOff::On,
             runtime_reserve: reserve,
             host_kernels,
@@ -1271,6 +1281,7 @@ fn cmd_unet(a: &UnetArgs) -> Result<()> {
             "resident_set": a.resident_set == OnOff::On,
             "pool_sized_segments": a.pool_sized_segments == OnOff::On,
             "stream_window": a.stream_window,
+            "evict_in_flight": a.evict_in_flight == OnOff::On,
             "host_kernels": host_kernels,
             // Whether prefetch uploads went to a copy stream (the backend has one).
             "copy_stream": copy_stream,
@@ -1371,6 +1382,7 @@ fn cmd_check(name: &str, threads: usize) -> Result<()> {
                 resident_set: true,
                 pool_sized_segments: false,
                 stream_window: 3,
+                evict_in_flight: false,
                 async_upload,
                 runtime_reserve: 0,
                 host_kernels,

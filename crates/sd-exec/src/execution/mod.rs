@@ -791,18 +791,11 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         // are pinned: one that would evict waits until they are done, to evict what it
         // would have without them).
         let overlapped = in_flight.as_deref().is_some_and(|q| !q.is_empty());
+        let as_is = overlapped && !self.session.config.evict_in_flight;
         let mut deferred = false;
         if let Some(resident) = prefetch {
-            deferred = self.timed_prefetches(
-                task,
-                p,
-                k,
-                store_bytes,
-                resident,
-                queued,
-                overlapped,
-                timing,
-            );
+            deferred =
+                self.timed_prefetches(task, p, k, store_bytes, resident, queued, as_is, timing);
         }
         let slot = &self.session.slots[d];
         let Some(sg) = slot.workspace.current() else {

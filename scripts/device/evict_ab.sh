@@ -1,0 +1,35 @@
+#!/bin/bash
+# A/B on the GPU: with segments in flight, prefetches that evict at once (unpinned weights
+# only: `sd-bench unet --evict-in-flight on`) against waiting until the segments before the
+# current one are done (`off`, the default when this ran). SD1.5 at SD15_BUDGETS
+# [0.75 0.5 0.25] of its weights, ROUNDS [3] interleaved rounds; SDXL at XL_BUDGETS
+# [0.5 0.25], XL_ROUNDS [2]; pinned params, reserve 0; resident steps and the pinned copy
+# bandwidth beside them. JSON lines in $OUT/results.jsonl. Run from the checkout root with
+# stage/ as for streaming_sweep.sh.
+source scripts/device/stage_module.sh >/dev/null 2>&1
+source scripts/device/ab_run.sh
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+$B copy-bw --backend CUDA0 --mib 1024 | tail -1
+$B write-weights /tmp/w15 --config sd15 >/dev/null
+W15=(--config sd15 --weights /tmp/w15/unet.safetensors)
+ab_one sd15-resident "${W15[@]}" --params device
+for r in $(seq ${ROUNDS-3}); do
+  for f in ${SD15_BUDGETS-0.75 0.5 0.25}; do
+    for e in off on; do
+      ab_one sd15-$f-evict-$e-r$r "${W15[@]}" --max-vram $f --evict-in-flight $e
+    done
+  done
+done
+rm -rf /tmp/w15
+$B write-weights /tmp/wxl --config sdxl >/dev/null
+WXL=(--config sdxl --weights /tmp/wxl/unet.safetensors)
+STEPS=6 ab_one sdxl-resident "${WXL[@]}" --params device
+for r in $(seq ${XL_ROUNDS-2}); do
+  for f in ${XL_BUDGETS-0.5 0.25}; do
+    for e in off on; do
+      STEPS=6 ab_one sdxl-$f-evict-$e-r$r "${WXL[@]}" --max-vram $f --evict-in-flight $e
+    done
+  done
+done
+rm -rf /tmp/wxl
+echo "done in $(($(date +%s)-T0)) s"
