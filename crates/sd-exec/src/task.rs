@@ -117,6 +117,9 @@ pub struct SegmentReport {
     /// segment does not count them; a segment that needs their room waits for those
     /// segments first.
     pub held_for_in_flight: u64,
+    /// Prefetches this segment scheduled that evicted weights while segments were in
+    /// flight ([`SessionConfig::evict_in_flight`](crate::SessionConfig::evict_in_flight)).
+    pub evicting_prefetches: usize,
 }
 
 impl SegmentReport {

@@ -313,7 +313,7 @@ struct UnetArgs {
     /// With segments in flight, let the next segments' prefetches evict (unpinned weights)
     /// at once instead of after the segments before the current one are done (see
     /// `SessionConfig::evict_in_flight`)
-    #[arg(long = "evict-in-flight", value_enum, default_value = "off")]
+    #[arg(long = "evict-in-flight", value_enum, default_value = "on")]
     evict_in_flight: OnOff,
     /// Convert the linear weights when loading (q8_0, q4_K, f16...; default: the file's)
     #[arg(long = "type", value_name = "TYPE")]
@@ -1382,7 +1382,7 @@ fn cmd_check(name: &str, threads: usize) -> Result<()> {
                 resident_set: true,
                 pool_sized_segments: false,
                 stream_window: 3,
-                evict_in_flight: false,
+                evict_in_flight: true,
                 async_upload,
                 runtime_reserve: 0,
                 host_kernels,

@@ -592,6 +592,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
             timing.staging += t.elapsed();
             // From here on the segment's weights are pinned: unpin whatever happens (or
             // when the segment is done, if it is left in flight).
+            let evicting_before = self.session.evicting_prefetches;
             let r = self.compute_segment(
                 task,
                 p,
@@ -670,6 +671,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
                 overlapped: done.overlapped,
                 queued_behind: done.queued_behind,
                 held_for_in_flight: done.held_for_in_flight,
+                evicting_prefetches: self.session.evicting_prefetches - evicting_before,
             });
         }
         if !queued.is_empty() {
@@ -791,11 +793,15 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         // are pinned: one that would evict waits until they are done, to evict what it
         // would have without them).
         let overlapped = in_flight.as_deref().is_some_and(|q| !q.is_empty());
-        let as_is = overlapped && !self.session.config.evict_in_flight;
+        let mode = match (overlapped, self.session.config.evict_in_flight) {
+            (false, _) => RoomMode::Evict,
+            (true, false) => RoomMode::AsIs,
+            (true, true) => RoomMode::EvictOrLater,
+        };
         let mut deferred = false;
         if let Some(resident) = prefetch {
             deferred =
-                self.timed_prefetches(task, p, k, store_bytes, resident, queued, as_is, timing);
+                self.timed_prefetches(task, p, k, store_bytes, resident, queued, mode, timing);
         }
         let slot = &self.session.slots[d];
         let Some(sg) = slot.workspace.current() else {
@@ -833,7 +839,16 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         // their copies start before this segment's kernels are queued (behind segments in
         // flight they wait until after, see below).
         if let (Some(resident), true, 0) = (prefetch, deferred, queued_behind) {
-            self.timed_prefetches(task, p, k, store_bytes, resident, queued, false, timing);
+            self.timed_prefetches(
+                task,
+                p,
+                k,
+                store_bytes,
+                resident,
+                queued,
+                RoomMode::Evict,
+                timing,
+            );
             deferred = false;
         }
         if queued_behind == 0 {
@@ -892,7 +907,16 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
             while let Some(q) = in_flight.as_deref_mut().filter(|q| !q.is_empty()) {
                 self.settle_oldest(q, queue, timing)?;
             }
-            self.timed_prefetches(task, p, k, store_bytes, resident, queued, false, timing);
+            self.timed_prefetches(
+                task,
+                p,
+                k,
+                store_bytes,
+                resident,
+                queued,
+                RoomMode::Evict,
+                timing,
+            );
         }
         let slot = &self.session.slots[d];
         let mut held: HashSet<&CutName> = HashSet::new();
@@ -920,9 +944,10 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
     /// prefetches to the segments after it, in order, up to
     /// [`SessionConfig::prefetch_depth`] segments ahead of `k`, stopping at the first
     /// that does not fit now. The manager copies them on the device's copy stream or on
-    /// transfer threads while the segments before them compute. With `as_is`, stops at
-    /// the first that would need an eviction and returns `true` (deferred). Timed as
-    /// [`ExecTiming::prefetch`].
+    /// transfer threads while the segments before them compute. With [`RoomMode::AsIs`],
+    /// stops at the first that would need an eviction, with [`RoomMode::EvictOrLater`] at
+    /// the first without room beside the segments in flight, and returns `true`
+    /// (deferred). Timed as [`ExecTiming::prefetch`].
     #[allow(clippy::too_many_arguments)]
     fn timed_prefetches(
         &mut self,
@@ -932,7 +957,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         store_bytes: u64,
         resident: &HashSet<ParamId>,
         queued: &mut VecDeque<(usize, Vec<ParamId>)>,
-        as_is: bool,
+        mode: RoomMode,
         timing: &mut ExecTiming,
     ) -> bool {
         let t = Instant::now();
@@ -945,7 +970,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
             if p.segment_params[target].is_empty() {
                 continue;
             }
-            match self.enqueue_prefetch(task, p, k, target, store_bytes, resident, as_is) {
+            match self.enqueue_prefetch(task, p, k, target, store_bytes, resident, mode) {
                 Prefetch::Scheduled(ids) => {
                     queued.push_back((target, ids));
                     scheduled += 1;
@@ -969,8 +994,8 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
 
     /// Schedules the missing weights of segment `target` (after `k`) on its device now if
     /// they fit next to the segments `k..target` and the resident set (evicting only what
-    /// the policy allows, never a weight of those; with `as_is`, nothing:
-    /// [`Prefetch::Later`] when it would).
+    /// the policy allows, never a weight of those; see [`RoomMode`] for when it is
+    /// [`Prefetch::Later`]).
     #[allow(clippy::too_many_arguments)]
     fn enqueue_prefetch(
         &mut self,
@@ -980,7 +1005,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         target: usize,
         store_bytes: u64,
         resident: &HashSet<ParamId>,
-        as_is: bool,
+        mode: RoomMode,
     ) -> Prefetch {
         let current: HashSet<ParamId> = p.segment_params[k].iter().copied().collect();
         let groups = split_groups(&p.segment_groups[target], resident);
@@ -1044,12 +1069,26 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
             protected: &protected,
             pending_unless_pooled: true,
         };
-        if as_is && !fits_as_is(self.manager, &ask).unwrap_or(false) {
+        if mode == RoomMode::AsIs && !fits_as_is(self.manager, &ask).unwrap_or(false) {
             tracing::trace!(target, "prefetch deferred: it needs an eviction");
             return Prefetch::Later;
         }
+        let evicts =
+            mode == RoomMode::EvictOrLater && !fits_as_is(self.manager, &ask).unwrap_or(false);
         let ok = ensure_capacity(self.manager, self.others, &ask, self.log);
+        if ok.is_ok() && evicts {
+            self.session.evicting_prefetches += 1;
+        }
         if ok.is_err() {
+            if mode == RoomMode::EvictOrLater {
+                // The segments in flight hold the rest (their weights are pinned, and the
+                // staging pool may have no free run long enough beside them).
+                tracing::trace!(
+                    target,
+                    "prefetch deferred: no room beside the segments in flight"
+                );
+                return Prefetch::Later;
+            }
             tracing::debug!(target, "prefetch skipped: no room");
             return Prefetch::NoRoom;
         }
@@ -1100,6 +1139,19 @@ fn split_groups(groups: &[Vec<ParamId>], resident: &HashSet<ParamId>) -> Vec<Vec
         out.extend([kept, streamed].into_iter().filter(|g| !g.is_empty()));
     }
     out
+}
+
+/// How a prefetch pass may make room (see [`SessionConfig::evict_in_flight`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum RoomMode {
+    /// Evict as the policy allows; no room is final for this pass.
+    Evict,
+    /// Only what fits as the device stands: a prefetch that needs an eviction is
+    /// [`Prefetch::Later`].
+    AsIs,
+    /// Evict as the policy allows (never a pinned weight); no room beside the segments in
+    /// flight is [`Prefetch::Later`].
+    EvictOrLater,
 }
 
 /// A segment queued on its device and not waited for yet (see
