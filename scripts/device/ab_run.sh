@@ -1,4 +1,4 @@
-# Sourced by the A/B device scripts (pool_sized_ab.sh, coalesce_ab.sh, async_compute_ab.sh,
+# Sourced by the A/B device scripts (pool_sized_ab.sh, coalesce_ab.sh, async_compute_ab.sh, window_ab.sh, evict_ab.sh, ...,
 # pipeline_ab.sh) after stage_module.sh:
 # `ab_one LABEL ARGS...` runs `sd-bench unet` on CUDA0 (pinned params unless ARGS name
 # --params, STEPS [10] timed steps, runtime reserve 0) with ARGS, appends its JSON line,
@@ -29,4 +29,17 @@ diffusers_sd15() {
     timeout 120 env PYTHONUNBUFFERED=1 python3 scripts/device/diffusers_unet.py "$1" --offload $o --iters 20 --warmup 3 2>&1 | grep '^{' | tail -1 |
       sed "s/^{/{\"label\":\"sd15-diffusers-$o\",/" | tee -a $OUT/results.jsonl | cut -c1-400
   done
+}
+# `device_header`: the GPU, then the pageable and pinned copy bandwidth (sd-bench copy-bw).
+device_header() {
+  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+  $B copy-bw --backend CUDA0 --mib 1024 | tail -1
+}
+# `bench_model NAME`: writes NAME's (sd15|sdxl) random weights into /tmp/w-NAME, sets W to
+# the sd-bench arguments that read them, and runs the resident step (label NAME-resident;
+# STEPS set on the call reaches it). `rm -rf /tmp/w-NAME` when done.
+bench_model() {
+  $B write-weights /tmp/w-$1 --config $1 >/dev/null
+  W=(--config $1 --weights /tmp/w-$1/unet.safetensors)
+  ab_one $1-resident "${W[@]}" --params device
 }

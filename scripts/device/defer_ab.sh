@@ -12,26 +12,21 @@ source scripts/device/ab_run.sh
 [[ -f $S/sd-bench-base || ! -f $S/sd-bench-base.xz ]] || xz -d -k $S/sd-bench-base.xz
 chmod +x $S/sd-bench-base
 BASE=$S/sd-bench-base
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-$B copy-bw --backend CUDA0 --mib 1024 | tail -1
-$B write-weights /tmp/w15 --config sd15 >/dev/null
-W15=(--config sd15 --weights /tmp/w15/unet.safetensors)
-ab_one sd15-resident "${W15[@]}" --params device
+device_header
+bench_model sd15
 for r in $(seq ${ROUNDS-3}); do
   for f in ${SD15_BUDGETS-0.75 0.5 0.25}; do
-    B=$BASE ab_one sd15-$f-base-r$r "${W15[@]}" --max-vram $f
-    ab_one sd15-$f-defer-r$r "${W15[@]}" --max-vram $f
+    B=$BASE ab_one sd15-$f-base-r$r "${W[@]}" --max-vram $f
+    ab_one sd15-$f-defer-r$r "${W[@]}" --max-vram $f
   done
 done
-rm -rf /tmp/w15
-$B write-weights /tmp/wxl --config sdxl >/dev/null
-WXL=(--config sdxl --weights /tmp/wxl/unet.safetensors)
-STEPS=6 ab_one sdxl-resident "${WXL[@]}" --params device
+rm -rf /tmp/w-sd15
+STEPS=6 bench_model sdxl
 for r in $(seq ${XL_ROUNDS-1}); do
   for f in ${XL_BUDGETS-0.5 0.25}; do
-    STEPS=6 B=$BASE ab_one sdxl-$f-base-r$r "${WXL[@]}" --max-vram $f
-    STEPS=6 ab_one sdxl-$f-defer-r$r "${WXL[@]}" --max-vram $f
+    STEPS=6 B=$BASE ab_one sdxl-$f-base-r$r "${W[@]}" --max-vram $f
+    STEPS=6 ab_one sdxl-$f-defer-r$r "${W[@]}" --max-vram $f
   done
 done
-rm -rf /tmp/wxl
+rm -rf /tmp/w-sdxl
 echo "done in $(($(date +%s)-T0)) s"

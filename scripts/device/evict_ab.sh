@@ -8,28 +8,23 @@
 # stage/ as for streaming_sweep.sh.
 source scripts/device/stage_module.sh >/dev/null 2>&1
 source scripts/device/ab_run.sh
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-$B copy-bw --backend CUDA0 --mib 1024 | tail -1
-$B write-weights /tmp/w15 --config sd15 >/dev/null
-W15=(--config sd15 --weights /tmp/w15/unet.safetensors)
-ab_one sd15-resident "${W15[@]}" --params device
+device_header
+bench_model sd15
 for r in $(seq ${ROUNDS-3}); do
   for f in ${SD15_BUDGETS-0.75 0.5 0.25}; do
     for e in off on; do
-      ab_one sd15-$f-evict-$e-r$r "${W15[@]}" --max-vram $f --evict-in-flight $e
+      ab_one sd15-$f-evict-$e-r$r "${W[@]}" --max-vram $f --evict-in-flight $e
     done
   done
 done
-rm -rf /tmp/w15
-$B write-weights /tmp/wxl --config sdxl >/dev/null
-WXL=(--config sdxl --weights /tmp/wxl/unet.safetensors)
-STEPS=6 ab_one sdxl-resident "${WXL[@]}" --params device
+rm -rf /tmp/w-sd15
+STEPS=6 bench_model sdxl
 for r in $(seq ${XL_ROUNDS-2}); do
   for f in ${XL_BUDGETS-0.5 0.25}; do
     for e in off on; do
-      STEPS=6 ab_one sdxl-$f-evict-$e-r$r "${WXL[@]}" --max-vram $f --evict-in-flight $e
+      STEPS=6 ab_one sdxl-$f-evict-$e-r$r "${W[@]}" --max-vram $f --evict-in-flight $e
     done
   done
 done
-rm -rf /tmp/wxl
+rm -rf /tmp/w-sdxl
 echo "done in $(($(date +%s)-T0)) s"

@@ -9,26 +9,21 @@
 # the machine. Run from the checkout root with stage/ as for streaming_sweep.sh.
 source scripts/device/stage_module.sh >/dev/null 2>&1
 source scripts/device/ab_run.sh
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-$B copy-bw --backend CUDA0 --mib 1024 | tail -1
-$B write-weights /tmp/w15 --config sd15 >/dev/null
-W15=(--config sd15 --weights /tmp/w15/unet.safetensors)
-ab_one sd15-resident "${W15[@]}" --params device
-ab_one sd15-bare "${W15[@]}" --params device --direct on
+device_header
+bench_model sd15
+ab_one sd15-bare "${W[@]}" --params device --direct on
 for r in $(seq ${ROUNDS-2}); do
   for f in ${SD15_BUDGETS-0.75 0.5 0.25}; do
-    ab_one sd15-$f-r$r "${W15[@]}" --max-vram $f
+    ab_one sd15-$f-r$r "${W[@]}" --max-vram $f
   done
 done
-DIFFUSERS="none leaf block" diffusers_sd15 /tmp/w15/unet.safetensors
-rm -rf /tmp/w15
-$B write-weights /tmp/wxl --config sdxl >/dev/null
-WXL=(--config sdxl --weights /tmp/wxl/unet.safetensors)
-STEPS=6 ab_one sdxl-resident "${WXL[@]}" --params device
+DIFFUSERS="none leaf block" diffusers_sd15 /tmp/w-sd15/unet.safetensors
+rm -rf /tmp/w-sd15
+STEPS=6 bench_model sdxl
 for f in ${XL_BUDGETS-0.5 0.25}; do
-  STEPS=6 ab_one sdxl-$f "${WXL[@]}" --max-vram $f
+  STEPS=6 ab_one sdxl-$f "${W[@]}" --max-vram $f
 done
-rm -rf /tmp/wxl
+rm -rf /tmp/w-sdxl
 for o in none leaf; do
   timeout 150 env PYTHONUNBUFFERED=1 python3 scripts/device/diffusers_unet.py /dev/null --model sdxl --offload $o --iters 10 --warmup 2 2>&1 | grep '^{' | tail -1 |
     sed "s/^{/{\"label\":\"sdxl-diffusers-$o\",/" | tee -a $OUT/results.jsonl | cut -c1-300

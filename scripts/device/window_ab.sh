@@ -8,28 +8,23 @@
 # stage/ as for streaming_sweep.sh.
 source scripts/device/stage_module.sh >/dev/null 2>&1
 source scripts/device/ab_run.sh
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-$B copy-bw --backend CUDA0 --mib 1024 | tail -1
-$B write-weights /tmp/w15 --config sd15 >/dev/null
-W15=(--config sd15 --weights /tmp/w15/unet.safetensors)
-ab_one sd15-resident "${W15[@]}" --params device
+device_header
+bench_model sd15
 for r in $(seq ${ROUNDS-2}); do
   for f in ${SD15_BUDGETS-0.75 0.5 0.25}; do
     for w in ${WINDOWS-1 2 3}; do
-      ab_one sd15-$f-w$w-r$r "${W15[@]}" --max-vram $f --stream-window $w
+      ab_one sd15-$f-w$w-r$r "${W[@]}" --max-vram $f --stream-window $w
     done
   done
 done
-rm -rf /tmp/w15
+rm -rf /tmp/w-sd15
 if [ -n "${XL_BUDGETS-0.5 0.25}" ]; then
-  $B write-weights /tmp/wxl --config sdxl >/dev/null
-  WXL=(--config sdxl --weights /tmp/wxl/unet.safetensors)
-  STEPS=6 ab_one sdxl-resident "${WXL[@]}" --params device
+  STEPS=6 bench_model sdxl
   for f in ${XL_BUDGETS-0.5 0.25}; do
     for w in ${WINDOWS-1 2 3}; do
-      STEPS=6 ab_one sdxl-$f-w$w "${WXL[@]}" --max-vram $f --stream-window $w
+      STEPS=6 ab_one sdxl-$f-w$w "${W[@]}" --max-vram $f --stream-window $w
     done
   done
-  rm -rf /tmp/wxl
+  rm -rf /tmp/w-sdxl
 fi
 echo "done in $(($(date +%s)-T0)) s"

@@ -7,8 +7,7 @@
 # root with stage/ as for streaming_sweep.sh.
 source scripts/device/stage_module.sh >/dev/null 2>&1
 source scripts/device/ab_run.sh
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-$B copy-bw --backend CUDA0 --mib 1024 | tail -1
+device_header
 sweep() {
   local tag=$1; shift
   for r in $(seq ${ROUNDS-1}); do
@@ -21,14 +20,10 @@ sweep() {
     done
   done
 }
-$B write-weights /tmp/w15 --config sd15 >/dev/null
-W15=(--config sd15 --weights /tmp/w15/unet.safetensors)
-ab_one sd15-resident "${W15[@]}" --params device
-BUDGETS=${SD15_BUDGETS-0.75 0.5} sweep sd15 "${W15[@]}"
-rm -rf /tmp/w15
-$B write-weights /tmp/wxl --config sdxl >/dev/null
-WXL=(--config sdxl --weights /tmp/wxl/unet.safetensors)
-STEPS=6 ab_one sdxl-resident "${WXL[@]}" --params device
-STEPS=6 BUDGETS=${XL_BUDGETS-0.5 0.25} sweep sdxl "${WXL[@]}"
-rm -rf /tmp/wxl
+bench_model sd15
+BUDGETS=${SD15_BUDGETS-0.75 0.5} sweep sd15 "${W[@]}"
+rm -rf /tmp/w-sd15
+STEPS=6 bench_model sdxl
+STEPS=6 BUDGETS=${XL_BUDGETS-0.5 0.25} sweep sdxl "${W[@]}"
+rm -rf /tmp/w-sdxl
 echo "done in $(($(date +%s)-T0)) s"

@@ -243,97 +243,80 @@ fn unet(w: &HashMap<String, GTensor>) -> ComputeTask {
         .with_weights(&weights)
 }
 
-/// A pre-norm transformer stack; each layer's output is a cut.
-fn transformer(w: &HashMap<String, GTensor>) -> ComputeTask {
+/// Pre-norm transformer layer `l` (attention, then a GELU feed-forward) on `h`.
+fn tf_layer(ctx: &Context, w: &HashMap<String, GTensor>, l: usize, h: &GTensor) -> GTensor {
+    let g = |n: &str| w[&format!("tf.{l}.{n}")].clone();
+    let n = ctx.norm(h, 1e-5).unwrap();
+    let q = ctx.mul_mat(&g("wq"), &n).unwrap();
+    let k = ctx.mul_mat(&g("wk"), &n).unwrap();
+    let v = ctx.mul_mat(&g("wv"), &n).unwrap();
+    let probs = ctx
+        .soft_max_ext(&ctx.mul_mat(&k, &q).unwrap(), None, 0.2)
+        .unwrap();
+    let vt = ctx.cont(&ctx.transpose(&v).unwrap()).unwrap();
+    let a = ctx
+        .mul_mat(&g("wo"), &ctx.mul_mat(&vt, &probs).unwrap())
+        .unwrap();
+    let h = ctx.add(h, &a).unwrap();
+    let f = ctx
+        .mul_mat(
+            &g("w2"),
+            &ctx.gelu(&ctx.mul_mat(&g("w1"), &ctx.norm(&h, 1e-5).unwrap()).unwrap())
+                .unwrap(),
+        )
+        .unwrap();
+    ctx.add(&h, &f).unwrap()
+}
+
+/// The transformer's `LAYERS` layers over `T` input tokens (seed `seed`) as task `name`,
+/// `mark` marking the cuts after each layer.
+fn layer_stack(
+    w: &HashMap<String, GTensor>,
+    name: &str,
+    seed: u64,
+    mut mark: impl FnMut(&mut CutMarks, usize, &GTensor),
+) -> ComputeTask {
     let ctx = Context::new_descriptors(1024, 1024, 1).unwrap();
     let x = ctx.new_tensor(DType::F32, &[D, T]).unwrap();
     x.set_name("tokens");
     let mut marks = CutMarks::new();
     let mut h = x.clone();
     for l in 0..LAYERS {
-        let g = |n: &str| w[&format!("tf.{l}.{n}")].clone();
-        let n = ctx.norm(&h, 1e-5).unwrap();
-        let q = ctx.mul_mat(&g("wq"), &n).unwrap();
-        let k = ctx.mul_mat(&g("wk"), &n).unwrap();
-        let v = ctx.mul_mat(&g("wv"), &n).unwrap();
-        let probs = ctx
-            .soft_max_ext(&ctx.mul_mat(&k, &q).unwrap(), None, 0.2)
-            .unwrap();
-        let vt = ctx.cont(&ctx.transpose(&v).unwrap()).unwrap();
-        let a = ctx
-            .mul_mat(&g("wo"), &ctx.mul_mat(&vt, &probs).unwrap())
-            .unwrap();
-        h = ctx.add(&h, &a).unwrap();
-        let f = ctx
-            .mul_mat(
-                &g("w2"),
-                &ctx.gelu(&ctx.mul_mat(&g("w1"), &ctx.norm(&h, 1e-5).unwrap()).unwrap())
-                    .unwrap(),
-            )
-            .unwrap();
-        h = ctx.add(&h, &f).unwrap();
-        marks.mark(&h, &format!("layer{l}"), "h").unwrap();
+        h = tf_layer(&ctx, w, l, &h);
+        mark(&mut marks, l, &h);
     }
     let out = ctx.scale(&h, 1.0).unwrap();
     out.set_output();
     let mut graph = Graph::new(&ctx, 1024).unwrap();
     graph.build_forward_expand(&out).unwrap();
     let weights = weights_of(w, "tf.");
-    ComputeTask::new("transformer", graph, out)
+    ComputeTask::new(name, graph, out)
         .with_marks(marks)
-        .with_input(&x, bytes_of(&rnd(D * T, 9)))
+        .with_input(&x, bytes_of(&rnd(D * T, seed)))
         .with_weights(&weights)
+}
+
+/// A pre-norm transformer stack; each layer's output is a cut.
+fn transformer(w: &HashMap<String, GTensor>) -> ComputeTask {
+    layer_stack(w, "transformer", 9, |marks, l, h| {
+        marks.mark(h, &format!("layer{l}"), "h").unwrap()
+    })
 }
 
 /// The transformer's layers as three blocks, most of the weights in the middle one: layer
 /// 0, then layers 1-4 (a fine cut after each of the first three), then layer 5.
 fn blocks(w: &HashMap<String, GTensor>) -> ComputeTask {
-    let ctx = Context::new_descriptors(1024, 1024, 1).unwrap();
-    let x = ctx.new_tensor(DType::F32, &[D, T]).unwrap();
-    x.set_name("tokens");
-    let mut marks = CutMarks::new();
-    let mut h = x.clone();
-    for l in 0..LAYERS {
-        let g = |n: &str| w[&format!("tf.{l}.{n}")].clone();
-        let n = ctx.norm(&h, 1e-5).unwrap();
-        let a = ctx
-            .mul_mat(
-                &g("wo"),
-                &ctx.mul_mat(&g("wv"), &ctx.mul_mat(&g("wq"), &n).unwrap())
-                    .unwrap(),
-            )
-            .unwrap();
-        let a = ctx.add(&a, &ctx.mul_mat(&g("wk"), &n).unwrap()).unwrap();
-        h = ctx.add(&h, &a).unwrap();
-        let f = ctx
-            .mul_mat(
-                &g("w2"),
-                &ctx.gelu(&ctx.mul_mat(&g("w1"), &ctx.norm(&h, 1e-5).unwrap()).unwrap())
-                    .unwrap(),
-            )
-            .unwrap();
-        h = ctx.add(&h, &f).unwrap();
-        match l {
-            0 => marks.mark(&h, "block0", "h").unwrap(),
-            1..=3 => {
-                marks.set_scope("block1");
-                marks
-                    .mark_fine(&h, sd_graphcut::LEVEL_LAYER, &format!("layer{l}"))
-                    .unwrap();
-            }
-            4 => marks.mark(&h, "block1", "h").unwrap(),
-            _ => marks.mark(&h, "block2", "h").unwrap(),
+    layer_stack(w, "blocks", 12, |marks, l, h| match l {
+        0 => marks.mark(h, "block0", "h").unwrap(),
+        1..=3 => {
+            marks.set_scope("block1");
+            marks
+                .mark_fine(h, sd_graphcut::LEVEL_LAYER, &format!("layer{l}"))
+                .unwrap();
         }
-    }
-    let out = ctx.scale(&h, 1.0).unwrap();
-    out.set_output();
-    let mut graph = Graph::new(&ctx, 1024).unwrap();
-    graph.build_forward_expand(&out).unwrap();
-    let weights = weights_of(w, "tf.");
-    ComputeTask::new("blocks", graph, out)
-        .with_marks(marks)
-        .with_input(&x, bytes_of(&rnd(D * T, 12)))
-        .with_weights(&weights)
+        4 => marks.mark(h, "block1", "h").unwrap(),
+        _ => marks.mark(h, "block2", "h").unwrap(),
+    })
 }
 
 /// A lopsided graph: five MLP layers on one token (most of the weights, little else) as one
