@@ -1,6 +1,6 @@
-//! The `sd-bench` binary end to end on the CPU backend: random weights written and a UNet
-//! step run through the engine (resident, and streamed under a budget), and its flag, file
-//! and module errors.
+//! The `sd-bench` binary end to end on the CPU backend and a simulated device: random
+//! weights written and a UNet step run through the runtime `sd` uses (resident, and
+//! streamed under a budget), and its flag, file and module errors.
 
 use std::process::Command;
 
@@ -30,10 +30,23 @@ fn tiny_unet_step_runs_through_the_engine() {
     );
     let weights = dir.join("unet.safetensors");
     let mut outputs = Vec::new();
+    // On the CPU and on a simulated device (the CPU's arithmetic without its own kernels),
+    // resident and streamed under a budget.
     for extra in [
-        &["--params", "device"][..],
-        &["--params", "disk", "--max-vram", "0.5"],
+        &["--backend", "CPU", "--params", "device"][..],
+        &["--backend", "CPU", "--params", "disk"],
+        &["--backend", "sim:512", "--params", "device"],
         &[
+            "--backend",
+            "sim:512",
+            "--params",
+            "disk",
+            "--max-vram",
+            "0.5",
+        ],
+        &[
+            "--backend",
+            "sim:512",
             "--params",
             "disk",
             "--max-vram",
@@ -43,15 +56,7 @@ fn tiny_unet_step_runs_through_the_engine() {
         ],
     ] {
         let out = bench()
-            .args([
-                "unet",
-                "--config",
-                "tiny",
-                "--backend",
-                "CPU",
-                "--threads",
-                "2",
-            ])
+            .args(["unet", "--config", "tiny", "--threads", "2"])
             .args(["--steps", "1", "--weights", weights.to_str().unwrap()])
             .args(extra)
             .output()
@@ -63,11 +68,16 @@ fn tiny_unet_step_runs_through_the_engine() {
         );
         let lines = json_lines(&out.stdout);
         assert_eq!(lines.len(), 1, "{lines:?}");
-        assert!(lines[0].contains("\"output_finite\":true"), "{}", lines[0]);
+        let line = &lines[0];
+        assert!(line.contains("\"output_finite\":true"), "{line}");
+        // Through the runtime `sd` uses.
+        assert!(line.contains("\"path\":\"runtime\""), "{line}");
         // The CPU backend has no copy stream, whatever the switch says; the upload wait
         // is reported apart.
-        assert!(lines[0].contains("\"copy_stream\":false"), "{}", lines[0]);
-        assert!(lines[0].contains("\"upload_wait\":"), "{}", lines[0]);
+        if extra.contains(&"CPU") {
+            assert!(line.contains("\"copy_stream\":false"), "{line}");
+        }
+        assert!(line.contains("\"upload_wait\":"), "{line}");
         // Off by default.
         let switch = if extra.contains(&"on") {
             "true"
@@ -75,16 +85,45 @@ fn tiny_unet_step_runs_through_the_engine() {
             "false"
         };
         assert!(
-            lines[0].contains(&format!("\"async_upload\":{switch}")),
-            "{}",
-            lines[0]
+            line.contains(&format!("\"async_upload\":{switch}")),
+            "{line}"
         );
-        let rms = lines[0].split("\"output_rms\":").nth(1).unwrap();
-        outputs.push(rms.split([',', '}']).next().unwrap().to_string());
+        let field = |key: &str| {
+            let v = line.split(&format!("\"{key}\":")).nth(1).unwrap();
+            v.split([',', '}']).next().unwrap().to_string()
+        };
+        // Under the budget: in segments, on a simulated device with no fault.
+        if extra.contains(&"--max-vram") {
+            assert_eq!(field("segmented"), "true", "{line}");
+            assert_eq!(field("sim_faults"), "0", "{line}");
+        }
+        outputs.push(field("output_rms"));
     }
-    // Same weights and inputs: the same output wherever the weights lived.
+    // Same weights and inputs: the same output wherever the weights lived, and on the
+    // simulated device the same whole or in segments.
     assert_eq!(outputs[0], outputs[1]);
-    assert_eq!(outputs[0], outputs[2]);
+    assert_eq!(outputs[2], outputs[3]);
+    assert_eq!(outputs[2], outputs[4]);
+    // A budget is for a device that is not the CPU.
+    let out = bench()
+        .args([
+            "unet",
+            "--config",
+            "tiny",
+            "--backend",
+            "CPU",
+            "--max-vram",
+            "0.5",
+        ])
+        .args(["--weights", weights.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("sim:MiB"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -159,22 +198,23 @@ fn bad_flags_files_and_modules_are_clear_errors() {
 }
 
 /// The DiT path of `sd-bench` (random SD3-style weights written with Stability's names,
-/// read back with their sizes from the tensors): weights on the device and in RAM under a
-/// budget give the same output (the CPU backend does not segment; the simulated-device
-/// tests cover that).
+/// read back with their sizes from the tensors): weights on a simulated device and in RAM
+/// under a budget (in segments) give the same output.
 #[test]
 fn tiny_dit_step_runs_resident_and_streamed() {
-    resident_equals_streamed("tiny-dit");
+    resident_equals_streamed("tiny-dit", "0.7");
 }
 
 /// The LLM text encoder path (`--config tiny-llm`, as `qwen25vl-7b` on a GPU): one prompt
 /// with its weights on the device and in RAM under a budget, the same output.
 #[test]
 fn tiny_llm_runs_resident_and_streamed() {
-    resident_equals_streamed("tiny-llm");
+    resident_equals_streamed("tiny-llm", "0.85");
 }
 
-fn resident_equals_streamed(config: &str) {
+/// `budget`: a fraction of the weight bytes under the whole graph's need and over its
+/// smallest segment's.
+fn resident_equals_streamed(config: &str, budget: &str) {
     let dir = std::env::temp_dir().join(format!("sd-bench-{config}-{}", std::process::id()));
     let out = bench()
         .args(["write-weights", dir.to_str().unwrap(), "--config", config])
@@ -189,10 +229,10 @@ fn resident_equals_streamed(config: &str) {
     let mut outputs = Vec::new();
     for extra in [
         &["--params", "device"][..],
-        &["--params", "ram", "--max-vram", "0.2"],
+        &["--params", "ram", "--max-vram", budget],
     ] {
         let out = bench()
-            .args(["unet", "--config", config, "--backend", "CPU"])
+            .args(["unet", "--config", config, "--backend", "sim:512"])
             .args(["--threads", "2", "--steps", "1"])
             .args(["--weights", weights.to_str().unwrap()])
             .args(extra)
@@ -211,6 +251,9 @@ fn resident_equals_streamed(config: &str) {
         let rms = lines[0].split("\"output_rms\":").nth(1).unwrap();
         outputs.push((segments, rms.split([',', '}']).next().unwrap().to_string()));
     }
-    assert_eq!(outputs[0], outputs[1]);
+    // Whole, then in segments under the budget, with the same output.
+    assert_eq!(outputs[0].0, 1, "{outputs:?}");
+    assert!(outputs[1].0 > 1, "{outputs:?}");
+    assert_eq!(outputs[0].1, outputs[1].1);
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -10,7 +10,7 @@
 //! code only builds graphs and
 //! calls [`ExecutionEngine::execute`]; the engine never knows a model.
 //!
-//! Layout: [`engine`] (sessions, `execute`, `end`), [`session`] (per-runner state),
+//! Layout: [`engine`] (sessions, `execute`, `end`), [`session`] (per-runner state), [`streaming`] (how weights stream),
 //! [`task`] (what to compute and what came out), [`workspace`] (the compute buffer),
 //! [`execution`] (the per-graph algorithm), `refine` (cut granularity), [`eviction`] (`ensure_capacity`), [`error`].
 
@@ -24,6 +24,7 @@ pub mod limit;
 mod refine;
 pub mod reserve;
 pub mod session;
+pub mod streaming;
 pub mod task;
 pub mod workspace;
 
@@ -33,5 +34,6 @@ pub use eviction::ReclaimEvent;
 pub use limit::device_limit;
 pub use reserve::{measure_runtime_reserve, RuntimeReserve};
 pub use session::{ExecutionSession, SegmentationPolicy, SessionConfig, SessionId, SplitDevice};
+pub use streaming::StreamingOptions;
 pub use task::{ComputeResult, ComputeTask, ExecTiming, PlanSummary, SegmentPlan, SegmentReport};
 pub use workspace::ComputeWorkspace;

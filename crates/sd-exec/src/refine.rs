@@ -164,7 +164,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         node_of: &HashMap<TensorId, usize>,
         limit: u64,
     ) -> Result<Prepared> {
-        let window = self.session.config.stream_window.max(1);
+        let window = self.session.config.streaming.stream_window.max(1);
         // How many of `q`'s largest segments its pool holds, up to the window (0: no
         // pool).
         let level = |this: &Self, q: &Prepared| -> usize {
@@ -181,7 +181,10 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
                 .unwrap_or(1)
         };
         let start = level(self, &p);
-        if !self.session.config.refine_for_pool || p.plan.segments.len() < 2 || start >= window {
+        if !self.session.config.streaming.refine_for_pool
+            || p.plan.segments.len() < 2
+            || start >= window
+        {
             return Ok(p);
         }
         let mut refined: Vec<(Prepared, usize)> = Vec::new();

@@ -21,8 +21,9 @@ use std::str::FromStr;
 use std::sync::Arc;
 
 use sd_exec::{
-    ComputeResult, ComputeTask, EngineOptions, ExecError, ExecutionEngine, PlanSummary,
-    SegmentReport, SegmentationPolicy, SessionConfig, SessionId, DEFAULT_PLANNING_HEADROOM,
+    ComputeResult, ComputeTask, EngineOptions, ExecError, ExecTiming, ExecutionEngine, PlanSummary,
+    SegmentReport, SegmentationPolicy, SessionConfig, SessionId, StreamingOptions,
+    DEFAULT_PLANNING_HEADROOM,
 };
 use sd_formats::files::TensorCatalog;
 
@@ -31,7 +32,7 @@ use sd_models::{ComputeOptions, GraphCtx, HostData, ModelError, ParamBuilder, Pa
 use sd_residency::capacity::{MaxVram, MaxVramError};
 use sd_residency::{
     BackendId, Component, DeviceResidencyManager, ModelManager, ParamId, ParamSpec, ResidencyError,
-    ResidencyMode, SourceId,
+    ResidencyMode, SourceId, UploadOptions,
 };
 use sd_tensor::ggml::{
     Backend, Context, Device, DeviceKind, GTensor, Graph, SimDevice, SimOptions,
@@ -184,6 +185,16 @@ pub struct RuntimeOptions {
     /// activations kept in f32, a smaller compute buffer). Off: ggml's f16 product after the
     /// im2col kernel (ggml's bits). On by default.
     pub f32_products: bool,
+    /// How every model's session streams weights under a budget (staging pool, window,
+    /// prefetch depth, segments in flight, graph reuse; `sd-bench unet`'s switches). The
+    /// default is the measured best of each.
+    pub streaming: StreamingOptions,
+    /// How weights are uploaded (pinned host copies, coalesced copies, a copy stream).
+    pub uploads: UploadOptions,
+    /// Bytes of a GPU's `--max-vram` budget left to its runtime's own allocations (context,
+    /// BLAS workspaces, kernels, ggml's pool). `None` (the default): measured after a
+    /// warm-up graph ([`sd_exec::measure_runtime_reserve`]).
+    pub runtime_reserve: Option<u64>,
 }
 
 impl Default for RuntimeOptions {
@@ -210,6 +221,9 @@ impl Default for RuntimeOptions {
             weight_type: None,
             host_kernels: true,
             f32_products: true,
+            streaming: StreamingOptions::default(),
+            uploads: UploadOptions::default(),
+            runtime_reserve: None,
         }
     }
 }
@@ -297,6 +311,10 @@ pub struct RunOutput {
     pub segmented: bool,
     /// One report per segment run.
     pub segments: Vec<SegmentReport>,
+    /// Where the execution's time went.
+    pub timing: ExecTiming,
+    /// Weight bytes uploaded to devices during the execution.
+    pub weight_upload_bytes: u64,
 }
 
 impl RunOutput {
@@ -441,6 +459,7 @@ impl Runtime {
             placed.push((d.clone(), b));
         }
         let mut mm = ModelManager::new(main);
+        mm.set_upload_options(options.uploads);
         mm.set_mmap(options.mmap);
         mm.set_segmented_compute(true);
         mm.set_prefetch(options.prefetch);
@@ -475,7 +494,25 @@ impl Runtime {
             if !primary_sim && !compute.is_cpu() {
                 // What the GPU's runtime holds for itself (context, BLAS, kernels, pools)
                 // counts against the budget too: measure it instead of guessing.
-                let r = sd_exec::measure_runtime_reserve(&compute).map_err(RuntimeError::Exec)?;
+                let r = match options.runtime_reserve {
+                    // Given: only the allocator's rounding unit is measured.
+                    Some(reserve) => {
+                        let granularity =
+                            sd_exec::reserve::measure_allocation_granularity(&compute)
+                                .map_err(RuntimeError::Exec)?;
+                        compute
+                            .buffer_type()
+                            .set_allocation_granularity(granularity);
+                        Some(sd_exec::RuntimeReserve {
+                            measured: reserve,
+                            reserve,
+                            granularity,
+                        })
+                    }
+                    None => {
+                        sd_exec::measure_runtime_reserve(&compute).map_err(RuntimeError::Exec)?
+                    }
+                };
                 if let Some(r) = r {
                     tracing::info!(
                         device = %compute.name(),
@@ -660,6 +697,7 @@ impl Runtime {
             .with_budget(budget)
             .with_segmentation(self.options.segmentation)
             .with_prefetch(self.options.prefetch)
+            .with_streaming(self.options.streaming.clone())
             // The GPU whose runtime was measured: its operator pool counts in the budget.
             .with_runtime_temporaries(device == 0 && self.runtime_reserve > 0);
         if component == Component::Diffusion && device == 0 {
@@ -745,6 +783,8 @@ impl Runtime {
             ne: result.ne,
             segmented: result.segmented,
             segments: result.segments,
+            timing: result.timing,
+            weight_upload_bytes: result.weight_upload_bytes,
         })
     }
 
@@ -931,6 +971,17 @@ impl Runtime {
             progress(done, total);
         }
         Ok(true)
+    }
+
+    /// Bytes of the compute device's `--max-vram` budget left to its runtime (measured or
+    /// [`RuntimeOptions::runtime_reserve`]; 0: none, as on the CPU or a simulated device).
+    pub fn runtime_reserve(&self) -> u64 {
+        self.runtime_reserve
+    }
+
+    /// Model `h`'s execution session in [`Runtime::engine`].
+    pub fn session_of(&self, h: ModelHandle) -> Option<SessionId> {
+        self.models.get(h.0).map(|m| m.session)
     }
 
     /// The name given to model `h`.

@@ -10,7 +10,7 @@ pub mod manager;
 pub mod residency;
 
 pub use manager::{
-    Component, LoraSpec, ModelManager, ParamInfo, ParamSpec, ResidencyMode,
+    Component, LoraSpec, ModelManager, ParamInfo, ParamSpec, ResidencyMode, UploadOptions,
     MAX_RESIDENCY_BLOCK_BYTES,
 };
 pub use residency::{

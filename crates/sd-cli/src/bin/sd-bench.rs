@@ -19,15 +19,20 @@
 //! that a module's ggml symbols resolve to the copy linked into it.
 //!
 //! `unet` runs one UNet step (the SD1.5 UNet by default: 512x512, batch 2, 77x768 context)
-//! through `sd-exec`'s [`ExecutionEngine`] over a `sd-residency` [`ModelManager`]:
+//! through `sd-pipeline`'s [`Runtime`], the path `sd` runs its models on (one execution
+//! engine over one residency manager, the model in its own session, the step's graph built
+//! at each call as a sampling loop builds it); its switches are the runtime's options
+//! ([`RuntimeOptions::streaming`], [`RuntimeOptions::uploads`],
+//! [`RuntimeOptions::runtime_reserve`]):
 //! - `--params device` (default without `--max-vram`): weights loaded once into device
 //!   memory (resident);
 //! - `--params pinned`: weights in host RAM in the device's pinned host buffer type,
 //!   streamed per segment; `--params ram`: the same in pageable host memory;
 //! - `--params disk`: weights read from the file for each use (page cache permitting).
 //!
-//! With `--max-vram` (a fraction of the weight bytes such as `0.25`, or bytes) the session
-//! has that budget and runs in segments with prefetch. Reported per run: the median step
+//! With `--max-vram` (a fraction of the weight bytes such as `0.25`, or bytes) the device
+//! has that budget (as `sd --max-vram`; not the CPU: `--backend sim:MiB` studies streaming
+//! without a GPU) and the step runs in segments with prefetch. Reported per run: the median step
 //! time, the weight bytes uploaded per step (the manager's counter), the peak device memory
 //! used as CUDA reports it (`cudaMemGetInfo` through `ggml_backend_dev_memory`, sampled
 //! every 0.2 ms from a thread, relative to the free memory before the run, and as all the
@@ -49,10 +54,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::{Parser, Subcommand, ValueEnum};
-use sd_exec::{
-    ComputeTask, EngineOptions, ExecError, ExecutionEngine, SegmentationPolicy, SessionConfig,
-    SessionId,
-};
+use sd_exec::{ExecError, StreamingOptions};
 use sd_formats::files::{FileError, TensorCatalog};
 use sd_models::diffusion::{DiffusionArch, DiffusionInputs, DiffusionNet};
 use sd_models::flux::FluxConfig;
@@ -62,8 +64,15 @@ use sd_models::qwen_image::QwenImageConfig;
 use sd_models::unet::{HeadSpec, UnetConfig};
 use sd_models::weights::DEFAULT_PARAM_CAPACITY;
 use sd_models::{ComputeOptions, GraphCtx, HostData, ModelError, ParamBuilder, Params};
-use sd_residency::{Component, ModelManager, ParamSpec, ResidencyError, ResidencyMode, SourceId};
-use sd_tensor::ggml::{Backend, BufferType, Context, Device, GTensor, GgmlError};
+use sd_pipeline::runtime::{
+    BuiltGraph, ComputeDevice, ModelHandle, ParamsLocation, RunOutput, Runtime, RuntimeError,
+    RuntimeOptions,
+};
+use sd_residency::capacity::{BudgetSpec, MaxVram};
+use sd_residency::{Component, ResidencyError, SourceId, UploadOptions};
+use sd_tensor::ggml::{
+    Backend, BufferType, Context, Device, GTensor, GgmlError, SimDevice, SimOptions,
+};
 use sd_tensor::DType;
 use serde_json::json;
 
@@ -80,6 +89,8 @@ enum BenchError {
     Model(#[from] ModelError),
     #[error(transparent)]
     Exec(#[from] ExecError),
+    #[error(transparent)]
+    Runtime(#[from] RuntimeError),
     #[error(transparent)]
     Residency(#[from] ResidencyError),
     #[error(transparent)]
@@ -286,7 +297,7 @@ struct UnetArgs {
     #[arg(long = "async-compute", value_enum, default_value = "on")]
     async_compute: OnOff,
     /// With async compute, the most segments queued and not waited for (1: wait for the
-    /// segment in flight before queueing the next; see `SessionConfig::segments_in_flight`)
+    /// segment in flight before queueing the next; see `StreamingOptions::segments_in_flight`)
     #[arg(long = "segments-in-flight", default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=64))]
     segments_in_flight: u32,
     /// Prefetch uploads queued on a copy stream of the device (a second backend, ordered
@@ -303,16 +314,16 @@ struct UnetArgs {
     #[arg(long = "resident-set", value_enum, default_value = "on")]
     resident_set: OnOff,
     /// Merged segments' weights within a quarter of the pool's room (see
-    /// `SessionConfig::pool_sized_segments`)
+    /// `StreamingOptions::pool_sized_segments`)
     #[arg(long = "pool-sized-segments", value_enum, default_value = "off")]
     pool_sized_segments: OnOff,
     /// How many segments' weights the staging pool is to hold at once (the one computing
-    /// and those prefetched behind it; see `SessionConfig::stream_window`)
+    /// and those prefetched behind it; see `StreamingOptions::stream_window`)
     #[arg(long = "stream-window", value_name = "SEGMENTS", default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=16))]
     stream_window: u32,
     /// With segments in flight, let the next segments' prefetches evict (unpinned weights)
     /// at once instead of after the segments before the current one are done (see
-    /// `SessionConfig::evict_in_flight`)
+    /// `StreamingOptions::evict_in_flight`)
     #[arg(long = "evict-in-flight", value_enum, default_value = "on")]
     evict_in_flight: OnOff,
     /// Convert the linear weights when loading (q8_0, q4_K, f16...; default: the file's)
@@ -509,11 +520,16 @@ fn declare(cfg: &BenchArch, catalog: Option<&TensorCatalog>) -> Result<(BenchNet
     if catalog.is_some() {
         pb.set_weight_type(WEIGHT_TYPE.get().copied());
     }
-    let model = match cfg {
-        BenchArch::Diffusion(d) => BenchNet::Diffusion(Box::new(DiffusionNet::new(&pb, d)?)),
-        BenchArch::Llm(c) => BenchNet::Llm(LlmModel::new(&pb, c.clone())?),
-    };
+    let model = declare_in(&pb, cfg)?;
     Ok((model, pb.finish()))
+}
+
+/// Declares the network's parameters in `pb`.
+fn declare_in(pb: &ParamBuilder<'_>, cfg: &BenchArch) -> std::result::Result<BenchNet, ModelError> {
+    Ok(match cfg {
+        BenchArch::Diffusion(d) => BenchNet::Diffusion(Box::new(DiffusionNet::new(pb, d)?)),
+        BenchArch::Llm(c) => BenchNet::Llm(LlmModel::new(pb, c.clone())?),
+    })
 }
 
 /// A deterministic uniform stream in [-1, 1).
@@ -714,149 +730,185 @@ fn f32_bytes(v: &[f32]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_le_bytes()).collect()
 }
 
-/// One UNet step wired through an engine session.
+/// One step of the benchmarked network through a [`Runtime`]: the path `sd` runs (one engine,
+/// one residency manager, the model's own session; the step's graph built again at each
+/// call, as a sampling loop builds it).
 struct Rig {
-    engine: ExecutionEngine<ModelManager>,
+    rt: Runtime,
+    model_handle: ModelHandle,
+    model: BenchNet,
     /// Matrix-product and attention FLOPs of one step, counted from the graph.
     flops: f64,
-    session: SessionId,
-    task: ComputeTask,
-    _g: GraphCtx,
-    _model: BenchNet,
-    _params: Params,
 }
 
+/// How to build a [`Rig`].
 struct RigOptions<'a> {
     cfg: &'a BenchArch,
     weights: &'a Path,
-    backend: Arc<Backend>,
+    /// The compute device (`CPU`, `sim:MiB`, or a ggml device name).
+    device: ComputeDevice,
     mode: ParamsMode,
+    /// The `--max-vram` budget in bytes (the backend runtime's reserve included).
     budget: Option<u64>,
-    /// Head widths that use flash attention (empty: none).
-    flash_attn: Vec<usize>,
+    flash_attn: FlashAttn,
     threads: usize,
-    /// Whether the session sub-allocates streamed weights from one staging pool.
-    staging_pool: bool,
-    reuse_graphs: bool,
-    /// Whether segments are queued without waiting (see `SessionConfig::async_compute`).
-    async_compute: bool,
-    /// See `SessionConfig::segments_in_flight`.
-    segments_in_flight: usize,
-    /// Segments ahead to prefetch (`None`: as far as there is room).
-    prefetch_depth: Option<u32>,
-    /// A fixed resident set under a budget.
-    resident_set: bool,
-    /// Merged segments sized by the pool.
-    pool_sized_segments: bool,
-    /// See `SessionConfig::stream_window`.
-    stream_window: usize,
-    /// See `SessionConfig::evict_in_flight`.
-    evict_in_flight: bool,
+    /// How the session streams weights under the budget.
+    streaming: StreamingOptions,
     /// Whether prefetch uploads go to the device's copy stream where it has one.
     async_upload: bool,
-    /// Bytes of the budget left to the backend runtime (0: none).
-    runtime_reserve: u64,
-    /// The graph uses this project's CPU kernels (the CPU backend computes it).
+    /// Bytes of the budget left to the backend runtime (`None`: measured, as `sd` does).
+    runtime_reserve: Option<u64>,
+    /// This project's CPU kernels where the CPU backend computes.
     host_kernels: bool,
 }
 
-fn build_rig(o: RigOptions<'_>, inputs: &Inputs) -> Result<Rig> {
+impl RigOptions<'_> {
+    /// The runtime's options (`sd`'s, with the benchmark's switches).
+    fn runtime_options(&self) -> Result<RuntimeOptions> {
+        if self.budget.is_some() && self.device == ComputeDevice::Cpu {
+            return Err(BenchError::Usage(
+                "--max-vram budgets a device that is not the CPU (for a CPU study: --backend sim:MiB)"
+                    .into(),
+            ));
+        }
+        Ok(RuntimeOptions {
+            compute: self.device.clone(),
+            params: match self.mode {
+                ParamsMode::Device => ParamsLocation::Device,
+                ParamsMode::Pinned | ParamsMode::Ram => ParamsLocation::Ram,
+                ParamsMode::Disk => ParamsLocation::Disk,
+            },
+            max_vram: self.budget.map(|b| MaxVram {
+                default: Some(BudgetSpec::Bytes(b)),
+                per_device: Vec::new(),
+            }),
+            threads: self.threads,
+            flash_attn: match self.flash_attn {
+                FlashAttn::Auto => None,
+                FlashAttn::On => Some(true),
+                FlashAttn::Off => Some(false),
+            },
+            weight_type: WEIGHT_TYPE.get().copied(),
+            host_kernels: self.host_kernels,
+            f32_products: sd_models::bench::f32_products(),
+            streaming: self.streaming.clone(),
+            uploads: UploadOptions {
+                pinned_host_params: self.mode != ParamsMode::Ram,
+                // A/B switch for the coalesced uploads (SD_BENCH_COALESCE=0: off).
+                coalesce: coalesce_uploads(),
+                copy_stream: self.async_upload,
+            },
+            runtime_reserve: self.runtime_reserve,
+            ..RuntimeOptions::default()
+        })
+    }
+}
+
+/// The runtime of a rig, before any weight is placed (its reserve measured): device memory
+/// is sampled from here on.
+fn start_runtime(o: &RigOptions<'_>) -> Result<Runtime> {
     let mut loader = TensorCatalog::new();
     loader.add_file(o.weights, None)?;
-    let (model, params) = declare(o.cfg, Some(&loader))?;
-    let mut mm = ModelManager::new(loader);
-    mm.set_device_reserve(0);
-    mm.set_segmented_compute(o.budget.is_some());
-    mm.set_prefetch(true);
-    mm.set_pinned_host_params(o.mode != ParamsMode::Ram);
-    // A/B switch for the coalesced uploads (SD_BENCH_COALESCE=0: off; default on, as the
-    // manager's default).
-    mm.set_coalesce_uploads(coalesce_uploads());
-    mm.set_async_uploads(o.async_upload);
-    let gpu = mm.add_backend(o.backend.clone())?;
-    let params_backend = match o.mode {
-        ParamsMode::Device => gpu,
-        _ => mm.add_backend(Arc::new(Backend::cpu(o.threads)?))?,
-    };
-    if let Some(dev) = o.backend.device() {
-        mm.set_device_budget(&dev, o.budget);
-    }
-    let descs: Vec<(String, GTensor)> = params
-        .tensors
-        .iter()
-        .map(|(n, t)| (n.clone(), t.clone()))
-        .collect();
-    mm.register_params(
-        ParamSpec {
-            component: Component::Diffusion,
-            mode: if o.mode == ParamsMode::Disk {
-                ResidencyMode::Disk
-            } else {
-                ResidencyMode::ParamBackend
-            },
-            params_backend,
-            compute_backend: gpu,
-            source: SourceId::MAIN,
-        },
-        &descs,
-    )?;
-    let mut engine = ExecutionEngine::new(
-        mm,
-        EngineOptions {
-            planning_headroom: 0,
-        },
-    );
-    let policy = if o.budget.is_some() {
-        SegmentationPolicy::Auto
-    } else {
-        SegmentationPolicy::Never
-    };
-    let mut config = SessionConfig::new("unet", o.backend.clone(), gpu)
-        .with_budget(o.budget)
-        .with_segmentation(policy)
-        .with_prefetch(true);
-    config.staging_pool = o.staging_pool;
-    config.reuse_graphs = o.reuse_graphs;
-    config.async_compute = o.async_compute;
-    config = config.with_segments_in_flight(o.segments_in_flight);
-    config.resident_set = o.resident_set;
-    config.pool_sized_segments = o.pool_sized_segments;
-    config = config
-        .with_stream_window(o.stream_window)
-        .with_evict_in_flight(o.evict_in_flight);
-    if let Some(d) = o.prefetch_depth {
-        config = config.with_prefetch_depth(d as usize);
-    }
-    // A budget with a runtime reserve left out also keeps room for the runtime's operator
-    // temporaries beyond the reserve's margin (as `sd` does).
-    config.runtime_temporaries = o.budget.is_some() && o.runtime_reserve > 0;
-    let session = engine.create_session(config);
-    engine.start(session)?;
+    Ok(Runtime::new(o.runtime_options()?, loader)?)
+}
 
-    let (g, graph, out, feeds) = unet_graph(&model, inputs, &o.flash_attn, o.host_kernels)?;
-    let flops = sd_models::bench::graph_flops(&graph);
-    let mut task = ComputeTask::new("unet step", graph, out)
-        .with_marks(g.marks.clone())
-        .with_weights(params.tensors.values());
-    for (t, bytes) in feeds {
-        task = task.with_input(&t, bytes);
-    }
+/// Adds the network to `rt` (its weights as the runtime places them) and counts the step's
+/// FLOPs from one graph built apart.
+fn build_rig(o: &RigOptions<'_>, mut rt: Runtime, inputs: &Inputs) -> Result<Rig> {
+    let component = match o.cfg {
+        BenchArch::Diffusion(_) => Component::Diffusion,
+        BenchArch::Llm(_) => Component::TextEncoder,
+    };
+    let (model_handle, model) = rt.add_model("unet", component, SourceId::MAIN, |pb| {
+        declare_in(pb, o.cfg)
+    })?;
+    let flops = {
+        let (_g, graph, _, _) = unet_graph(&model, inputs, &[], false)?;
+        sd_models::bench::graph_flops(&graph)
+    };
     Ok(Rig {
-        engine,
-        session,
-        task,
+        rt,
+        model_handle,
+        model,
         flops,
-        _g: g,
-        _model: model,
-        _params: params,
     })
+}
+
+impl Rig {
+    /// One step: the graph built and executed through the runtime.
+    fn step(&mut self, inputs: &Inputs) -> Result<RunOutput> {
+        let model = &self.model;
+        Ok(self.rt.run(self.model_handle, "unet step", GRAPH, |g| {
+            step_graph(g, model, inputs)
+        })?)
+    }
 }
 
 const GRAPH: usize = 32768;
 
-/// The step's graph: its context (with cut marks), the graph, the output and the input
-/// leaves with their bytes (latents, timesteps, context, `y`, guidance, and any auxiliary
-/// inputs). `on_cpu`: the CPU backend computes it (its own kernels, as `sd` uses them).
+/// Builds one step of `model` in `g`: the output and the input leaves with their data
+/// (latents, timesteps, context, `y`, guidance; token ids for the LLM).
+fn step_graph(
+    g: &mut GraphCtx,
+    model: &BenchNet,
+    inputs: &Inputs,
+) -> std::result::Result<BuiltGraph, ModelError> {
+    let ctx = g.ctx.clone();
+    let input = |name: &str, ne: &[usize]| -> std::result::Result<GTensor, ModelError> {
+        let t = ctx.new_tensor(DType::F32, ne)?;
+        t.set_name(name);
+        t.set_input();
+        Ok(t)
+    };
+    let model = match model {
+        BenchNet::Diffusion(d) => d,
+        BenchNet::Llm(llm) => {
+            let ids = ctx.new_tensor(DType::I32, &[inputs.w, inputs.b])?;
+            ids.set_name("input_ids");
+            ids.set_input();
+            let output = llm.forward(g, &ids)?;
+            return Ok(BuiltGraph {
+                output,
+                inputs: vec![(ids, HostData::I32(inputs.ids.clone()))],
+            });
+        }
+    };
+    let x = input("x", &[inputs.w, inputs.w, inputs.c, inputs.b])?;
+    let t = input("timesteps", &[inputs.b])?;
+    let c = input("context", &[inputs.d, inputs.n_ctx, inputs.b])?;
+    let y = match &inputs.y {
+        Some((n, _)) => Some(input("y", &[*n, inputs.b])?),
+        None => None,
+    };
+    let gd = match &inputs.guidance {
+        Some(_) => Some(input("guidance", &[inputs.b])?),
+        None => None,
+    };
+    let mut di = DiffusionInputs::new(&x, &t);
+    di.context = Some(&c);
+    di.y = y.as_ref();
+    di.guidance = gd.as_ref();
+    let output = model.forward(g, &di)?;
+    let mut feeds = vec![
+        (x.clone(), HostData::F32(inputs.x.clone())),
+        (t.clone(), HostData::F32(inputs.t.clone())),
+        (c.clone(), HostData::F32(inputs.ctx.clone())),
+    ];
+    if let (Some(y), Some((_, data))) = (y, &inputs.y) {
+        feeds.push((y, HostData::F32(data.clone())));
+    }
+    if let (Some(gd), Some(data)) = (gd, &inputs.guidance) {
+        feeds.push((gd, HostData::F32(data.clone())));
+    }
+    Ok(BuiltGraph {
+        output,
+        inputs: feeds,
+    })
+}
+
+/// The step's graph apart from any runtime (the direct timing, FLOP counts): its context
+/// (with cut marks), the graph, the output and the input leaves with their bytes (auxiliary
+/// inputs too). `on_cpu`: the CPU backend computes it (its own kernels, as `sd` uses them).
 #[allow(clippy::type_complexity)]
 fn unet_graph(
     model: &BenchNet,
@@ -879,73 +931,33 @@ fn unet_graph(
         },
     )?;
     g.flash_attn_head_dims = Some(flash_attn.to_vec());
-    let ctx = g.ctx.clone();
-    let input = |name: &str, ne: &[usize]| -> Result<GTensor> {
-        let t = ctx.new_tensor(DType::F32, ne)?;
-        t.set_name(name);
-        t.set_input();
-        Ok(t)
-    };
-    let model = match model {
-        BenchNet::Diffusion(d) => d,
-        BenchNet::Llm(llm) => {
-            let ids = ctx.new_tensor(DType::I32, &[inputs.w, inputs.b])?;
-            ids.set_name("input_ids");
-            ids.set_input();
-            let out = llm.forward(&mut g, &ids)?;
-            out.set_output();
-            let mut graph = sd_tensor::ggml::Graph::new(&ctx, GRAPH)?;
-            graph.build_forward_expand(&out)?;
-            let mut feeds = vec![(ids, i32_bytes(&inputs.ids))];
-            feeds.extend(aux_feeds(&g));
-            return Ok((g, graph, out, feeds));
-        }
-    };
-    let x = input("x", &[inputs.w, inputs.w, inputs.c, inputs.b])?;
-    let t = input("timesteps", &[inputs.b])?;
-    let c = input("context", &[inputs.d, inputs.n_ctx, inputs.b])?;
-    let y = match &inputs.y {
-        Some((n, _)) => Some(input("y", &[*n, inputs.b])?),
-        None => None,
-    };
-    let gd = match &inputs.guidance {
-        Some(_) => Some(input("guidance", &[inputs.b])?),
-        None => None,
-    };
-    let mut di = DiffusionInputs::new(&x, &t);
-    di.context = Some(&c);
-    di.y = y.as_ref();
-    di.guidance = gd.as_ref();
-    let out = model.forward(&mut g, &di)?;
+    let built = step_graph(&mut g, model, inputs)?;
+    let out = built.output;
     out.set_output();
-    let mut graph = sd_tensor::ggml::Graph::new(&ctx, GRAPH)?;
+    let mut graph = sd_tensor::ggml::Graph::new(&g.ctx, GRAPH)?;
     graph.build_forward_expand(&out)?;
-    let mut feeds = vec![
-        (x, f32_bytes(&inputs.x)),
-        (t, f32_bytes(&inputs.t)),
-        (c, f32_bytes(&inputs.ctx)),
-    ];
-    if let (Some(y), Some((_, data))) = (y, &inputs.y) {
-        feeds.push((y, f32_bytes(data)));
-    }
-    if let (Some(gd), Some(data)) = (gd, &inputs.guidance) {
-        feeds.push((gd, f32_bytes(data)));
-    }
+    let mut feeds: Vec<(GTensor, Vec<u8>)> = built
+        .inputs
+        .into_iter()
+        .map(|(t, d)| (t, host_bytes(&d)))
+        .collect();
     feeds.extend(aux_feeds(&g));
     Ok((g, graph, out, feeds))
+}
+
+/// Little-endian bytes of host data.
+fn host_bytes(data: &HostData) -> Vec<u8> {
+    match data {
+        HostData::F32(v) => f32_bytes(v),
+        HostData::I32(v) => i32_bytes(v),
+    }
 }
 
 /// The host-made inputs the network added to `g` (RoPE tables, masks) with their bytes.
 fn aux_feeds(g: &GraphCtx) -> Vec<(GTensor, Vec<u8>)> {
     g.aux
         .iter()
-        .map(|aux| {
-            let bytes = match &aux.data {
-                HostData::F32(v) => f32_bytes(v),
-                HostData::I32(v) => i32_bytes(v),
-            };
-            (aux.tensor.clone(), bytes)
-        })
+        .map(|aux| (aux.tensor.clone(), host_bytes(&aux.data)))
         .collect()
 }
 
@@ -991,12 +1003,6 @@ fn direct_step_ms(
         }
     }
     Ok(times)
-}
-
-impl Rig {
-    fn step(&mut self) -> Result<sd_exec::ComputeResult> {
-        Ok(self.engine.execute(self.session, &self.task)?)
-    }
 }
 
 /// The head widths of `cfg` whose `flash_attn_ext` (f32 Q, f16 K/V) `backend` runs.
@@ -1057,6 +1063,46 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
+/// The bytes of a `sim:MiB` backend name (`None`: not a simulated device).
+fn sim_bytes(name: &str) -> Result<Option<u64>> {
+    let Some(mib) = name.strip_prefix("sim:") else {
+        return Ok(None);
+    };
+    mib.parse::<u64>()
+        .ok()
+        .filter(|m| *m > 0)
+        .and_then(|m| m.checked_mul(1 << 20))
+        .map(Some)
+        .ok_or_else(|| {
+            BenchError::Usage(format!(
+                "--backend {name}: sim:<MiB> takes a positive size in MiB"
+            ))
+        })
+}
+
+/// The backend `--backend` names for `--direct on` (`sim:MiB`: a simulated device of that
+/// size, the CPU computing, its memory counted and capped) and its simulated device.
+fn direct_backend(name: &str, threads: usize) -> Result<(Arc<Backend>, Option<SimDevice>)> {
+    let sim = match sim_bytes(name)? {
+        Some(bytes) => {
+            let opts = SimOptions {
+                threads,
+                ..Default::default()
+            };
+            Some(SimDevice::new("SIM0", bytes, opts)?)
+        }
+        None => None,
+    };
+    let backend = Arc::new(match &sim {
+        Some(s) => s.backend()?,
+        None => Backend::by_name(name)?,
+    });
+    if backend.is_cpu() {
+        backend.set_threads(threads);
+    }
+    Ok((backend, sim))
+}
+
 fn cmd_unet(a: &UnetArgs) -> Result<()> {
     let weights = a.weights.clone();
     let backend_name = a.backend.as_str();
@@ -1071,39 +1117,11 @@ fn cmd_unet(a: &UnetArgs) -> Result<()> {
     let threads: usize = a.threads;
     // `sim:MiB`: a simulated device of that size (the CPU computes; its memory is counted
     // and capped, uploads queued on a copy stream), to study streaming without a GPU.
-    let sim = match backend_name.strip_prefix("sim:") {
-        Some(mib) => {
-            let bytes = mib
-                .parse::<u64>()
-                .ok()
-                .filter(|m| *m > 0)
-                .and_then(|m| m.checked_mul(1 << 20))
-                .ok_or_else(|| {
-                    BenchError::Usage(format!(
-                        "--backend {backend_name}: sim:<MiB> takes a positive size in MiB"
-                    ))
-                })?;
-            let opts = sd_tensor::ggml::SimOptions {
-                threads,
-                async_transfers: true,
-                // As CUDA rounds its allocations.
-                allocation_granularity: 2 << 20,
-                ..Default::default()
-            };
-            Some(sd_tensor::ggml::SimDevice::new("SIM0", bytes, opts)?)
-        }
-        None => None,
+    let device = match sim_bytes(backend_name)? {
+        Some(bytes) => ComputeDevice::Sim { bytes },
+        None if backend_name.eq_ignore_ascii_case("cpu") => ComputeDevice::Cpu,
+        None => ComputeDevice::Named(backend_name.to_string()),
     };
-    let backend = Arc::new(match &sim {
-        Some(s) => s.backend()?,
-        None => Backend::by_name(backend_name)?,
-    });
-    if backend.is_cpu() {
-        backend.set_threads(threads);
-    }
-    let device = backend
-        .device()
-        .ok_or_else(|| BenchError::Usage(format!("backend {backend_name} has no device")))?;
     let weight_bytes = {
         let mut l = TensorCatalog::new();
         l.add_file(&weights, None)?;
@@ -1125,12 +1143,6 @@ fn cmd_unet(a: &UnetArgs) -> Result<()> {
             "--params device keeps every weight on the device: it takes no --max-vram".into(),
         ));
     }
-    let flash_attn = match a.flash_attn {
-        FlashAttn::On => all_head_dims(&cfg)?,
-        FlashAttn::Off => Vec::new(),
-        FlashAttn::Auto => flash_attn_dims(&backend, &cfg)?,
-    };
-    let host_kernels = a.host_kernels == OnOff::On && backend.is_cpu();
     let (w, b, n_ctx) = match a.config {
         ConfigName::Sd15 => (64, 2, 77),
         ConfigName::Sdxl => (128, 2, 77),
@@ -1146,6 +1158,13 @@ fn cmd_unet(a: &UnetArgs) -> Result<()> {
     let inputs = Inputs::new(&cfg, w, b, n_ctx);
 
     if a.direct == OnOff::On {
+        let (backend, _sim) = direct_backend(backend_name, threads)?;
+        let flash_attn = match a.flash_attn {
+            FlashAttn::On => all_head_dims(&cfg)?,
+            FlashAttn::Off => Vec::new(),
+            FlashAttn::Auto => flash_attn_dims(&backend, &cfg)?,
+        };
+        let host_kernels = a.host_kernels == OnOff::On && backend.is_cpu();
         let times = direct_step_ms(
             &cfg,
             &weights,
@@ -1163,66 +1182,65 @@ fn cmd_unet(a: &UnetArgs) -> Result<()> {
         );
         return Ok(());
     }
-    // The engine's budget leaves `--runtime-reserve` bytes of the --max-vram budget to the
-    // backend's own allocations it does not see (CUDA: context, cuBLAS workspaces, loaded
-    // kernels, ggml's temporary pool); by default measured as `sd` measures it.
-    // The device allocator's rounding unit is measured (and recorded for the engine) with
-    // the reserve, or alone when the reserve is given.
-    let (reserve, granularity): (u64, u64) = match a.runtime_reserve {
-        Some(r) if budget.is_some() => {
-            let g = sd_exec::reserve::measure_allocation_granularity(&backend)?;
-            backend.buffer_type().set_allocation_granularity(g);
-            (r, g)
-        }
-        Some(r) => (r, 1),
-        None if budget.is_some() => sd_exec::measure_runtime_reserve(&backend)?
-            .map_or((0, 1), |r| (r.reserve, r.granularity)),
-        None => (0, 1),
+    let streaming = StreamingOptions {
+        staging_pool: a.staging_pool == OnOff::On,
+        reuse_graphs: a.reuse_graphs == OnOff::On,
+        async_compute: a.async_compute == OnOff::On,
+        segments_in_flight: a.segments_in_flight as usize,
+        prefetch_depth: a.prefetch_depth.map_or(usize::MAX, |d| d as usize),
+        resident_set: a.resident_set == OnOff::On,
+        pool_sized_segments: a.pool_sized_segments == OnOff::On,
+        stream_window: a.stream_window as usize,
+        evict_in_flight: a.evict_in_flight == OnOff::On,
+        ..StreamingOptions::default()
     };
-    let engine_budget = budget.map(|b| b.saturating_sub(reserve));
-
-    let free_before = device.memory().free;
-    let sampler = PeakSampler::start(device);
+    let options = RigOptions {
+        cfg: &cfg,
+        weights: &weights,
+        device,
+        mode,
+        budget,
+        flash_attn: a.flash_attn,
+        threads,
+        streaming,
+        async_upload: a.async_upload == OnOff::On,
+        runtime_reserve: a.runtime_reserve,
+        host_kernels: a.host_kernels == OnOff::On,
+    };
+    // The runtime measures its backend's own memory (the reserve left out of the budget)
+    // before anything of the model is placed; device memory is sampled from then on.
+    let rt = start_runtime(&options)?;
+    let backend = rt.compute_backend().clone();
+    let dev = rt
+        .compute_device()
+        .ok_or_else(|| BenchError::Usage(format!("backend {backend_name} has no device")))?;
+    let reserve = rt.runtime_reserve();
+    let granularity = backend.buffer_type().allocation_granularity();
+    let flash_attn = if rt.flash_attention() {
+        flash_attn_dims(&backend, &cfg)?
+    } else {
+        Vec::new()
+    };
+    let host_kernels = options.host_kernels && backend.is_cpu();
+    let free_before = dev.memory().free;
+    let sampler = PeakSampler::start(dev);
     let t_setup = Instant::now();
-    let mut rig = build_rig(
-        RigOptions {
-            cfg: &cfg,
-            weights: &weights,
-            backend: backend.clone(),
-            mode,
-            budget: engine_budget,
-            flash_attn: flash_attn.clone(),
-            threads,
-            staging_pool: a.staging_pool == OnOff::On,
-            reuse_graphs: a.reuse_graphs == OnOff::On,
-            async_compute: a.async_compute == OnOff::On,
-            segments_in_flight: a.segments_in_flight as usize,
-            prefetch_depth: a.prefetch_depth,
-            resident_set: a.resident_set == OnOff::On,
-            pool_sized_segments: a.pool_sized_segments == OnOff::On,
-            stream_window: a.stream_window as usize,
-            evict_in_flight: a.evict_in_flight == OnOff::On,
-            async_upload: a.async_upload == OnOff::On,
-            runtime_reserve: reserve,
-            host_kernels,
-        },
-        &inputs,
-    )?;
-    let first = rig.step()?;
+    let mut rig = build_rig(&options, rt, &inputs)?;
+    let first = rig.step(&inputs)?;
     let setup_s = t_setup.elapsed().as_secs_f64();
-    rig.step()?;
-    let up0 = rig.engine.manager().upload_bytes();
-    let sim0 = sim.as_ref().map(|s| s.stats());
+    rig.step(&inputs)?;
+    let up0 = rig.rt.engine().manager().upload_bytes();
+    let sim0 = rig.rt.sim_device().map(|s| s.stats());
     let mut times = Vec::with_capacity(steps);
     let mut last = first.clone();
     for _ in 0..steps {
         let t0 = Instant::now();
-        last = rig.step()?;
+        last = rig.step(&inputs)?;
         times.push(t0.elapsed().as_secs_f64());
     }
-    let uploaded = rig.engine.manager().upload_bytes() - up0;
+    let uploaded = rig.rt.engine().manager().upload_bytes() - up0;
     // The simulated device's buffer allocations and frees per timed step.
-    let sim_churn = sim.as_ref().zip(sim0).map(|(s, s0)| {
+    let sim_churn = rig.rt.sim_device().zip(sim0).map(|(s, s0)| {
         let s1 = s.stats();
         (
             (s1.allocations - s0.allocations) as f64 / steps as f64,
@@ -1230,14 +1248,24 @@ fn cmd_unet(a: &UnetArgs) -> Result<()> {
             (s1.frees_in_flight - s0.frees_in_flight) as f64 / steps as f64,
         )
     });
-    let backend_id = rig.engine.session(rig.session).map(|s| s.backend_id());
-    let copy_stream = backend_id.is_some_and(|id| rig.engine.manager_mut().uploads_async(id));
+    let sim_faults = rig.rt.sim_device().map(|s| s.stats().faults);
+    let session = rig.rt.session_of(rig.model_handle);
+    let backend_id = session.and_then(|id| rig.rt.engine().session(id).map(|s| s.backend_id()));
+    let copy_stream =
+        backend_id.is_some_and(|id| rig.rt.engine_mut().manager_mut().uploads_async(id));
+    let staging_pool_bytes = backend_id.and_then(|id| {
+        rig.rt
+            .engine()
+            .manager()
+            .staging_pool_bytes(id)
+            .map(|p| p.0)
+    });
     let peak_used = free_before.saturating_sub(sampler.min_free());
     // Everything in use on the device at the peak, the runtime's context included (what a
     // --max-vram budget counts; other processes' memory too, if any).
-    let device_used_peak = device.memory().total.saturating_sub(sampler.min_free());
+    let device_used_peak = dev.memory().total.saturating_sub(sampler.min_free());
     drop(sampler);
-    let out = last.output_f32().unwrap_or_default();
+    let out = &last.data;
     let finite = out.iter().all(|v| v.is_finite());
     let max_footprint = last
         .segments
@@ -1252,22 +1280,26 @@ fn cmd_unet(a: &UnetArgs) -> Result<()> {
             ("x.f32", &inputs.x),
             ("t.f32", &inputs.t),
             ("ctx.f32", &inputs.ctx),
-            ("out.f32", &out),
+            ("out.f32", out),
         ] {
             let p = dir.join(name);
             std::fs::write(&p, f32_bytes(v)).map_err(io_err(&p))?;
         }
     }
-    let first_out = first.output_f32().unwrap_or_default();
-    let repeat_diff = first_out
+    let repeat_diff = first
+        .data
         .iter()
-        .zip(&out)
+        .zip(out)
         .map(|(a, b)| (a - b).abs())
         .fold(0.0f32, f32::max);
+    let timing = &last.timing;
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
     println!(
         "{}",
         json!({
             "cmd": "unet",
+            // The step runs through sd-pipeline's Runtime, as `sd` runs its models.
+            "path": "runtime",
             "backend": backend.name(),
             "params": mode.name(),
             "budget_bytes": budget,
@@ -1302,7 +1334,7 @@ fn cmd_unet(a: &UnetArgs) -> Result<()> {
             "segments_overlapped": last.segments.iter().filter(|s| s.overlapped).count(),
             "segments_queued_behind": last.segments.iter().filter(|s| s.queued_behind > 0).count(),
             // The simulated device's faults (accesses a GPU would let race or fail; 0 in a correct run).
-            "sim_faults": sim.as_ref().map(|s| s.stats().faults),
+            "sim_faults": sim_faults,
             "sim_allocations_per_step": sim_churn.map(|c| c.0),
             "sim_frees_per_step": sim_churn.map(|c| c.1),
             "sim_frees_in_flight_per_step": sim_churn.map(|c| c.2),
@@ -1312,26 +1344,23 @@ fn cmd_unet(a: &UnetArgs) -> Result<()> {
             "output_finite": finite,
             "output_rms": (out.iter().map(|v| (*v as f64).powi(2)).sum::<f64>() / out.len().max(1) as f64).sqrt(),
             "max_abs_diff_first_vs_last": repeat_diff,
-            // Where the last step's time went (the engine's ExecTiming).
+            // Where the last step's time went (the engine's ExecTiming; the graph's build
+            // before the engine is outside it, in the step time).
             "last_step_timing_ms": {
-                "plan": last.timing.plan.as_secs_f64() * 1e3,
-                "capacity": last.timing.capacity.as_secs_f64() * 1e3,
-                "staging": last.timing.staging.as_secs_f64() * 1e3,
-                "wait": last.timing.wait.as_secs_f64() * 1e3,
-                "prefetch": last.timing.prefetch.as_secs_f64() * 1e3,
-                "upload_wait": last.timing.upload_wait.as_secs_f64() * 1e3,
-                "build": last.timing.build.as_secs_f64() * 1e3,
-                "allocate": last.timing.allocate.as_secs_f64() * 1e3,
-                "compute": last.timing.compute.as_secs_f64() * 1e3,
-                "compute_wait": last.timing.compute_wait.as_secs_f64() * 1e3,
-                "overhead": last.timing.overhead.as_secs_f64() * 1e3,
-                "total": last.timing.total.as_secs_f64() * 1e3,
+                "plan": ms(timing.plan),
+                "capacity": ms(timing.capacity),
+                "staging": ms(timing.staging),
+                "wait": ms(timing.wait),
+                "prefetch": ms(timing.prefetch),
+                "upload_wait": ms(timing.upload_wait),
+                "build": ms(timing.build),
+                "allocate": ms(timing.allocate),
+                "compute": ms(timing.compute),
+                "compute_wait": ms(timing.compute_wait),
+                "overhead": ms(timing.overhead),
+                "total": ms(timing.total),
             },
-            "staging_pool_bytes": rig
-                .engine
-                .session(rig.session)
-                .and_then(|s| rig.engine.manager().staging_pool_bytes(s.backend_id()))
-                .map(|p| p.0),
+            "staging_pool_bytes": staging_pool_bytes,
         })
     );
     Ok(())
@@ -1358,83 +1387,78 @@ fn cmd_check(name: &str, threads: usize) -> Result<()> {
     let weights = dir.join("unet.safetensors");
     let weight_bytes = write_weights(&cfg, &weights, 5)?;
     let inputs = Inputs::new(&cfg, 16, 2, 8);
-    let run = |backend: Arc<Backend>,
+    let run = |device: ComputeDevice,
                mode,
                budget,
-               flash_attn: &Vec<usize>,
+               flash_attn: FlashAttn,
                async_upload: bool|
      -> Result<Vec<f32>> {
-        let host_kernels = backend.is_cpu();
-        let mut rig = build_rig(
-            RigOptions {
-                cfg: &cfg,
-                weights: &weights,
-                backend,
-                mode,
-                budget,
-                flash_attn: flash_attn.clone(),
-                threads,
-                staging_pool: true,
-                reuse_graphs: true,
-                async_compute: true,
-                segments_in_flight: 2,
-                prefetch_depth: None,
-                resident_set: true,
-                pool_sized_segments: false,
-                stream_window: 3,
-                evict_in_flight: true,
-                async_upload,
-                runtime_reserve: 0,
-                host_kernels,
-            },
-            &inputs,
-        )?;
-        let r = rig.step()?;
-        r.output_f32()
-            .ok_or_else(|| BenchError::Check("output is not f32".into()))
+        let options = RigOptions {
+            cfg: &cfg,
+            weights: &weights,
+            device,
+            mode,
+            budget,
+            flash_attn,
+            threads,
+            streaming: StreamingOptions::default(),
+            async_upload,
+            // The tiny UNet's budget is all the engine's.
+            runtime_reserve: Some(0),
+            host_kernels: true,
+        };
+        let rt = start_runtime(&options)?;
+        let mut rig = build_rig(&options, rt, &inputs)?;
+        Ok(rig.step(&inputs)?.data)
     };
-    let cpu = Arc::new(Backend::cpu(threads)?);
-    let dev = Arc::new(Backend::by_name(name)?);
-    let none = Vec::new();
-    let reference = run(cpu.clone(), ParamsMode::Device, None, &none, true)?;
+    let dev = Backend::by_name(name)?;
+    let device = ComputeDevice::Named(name.to_string());
+    let off = FlashAttn::Off;
+    let reference = run(ComputeDevice::Cpu, ParamsMode::Device, None, off, true)?;
     let fa = flash_attn_dims(&dev, &cfg)?;
-    let reference_fa = run(cpu, ParamsMode::Device, None, &fa, true)?;
+    let on = if fa.is_empty() {
+        FlashAttn::Off
+    } else {
+        FlashAttn::On
+    };
+    let reference_fa = run(ComputeDevice::Cpu, ParamsMode::Device, None, on, true)?;
     let half = Some(weight_bytes / 2);
     let mut cases = vec![
-        ("resident", ParamsMode::Device, None, &none, true),
-        ("pinned, budget 1/2", ParamsMode::Pinned, half, &none, true),
+        ("resident", ParamsMode::Device, None, off, true),
+        ("pinned, budget 1/2", ParamsMode::Pinned, half, off, true),
         (
             "pinned, budget 1/2, synchronous uploads",
             ParamsMode::Pinned,
             half,
-            &none,
+            off,
             false,
         ),
-        ("ram, budget 1/2", ParamsMode::Ram, half, &none, true),
-        ("disk, budget 1/2", ParamsMode::Disk, half, &none, true),
+        ("ram, budget 1/2", ParamsMode::Ram, half, off, true),
+        ("disk, budget 1/2", ParamsMode::Disk, half, off, true),
     ];
     if !fa.is_empty() {
         cases.push((
             "resident, flash attention",
             ParamsMode::Device,
             None,
-            &fa,
+            on,
             true,
         ));
         cases.push((
             "pinned, budget 1/2, flash attention",
             ParamsMode::Pinned,
             half,
-            &fa,
+            on,
             true,
         ));
     }
+    drop(dev);
     let mut worst = 0.0f64;
     for (label, mode, budget, flash, async_upload) in cases {
-        let out = run(dev.clone(), mode, budget, flash, async_upload)?;
+        let out = run(device.clone(), mode, budget, flash, async_upload)?;
         let err = rel_l2(
             &out,
-            if flash.is_empty() {
+            if flash == FlashAttn::Off {
                 &reference
             } else {
                 &reference_fa
@@ -1443,7 +1467,7 @@ fn cmd_check(name: &str, threads: usize) -> Result<()> {
         worst = worst.max(err);
         println!(
             "{}",
-            json!({"cmd": "check", "backend": dev.name(), "case": label, "rel_l2_vs_cpu": err,
+            json!({"cmd": "check", "backend": name, "case": label, "rel_l2_vs_cpu": err,
                    "elements": out.len()})
         );
     }
@@ -1456,7 +1480,7 @@ fn cmd_check(name: &str, threads: usize) -> Result<()> {
     }
     println!(
         "{}",
-        json!({"cmd": "check", "backend": dev.name(), "ok": true, "worst_rel_l2": worst,
+        json!({"cmd": "check", "backend": name, "ok": true, "worst_rel_l2": worst,
                "flash_attn_head_dims": fa})
     );
     Ok(())

@@ -240,14 +240,14 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         fine: Prepared,
     ) -> Result<Prepared> {
         let cfg = &self.session.config;
-        if !cfg.merge_segments || cfg.segmentation == SegmentationPolicy::Always {
+        if !cfg.streaming.merge_segments || cfg.segmentation == SegmentationPolicy::Always {
             return Ok(fine);
         }
         let Some(limit) = self.segment_limit() else {
             return Ok(fine);
         };
         let target = limit / 3;
-        let weight_cap = if cfg.staging_pool && cfg.pool_sized_segments {
+        let weight_cap = if cfg.streaming.staging_pool && cfg.streaming.pool_sized_segments {
             let nonweight = (0..fine.plan.segments.len())
                 .map(|k| {
                     crate::refine::segment_need(&fine, k)
@@ -264,8 +264,8 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         // [`SessionConfig::stream_window`](crate::SessionConfig::stream_window)).
         let pooled = self.staging_pool_size(&fine, true);
         let weight_cap = weight_cap.min(pooled.map_or(u64::MAX, |p| {
-            if cfg.stream_window > 1 {
-                super::pool::window_share(p, cfg.stream_window)
+            if cfg.streaming.stream_window > 1 {
+                super::pool::window_share(p, cfg.streaming.stream_window)
             } else {
                 p
             }

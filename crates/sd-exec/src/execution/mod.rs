@@ -166,7 +166,7 @@ fn group_by_usage(segment_params: &[Vec<ParamId>]) -> Vec<Vec<Vec<ParamId>>> {
 /// instead, which its kept graphs take back (`CutCache::rebind_output`). The engine asks
 /// the same of a finished execution (its segment count).
 pub(crate) fn reuses_graphs(segments: usize, config: &SessionConfig) -> bool {
-    segments == 1 && config.reuse_graphs
+    segments == 1 && config.streaming.reuse_graphs
 }
 
 impl<M: DeviceResidencyManager> Exec<'_, M> {
@@ -279,7 +279,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         // segment in flight keeps its weights pinned, so no memory freed for an upload is
         // read by it.
         let async_compute = segmented
-            && self.session.config.async_compute
+            && self.session.config.streaming.async_compute
             && self.session.slots.len() == 1
             && self.session.slots[0].backend.supports_events();
         self.manager.set_uploads_wait_for_compute(!async_compute);
@@ -615,7 +615,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
             };
             let mut done = r?;
             unpinned?;
-            if self.session.config.reuse_graphs {
+            if self.session.config.streaming.reuse_graphs {
                 let direct = std::mem::take(&mut done.direct);
                 self.session.slots[d]
                     .workspace
@@ -725,7 +725,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         let slot = &mut self.session.slots[d];
         let mut reused = false;
         let t = Instant::now();
-        if self.session.config.reuse_graphs {
+        if self.session.config.streaming.reuse_graphs {
             if let Some(before) = slot.workspace.take_reusable(plan.fingerprint, k) {
                 let cache = &mut slot.cut_cache;
                 reused = match slot.workspace.current() {
@@ -793,7 +793,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         // are pinned: one that would evict waits until they are done, to evict what it
         // would have without them).
         let overlapped = in_flight.as_deref().is_some_and(|q| !q.is_empty());
-        let mode = match (overlapped, self.session.config.evict_in_flight) {
+        let mode = match (overlapped, self.session.config.streaming.evict_in_flight) {
             (false, _) => RoomMode::Evict,
             (true, false) => RoomMode::AsIs,
             (true, true) => RoomMode::EvictOrLater,
@@ -822,7 +822,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         let queue =
             in_flight.is_some() && stores.is_empty() && sg.uploads_queue(inputs, &slot.backend);
         let depth = if queue {
-            self.session.config.segments_in_flight.max(1)
+            self.session.config.streaming.segments_in_flight.max(1)
         } else {
             1
         };
@@ -961,7 +961,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         timing: &mut ExecTiming,
     ) -> bool {
         let t = Instant::now();
-        let depth = self.session.config.prefetch_depth.max(1);
+        let depth = self.session.config.streaming.prefetch_depth.max(1);
         let last = k.saturating_add(depth).min(p.plan.segments.len() - 1);
         let first = queued.back().map_or(k, |(t, _)| *t) + 1;
         let mut scheduled = 0;

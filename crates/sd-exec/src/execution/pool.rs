@@ -34,7 +34,10 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
     /// `None` where no pool is used.
     pub(crate) fn staging_pool_room(&self, p: &Prepared, segmented: bool) -> Option<(u64, u64)> {
         let cfg = &self.session.config;
-        if !segmented || !cfg.staging_pool || self.session.is_layer_split() || cfg.backend.is_cpu()
+        if !segmented
+            || !cfg.streaming.staging_pool
+            || self.session.is_layer_split()
+            || cfg.backend.is_cpu()
         {
             return None;
         }
@@ -173,7 +176,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
     pub(crate) fn resident_set(&self, p: &Prepared) -> HashSet<ParamId> {
         let cfg = &self.session.config;
         let n = p.plan.segments.len();
-        if !cfg.resident_set || self.session.is_layer_split() || n < 2 {
+        if !cfg.streaming.resident_set || self.session.is_layer_split() || n < 2 {
             return HashSet::new();
         }
         let Some((owner, pool)) = self.manager.staging_pool(cfg.backend_id) else {
@@ -183,7 +186,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
             return HashSet::new();
         }
         let usable = pool_usable(pool);
-        let window = cfg.stream_window.max(2) as u64;
+        let window = cfg.streaming.stream_window.max(2) as u64;
         let w = &p.segment_weight_bytes;
         // Resident bytes when every segment streams at most `m` (shared weights counted
         // once per segment: an upper bound).

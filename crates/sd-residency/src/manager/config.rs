@@ -3,7 +3,37 @@
 
 use super::*;
 
+/// How weights go to their compute device: the three upload switches of a
+/// [`ModelManager`] in one value (`sd_pipeline`'s `RuntimeOptions` carries one; see
+/// [`ModelManager::set_upload_options`]). The default is the manager's.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct UploadOptions {
+    /// See [`ModelManager::set_pinned_host_params`] (default on).
+    pub pinned_host_params: bool,
+    /// See [`ModelManager::set_coalesce_uploads`] (default on).
+    pub coalesce: bool,
+    /// See [`ModelManager::set_async_uploads`] (default off).
+    pub copy_stream: bool,
+}
+
+impl Default for UploadOptions {
+    fn default() -> Self {
+        UploadOptions {
+            pinned_host_params: true,
+            coalesce: true,
+            copy_stream: false,
+        }
+    }
+}
+
 impl ModelManager {
+    /// Sets the three upload switches of `options`.
+    pub fn set_upload_options(&mut self, options: UploadOptions) {
+        self.set_pinned_host_params(options.pinned_host_params);
+        self.set_coalesce_uploads(options.coalesce);
+        self.set_async_uploads(options.copy_stream);
+    }
+
     /// Registers a backend the manager may place weights on or compute with.
     pub fn add_backend(&mut self, backend: Arc<Backend>) -> Result<BackendId> {
         let device = backend.device().ok_or_else(|| ResidencyError::BadTensor {

@@ -59,6 +59,7 @@ use std::sync::Arc;
 use sd_tensor::ggml::{Backend, Buffer, CopyStream, Device, DeviceKind, GTensor, TensorId};
 
 pub use blocks::MAX_RESIDENCY_BLOCK_BYTES;
+pub use config::UploadOptions;
 pub use lora::LoraSpec;
 pub use state::{Component, ParamSpec, ResidencyMode};
 

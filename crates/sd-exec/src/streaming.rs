@@ -1,0 +1,118 @@
+//! [`StreamingOptions`]: how a session streams weights through a budget, one struct that
+//! the engine's sessions, the runtime's options and the benchmark share.
+
+/// How a session streams weights under a budget (part of
+/// [`SessionConfig`](crate::SessionConfig); `sd_pipeline`'s `RuntimeOptions` carries one for
+/// every session it creates). The defaults are the measured best of each switch.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StreamingOptions {
+    /// How many segments ahead weights may be prefetched (at least 1: the next segment).
+    /// Prefetches are queued in segment order while the budget has room for them next to
+    /// every segment in between (whose weights they never evict); a deep queue keeps the
+    /// link busy through segments with much weight and little compute. Default: no limit
+    /// but room ([`usize::MAX`]).
+    pub prefetch_depth: usize,
+    /// Whether a segmented run with a staging pool keeps a fixed set of segments' weights
+    /// on the device from step to step and streams the others through the rest of the
+    /// pool (see the engine's `resident_set`); off: every weight is evictable, the one
+    /// used longest ago first. Default: on.
+    pub resident_set: bool,
+    /// Whether automatic segmentation, merging cut groups under a limit with a staging
+    /// pool, also keeps each merged segment's weights within a quarter of the room for
+    /// weights, so that the resident set's streaming window fits (smaller segments, more of
+    /// them). Default: off: on an H100 it streamed 0.05-0.1 GB a step less for SD1.5 at
+    /// 0.75 and 0.5 of the weights but took as long or longer (more segments, more host
+    /// work each), and left SDXL's segments as they were (`sd-bench --pool-sized-segments`).
+    pub pool_sized_segments: bool,
+    /// Whether automatic segmentation may run consecutive cut groups as one segment while
+    /// a segment stays within a third of the budget (fewer, larger segments: less
+    /// per-segment overhead, with room left for the prefetched next segment and a resident
+    /// set). [`SegmentationPolicy::Always`](crate::SegmentationPolicy::Always) never merges.
+    pub merge_segments: bool,
+    /// Whether a segmented run under a limit stages its weights in a staging pool: one
+    /// device buffer allocated once (and kept from step to step) from which each segment's
+    /// weight copies are sub-allocated, instead of a device allocation per staged group
+    /// (see [`sd_residency::DeviceResidencyManager::set_staging_pool`]). Default: on.
+    pub staging_pool: bool,
+    /// Whether a segmented plan whose segments all fit the limit but leave a staging pool
+    /// too little room for the largest segment's weights is refined further (finer cuts
+    /// inside the segments whose weights exceed that room) so that the pool is used: without
+    /// it every streamed segment allocates and frees device buffers inside every step.
+    /// Default: on (SD1.5 at 64x64 latents under a quarter of its weights: 11 device
+    /// allocations a step instead of 81 on the simulated device, and 8-17% faster steps
+    /// on an H200 and an H100, docs/benchmarks.md).
+    pub refine_for_pool: bool,
+    /// How many segments' streamed weights a staging pool is to hold at once: the segment
+    /// computing, the one queued behind it and the one whose prefetch runs meanwhile. With
+    /// [`refine_for_pool`](StreamingOptions::refine_for_pool) a plan whose pool holds fewer of its
+    /// largest segments is refined (finer cuts inside the segments over the pool's share of
+    /// one) while every segment fits; merging keeps merged segments within that share; the
+    /// resident set leaves a window of this many streamed segments (at least 2). At 1 the
+    /// pool need only hold the largest segment, and a segment whose weights fill more than
+    /// half of it cannot be prefetched while the one before it computes. Default: 3: on an
+    /// H100 (`sd-bench unet --stream-window 1|2|3`, docs/benchmarks.md), SDXL at half its
+    /// weights 240 ms a step against 301 ms at 1 (6 of 14 segments staged synchronously
+    /// there, 2 of 24 here), SD1.5 at 0.75 / 0.5 of its weights 4-10% faster than at 1 and
+    /// 2, SDXL at a quarter 6% faster.
+    pub stream_window: usize,
+    /// Whether each segment's ggml graph (a graph run whole: its one segment) is kept in
+    /// the workspace for the next execution of the same plan (the next step of a sampling
+    /// loop), which runs it again as it is when nothing it is bound to changed: nothing
+    /// built or allocated, its outputs computed into the same cut-cache entries, views of
+    /// weights that moved pointed at their new place, and the same graph for the backend
+    /// (ggml's CUDA backend replays it as a CUDA graph when nothing moved). Every kept
+    /// graph is laid out in the one workspace buffer; they all go when it grows or is
+    /// released, or when another plan runs. A graph run whole also keeps its output
+    /// entries. Default: on.
+    pub reuse_graphs: bool,
+    /// Whether a segmented run queues each segment's compute and prepares the next
+    /// segment on the host while it runs (capacity, staging, building, allocating,
+    /// prefetch scheduling), waiting for it only before queueing the next one, on devices
+    /// whose backend queues work (events and queued copies: a GPU; the CPU backend computes
+    /// at the call either way). The segment in flight keeps its weights pinned and its cut
+    /// inputs cached until it is done; anything that would free or overwrite memory it
+    /// uses waits for it first. Not with layer split. Default: on: budgeted SD1.5 and SDXL
+    /// UNet steps on an H100 were 3-6% faster in each interleaved pair
+    /// (`sd-bench unet --async-compute on|off`, docs/benchmarks.md).
+    pub async_compute: bool,
+    /// With [`async_compute`](StreamingOptions::async_compute), the most segments queued on the device
+    /// and not waited for: at 1 the host waits for the segment in flight before queueing the
+    /// next one (its inputs are written after it is done); at 2 or more the next segment's
+    /// inputs are written in the device's queue behind it and the segment queued at once,
+    /// so that the device always has work queued while the host prepares the one after
+    /// (each segment in flight keeps its weights pinned until it is done). Default: 2: SDXL
+    /// UNet steps on an H100 under 0.25 / 0.5 of the weights were 26% / 4% faster than with
+    /// 1 in the same call, SD1.5 steps within the rounds' spread (`sd-bench unet
+    /// --segments-in-flight 1|2`, docs/benchmarks.md).
+    pub segments_in_flight: usize,
+    /// With segments in flight, whether the next segments' prefetches may evict weights
+    /// right away (never those of a segment in flight: they are pinned until it is done,
+    /// so no queued kernel reads memory an eviction frees), so that their copies start
+    /// while the segment before the current one still computes. Off: a prefetch that needs
+    /// an eviction waits until every segment before the current one is done, and evicts
+    /// what it would have with one segment at a time. A prefetch that finds no room beside
+    /// the segments in flight (their weights pinned, the staging pool without a free run
+    /// long enough beside them) waits for them as without this. Default: on: budgeted SD1.5
+    /// UNet steps on an H100 4-15% faster, SDXL at half its weights 5-10% (`sd-bench unet
+    /// --evict-in-flight on|off`, docs/benchmarks.md).
+    pub evict_in_flight: bool,
+}
+
+impl Default for StreamingOptions {
+    /// Each field's documented default.
+    fn default() -> Self {
+        StreamingOptions {
+            prefetch_depth: usize::MAX,
+            resident_set: true,
+            pool_sized_segments: false,
+            merge_segments: true,
+            staging_pool: true,
+            refine_for_pool: true,
+            stream_window: 3,
+            reuse_graphs: true,
+            async_compute: true,
+            segments_in_flight: 2,
+            evict_in_flight: true,
+        }
+    }
+}
