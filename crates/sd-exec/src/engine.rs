@@ -227,7 +227,7 @@ impl<M: DeviceResidencyManager> ExecutionEngine<M> {
                     backend_name: slot.backend.name().to_string(),
                     request,
                     required: &[],
-                    preferred: &[],
+                    preferred: crate::eviction::EvictionOrder::NONE,
                     protected: &[],
                     pending_unless_pooled: false,
                 },

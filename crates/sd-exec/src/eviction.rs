@@ -55,6 +55,73 @@ pub enum ReclaimEvent {
     },
 }
 
+/// Which segments of a plan use each parameter, built once per prepared plan, so that the
+/// preferred eviction order of any segment ([`SegmentUses::order`]) costs no list of the
+/// plan's parameters per capacity ask (a budgeted SDXL step asks hundreds of times).
+#[derive(Debug, Default)]
+pub(crate) struct SegmentUses {
+    /// The segments using each parameter, ascending.
+    uses: FxHashMap<ParamId, Vec<u32>>,
+    /// Segments in the plan.
+    segments: usize,
+}
+
+impl SegmentUses {
+    /// The uses of each parameter in `segment_params` (one list per segment).
+    pub(crate) fn new(segment_params: &[Vec<ParamId>]) -> SegmentUses {
+        let mut uses: FxHashMap<ParamId, Vec<u32>> = FxHashMap::default();
+        for (j, params) in segment_params.iter().enumerate() {
+            for p in params {
+                let u = uses.entry(*p).or_default();
+                if u.last() != Some(&(j as u32)) {
+                    u.push(j as u32);
+                }
+            }
+        }
+        SegmentUses {
+            uses,
+            segments: segment_params.len(),
+        }
+    }
+
+    /// The preferred eviction order when segment `k` needs room (see
+    /// `execution::eviction_order`, which lists it).
+    pub(crate) fn order(&self, k: usize) -> EvictionOrder<'_> {
+        EvictionOrder {
+            uses: Some(self),
+            k,
+        }
+    }
+}
+
+/// A preferred eviction order: the other segments' weights, the one whose next use is
+/// furthest away first, for a graph that runs again the same way: segments `k-1, ..., 0`,
+/// then `n-1, ..., k+1` (see `execution::eviction_order`); or none.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct EvictionOrder<'a> {
+    uses: Option<&'a SegmentUses>,
+    k: usize,
+}
+
+impl EvictionOrder<'_> {
+    /// No preferred order (least recently used first).
+    pub(crate) const NONE: EvictionOrder<'static> = EvictionOrder { uses: None, k: 0 };
+
+    /// The position of `p` in the order: that of the first segment in the order that uses
+    /// it (`None`: no segment but `k` does, or there is no order).
+    pub(crate) fn position(&self, p: ParamId) -> Option<usize> {
+        let u = self.uses?;
+        let (k, n) = (self.k, u.segments);
+        u.uses
+            .get(&p)?
+            .iter()
+            .map(|&j| j as usize)
+            .filter(|&j| j != k)
+            .map(|j| if j < k { k - 1 - j } else { k + (n - 1 - j) })
+            .min()
+    }
+}
+
 /// What to make room for.
 pub(crate) struct CapacityAsk<'a> {
     /// What it is for (in errors and logs).
@@ -65,8 +132,8 @@ pub(crate) struct CapacityAsk<'a> {
     pub request: BackendMemoryRequest,
     /// Parameters that must be resident afterwards.
     pub required: &'a [ParamId],
-    /// Parameter groups to evict first, in order.
-    pub preferred: &'a [Vec<ParamId>],
+    /// The order to evict in.
+    pub preferred: EvictionOrder<'a>,
     /// Parameters never to evict.
     pub protected: &'a [ParamId],
     /// Whether the request's pending bytes are needed only when the required weights do
@@ -82,11 +149,11 @@ fn candidates<M: DeviceResidencyManager>(
     manager: &M,
     ask: &CapacityAsk<'_>,
 ) -> Vec<WeightResidencyBlock> {
-    let mut keep: Vec<ParamId> = ask.required.to_vec();
-    keep.extend_from_slice(ask.protected);
-    let keep_set: FxHashSet<ParamId> = keep.iter().copied().collect();
+    let keep_set: FxHashSet<ParamId> = ask.required.iter().chain(ask.protected).copied().collect();
+    // (Blocks holding a kept parameter are left out here, with the fast hash, rather than
+    // by the manager.)
     let mut out: Vec<WeightResidencyBlock> = manager
-        .evictable_compute_backend_blocks(ask.request.backend, &keep)
+        .evictable_compute_backend_blocks(ask.request.backend, &[])
         .into_iter()
         .filter(|b| !b.params.iter().any(|p| keep_set.contains(p)))
         .collect();
@@ -283,21 +350,12 @@ pub(crate) fn ensure_capacity<M: DeviceResidencyManager>(
 
 /// Sorts eviction candidates (stable): no demotion first; preferred-order position
 /// (unordered after ordered); oldest last use first.
-pub(crate) fn sort_candidates(blocks: &mut [WeightResidencyBlock], preferred: &[Vec<ParamId>]) {
-    // (Called for every capacity ask, with every parameter of the graph in `preferred`:
-    // a fast hash, and each block's key computed once.)
-    let mut pos: FxHashMap<ParamId, usize> = FxHashMap::default();
-    pos.reserve(preferred.iter().map(Vec::len).sum());
-    for (i, group) in preferred.iter().enumerate() {
-        for p in group {
-            pos.entry(*p).or_insert(i);
-        }
-    }
+pub(crate) fn sort_candidates(blocks: &mut [WeightResidencyBlock], preferred: EvictionOrder<'_>) {
     let key = |b: &WeightResidencyBlock| {
         let position = b
             .params
             .iter()
-            .map(|p| pos.get(p).copied())
+            .map(|p| preferred.position(*p))
             .try_fold(0usize, |acc, p| p.map(|p| acc.max(p)))
             .unwrap_or(usize::MAX);
         (b.requires_demotion, position, b.last_use_epoch)
@@ -332,8 +390,10 @@ mod tests {
             block(5, &[2], 0, true),     // demotion last
             block(6, &[8], 0, false),    // unordered, oldest
         ];
-        let order = vec![vec![ParamId(0)], vec![ParamId(1)]];
-        sort_candidates(&mut v, &order);
+        // Segment 2 asks: segment 1 (param 0) comes first, then segment 0 (param 1); param
+        // 2 is used by segment 2 only, 8 and 9 by no segment.
+        let uses = SegmentUses::new(&[vec![ParamId(1)], vec![ParamId(0)], vec![ParamId(2)]]);
+        sort_candidates(&mut v, uses.order(2));
         let ids: Vec<u64> = v.iter().map(|b| b.id.0).collect();
         assert_eq!(ids, [3, 2, 4, 6, 1, 5]);
     }

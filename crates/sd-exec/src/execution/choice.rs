@@ -58,6 +58,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
             segment_weight_bytes.push(bytes);
         }
         let segment_groups = group_by_usage(&segment_params);
+        let segment_uses = SegmentUses::new(&segment_params);
         let segment_device = vec![0; plan.segments.len()];
         Ok(Prepared {
             graph,
@@ -70,6 +71,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
             segment_weight_bytes,
             segment_device,
             param_bytes,
+            segment_uses,
         })
     }
 

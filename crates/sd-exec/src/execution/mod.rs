@@ -51,7 +51,9 @@ use sd_tensor::ggml::{BufferType, Event, GTensor, TensorId};
 
 use crate::engine::EngineOptions;
 use crate::error::{ExecError, Result};
-use crate::eviction::{ensure_capacity, fits_as_is, CapacityAsk, ReclaimEvent};
+use crate::eviction::{
+    ensure_capacity, fits_as_is, CapacityAsk, EvictionOrder, ReclaimEvent, SegmentUses,
+};
 use crate::session::{ExecutionSession, SegmentationPolicy, SessionConfig, SessionId};
 use crate::task::{ComputeResult, ComputeTask, ExecTiming, SegmentReport};
 
@@ -111,6 +113,8 @@ pub(crate) struct Prepared {
     pub(crate) segment_device: Vec<usize>,
     /// Device bytes of each parameter (primary device's buffer type).
     pub(crate) param_bytes: HashMap<ParamId, u64>,
+    /// The segments using each parameter: every segment's preferred eviction order.
+    pub(crate) segment_uses: SegmentUses,
 }
 
 /// What a session remembers of a plan choice: the graph (structure, without marks), the
@@ -492,7 +496,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
             timing.wait += t.elapsed();
 
             let mut pending = compute.saturating_sub(held) + store_bytes + import_bytes;
-            let preferred = eviction_order(&p.segment_params, k);
+            let preferred = p.segment_uses.order(k);
             // In the order they are prepared (a staging pool is checked placing them so).
             let groups = split_groups(&p.segment_groups[k], resident);
             let ordered: Vec<ParamId> = groups.iter().flatten().copied().collect();
@@ -510,7 +514,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
                     &backend_name,
                     self.request(d, pending),
                     &ordered,
-                    &preferred,
+                    preferred,
                     &keep,
                 );
                 if fits_as_is(self.manager, &ask)? {
@@ -534,7 +538,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
                     &backend_name,
                     this.request(d, pending),
                     &ordered,
-                    &preferred,
+                    preferred,
                     protected,
                 );
                 ensure_capacity(this.manager, this.others, &a, this.log)
@@ -1059,13 +1063,13 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         };
         let request = self.request(td, pending);
         let backend_name = self.session.slots[td].backend.name().to_string();
-        let preferred = eviction_order(&p.segment_params, target);
+        let preferred = p.segment_uses.order(target);
         let ask = CapacityAsk {
             what: format!("prefetch for segment {target} of '{}'", task.description),
             backend_name,
             request,
             required: &missing,
-            preferred: &preferred,
+            preferred,
             protected: &protected,
             pending_unless_pooled: true,
         };
@@ -1199,7 +1203,7 @@ fn segment_ask<'a>(
     backend_name: &str,
     request: BackendMemoryRequest,
     required: &'a [ParamId],
-    preferred: &'a [Vec<ParamId>],
+    preferred: EvictionOrder<'a>,
     protected: &'a [ParamId],
 ) -> CapacityAsk<'a> {
     CapacityAsk {
@@ -1245,25 +1249,45 @@ mod tests {
     }
 }
 
-/// The preferred eviction order when segment `k` needs room: the other segments' weights,
-/// the one whose next use is furthest away first, for a graph that runs again the same way
-/// (a sampling loop calls the same UNet every step). Segments already run in this pass are
-/// next needed in the next pass, the most recent one last of all: `k-1, k-2, ..., 0`, then
-/// the segments still to come in this pass, the last first: `n-1, ..., k+1`. Evicting in
-/// this order keeps a fixed resident set across steps and streams only the rest, where a
-/// least-recently-used order would evict exactly the weights the pass needs next.
-pub(crate) fn eviction_order(segment_params: &[Vec<ParamId>], k: usize) -> Vec<Vec<ParamId>> {
-    let n = segment_params.len();
-    (0..k)
-        .rev()
-        .chain((k + 1..n).rev())
-        .map(|j| segment_params[j].clone())
-        .collect()
-}
-
 #[cfg(test)]
 mod eviction_order_tests {
     use super::*;
+
+    /// The preferred eviction order when segment `k` needs room: the other segments' weights,
+    /// the one whose next use is furthest away first, for a graph that runs again the same way
+    /// (a sampling loop calls the same UNet every step). Segments already run in this pass are
+    /// next needed in the next pass, the most recent one last of all: `k-1, k-2, ..., 0`, then
+    /// the segments still to come in this pass, the last first: `n-1, ..., k+1`. Evicting in
+    /// this order keeps a fixed resident set across steps and streams only the rest, where a
+    /// least-recently-used order would evict exactly the weights the pass needs next.
+    fn eviction_order(segment_params: &[Vec<ParamId>], k: usize) -> Vec<Vec<ParamId>> {
+        let n = segment_params.len();
+        (0..k)
+            .rev()
+            .chain((k + 1..n).rev())
+            .map(|j| segment_params[j].clone())
+            .collect()
+    }
+
+    /// [`SegmentUses::order`] ranks each parameter where [`eviction_order`]'s list puts
+    /// it first (parameters of several segments, and of the asking one, included).
+    #[test]
+    fn segment_uses_rank_as_the_listed_order() {
+        let p = |v: &[u64]| v.iter().map(|&i| ParamId(i)).collect::<Vec<_>>();
+        let segs = vec![p(&[0, 1]), p(&[2, 1]), p(&[3]), p(&[4, 0]), p(&[5, 3, 6])];
+        let uses = SegmentUses::new(&segs);
+        for k in 0..segs.len() {
+            let listed = eviction_order(&segs, k);
+            for id in 0..8 {
+                let want = listed.iter().position(|g| g.contains(&ParamId(id)));
+                assert_eq!(
+                    uses.order(k).position(ParamId(id)),
+                    want,
+                    "k {k} param {id}"
+                );
+            }
+        }
+    }
 
     #[test]
     fn furthest_next_use_comes_first() {

@@ -107,7 +107,6 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
             self.session.sync(self.manager);
         }
         let request = self.request(0, size);
-        let preferred = eviction_order(&p.segment_params, 0);
         let room = ensure_capacity(
             self.manager,
             self.others,
@@ -116,7 +115,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
                 backend_name: self.session.config.backend.name().to_string(),
                 request,
                 required: &[],
-                preferred: &preferred,
+                preferred: p.segment_uses.order(0),
                 protected: &[],
                 pending_unless_pooled: false,
             },
