@@ -96,6 +96,13 @@ pub struct StreamingOptions {
     /// UNet steps on an H100 4-15% faster, SDXL at half its weights 5-10% (`sd-bench unet
     /// --evict-in-flight on|off`, docs/benchmarks.md).
     pub evict_in_flight: bool,
+    /// Whether the last segments of a segmented execution also prefetch the first segments'
+    /// streamed weights for the next execution of the same graph (the next step of a
+    /// sampling loop), as far as there is room beside the segments still to run, so that
+    /// the next step starts without uploading its first segment while the device waits.
+    /// What is prefetched stays staged (evictable like any staged weight) when the
+    /// execution ends. Default: on.
+    pub next_pass_prefetch: bool,
 }
 
 impl Default for StreamingOptions {
@@ -113,6 +120,7 @@ impl Default for StreamingOptions {
             async_compute: true,
             segments_in_flight: 2,
             evict_in_flight: true,
+            next_pass_prefetch: true,
         }
     }
 }

@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use sd_exec::{
     ComputeResult, ComputeTask, EngineOptions, ExecError, ExecutionEngine, ReclaimEvent,
-    SegmentationPolicy, SessionConfig, SessionId,
+    SegmentationPolicy, SessionConfig, SessionId, StreamingOptions,
 };
 use sd_formats::files::TensorCatalog;
 use sd_graphcut::CutMarks;
@@ -802,6 +802,110 @@ fn repeated_steps_keep_a_resident_set_under_a_half_weight_budget() {
     }
     println!("weights {weights} B, budget {budget} B, host->device per step {per_step:?}");
     r.engine.end(id).unwrap();
+}
+
+/// With `next_pass_prefetch`, the last segments of a step prefetch the first layer's weights
+/// for the next step: after each step they are staged on the device (without it the
+/// streaming window has moved on, and the next step uploads them while the device waits),
+/// with the whole graph's bits, the same bytes streamed in a steady step (the resident set
+/// kept, the rest streamed once a step either way), within the budget, no device fault.
+#[test]
+fn last_segments_prefetch_the_next_steps_first_segment() {
+    let (whole, _) = run(
+        "NEXT_REF",
+        transformer,
+        None,
+        SegmentationPolicy::Never,
+        false,
+    );
+    let (seg, _) = run(
+        "NEXT_PROBE",
+        transformer,
+        None,
+        SegmentationPolicy::Always,
+        false,
+    );
+    let weights = weight_bytes(&rig("NEXT_W", false), "tf.");
+    let footprint = seg.segments.iter().map(|s| s.footprint()).max().unwrap();
+    // The first layer's parameters, by name.
+    let first_layer = |r: &Rig| -> Vec<sd_residency::ParamId> {
+        (0..256)
+            .map(sd_residency::ParamId)
+            .filter(|&p| {
+                r.engine
+                    .manager()
+                    .param_info(p)
+                    .is_some_and(|i| i.name.contains(".tf.0."))
+            })
+            .collect()
+    };
+    // (budget, first layer staged after each step with / without, bytes a step with / without)
+    let mut rows = Vec::new();
+    for i in 0..12u64 {
+        let budget = footprint + 4096 + i * weights / 16;
+        let steps = |next: bool| -> Option<(bool, Vec<u64>)> {
+            let mut r = rig(&format!("NEXT_{i}_{next}"), true);
+            let id = r.engine.create_session(
+                SessionConfig::new("test", r.backend.clone(), r.gpu)
+                    .with_budget(Some(budget))
+                    .with_prefetch(true)
+                    .with_streaming(StreamingOptions {
+                        next_pass_prefetch: next,
+                        ..StreamingOptions::default()
+                    }),
+            );
+            r.engine.start(id).unwrap();
+            let ids = first_layer(&r);
+            assert_eq!(ids.len(), 6, "the first layer's six weights");
+            let mut staged_after_each = true;
+            let mut moved = Vec::new();
+            for step in 0..3 {
+                let before = r.sim.stats().host_to_device_bytes;
+                let out = r.engine.execute(id, &transformer(&r.w)).ok()?;
+                moved.push(r.sim.stats().host_to_device_bytes - before);
+                let tag = format!("budget {budget} next {next} step {step}");
+                assert!(out.segmented, "{tag}: not segmented");
+                assert_eq!(
+                    out.output, whole.output,
+                    "{tag}: differs from the whole graph"
+                );
+                staged_after_each &= ids.iter().all(|&p| {
+                    let info = r.engine.manager().param_info(p).unwrap();
+                    info.staged || info.resident_on_compute
+                });
+            }
+            assert_eq!(r.sim.stats().faults, 0, "budget {budget}: device faults");
+            assert!(
+                r.sim.peak_bytes() <= budget,
+                "budget {budget} next {next}: peak {} over the budget",
+                r.sim.peak_bytes()
+            );
+            r.engine.end(id).unwrap();
+            Some((staged_after_each, moved))
+        };
+        let (Some(on), Some(off)) = (steps(true), steps(false)) else {
+            continue;
+        };
+        rows.push((budget, on.0, off.0, on.1, off.1));
+    }
+    for r in &rows {
+        println!(
+            "budget {} B: first layer staged after each step: with {} without {}; bytes a step with {:?} without {:?}",
+            r.0, r.1, r.2, r.3, r.4
+        );
+    }
+    // Where the window has moved past the first layer by the end of a step, the next-pass
+    // prefetch has it staged again, streaming no more in the steady state.
+    assert!(
+        rows.iter().any(|(_, on, off, ..)| *on && !*off),
+        "no budget where only the next-pass prefetch kept the first layer staged: {rows:?}"
+    );
+    for (budget, _, _, on, off) in &rows {
+        assert_eq!(
+            on[2], off[2],
+            "budget {budget}: bytes of a steady step differ"
+        );
+    }
 }
 
 /// Under a budget just below the whole graph, consecutive cut groups run as one segment

@@ -326,6 +326,10 @@ struct UnetArgs {
     /// `StreamingOptions::evict_in_flight`)
     #[arg(long = "evict-in-flight", value_enum, default_value = "on")]
     evict_in_flight: OnOff,
+    /// The last segments of a step also prefetch the next step's first segments (see
+    /// `StreamingOptions::next_pass_prefetch`)
+    #[arg(long = "next-pass-prefetch", value_enum, default_value = "on")]
+    next_pass_prefetch: OnOff,
     /// Convert the linear weights when loading (q8_0, q4_K, f16...; default: the file's)
     #[arg(long = "type", value_name = "TYPE")]
     weight_type: Option<String>,
@@ -809,7 +813,12 @@ impl RigOptions<'_> {
 fn start_runtime(o: &RigOptions<'_>) -> Result<Runtime> {
     let mut loader = TensorCatalog::new();
     loader.add_file(o.weights, None)?;
-    Ok(Runtime::new(o.runtime_options()?, loader)?)
+    let mut rt = Runtime::new(o.runtime_options()?, loader)?;
+    // A/B switch for reused device memory reports (SD_BENCH_MEMORY_REUSE=0: off; default
+    // on, as the manager's default).
+    let reuse = std::env::var("SD_BENCH_MEMORY_REUSE").map_or(true, |v| v != "0");
+    rt.engine_mut().manager_mut().set_memory_report_reuse(reuse);
+    Ok(rt)
 }
 
 /// Adds the network to `rt` (its weights as the runtime places them) and counts the step's
@@ -1192,6 +1201,7 @@ fn cmd_unet(a: &UnetArgs) -> Result<()> {
         pool_sized_segments: a.pool_sized_segments == OnOff::On,
         stream_window: a.stream_window as usize,
         evict_in_flight: a.evict_in_flight == OnOff::On,
+        next_pass_prefetch: a.next_pass_prefetch == OnOff::On,
         ..StreamingOptions::default()
     };
     let options = RigOptions {
@@ -1265,6 +1275,12 @@ fn cmd_unet(a: &UnetArgs) -> Result<()> {
     // --max-vram budget counts; other processes' memory too, if any).
     let device_used_peak = dev.memory().total.saturating_sub(sampler.min_free());
     drop(sampler);
+    // What one device memory report costs (every capacity check of the engine asks one).
+    let t = Instant::now();
+    for _ in 0..100 {
+        std::hint::black_box(dev.memory());
+    }
+    let memory_query_us = t.elapsed().as_secs_f64() * 1e6 / 100.0;
     let out = &last.data;
     let finite = out.iter().all(|v| v.is_finite());
     let max_footprint = last
@@ -1306,6 +1322,7 @@ fn cmd_unet(a: &UnetArgs) -> Result<()> {
             "runtime_reserve_bytes": reserve,
             "allocation_granularity": granularity,
             "coalesced_uploads": coalesce_uploads(),
+            "memory_report_reuse": std::env::var("SD_BENCH_MEMORY_REUSE").map_or(true, |v| v != "0"),
             "async_upload": a.async_upload == OnOff::On,
             "async_compute": a.async_compute == OnOff::On,
             "segments_in_flight": a.segments_in_flight,
@@ -1314,6 +1331,7 @@ fn cmd_unet(a: &UnetArgs) -> Result<()> {
             "pool_sized_segments": a.pool_sized_segments == OnOff::On,
             "stream_window": a.stream_window,
             "evict_in_flight": a.evict_in_flight == OnOff::On,
+            "next_pass_prefetch": a.next_pass_prefetch == OnOff::On,
             "host_kernels": host_kernels,
             // Whether prefetch uploads went to a copy stream (the backend has one).
             "copy_stream": copy_stream,
@@ -1339,6 +1357,7 @@ fn cmd_unet(a: &UnetArgs) -> Result<()> {
             "sim_frees_per_step": sim_churn.map(|c| c.1),
             "sim_frees_in_flight_per_step": sim_churn.map(|c| c.2),
             "engine_max_footprint_bytes": max_footprint,
+            "device_memory_query_us": memory_query_us,
             "peak_device_used_bytes": peak_used,
             "device_used_peak_bytes": device_used_peak,
             "output_finite": finite,
@@ -1521,9 +1540,60 @@ fn cmd_copy_bw(name: &str, mib: usize) -> Result<()> {
             json!({"buffer_type": buft.name(), "gb_per_s": n as f64 / best.as_secs_f64() / 1e9}),
         );
     }
+    let (idle_us, busy_us, busy_ms) = memory_query_cost(&backend, &device)?;
     println!(
         "{}",
-        json!({"cmd": "copy-bw", "backend": backend.name(), "bytes": n, "results": results})
+        json!({"cmd": "copy-bw", "backend": backend.name(), "bytes": n, "results": results,
+               // One device memory report, idle and with a long graph queued: whether the
+               // engine's capacity checks wait for the device.
+               "memory_query_idle_us": idle_us, "memory_query_busy_us": busy_us,
+               "busy_graph_ms": busy_ms})
     );
     Ok(())
+}
+
+/// The time of one device memory report with the device idle, and with a queued graph of 16
+/// chained 4096x4096 f32 products still computing (and that graph's time): a report that
+/// waits for queued work takes about as long as the graph. The CPU computes at the call:
+/// only the idle time.
+fn memory_query_cost(
+    backend: &Backend,
+    device: &Device,
+) -> Result<(f64, Option<f64>, Option<f64>)> {
+    let t = Instant::now();
+    for _ in 0..100 {
+        std::hint::black_box(device.memory());
+    }
+    let idle_us = t.elapsed().as_secs_f64() * 1e6 / 100.0;
+    if backend.is_cpu() {
+        return Ok((idle_us, None, None));
+    }
+    const N: usize = 4096;
+    let ctx = Context::new_descriptors(64, 64, 0)?;
+    let a = ctx.new_tensor(DType::F32, &[N, N])?;
+    let mut x = ctx.new_tensor(DType::F32, &[N, N])?;
+    let src = [a.clone(), x.clone()];
+    for _ in 0..16 {
+        x = ctx.mul_mat(&a, &x)?;
+    }
+    let mut graph = sd_tensor::ggml::Graph::new(&ctx, 64)?;
+    graph.build_forward_expand(&x)?;
+    let _buf = backend.buffer_type().alloc_context_tensors(&ctx)?;
+    let ones = f32_bytes(&vec![1.0 / N as f32; N * N]);
+    for t in &src {
+        t.write_bytes(0, &ones)?;
+    }
+    backend.compute(&graph)?;
+    backend.synchronize();
+    let t = Instant::now();
+    backend.compute(&graph)?;
+    backend.synchronize();
+    let busy_ms = t.elapsed().as_secs_f64() * 1e3;
+    // SAFETY: the graph's tensors live in `_buf` until after the synchronize below.
+    unsafe { backend.compute_async(&graph) }?;
+    let t = Instant::now();
+    std::hint::black_box(device.memory());
+    let busy_us = t.elapsed().as_secs_f64() * 1e6;
+    backend.synchronize();
+    Ok((idle_us, Some(busy_us), Some(busy_ms)))
 }

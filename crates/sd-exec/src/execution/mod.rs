@@ -678,7 +678,19 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
                 evicting_prefetches: self.session.evicting_prefetches - evicting_before,
             });
         }
-        if !queued.is_empty() {
+        // Prefetches for the next pass stay, staged; any other left over goes.
+        let n = plan.segments.len();
+        let next_pass: Vec<ParamId> = queued
+            .iter()
+            .filter(|(target, _)| *target >= n)
+            .flat_map(|(_, ids)| ids.iter().copied())
+            .collect();
+        if !next_pass.is_empty() {
+            let t = Instant::now();
+            self.manager.activate_prefetched_params(owner, &next_pass)?;
+            timing.wait += t.elapsed();
+        }
+        if queued.iter().any(|(target, _)| *target < n) {
             self.manager.clear_prefetched_params(owner);
         }
         Ok(reports)
@@ -966,14 +978,30 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
     ) -> bool {
         let t = Instant::now();
         let depth = self.session.config.streaming.prefetch_depth.max(1);
-        let last = k.saturating_add(depth).min(p.plan.segments.len() - 1);
+        let n = p.plan.segments.len();
+        // Targets from `n` on are the next pass's segments `target - n`.
+        let next_pass = if self.session.config.streaming.next_pass_prefetch {
+            NEXT_PASS_SEGMENTS.min(n.saturating_sub(2))
+        } else {
+            0
+        };
+        let last = k.saturating_add(depth).min(n - 1 + next_pass);
         let first = queued.back().map_or(k, |(t, _)| *t) + 1;
         let mut scheduled = 0;
         let mut deferred = false;
         for target in first..=last {
-            if p.segment_params[target].is_empty() {
+            if p.segment_params[target % n].is_empty() {
                 continue;
             }
+            // The next pass's segments evict only where a resident set is kept: every other
+            // weight there streams through the pool each pass, evicted before its next use
+            // anyway. Without one, weights kept from pass to pass would go for them (the
+            // best victims, the segments still to run, are protected), and stream again.
+            let mode = if target >= n && resident.is_empty() {
+                RoomMode::AsIs
+            } else {
+                mode
+            };
             match self.enqueue_prefetch(task, p, k, target, store_bytes, resident, mode) {
                 Prefetch::Scheduled(ids) => {
                     queued.push_back((target, ids));
@@ -1011,8 +1039,11 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         resident: &HashSet<ParamId>,
         mode: RoomMode,
     ) -> Prefetch {
+        let n = p.plan.segments.len();
+        // A target from `n` on is segment `target - n` of the next pass.
+        let (segment, next_pass) = (target % n, target >= n);
         let current: HashSet<ParamId> = p.segment_params[k].iter().copied().collect();
-        let groups = split_groups(&p.segment_groups[target], resident);
+        let groups = split_groups(&p.segment_groups[segment], resident);
         // In the order they are prefetched (one call per group).
         let missing: Vec<ParamId> = groups
             .iter()
@@ -1023,33 +1054,40 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         if missing.is_empty() {
             return Prefetch::Resident;
         }
-        let td = p.segment_device[target];
+        let td = p.segment_device[segment];
         // Every segment from `k` to the target keeps its weights, and the resident set. A
         // prefetch beyond the next segment evicts only weights already used this step
         // (needed again next step at the earliest): evicting one still to come would
         // stream it twice.
-        let keep_until = if target > k + 1 {
-            p.plan.segments.len() - 1
-        } else {
-            target
-        };
-        let mut protected: Vec<ParamId> = p.segment_params[k..=keep_until].concat();
+        let keep_until = if target > k + 1 { n - 1 } else { target };
+        let mut protected: Vec<ParamId> = p.segment_params[k..=keep_until.min(n - 1)].concat();
         protected.extend(resident.iter().copied());
+        // The segments between `k` and the target: the rest of this pass, then the next
+        // pass's up to the target.
+        let between: Vec<&sd_graphcut::Segment> = if next_pass {
+            p.plan.segments[k + 1..]
+                .iter()
+                .chain(&p.plan.segments[..=segment])
+                .collect()
+        } else {
+            p.plan.segments[k + 1..=target].iter().collect()
+        };
         // On the current device the segment's outputs are still to be stored; and the
         // workspace growth of the segments up to the target is left free (a prefetch must
         // not take it), and for a target further than the next segment, the growth of the
         // cut cache in between.
         let ws = &self.session.slots[td].workspace;
         let buft = ws.buffer_type();
-        let growth = p.plan.segments[k + 1..=target]
+        let growth = between
             .iter()
             .map(|s| buft.footprint(s.bytes.compute_buffer as u64))
             .max()
             .unwrap_or(0)
             .saturating_sub(ws.bytes());
         let held_cuts = p.plan.segments[k].bytes.future_cuts as u64;
-        let cut_growth = p.plan.segments[k + 2..=target.max(k + 1)]
+        let cut_growth = between
             .iter()
+            .skip(1)
             .map(|s| {
                 (s.bytes.live_cuts as u64 + p.granularity * s.live_cuts.len() as u64)
                     .saturating_sub(held_cuts)
@@ -1063,9 +1101,13 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         };
         let request = self.request(td, pending);
         let backend_name = self.session.slots[td].backend.name().to_string();
-        let preferred = p.segment_uses.order(target);
+        let preferred = p.segment_uses.order(segment);
+        let pass = if next_pass { "the next " } else { "" };
         let ask = CapacityAsk {
-            what: format!("prefetch for segment {target} of '{}'", task.description),
+            what: format!(
+                "prefetch for segment {segment} of {pass}'{}'",
+                task.description
+            ),
             backend_name,
             request,
             required: &missing,
@@ -1219,6 +1261,10 @@ fn segment_ask<'a>(
 
 /// How many segments' prefetches one segment may add to the queue.
 const MAX_PREFETCHES_PER_SEGMENT: usize = 2;
+
+/// How many of the next pass's first segments the last segments of a pass may prefetch
+/// (see [`crate::StreamingOptions::next_pass_prefetch`]).
+const NEXT_PASS_SEGMENTS: usize = 2;
 
 /// What asking to prefetch one segment's weights came to.
 enum Prefetch {

@@ -93,8 +93,12 @@ impl ModelManager {
             DeviceKind::IntegratedGpu => DeviceClass::Integrated,
             _ => DeviceClass::Discrete,
         };
-        let mem = device.memory();
         let others = self.runtime_bytes(&device, Some(request.owner));
+        let tracked_weight_bytes = self.resident_bytes(&device);
+        let tracked_runtime_bytes = others.saturating_add(request.runtime_resident_bytes);
+        let mem = self
+            .memory_reports
+            .memory(&device, (tracked_weight_bytes, tracked_runtime_bytes));
         let budget = match (self.device_budget(&device), request.max_backend_bytes) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
@@ -103,8 +107,8 @@ impl ModelManager {
             class,
             reported_free: (mem.total > 0).then_some(mem.free),
             reported_total: mem.total,
-            tracked_weight_bytes: self.resident_bytes(&device),
-            tracked_runtime_bytes: others.saturating_add(request.runtime_resident_bytes),
+            tracked_weight_bytes,
+            tracked_runtime_bytes,
             other_owners_runtime_bytes: others,
             budget,
             reserve_bytes: self.reserve_bytes,
