@@ -813,12 +813,7 @@ impl RigOptions<'_> {
 fn start_runtime(o: &RigOptions<'_>) -> Result<Runtime> {
     let mut loader = TensorCatalog::new();
     loader.add_file(o.weights, None)?;
-    let mut rt = Runtime::new(o.runtime_options()?, loader)?;
-    // A/B switch for reused device memory reports (SD_BENCH_MEMORY_REUSE=0: off; default
-    // on, as the manager's default).
-    let reuse = std::env::var("SD_BENCH_MEMORY_REUSE").map_or(true, |v| v != "0");
-    rt.engine_mut().manager_mut().set_memory_report_reuse(reuse);
-    Ok(rt)
+    Ok(Runtime::new(o.runtime_options()?, loader)?)
 }
 
 /// Adds the network to `rt` (its weights as the runtime places them) and counts the step's
@@ -1322,7 +1317,6 @@ fn cmd_unet(a: &UnetArgs) -> Result<()> {
             "runtime_reserve_bytes": reserve,
             "allocation_granularity": granularity,
             "coalesced_uploads": coalesce_uploads(),
-            "memory_report_reuse": std::env::var("SD_BENCH_MEMORY_REUSE").map_or(true, |v| v != "0"),
             "async_upload": a.async_upload == OnOff::On,
             "async_compute": a.async_compute == OnOff::On,
             "segments_in_flight": a.segments_in_flight,

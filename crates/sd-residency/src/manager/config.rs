@@ -181,13 +181,6 @@ impl ModelManager {
         self.pinned_host_params = on;
     }
 
-    /// Whether capacity checks reuse the device's last memory report while the bytes the
-    /// manager tracks on it are unchanged, for at most 100 ms (default: on; off: every
-    /// check asks the device; see `memory_report`).
-    pub fn set_memory_report_reuse(&mut self, on: bool) {
-        self.memory_reports.off = !on;
-    }
-
     /// Whether uploads into a staging block merge runs of tensors laid out alike in storage
     /// and staging into one copy ([`Backend::copy_tensors`]), on the calling thread and on
     /// the transfer thread alike. Default: on (off: one copy per tensor): with prefetches

@@ -46,7 +46,6 @@ pub mod eviction;
 mod loading;
 mod lora;
 mod lycoris;
-mod memory_report;
 mod pool;
 mod registration;
 mod sources;
@@ -162,8 +161,6 @@ pub struct ModelManager {
     uploads_wait_for_compute: bool,
     async_uploads: bool,
     upload_bytes: u64,
-    /// Device memory reports reused between capacity checks (see `memory_report`).
-    memory_reports: memory_report::MemoryReports,
     /// Weights placed at the staging pools' high end (see
     /// [`DeviceResidencyManager::keep_at_pool_end`]).
     pub(crate) pool_high: std::collections::HashSet<ParamId>,
@@ -224,7 +221,6 @@ impl ModelManager {
             uploads_wait_for_compute: true,
             async_uploads: false,
             upload_bytes: 0,
-            memory_reports: Default::default(),
             pool_high: Default::default(),
         }
     }
