@@ -146,7 +146,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
     /// in buffers of its own, allocated and freed inside every step (SD1.5 at 64x64
     /// latents under a quarter of its weights: 81 device allocations a step, a third of
     /// their frees under queued compute). And a pool that holds the largest segment but not
-    /// [`SessionConfig::stream_window`](crate::SessionConfig::stream_window) of them cannot
+    /// [`StreamingOptions::stream_window`](crate::StreamingOptions::stream_window) of them cannot
     /// take the next segments' prefetches while a large one computes: such segments are
     /// staged synchronously, the device idle meanwhile (SDXL at half its weights: 6 of 14).
     /// Refines the segments whose weights exceed one segment's share of the pool (the next

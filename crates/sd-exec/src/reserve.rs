@@ -54,7 +54,7 @@ const PROBES: usize = 4;
 const MAX_GRANULARITY: u64 = 64 << 20;
 
 /// Measures the unit `backend`'s device allocator rounds buffers up to: allocates
-/// [`PROBES`] buffers of an odd size, reads how much free memory they took, frees them.
+/// `PROBES` buffers of an odd size, reads how much free memory they took, frees them.
 /// Returns 1 when the device shows no rounding (or reports no memory, as the CPU).
 pub fn measure_allocation_granularity(backend: &Backend) -> Result<u64> {
     let Some(device) = backend.device() else {

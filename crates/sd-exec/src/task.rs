@@ -109,7 +109,7 @@ pub struct SegmentReport {
     /// while the segment before it computed (asynchronous compute).
     pub overlapped: bool,
     /// Segments still queued on the device ahead of it when it was queued (asynchronous
-    /// compute with [`segments_in_flight`](crate::SessionConfig::segments_in_flight) above
+    /// compute with [`segments_in_flight`](crate::StreamingOptions::segments_in_flight) above
     /// 1: its inputs were written in the device's queue behind them).
     pub queued_behind: usize,
     /// Of `cache_bytes`, the cut-cache entries kept only for the segments still in flight
@@ -118,8 +118,12 @@ pub struct SegmentReport {
     /// segments first.
     pub held_for_in_flight: u64,
     /// Prefetches this segment scheduled that evicted weights while segments were in
-    /// flight ([`SessionConfig::evict_in_flight`](crate::SessionConfig::evict_in_flight)).
+    /// flight ([`StreamingOptions::evict_in_flight`](crate::StreamingOptions::evict_in_flight)).
     pub evicting_prefetches: usize,
+    /// How long the host waited, before preparing it, for its prefetched weights to land
+    /// (part of [`ExecTiming::wait`]; zero for weights on a copy stream, which the device
+    /// waits for in its queue).
+    pub prefetch_wait: std::time::Duration,
 }
 
 impl SegmentReport {

@@ -1148,7 +1148,7 @@ fn staging_pool_is_allocated_once_and_cuts_device_allocations_per_step() {
 
 /// Budgets under which every segment fits but the staging pool (the limit less the largest
 /// non-weight need) would not hold the largest segment's weights: the plan is refined
-/// further (`SessionConfig::refine_for_pool`) so that a pool is used. Scanning budgets
+/// further (`StreamingOptions::refine_for_pool`) so that a pool is used. Scanning budgets
 /// from the segments' largest footprint up by all the weights, wherever the plan without
 /// that refinement has a pool the refined one has it too, and at least one budget gains a
 /// pool by it; there the steps allocate fewer device buffers, and every run equals the
@@ -1235,7 +1235,7 @@ fn plans_are_refined_so_that_a_staging_pool_holds_every_segment() {
 /// A staging pool that holds the largest segment but not a window of them cannot take the
 /// next segment's prefetch while a large one computes. Scanning budgets from the
 /// segments' largest footprint up by all the weights, a window of three segments
-/// (`SessionConfig::stream_window`) refines the large middle block under some budget into
+/// (`StreamingOptions::stream_window`) refines the large middle block under some budget into
 /// more segments, more of them prefetched, than a window of one; every run equals the
 /// whole graph bit for bit within its budget, without device faults.
 #[test]
@@ -1493,17 +1493,17 @@ fn async_uploads_on_a_copy_stream_equal_whole_within_budget_with_a_fixed_pool() 
     );
 }
 
-/// Asynchronous compute (`SessionConfig::async_compute`): each segment is queued and the
+/// Asynchronous compute (`StreamingOptions::async_compute`): each segment is queued and the
 /// next one prepared on the host while it runs. On a device with queued work whose
 /// graphs stay in flight until the host waits for them (the simulated device counts every
 /// access that would race with one), a UNet streamed at budgets from a half to a tenth of
 /// its weights (copy stream and transfer threads) equals the whole graph bit for bit every
 /// step with no fault and within the budget, as the same run without it does; the
 /// segments after the first are prepared under the compute of the one before. With two or
-/// three segments in flight (`SessionConfig::segments_in_flight`), segments are queued
+/// three segments in flight (`StreamingOptions::segments_in_flight`), segments are queued
 /// behind the one still computing, their inputs written in the device's queue: same bits,
 /// no fault, the same bytes streamed (prefetches that need an eviction wait for the
-/// segments in flight: `SessionConfig::evict_in_flight` off). With it on (the default):
+/// segments in flight: `StreamingOptions::evict_in_flight` off). With it on (the default):
 /// same bits, no fault, within the budget, and prefetches that evict under segments in
 /// flight.
 #[test]

@@ -1374,6 +1374,15 @@ fn cmd_unet(a: &UnetArgs) -> Result<()> {
                 "total": ms(timing.total),
             },
             "staging_pool_bytes": staging_pool_bytes,
+            // The last step per segment: [index, weight MB, prefetched, ms the host waited
+            // for its prefetched weights, segments queued ahead of it].
+            "last_step_segments": last.segments.iter().map(|s| json!([
+                s.index,
+                (s.weight_bytes as f64 / 1e6 * 10.0).round() / 10.0,
+                s.prefetched,
+                (s.prefetch_wait.as_secs_f64() * 1e4).round() / 10.0,
+                s.queued_behind,
+            ])).collect::<Vec<_>>(),
         })
     );
     Ok(())

@@ -226,15 +226,15 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
     /// outputs it produces and the largest set of live cuts) stays within a third of the
     /// limit: one third for the segment computing, one for the next one's prefetched
     /// weights, one for weights that stay resident from step to step. With a staging pool
-    /// (and [`SessionConfig::pool_sized_segments`](crate::SessionConfig::pool_sized_segments))
+    /// (and [`StreamingOptions::pool_sized_segments`](crate::StreamingOptions::pool_sized_segments))
     /// a merged segment's weights also stay within a quarter of the room the fine plan
     /// leaves for weights (the limit less its largest non-weight need: about the pool), so
     /// that the streaming window of the resident set (two segments' streamed weights) fits
     /// beside kept weights. With a staging pool, a merged segment's weights stay within the
-    /// pool divided by [`SessionConfig::stream_window`](crate::SessionConfig::stream_window),
+    /// pool divided by [`StreamingOptions::stream_window`](crate::StreamingOptions::stream_window),
     /// so that merging does not undo what `refine_for_pool` cut for the window. The merged
     /// plan is measured like any other; if a merged segment does not fit the limit after
-    /// all, the fine plan runs. Off with [`SessionConfig::merge_segments`], under
+    /// all, the fine plan runs. Off with [`StreamingOptions::merge_segments`](crate::StreamingOptions::merge_segments), under
     /// [`SegmentationPolicy::Always`], and without a limit.
     pub(super) fn merge_segments(
         &mut self,
@@ -263,7 +263,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         };
         // A fine plan with a staging pool keeps it, and its window: no merged segment's
         // weights outgrow the pool's share of one segment (see
-        // [`SessionConfig::stream_window`](crate::SessionConfig::stream_window)).
+        // [`StreamingOptions::stream_window`](crate::StreamingOptions::stream_window)).
         let pooled = self.staging_pool_size(&fine, true);
         let weight_cap = weight_cap.min(pooled.map_or(u64::MAX, |p| {
             if cfg.streaming.stream_window > 1 {

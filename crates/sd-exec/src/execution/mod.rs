@@ -15,12 +15,12 @@
 //! 4. `ensure_capacity` for the workspace growth + the cut outputs it will store, with the
 //!    segment's weights required and protected (the resident set too, unless the segment
 //!    does not fit otherwise; prefetches for later segments are dropped first), and the
-//!    other segments' weights in the preferred eviction order [`eviction_order`]
+//!    other segments' weights in the preferred eviction order (`SegmentUses::order`)
 //!    (furthest next use first);
 //! 5. `prepare_params` (load, stage, pin) the segment's weights;
 //! 6. build the segment graph (cached cuts bound as inputs), allocate it, upload host inputs;
 //! 7. best effort: prefetch the missing weights of the segments after `k`, in order, up
-//!    to [`SessionConfig::prefetch_depth`] segments ahead, while they fit now next to every
+//!    to [`StreamingOptions::prefetch_depth`](crate::StreamingOptions::prefetch_depth) segments ahead, while they fit now next to every
 //!    segment in between (their uploads queued on the device's copy stream where it has
 //!    one, ordered after the compute queued so far, or on transfer threads that copy one
 //!    after another; the compute of their segment waits on their event);
@@ -30,7 +30,7 @@
 //!    manager.
 //!
 //! Layer split (a session with extra devices): the plan's segments are assigned to
-//! devices in contiguous ranges ([`Exec::assign_layer_split`]); each segment computes on
+//! devices in contiguous ranges (`Exec::assign_layer_split`); each segment computes on
 //! its device with its own workspace and cut cache there, its weights staged on that
 //! device, and the cuts it reads from another device (block outputs, UNet skips) copied
 //! into its device's cut cache first, counted in its capacity request.
@@ -165,7 +165,7 @@ fn group_by_usage(segment_params: &[Vec<ParamId>]) -> Vec<Vec<Vec<ParamId>>> {
 }
 
 /// Whether the output entries of a plan of `segments` segments stay in the cut cache from
-/// one execution to the next (a graph run whole with [`SessionConfig::reuse_graphs`]):
+/// one execution to the next (a graph run whole with [`StreamingOptions::reuse_graphs`](crate::StreamingOptions::reuse_graphs)):
 /// its kept graph writes them again in place. A segmented run's entries become spares
 /// instead, which its kept graphs take back (`CutCache::rebind_output`). The engine asks
 /// the same of a finished execution (its segment count).
@@ -278,7 +278,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
             self.manager.keep_at_pool_end(&kept);
         }
         timing.capacity += t.elapsed();
-        // Segments queued without waiting (see `SessionConfig::async_compute`): one device,
+        // Segments queued without waiting (see `StreamingOptions::async_compute`): one device,
         // whose backend queues work. Uploads then need not wait for queued compute: the
         // segment in flight keeps its weights pinned, so no memory freed for an upload is
         // read by it.
@@ -484,6 +484,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
             // Prefetched weights for this segment become current.
             let mut prefetched = false;
             let t = Instant::now();
+            let wait_before = timing.wait;
             // (Targets are always later segments: none is ever behind `k`.)
             while queued.front().is_some_and(|(target, _)| *target < k) {
                 queued.pop_front();
@@ -494,6 +495,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
                 }
             }
             timing.wait += t.elapsed();
+            let prefetch_wait = timing.wait - wait_before;
 
             let mut pending = compute.saturating_sub(held) + store_bytes + import_bytes;
             let preferred = p.segment_uses.order(k);
@@ -676,6 +678,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
                 queued_behind: done.queued_behind,
                 held_for_in_flight: done.held_for_in_flight,
                 evicting_prefetches: self.session.evicting_prefetches - evicting_before,
+                prefetch_wait,
             });
         }
         // Prefetches for the next pass stay, staged; any other left over goes.
@@ -712,7 +715,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
     /// queues this one without waiting when all its kept outputs are computed into their
     /// cut-cache entries ([`SegmentDone::queued`]; the caller puts it in flight): its
     /// inputs are written in the device's queue behind the segments in flight (at most
-    /// [`SessionConfig::segments_in_flight`] including it; the oldest are waited for
+    /// [`StreamingOptions::segments_in_flight`](crate::StreamingOptions::segments_in_flight) including it; the oldest are waited for
     /// first), or, with one segment at a time, after waiting for the one in flight.
     #[allow(clippy::too_many_arguments)]
     fn compute_segment(
@@ -736,7 +739,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         // others are copied there after computing.
         let mut direct: HashSet<CutName> = HashSet::new();
         // The graph this segment ran last time runs again when nothing it is bound to
-        // changed (see `SessionConfig::reuse_graphs`): its outputs go into the same cut-cache
+        // changed (see `StreamingOptions::reuse_graphs`): its outputs go into the same cut-cache
         // entries, the views of moved weights or cuts follow them.
         let slot = &mut self.session.slots[d];
         let mut reused = false;
@@ -958,7 +961,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
 
     /// Best effort, while segment `k` is about to compute: extends the queue of
     /// prefetches to the segments after it, in order, up to
-    /// [`SessionConfig::prefetch_depth`] segments ahead of `k`, stopping at the first
+    /// [`StreamingOptions::prefetch_depth`](crate::StreamingOptions::prefetch_depth) segments ahead of `k`, stopping at the first
     /// that does not fit now. The manager copies them on the device's copy stream or on
     /// transfer threads while the segments before them compute. With [`RoomMode::AsIs`],
     /// stops at the first that would need an eviction, with [`RoomMode::EvictOrLater`] at
@@ -1187,7 +1190,7 @@ fn split_groups(groups: &[Vec<ParamId>], resident: &HashSet<ParamId>) -> Vec<Vec
     out
 }
 
-/// How a prefetch pass may make room (see [`SessionConfig::evict_in_flight`]).
+/// How a prefetch pass may make room (see [`StreamingOptions::evict_in_flight`](crate::StreamingOptions::evict_in_flight)).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum RoomMode {
     /// Evict as the policy allows; no room is final for this pass.
@@ -1201,7 +1204,7 @@ enum RoomMode {
 }
 
 /// A segment queued on its device and not waited for yet (see
-/// [`SessionConfig::async_compute`]). Its weights are pinned
+/// [`StreamingOptions::async_compute`](crate::StreamingOptions::async_compute)). Its weights are pinned
 /// (`ExecutionSession::pinned_in_flight`) until it is done.
 pub(crate) struct InFlight {
     index: usize,

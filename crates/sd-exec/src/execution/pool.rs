@@ -7,7 +7,7 @@ use super::*;
 impl<M: DeviceResidencyManager> Exec<'_, M> {
     /// The staging pool plan `p` runs with (see [`sd_residency::DeviceResidencyManager::set_staging_pool`]):
     /// `None` unless it is segmented under a limit on one device other than the CPU, with
-    /// [`SessionConfig::staging_pool`](crate::SessionConfig::staging_pool) on. Its size is
+    /// [`StreamingOptions::staging_pool`](crate::StreamingOptions::staging_pool) on. Its size is
     /// the limit less the largest non-weight need of a segment (workspace, live cuts,
     /// outputs, the runner cache) and a 1/64 slack for what the plan does not see (ggml
     /// rounding in the compute buffer), at most the plan's weight bytes; `None` too when
@@ -163,14 +163,14 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
     /// streaming every weight every step.
     ///
     /// The window must hold the streamed part of the segment computing and of the next
-    /// one, and of as many more as [`SessionConfig::stream_window`](crate::SessionConfig::stream_window)
+    /// one, and of as many more as [`StreamingOptions::stream_window`](crate::StreamingOptions::stream_window)
     /// asks beyond two (a segment still in flight while the next one's prefetch runs). So
     /// every segment streams at most `m` bytes and keeps the rest of its weights resident,
     /// with the smallest `m` for which the resident weights and a window of `w m` fit the
     /// pool (less a 1/32 slack for placement), `w` the window of at least 2 segments: the
     /// fewest bytes streamed per step for that window. A segment's largest tensors are the ones it keeps. Empty
     /// without a pool of this session, with
-    /// [`SessionConfig::resident_set`](crate::SessionConfig::resident_set) off, for a
+    /// [`StreamingOptions::resident_set`](crate::StreamingOptions::resident_set) off, for a
     /// layer split, or when no window fits.
     pub(crate) fn resident_set(&self, p: &Prepared) -> HashSet<ParamId> {
         let cfg = &self.session.config;
@@ -242,7 +242,7 @@ pub(crate) fn pool_usable(pool: u64) -> u64 {
 }
 
 /// One segment's share of a staging pool of `pool` bytes whose streaming window is
-/// `window` segments (see [`SessionConfig::stream_window`](crate::SessionConfig::stream_window)):
+/// `window` segments (see [`StreamingOptions::stream_window`](crate::StreamingOptions::stream_window)):
 /// segments whose weights stay within it can be prefetched `window - 1` ahead.
 pub(crate) fn window_share(pool: u64, window: usize) -> u64 {
     pool_usable(pool) / window.max(1) as u64
