@@ -191,9 +191,10 @@ enum ConfigName {
 /// `--flash-attn`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum FlashAttn {
-    /// The head widths the backend supports.
+    /// As `sd`: the head widths the backend supports on a GPU, none on the CPU and the
+    /// simulated device.
     Auto,
-    /// Every head width.
+    /// The head widths the backend supports, on any device (`--direct on`: every width).
     On,
     /// None.
     Off,
