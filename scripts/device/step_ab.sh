@@ -6,7 +6,8 @@
 # at SD15_BUDGETS [0.75 0.5 0.25] of its weights, ROUNDS [2] interleaved rounds; SDXL at
 # XL_BUDGETS [0.5 0.25], XL_ROUNDS [1]; pinned params, reserve 0; the resident step and the
 # bare graph beside them. JSON lines in $OUT/results.jsonl. Run from the checkout root
-# with stage/ as for streaming_sweep.sh.
+# with stage/ as for streaming_sweep.sh. (The memory-report reuse was reverted after its run:
+# SD_BENCH_MEMORY_REUSE is ignored now, its rows equal the defaults.)
 source scripts/device/stage_module.sh >/dev/null 2>&1
 source scripts/device/ab_run.sh
 device_header
