@@ -14,7 +14,7 @@ device_header
 for m in sd15 sdxl; do
   [[ $m == sdxl ]] && export STEPS=6
   bench_model $m
-  $B unet "${W[@]}" --backend CUDA0 --direct on --steps 10 | tail -1 | tee -a $OUT/results.jsonl | cut -c1-200
+  ab_one $m-bare "${W[@]}" --params device --direct on
   budgets=${SD15_BUDGETS-0.75 0.5 0.25}; rounds=${ROUNDS-2}
   [[ $m == sdxl ]] && budgets=${XL_BUDGETS-0.5 0.25} && rounds=${XL_ROUNDS-1}
   for r in $(seq $rounds); do

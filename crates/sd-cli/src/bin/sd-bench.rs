@@ -912,7 +912,7 @@ fn step_graph(
 }
 
 /// The step's graph apart from any runtime (the direct timing, FLOP counts): its context
-/// (with cut marks), the graph, the output and the input leaves with their bytes (auxiliary
+/// (with cut marks), the graph, the output and the input leaves with their data (auxiliary
 /// inputs too). `on_cpu`: the CPU backend computes it (its own kernels, as `sd` uses them).
 #[allow(clippy::type_complexity)]
 fn unet_graph(
@@ -924,7 +924,7 @@ fn unet_graph(
     GraphCtx,
     sd_tensor::ggml::Graph,
     GTensor,
-    Vec<(GTensor, Vec<u8>)>,
+    Vec<(GTensor, HostData)>,
 )> {
     let mut g = GraphCtx::new(
         GRAPH,
@@ -941,33 +941,10 @@ fn unet_graph(
     out.set_output();
     let mut graph = sd_tensor::ggml::Graph::new(&g.ctx, GRAPH)?;
     graph.build_forward_expand(&out)?;
-    let mut feeds: Vec<(GTensor, Vec<u8>)> = built
-        .inputs
-        .into_iter()
-        .map(|(t, d)| (t, host_bytes(&d)))
-        .collect();
-    feeds.extend(aux_feeds(&g));
+    // With the host-made inputs the network added (RoPE tables, masks).
+    let mut feeds = built.inputs;
+    feeds.extend(g.aux.iter().map(|a| (a.tensor.clone(), a.data.clone())));
     Ok((g, graph, out, feeds))
-}
-
-/// Little-endian bytes of host data.
-fn host_bytes(data: &HostData) -> Vec<u8> {
-    match data {
-        HostData::F32(v) => f32_bytes(v),
-        HostData::I32(v) => i32_bytes(v),
-    }
-}
-
-/// The host-made inputs the network added to `g` (RoPE tables, masks) with their bytes.
-fn aux_feeds(g: &GraphCtx) -> Vec<(GTensor, Vec<u8>)> {
-    g.aux
-        .iter()
-        .map(|aux| (aux.tensor.clone(), host_bytes(&aux.data)))
-        .collect()
-}
-
-fn i32_bytes(v: &[i32]) -> Vec<u8> {
-    v.iter().flat_map(|x| x.to_le_bytes()).collect()
 }
 
 /// The same step without the engine: weights in one device buffer, the graph allocated once
@@ -995,8 +972,8 @@ fn direct_step_ms(
     let (_g, graph, _out, feeds) = unet_graph(&model, inputs, flash_attn, host_kernels)?;
     let mut galloc = sd_tensor::ggml::Gallocr::new(backend.buffer_type())?;
     galloc.alloc_graph(&graph)?;
-    for (t, bytes) in &feeds {
-        t.write_bytes(0, bytes)?;
+    for (t, data) in &feeds {
+        data.write_to(t)?;
     }
     let mut times = Vec::with_capacity(steps);
     for i in 0..steps + 2 {
@@ -1068,44 +1045,38 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-/// The bytes of a `sim:MiB` backend name (`None`: not a simulated device).
-fn sim_bytes(name: &str) -> Result<Option<u64>> {
-    let Some(mib) = name.strip_prefix("sim:") else {
-        return Ok(None);
-    };
-    mib.parse::<u64>()
-        .ok()
-        .filter(|m| *m > 0)
-        .and_then(|m| m.checked_mul(1 << 20))
-        .map(Some)
-        .ok_or_else(|| {
-            BenchError::Usage(format!(
-                "--backend {name}: sim:<MiB> takes a positive size in MiB"
-            ))
-        })
+/// The device `--backend` names, read as `sd` reads it (`cpu`, `sim:<size>`: a simulated
+/// device of that size, MiB without a unit; or a ggml device name).
+fn parse_device(name: &str) -> Result<ComputeDevice> {
+    name.parse().map_err(|e: String| {
+        BenchError::Usage(format!(
+            "--backend {name}: {e} (sim:<size> takes a positive size: MiB, or a number with a unit)"
+        ))
+    })
 }
 
-/// The backend `--backend` names for `--direct on` (`sim:MiB`: a simulated device of that
-/// size, the CPU computing, its memory counted and capped) and its simulated device.
-fn direct_backend(name: &str, threads: usize) -> Result<(Arc<Backend>, Option<SimDevice>)> {
-    let sim = match sim_bytes(name)? {
-        Some(bytes) => {
+/// The backend of `device` for `--direct on` (a simulated device: the CPU computing, its
+/// memory counted and capped) and its simulated device.
+fn direct_backend(
+    device: &ComputeDevice,
+    threads: usize,
+) -> Result<(Arc<Backend>, Option<SimDevice>)> {
+    let (backend, sim) = match device {
+        ComputeDevice::Cpu => (Backend::cpu(threads)?, None),
+        ComputeDevice::Named(name) => (Backend::by_name(name)?, None),
+        ComputeDevice::Sim { bytes } => {
             let opts = SimOptions {
                 threads,
                 ..Default::default()
             };
-            Some(SimDevice::new("SIM0", bytes, opts)?)
+            let sim = SimDevice::new("SIM0", *bytes, opts)?;
+            (sim.backend()?, Some(sim))
         }
-        None => None,
     };
-    let backend = Arc::new(match &sim {
-        Some(s) => s.backend()?,
-        None => Backend::by_name(name)?,
-    });
     if backend.is_cpu() {
         backend.set_threads(threads);
     }
-    Ok((backend, sim))
+    Ok((Arc::new(backend), sim))
 }
 
 fn cmd_unet(a: &UnetArgs) -> Result<()> {
@@ -1122,11 +1093,7 @@ fn cmd_unet(a: &UnetArgs) -> Result<()> {
     let threads: usize = a.threads;
     // `sim:MiB`: a simulated device of that size (the CPU computes; its memory is counted
     // and capped, uploads queued on a copy stream), to study streaming without a GPU.
-    let device = match sim_bytes(backend_name)? {
-        Some(bytes) => ComputeDevice::Sim { bytes },
-        None if backend_name.eq_ignore_ascii_case("cpu") => ComputeDevice::Cpu,
-        None => ComputeDevice::Named(backend_name.to_string()),
-    };
+    let device = parse_device(backend_name)?;
     let weight_bytes = {
         let mut l = TensorCatalog::new();
         l.add_file(&weights, None)?;
@@ -1163,7 +1130,7 @@ fn cmd_unet(a: &UnetArgs) -> Result<()> {
     let inputs = Inputs::new(&cfg, w, b, n_ctx);
 
     if a.direct == OnOff::On {
-        let (backend, _sim) = direct_backend(backend_name, threads)?;
+        let (backend, _sim) = direct_backend(&device, threads)?;
         let flash_attn = match a.flash_attn {
             FlashAttn::On => all_head_dims(&cfg)?,
             FlashAttn::Off => Vec::new(),
