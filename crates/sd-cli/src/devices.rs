@@ -39,6 +39,7 @@ pub fn host_cpu_features() -> Vec<&'static str> {
         ("avx512vbmi", "AVX512_VBMI"),
         ("avx512_vnni", "AVX512_VNNI"),
         ("avx512_bf16", "AVX512_BF16"),
+        ("amx_bf16", "AMX_BF16"),
         ("amx_int8", "AMX_INT8"),
         ("asimd", "NEON"),
         ("asimdhp", "FP16_VA"),
@@ -104,6 +105,13 @@ pub fn list() {
                 .into_iter()
                 .filter(|f| !feats.iter().any(|g| g == f))
                 .collect();
+            if sd_tensor::ggml::cpu_amx_bf16() {
+                println!(
+                    "           bf16 weights (--type bf16) multiply on AMX tiles \
+                     (this project's kernels; SD_AMX=0 turns them off)"
+                );
+            }
+            let missing: Vec<&str> = missing.into_iter().filter(|f| *f != "AMX_BF16").collect();
             if !missing.is_empty() {
                 println!(
                     "           this CPU also has {} (unused: ggml was not built for it; \

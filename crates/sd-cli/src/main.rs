@@ -467,7 +467,12 @@ fn generate(cli: &Cli, threads: usize) -> Result<(), Fail> {
     if cli.max_vram.is_some() && on_cpu {
         tracing::warn!("--max-vram budgets a GPU (--backend); the CPU backend ignores it");
     }
-    if on_cpu && cli.weight_type.is_none() && devices::cpu_has_bf16_products() {
+    if on_cpu && cli.weight_type.is_none() && sd_tensor::ggml::cpu_amx_bf16() {
+        tracing::info!(
+            "this CPU has AMX-BF16 tiles: with f16 or f32 weights, `--type bf16` runs the \
+             UNet step about 1.4x faster, at bf16's precision"
+        );
+    } else if on_cpu && cli.weight_type.is_none() && devices::cpu_has_bf16_products() {
         tracing::info!(
             "this CPU has bf16 dot products (AVX512_BF16): with f16 or f32 weights, \
              `--type bf16` computes about 1.3-1.45x faster, at bf16's precision"

@@ -326,7 +326,7 @@ impl UnetStep {
 /// Floating point operations of the matrix products of `graph`, the work that dominates a
 /// diffusion model: `2 K M N` for every `MUL_MAT` of `[K, M] x [K, N]` (times its batch
 /// dimensions; convolutions are `IM2COL` + `MUL_MAT` and counted here, or the implicit
-/// convolution op, `IMPLICIT_CONV_NAME`, `2 KW KH C` per output value), and `4 d n_q n_kv`
+/// convolution ops, `IMPLICIT_CONV_NAME` and `TILE_CONV_NAME`, `2 KW KH C` per output value), and `4 d n_q n_kv`
 /// per head for `FLASH_ATTN_EXT` and the CPU attention kernel (`ATTENTION_HOST_NAME`). Normalisations, activations and element-wise ops (a few
 /// percent for SD UNets) are not counted.
 pub fn graph_flops(graph: &Graph) -> f64 {
@@ -358,7 +358,10 @@ pub fn graph_flops(graph: &Graph) -> f64 {
                     total += 2.0 * w.ne()[0] as f64 * node.nelements() as f64;
                 }
             }
-            "CUSTOM" if node.name() == sd_tensor::ggml::IMPLICIT_CONV_NAME => {
+            "CUSTOM"
+                if node.name() == sd_tensor::ggml::IMPLICIT_CONV_NAME
+                    || node.name() == sd_tensor::ggml::TILE_CONV_NAME =>
+            {
                 // A convolution without im2col: 2 KW KH C values per output value.
                 if let Some(k) = node.src(1) {
                     let [kw, kh, c, _] = k.ne();

@@ -1028,3 +1028,113 @@ fn host_attention_matches_softmax_attention() {
         }
     }
 }
+
+/// bf16 weights on AMX tiles, where the CPU has AMX-BF16 (skipped elsewhere): linear layers
+/// with fewer and with more than 512 output features (the tokens, then the weight as the
+/// tiles' rows), token counts that are not multiples of 32, and convolutions (3x3 and 1x1,
+/// 32 and 64 output channels, several images whose pixel counts are not multiples of 32)
+/// agree with ggml's f32 ops on the same bf16 values to f32 rounding, with and without a
+/// bias, 1 and 3 threads: one custom op a linear layer, two a convolution (the bf16 im2col and
+/// the tile product with its epilogue).
+#[test]
+fn amx_tiles_agree_with_ggmls_f32_ops_on_bf16_values() {
+    if !sd_tensor::ggml::cpu_amx_bf16() {
+        eprintln!("skipped: this CPU has no AMX-BF16 tiles");
+        return;
+    }
+    let bf = |v: Vec<f32>| -> Vec<f32> {
+        v.iter()
+            .map(|x| half::bf16::from_f32(*x).to_f32())
+            .collect()
+    };
+    let check = |what: String, custom: usize, expected: usize, values: PairValues| {
+        assert_eq!(custom, expected, "{what}: custom ops");
+        for (a, b) in values {
+            let scale = a.iter().fold(1f32, |m, v| m.max(v.abs()));
+            assert!(a.iter().any(|v| *v != 0.0), "{what}");
+            assert!(
+                max_abs(&a, &b) <= 1e-5 * scale,
+                "{what}: max diff {} (scale {scale})",
+                max_abs(&a, &b)
+            );
+        }
+    };
+    for (i, (k, m, cols)) in [(64, 96, 515), (96, 512, 520), (320, 320, 600)]
+        .into_iter()
+        .enumerate()
+    {
+        for threads in [1, 3] {
+            let ctx = Context::new_descriptors(32, 32, 1).unwrap();
+            ctx.set_host_kernels(true);
+            let w = ctx.new_tensor(DType::BF16, &[k, m]).unwrap();
+            let w32 = ctx.new_tensor(DType::F32, &[k, m]).unwrap();
+            let b = ctx.new_tensor(DType::F32, &[m]).unwrap();
+            let x = ctx.new_tensor(DType::F32, &[k, cols]).unwrap();
+            let buf = BufferType::cpu().alloc_context_tensors(&ctx).unwrap();
+            let wv = bf(rnd(k * m, 41 + i as u64));
+            w.write_f32(&wv).unwrap();
+            w32.write_f32(&wv).unwrap();
+            b.write_f32(&rnd(m, 42 + i as u64)).unwrap();
+            x.write_f32(&bf(rnd(k * cols, 43 + i as u64))).unwrap();
+            let reference = ctx.mul_mat(&w32, &x).unwrap();
+            let with_bias = ctx.add(&reference, &b).unwrap();
+            let outs = vec![
+                (reference, ctx.linear(&w, &x, None).unwrap()),
+                (with_bias, ctx.linear(&w, &x, Some(&b)).unwrap()),
+            ];
+            let (custom, values) = compute_pairs(&ctx, &outs, threads);
+            check(
+                format!("linear {k}->{m} x{cols} threads {threads}"),
+                custom,
+                2,
+                values,
+            );
+            drop(buf);
+        }
+    }
+    // (kernel w, h, in ch, out ch), input (w, h, n), pad
+    let convs: [([usize; 4], [usize; 3], usize); 3] = [
+        ([3, 3, 32, 32], [13, 11, 2], 1),
+        ([1, 1, 64, 64], [7, 9, 3], 0),
+        ([3, 3, 32, 64], [40, 3, 1], 1),
+    ];
+    for (i, (kn, xn, pad)) in convs.into_iter().enumerate() {
+        for threads in [1, 3] {
+            let ctx = Context::new_descriptors(64, 64, 1).unwrap();
+            ctx.set_host_kernels(true);
+            let k = ctx.new_tensor(DType::BF16, &kn).unwrap();
+            let k32 = ctx.new_tensor(DType::F32, &kn).unwrap();
+            let bias = ctx.new_tensor(DType::F32, &[kn[3]]).unwrap();
+            let x = ctx
+                .new_tensor(DType::F32, &[xn[0], xn[1], kn[2], xn[2]])
+                .unwrap();
+            let buf = BufferType::cpu().alloc_context_tensors(&ctx).unwrap();
+            let kv = bf(rnd(kn.iter().product(), 51 + i as u64));
+            k.write_f32(&kv).unwrap();
+            k32.write_f32(&kv).unwrap();
+            bias.write_f32(&rnd(kn[3], 52 + i as u64)).unwrap();
+            x.write_f32(&bf(rnd(x.nelements(), 53 + i as u64))).unwrap();
+            let (s1, p, d1) = ((1, 1), (pad, pad), (1, 1));
+            let a = ctx.conv_2d(&k32, &x, s1, p, d1, true).unwrap();
+            let with_bias = ctx
+                .add(&a, &ctx.reshape(&bias, &[1, 1, kn[3], 1]).unwrap())
+                .unwrap();
+            let outs = vec![
+                (a, ctx.conv_2d_host(&k, &x, None, s1, p, d1, false).unwrap()),
+                (
+                    with_bias,
+                    ctx.conv_2d_host(&k, &x, Some(&bias), s1, p, d1, false)
+                        .unwrap(),
+                ),
+            ];
+            let (custom, values) = compute_pairs(&ctx, &outs, threads);
+            check(
+                format!("conv {kn:?} over {xn:?} threads {threads}"),
+                custom,
+                4,
+                values,
+            );
+            drop(buf);
+        }
+    }
+}

@@ -228,6 +228,44 @@ impl BufferType {
             .expect("CPU buffer type")
     }
 
+    /// The CPU device's extra buffer types, in ggml's order of preference: buffers whose
+    /// tensors the CPU backend multiplies with its own kernels after repacking them when they
+    /// are written (`AMX`: int8 tiles on a CPU with AMX, for q8_0 / q4_0 / q4_K ... weights;
+    /// `CPU_REPACK`: interleaved rows for the AVX2 / NEON quantized products). Empty when ggml
+    /// was built without them or the CPU lacks the instructions.
+    pub fn cpu_extra() -> Vec<BufferType> {
+        type ExtraBufts =
+            unsafe extern "C" fn(sys::ggml_backend_dev_t) -> *mut sys::ggml_backend_buffer_type_t;
+        // SAFETY: the CPU registry and device are static; the proc address, when present,
+        // is ggml's `ggml_backend_dev_get_extra_bufts_t`, which returns a NULL-terminated
+        // static array.
+        unsafe {
+            let reg = sys::ggml_backend_cpu_reg();
+            let dev = sys::ggml_backend_reg_dev_get(reg, 0);
+            let f = sys::ggml_backend_reg_get_proc_address(
+                reg,
+                c"ggml_backend_dev_get_extra_bufts".as_ptr(),
+            );
+            if f.is_null() || dev.is_null() {
+                return Vec::new();
+            }
+            let f: ExtraBufts = std::mem::transmute(f);
+            let mut p = f(dev);
+            let mut out = Vec::new();
+            while !p.is_null() && !(*p).is_null() {
+                out.extend(BufferType::from_raw(*p).ok());
+                p = p.add(1);
+            }
+            out
+        }
+    }
+
+    /// The CPU's `AMX` extra buffer type (see [`cpu_extra`](Self::cpu_extra)), when ggml
+    /// was built with AMX-INT8 and the CPU has it.
+    pub fn cpu_amx() -> Option<BufferType> {
+        Self::cpu_extra().into_iter().find(|b| b.name() == "AMX")
+    }
+
     /// The buffer type's name.
     pub fn name(&self) -> String {
         // SAFETY: live buffer type.

@@ -41,7 +41,12 @@ pub(crate) fn covers(
     x_ne: [usize; 4],
     x_f32_contiguous: bool,
 ) -> bool {
-    let typed = matches!(weight_type, Some(DType::F16 | DType::F32));
+    let typed = match weight_type {
+        Some(DType::F16 | DType::F32) => true,
+        #[cfg(target_arch = "x86_64")]
+        Some(DType::BF16) => super::host_amx::covers(weight_ne[0], weight_ne[1], weight_contiguous),
+        _ => false,
+    };
     let columns = x_ne[1] * x_ne[2] * x_ne[3];
     typed
         && weight_contiguous
@@ -76,6 +81,14 @@ pub(crate) unsafe extern "C" fn linear_kernel(
     };
     let (k, m) = (w.ne[0] as usize, w.ne[1] as usize);
     let n = (x.ne[1] * x.ne[2] * x.ne[3]) as usize;
+    // SAFETY: the bias holds M f32 values when present.
+    let bias = bias.map(|b| unsafe { std::slice::from_raw_parts(b.data as *const f32, m) });
+    #[cfg(target_arch = "x86_64")]
+    if w.type_ == sys::GGML_TYPE_BF16 {
+        // SAFETY: `covers` took a bf16 weight only where the tile products cover it.
+        unsafe { super::host_amx::linear(d, x, w, bias, ith as usize, nth as usize) };
+        return;
+    }
     // Feature ranges in multiples of 16 (the products' row tiles).
     let tiles = thread_share(m.div_ceil(16), ith, nth);
     let rows = (tiles.start * 16).min(m)..(tiles.end * 16).min(m);
@@ -84,8 +97,6 @@ pub(crate) unsafe extern "C" fn linear_kernel(
     }
     let chunk = (CHUNK_VALUES / k.max(1)).max(16).min(rows.len());
     let out = d.data as *mut f32;
-    // SAFETY: the bias holds M f32 values when present.
-    let bias = bias.map(|b| unsafe { std::slice::from_raw_parts(b.data as *const f32, m) });
     // SAFETY: the weight holds K*M f16 or f32 values, contiguous (`covers`).
     let weight = unsafe { F32Source::of(w, k * m) };
     with_scratch(chunk * k, |buf| {
@@ -137,6 +148,16 @@ pub(crate) unsafe extern "C" fn linear_kernel(
 mod tests {
     use super::*;
 
+    #[cfg(target_arch = "x86_64")]
+    fn amx() -> bool {
+        crate::ggml::host_amx::available()
+    }
+
+    #[cfg(not(target_arch = "x86_64"))]
+    fn amx() -> bool {
+        false
+    }
+
     #[test]
     fn only_wide_inputs_of_f16_or_f32_weights_take_the_kernel() {
         let (f16, f32, bf16) = (Some(DType::F16), Some(DType::F32), Some(DType::BF16));
@@ -145,13 +166,14 @@ mod tests {
             ([320, 1280, 1, 1], f16, true, [320, 4096, 2, 1], true, true),
             ([320, 1280, 1, 1], f32, true, [320, 512, 1, 1], true, true),
             ([320, 1280, 1, 1], f16, true, [320, 77, 2, 1], true, false),
+            // bf16 weights: on AMX tiles where the CPU has them (`host_amx.rs`).
             (
                 [320, 1280, 1, 1],
                 bf16,
                 true,
                 [320, 4096, 2, 1],
                 true,
-                false,
+                cfg!(target_arch = "x86_64") && amx(),
             ),
             (
                 [320, 1280, 1, 1],

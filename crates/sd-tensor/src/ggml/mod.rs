@@ -22,6 +22,8 @@ mod context;
 mod error;
 mod graph;
 pub mod graph_ext;
+#[cfg(target_arch = "x86_64")]
+mod host_amx;
 mod host_attention;
 #[cfg(target_arch = "x86_64")]
 mod host_attention_bf16;
@@ -49,6 +51,7 @@ pub use mapped::SharedBytes;
 pub use modules::{load_backend_modules, ModuleOutcome, MODULES_ENV};
 pub use ops::{
     Interpolation, Precision, ATTENTION_HOST_NAME, IMPLICIT_CONV_NAME, LINEAR_HOST_NAME,
+    TILE_CONV_NAME,
 };
 #[cfg(feature = "rpc")]
 pub use rpc::rpc_device_memory;
@@ -59,6 +62,19 @@ pub use tensor::{GTensor, TensorId};
 
 /// Maximum number of dimensions of a ggml tensor.
 pub const MAX_DIMS: usize = ggml_sys::GGML_MAX_DIMS as usize;
+
+/// Whether this crate's CPU kernels multiply bf16 weights (`sd --type bf16`) on AMX tiles:
+/// the CPU has AMX-BF16 and the OS lets this process use it (`SD_AMX=0` turns them off).
+pub fn cpu_amx_bf16() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        host_amx::available()
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
 
 /// The ggml version string (for example `0.26.0`).
 pub fn version() -> String {

@@ -44,6 +44,11 @@ pub const LINEAR_HOST_NAME: &str = "linear_host";
 /// `[KW, KH, C, OC]`).
 pub const IMPLICIT_CONV_NAME: &str = "conv_2d_implicit";
 
+/// The name of the node of a convolution's product on AMX tiles (bf16 kernels where the
+/// CPU has AMX-BF16, see [`cpu_amx_bf16`](super::cpu_amx_bf16); a `CUSTOM` op whose sources
+/// are the bf16 im2col and the kernel `[KW, KH, C, OC]`).
+pub const TILE_CONV_NAME: &str = "conv_2d_tiles";
+
 fn bad(op: &'static str, detail: String) -> GgmlError {
     GgmlError::InvalidOperands { op, detail }
 }
@@ -817,6 +822,55 @@ impl Context {
                     })
                     .inspect(|t| {
                         t.set_name(IMPLICIT_CONV_NAME);
+                    });
+            }
+        }
+        // bf16 kernels on AMX tiles: this crate's bf16 im2col, then one op for the product,
+        // the layout and the bias (see `host_amx.rs`).
+        #[cfg(target_arch = "x86_64")]
+        if let Some((g, ow, oh)) = host {
+            let k = kn[0] * kn[1] * kn[2];
+            let bf16 = kernel.dtype() == Some(DType::BF16) && kernel.is_contiguous();
+            if bf16 && self.f32_products() && super::host_amx::covers(k, kn[3], true) {
+                // SAFETY: shapes and types checked (`check_conv`, `covers`, the bias's in
+                // `conv_2d_host`); two custom ops.
+                return self
+                    .op("conv_2d", 2, |c| unsafe {
+                        let mut args = [input.raw()];
+                        let im = sys::ggml_custom_4d(
+                            c,
+                            sys::GGML_TYPE_BF16,
+                            k as i64,
+                            ow as i64,
+                            oh as i64,
+                            xn[3] as i64,
+                            args.as_mut_ptr(),
+                            1,
+                            Some(super::host_conv::im2col_kernel),
+                            sys::GGML_N_TASKS_MAX,
+                            g.pack() as *mut std::ffi::c_void,
+                        );
+                        let mut args = [
+                            im,
+                            kernel.raw(),
+                            bias.map_or(std::ptr::null_mut(), |b| b.raw()),
+                        ];
+                        sys::ggml_custom_4d(
+                            c,
+                            sys::GGML_TYPE_F32,
+                            ow as i64,
+                            oh as i64,
+                            kn[3] as i64,
+                            xn[3] as i64,
+                            args.as_mut_ptr(),
+                            if bias.is_some() { 3 } else { 2 },
+                            Some(super::host_amx::conv_kernel),
+                            sys::GGML_N_TASKS_MAX,
+                            std::ptr::null_mut(),
+                        )
+                    })
+                    .inspect(|t| {
+                        t.set_name(TILE_CONV_NAME);
                     });
             }
         }

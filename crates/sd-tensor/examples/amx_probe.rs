@@ -1,0 +1,146 @@
+//! Times one matrix product `W x` (weights `[K, N]`, activations `[K, M]` f32) on the CPU
+//! backend four ways: ggml's f16 product, this crate's f32 product of f16 weights
+//! (`Context::linear`), ggml's q8_0 product, and ggml's q8_0 product with the weights in the
+//! CPU's `AMX` buffer type (int8 tiles), on the SD UNet's linear and convolution shapes:
+//! `cargo run --release -p sd-tensor --example amx_probe [threads]`.
+
+use std::time::Instant;
+
+use sd_tensor::ggml::{Backend, BufferType, Context, GTensor, Gallocr, Graph};
+use sd_tensor::DType;
+
+fn main() {
+    let threads: usize = std::env::args()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(2);
+    let extra: Vec<String> = BufferType::cpu_extra().iter().map(|b| b.name()).collect();
+    println!("CPU extra buffer types: {extra:?}");
+    let amx = BufferType::cpu_amx();
+    // ggml's AMX product faults in this ggml release (see `host_amx.rs`): asked for only.
+    let ggml_amx = std::env::var("PROBE_GGML_AMX").is_ok_and(|v| v == "1");
+    let backend = Backend::cpu(threads).unwrap();
+    // (K, N, M): projections, feed-forwards and 3x3 convolutions as products (K = 9 C).
+    for (k, n, m) in [
+        (320, 320, 8192),
+        (320, 2560, 8192),
+        (1280, 320, 8192),
+        (640, 5120, 2048),
+        (2560, 640, 2048),
+        (2880, 320, 8192),
+        (5760, 640, 2048),
+        (11520, 1280, 512),
+        (2048, 2048, 2048),
+    ] {
+        let mut line = format!("{k}->{n} x{m}:");
+        let flop = 2.0 * (k * n * m) as f64;
+        let cases: Vec<(&str, DType, BufferType, bool)> = [
+            ("ggml f16", DType::F16, BufferType::cpu(), false),
+            ("f32 kernel", DType::F16, BufferType::cpu(), true),
+            ("ggml q8_0", DType::Q8_0, BufferType::cpu(), false),
+            ("ggml bf16", DType::BF16, BufferType::cpu(), false),
+            ("tiles bf16", DType::BF16, BufferType::cpu(), true),
+        ]
+        .into_iter()
+        .chain(
+            amx.filter(|_| ggml_amx)
+                .map(|b| ("ggml AMX q8_0", DType::Q8_0, b, false)),
+        )
+        .collect();
+        for (name, dtype, buft, f32_products) in cases {
+            let wctx = Context::new_descriptors(4, 8, 1).unwrap();
+            let w = wctx.new_tensor(dtype, &[k, n]).unwrap();
+            let wbuf = buft.alloc_context_tensors(&wctx).unwrap();
+            let ctx = Context::new_descriptors(16, 64, 1).unwrap();
+            ctx.set_host_kernels(true);
+            ctx.set_f32_products(f32_products);
+            let x = ctx.new_tensor(DType::F32, &[k, m]).unwrap();
+            let xbuf = BufferType::cpu().alloc_context_tensors(&ctx).unwrap();
+            fill(&w, 1);
+            fill(&x, 3);
+            let y = ctx.linear(&w, &x, None).unwrap();
+            let best = best_of_three(&ctx, &y, &backend);
+            line += &format!(
+                "  {name} {:.1} ms {:.0} GFLOP/s",
+                best * 1e3,
+                flop / best / 1e9
+            );
+            drop((xbuf, wbuf));
+        }
+        println!("{line}");
+    }
+    for shape in [
+        (64, 64, 320, 320, 2, 3),
+        (64, 64, 960, 320, 2, 3),
+        (32, 32, 640, 640, 2, 3),
+        (16, 16, 1280, 1280, 2, 3),
+        (128, 128, 512, 512, 1, 3),
+        (256, 256, 256, 256, 1, 3),
+        (512, 512, 128, 128, 1, 3),
+    ] {
+        conv(&backend, shape);
+    }
+}
+
+/// Times one 3x3 (or 1x1) convolution `c -> oc` over `n` images of `w x h`: f16 kernels on
+/// this crate's implicit f32 kernel, bf16 kernels on ggml's product (after the bf16 im2col)
+/// and on tiles.
+fn conv(backend: &Backend, (w, h, c, oc, n, k): (usize, usize, usize, usize, usize, usize)) {
+    let mut line = format!("conv {w}x{h} {c}->{oc} n{n} k{k}:");
+    let flop = 2.0 * (w * h * n * oc * c * k * k) as f64;
+    for (name, dtype, own) in [
+        ("f16 implicit", DType::F16, true),
+        ("ggml bf16", DType::BF16, false),
+        ("tiles bf16", DType::BF16, true),
+    ] {
+        let ctx = Context::new_descriptors(16, 64, 1).unwrap();
+        ctx.set_host_kernels(true);
+        ctx.set_f32_products(own);
+        let kt = ctx.new_tensor(dtype, &[k, k, c, oc]).unwrap();
+        let b = ctx.new_tensor(DType::F32, &[oc]).unwrap();
+        let x = ctx.new_tensor(DType::F32, &[w, h, c, n]).unwrap();
+        let buf = BufferType::cpu().alloc_context_tensors(&ctx).unwrap();
+        fill(&kt, 1);
+        fill(&b, 2);
+        fill(&x, 3);
+        let p = (k - 1) / 2;
+        let y = ctx
+            .conv_2d_host(&kt, &x, Some(&b), (1, 1), (p, p), (1, 1), false)
+            .unwrap();
+        let best = best_of_three(&ctx, &y, backend);
+        line += &format!(
+            "  {name} {:.1} ms {:.0} GFLOP/s",
+            best * 1e3,
+            flop / best / 1e9
+        );
+        drop(buf);
+    }
+    println!("{line}");
+}
+
+/// Fills `t` with fixed values in [-0.5, 0.5) (a multiplicative hash of the index and `seed`).
+fn fill(t: &GTensor, seed: u32) {
+    let v: Vec<f32> = (0..t.nelements())
+        .map(|i| {
+            ((i as u32).wrapping_mul(2654435761).wrapping_add(seed) >> 8) as f32 / 16777216.0 - 0.5
+        })
+        .collect();
+    t.write_f32(&v).unwrap();
+}
+
+/// Allocates the graph of `y` on `backend` and returns its fastest of three computes, in
+/// seconds.
+fn best_of_three(ctx: &Context, y: &GTensor, backend: &Backend) -> f64 {
+    y.set_output();
+    let mut graph = Graph::new(ctx, 64).unwrap();
+    graph.build_forward_expand(y).unwrap();
+    let mut galloc = Gallocr::new(backend.buffer_type()).unwrap();
+    galloc.alloc_graph(&graph).unwrap();
+    (0..3)
+        .map(|_| {
+            let t = Instant::now();
+            backend.compute(&graph).unwrap();
+            t.elapsed().as_secs_f64()
+        })
+        .fold(f64::MAX, f64::min)
+}

@@ -1,0 +1,599 @@
+//! bf16 matrix products on Intel AMX tiles (`tdpbf16ps`), for the CPU kernels of this
+//! crate when a graph's weights are bf16 (`sd --type bf16`) and the CPU has AMX-BF16
+//! (Sapphire Rapids and later Xeons).
+//!
+//! **Why our own.** ggml's AMX path takes int8-quantized weights only (q8_0, q4_K, ...), and
+//! in the ggml release this project builds it faults on GCC builds: the tile configuration
+//! it keeps on the stack is optimised away before `ldtilecfg` reads it (upstream pull
+//! request 26954, open). A bf16 tile product needs no quantization of the activations and
+//! runs 16 bf16 products per f32 lane and cycle where AVX512-BF16 runs 2.
+//!
+//! **The product.** `C = A B` with `A` the weight, `M` rows of `K` bf16 values (`K` a
+//! multiple of 32, rows `lda` bytes apart: a linear weight or a convolution kernel as
+//! ggml stores them), `B` the activations packed by the caller as `[K / 2][32]` words per
+//! block of 32 columns (a word holds the bf16 values `2p` and `2p + 1` of one column: the
+//! tiles' VNNI layout), `C` f32. Each call of [`Blocks::run`] computes `32 x 32` blocks of `C`
+//! on eight tiles: `A` rows in `tmm2`/`tmm3`, `B` columns in `tmm0`/`tmm1`, the four
+//! accumulators in `tmm4`-`tmm7`; the caller writes each finished block where it belongs.
+//! The sums are f32 (the tiles accumulate pairs of bf16 products in f32).
+//!
+//! Tiles are used through `asm!` (Rust's AMX intrinsics are not stable). The tile state is
+//! the calling thread's: every kernel configures it on entry ([`Blocks::new`]) and releases
+//! it when done (its `Drop`).
+
+#![allow(unsafe_op_in_unsafe_fn)]
+
+use std::arch::asm;
+use std::sync::OnceLock;
+
+/// Rows and columns of one output block.
+pub(crate) const BLOCK: usize = 32;
+
+/// Whether this CPU and OS run AMX-BF16 tiles (asked once; `SD_AMX=0` turns them off).
+pub(crate) fn available() -> bool {
+    static OK: OnceLock<bool> = OnceLock::new();
+    *OK.get_or_init(|| std::env::var("SD_AMX").map_or(true, |v| v != "0") && detect())
+}
+
+fn detect() -> bool {
+    use std::arch::x86_64::{__cpuid, __cpuid_count};
+    let (max, leaf7) = (__cpuid(0).eax, __cpuid_count(7, 0));
+    if max < 7 {
+        return false;
+    }
+    let amx_bf16 = leaf7.edx >> 22 & 1 == 1;
+    let amx_tile = leaf7.edx >> 24 & 1 == 1;
+    if !(amx_bf16 && amx_tile && std::arch::is_x86_feature_detected!("avx512f")) {
+        return false;
+    }
+    // Linux keeps the tile data state off until the process asks for it
+    // (ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA); the answer covers every thread.
+    const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
+    const XFEATURE_XTILEDATA: libc::c_long = 18;
+    // SAFETY: a plain system call with integer arguments.
+    unsafe {
+        libc::syscall(
+            libc::SYS_arch_prctl,
+            ARCH_REQ_XCOMP_PERM,
+            XFEATURE_XTILEDATA,
+        ) == 0
+    }
+}
+
+/// `ldtilecfg`'s 64-byte operand (palette 1).
+#[repr(C, align(64))]
+struct TileConfig {
+    palette: u8,
+    start_row: u8,
+    reserved: [u8; 14],
+    colsb: [u16; 16],
+    rows: [u8; 16],
+}
+
+/// A configured tile state: eight tiles of 16 rows x 64 bytes. Released on drop.
+pub(crate) struct Blocks(());
+
+macro_rules! tile_load {
+    ($t:literal, $ptr:expr, $stride:expr) => {
+        asm!(
+            concat!("tileloadd tmm", $t, ", [{p} + {s}]"),
+            p = in(reg) $ptr,
+            s = in(reg) $stride,
+            options(nostack, readonly, preserves_flags)
+        )
+    };
+}
+
+macro_rules! tile_store {
+    ($t:literal, $ptr:expr, $stride:expr) => {
+        asm!(
+            concat!("tilestored [{p} + {s}], tmm", $t),
+            p = in(reg) $ptr,
+            s = in(reg) $stride,
+            options(nostack, preserves_flags)
+        )
+    };
+}
+
+macro_rules! tile_dot {
+    ($c:literal, $a:literal, $b:literal) => {
+        asm!(
+            concat!("tdpbf16ps tmm", $c, ", tmm", $a, ", tmm", $b),
+            options(nostack, nomem, preserves_flags)
+        )
+    };
+}
+
+impl Blocks {
+    /// Configures this thread's tiles.
+    ///
+    /// # Safety
+    /// [`available`] returned true; no other tile state of this thread is live.
+    pub(crate) unsafe fn new() -> Blocks {
+        let cfg = TileConfig {
+            palette: 1,
+            start_row: 0,
+            reserved: [0; 14],
+            colsb: [64, 64, 64, 64, 64, 64, 64, 64, 0, 0, 0, 0, 0, 0, 0, 0],
+            rows: [16, 16, 16, 16, 16, 16, 16, 16, 0, 0, 0, 0, 0, 0, 0, 0],
+        };
+        // The configuration is read from memory: `cfg` lives on this frame until after it.
+        asm!(
+            "ldtilecfg [{p}]",
+            p = in(reg) &cfg as *const TileConfig,
+            options(nostack, readonly, preserves_flags)
+        );
+        Blocks(())
+    }
+
+    /// One `32 x 32` block of `C = A B` into `c` (row-major, 32 f32 a row): `a` points at 32
+    /// rows of `A` (`lda` bytes apart, `32 kb` bf16 values each), `b` at `16 kb` rows of 32
+    /// packed words (`ldb` bytes apart; see the module doc).
+    ///
+    /// # Safety
+    /// All 32 rows of `a` and all `16 kb` rows of `b` are readable for `64 kb` and 128 bytes.
+    #[inline]
+    pub(crate) unsafe fn run(
+        &mut self,
+        a: *const u8,
+        lda: usize,
+        b: *const u8,
+        ldb: usize,
+        kb: usize,
+        c: &mut [f32; BLOCK * BLOCK],
+    ) {
+        asm!(
+            "tilezero tmm4",
+            "tilezero tmm5",
+            "tilezero tmm6",
+            "tilezero tmm7",
+            options(nostack, nomem, preserves_flags)
+        );
+        let a1 = a.add(16 * lda);
+        for i in 0..kb {
+            let bp = b.add(16 * i * ldb);
+            tile_load!("2", a.add(64 * i), lda);
+            tile_load!("3", a1.add(64 * i), lda);
+            tile_load!("0", bp, ldb);
+            tile_load!("1", bp.add(64), ldb);
+            tile_dot!("4", "2", "0");
+            tile_dot!("5", "3", "0");
+            tile_dot!("6", "2", "1");
+            tile_dot!("7", "3", "1");
+        }
+        let p = c.as_mut_ptr() as *mut u8;
+        let ldc = BLOCK * 4;
+        tile_store!("4", p, ldc);
+        tile_store!("6", p.add(64), ldc);
+        tile_store!("5", p.add(16 * ldc), ldc);
+        tile_store!("7", p.add(16 * ldc + 64), ldc);
+    }
+}
+
+impl Drop for Blocks {
+    fn drop(&mut self) {
+        // SAFETY: this thread's tiles were configured by `new`.
+        unsafe { asm!("tilerelease", options(nostack, nomem, preserves_flags)) };
+    }
+}
+
+/// One f32 as bf16 bits, rounded to nearest even (as ggml rounds).
+#[inline(always)]
+pub(crate) fn bf16_bits(x: f32) -> u32 {
+    half::bf16::from_f32(x).to_bits() as u32
+}
+
+/// Packs up to 32 columns of f32 activations as the product's `B` operand: column `j` is
+/// `col(j)` (`k` values; `k` even), packed as `dst[p * 32 + j] = (v[2p], v[2p + 1])`;
+/// columns past `cols` and pairs past `k / 2` (up to `kp / 2`) are zero.
+///
+/// # Safety
+/// Each `col(j)` for `j < cols` points at `k` readable f32 values; `dst` holds
+/// `kp / 2 * 32` words, `kp >= k`.
+pub(crate) unsafe fn pack_f32_columns(
+    cols: usize,
+    k: usize,
+    kp: usize,
+    col: impl Fn(usize) -> *const f32,
+    dst: &mut [u32],
+) {
+    let half = k / 2;
+    dst[..kp / 2 * BLOCK].fill(0);
+    for j in 0..cols.min(BLOCK) {
+        let v = std::slice::from_raw_parts(col(j), k);
+        for p in 0..half {
+            dst[p * BLOCK + j] = bf16_bits(v[2 * p]) | bf16_bits(v[2 * p + 1]) << 16;
+        }
+    }
+}
+
+/// Packs up to 32 columns of bf16 activations (`col(j)` points at `k` bf16 values as
+/// `u16` bits, `k` even) as [`pack_f32_columns`] does.
+///
+/// # Safety
+/// As [`pack_f32_columns`], for `k` readable `u16` values a column.
+pub(crate) unsafe fn pack_bf16_columns(
+    cols: usize,
+    k: usize,
+    kp: usize,
+    col: impl Fn(usize) -> *const u16,
+    dst: &mut [u32],
+) {
+    let half = k / 2;
+    dst[..kp / 2 * BLOCK].fill(0);
+    for j in 0..cols.min(BLOCK) {
+        let v = std::slice::from_raw_parts(col(j) as *const u32, half);
+        for (p, w) in v.iter().enumerate() {
+            dst[p * BLOCK + j] = *w;
+        }
+    }
+}
+
+/// Bytes of packed `B` columns a kernel keeps per panel (reused by every row block of the
+/// weight): about half of a Sapphire Rapids core's 2 MiB L2.
+const PANEL_BYTES: usize = 1 << 20;
+
+/// Whether the tile products compute a product of this bf16 weight: `k` (the rows'
+/// length) and `m` (its rows) multiples of 32, contiguous rows; AMX present.
+pub(crate) fn covers(k: usize, m: usize, weight_bf16_contiguous: bool) -> bool {
+    weight_bf16_contiguous
+        && k > 0
+        && m > 0
+        && k.is_multiple_of(BLOCK)
+        && m.is_multiple_of(BLOCK)
+        && available()
+}
+
+/// Runs the product of `weight` (`m` rows of `k` bf16 values, contiguous) with the column
+/// blocks `blocks` (32 columns each; `cols` columns in all), packing each block with
+/// `pack(block, dst)` and handing every finished `32 x 32` result to
+/// `write(row0, col0, ncols, c)` (`c[r * 32 + j]` is row `row0 + r`, column `col0 + j`).
+///
+/// # Safety
+/// `weight` holds `m * k` bf16 values; [`covers`] accepted `k`, `m`; `pack` fills the
+/// `k / 2 * 32` words it is given.
+unsafe fn product(
+    weight: *const u16,
+    k: usize,
+    m: usize,
+    cols: usize,
+    blocks: std::ops::Range<usize>,
+    pack: impl Fn(usize, &mut [u32]),
+    mut write: impl FnMut(usize, usize, usize, &[f32; BLOCK * BLOCK]),
+) {
+    if blocks.is_empty() {
+        return;
+    }
+    let block_words = k / 2 * BLOCK;
+    let panel = (PANEL_BYTES / (block_words * 4)).clamp(1, blocks.len());
+    super::host_conv::with_scratch(panel * block_words, |scratch| {
+        // SAFETY: the scratch's f32 values reinterpreted as words of the same size.
+        let packed =
+            std::slice::from_raw_parts_mut(scratch.as_mut_ptr() as *mut u32, panel * block_words);
+        let mut tiles = Blocks::new();
+        let mut c = [0f32; BLOCK * BLOCK];
+        let mut b0 = blocks.start;
+        while b0 < blocks.end {
+            let b1 = (b0 + panel).min(blocks.end);
+            for (i, b) in (b0..b1).enumerate() {
+                pack(b, &mut packed[i * block_words..(i + 1) * block_words]);
+            }
+            for row0 in (0..m).step_by(BLOCK) {
+                let a = weight.add(row0 * k) as *const u8;
+                for (i, b) in (b0..b1).enumerate() {
+                    let bp = packed[i * block_words..].as_ptr() as *const u8;
+                    tiles.run(a, k * 2, bp, BLOCK * 4, k / BLOCK, &mut c);
+                    let col0 = b * BLOCK;
+                    write(row0, col0, (cols - col0).min(BLOCK), &c);
+                }
+            }
+            b0 = b1;
+        }
+    });
+}
+
+/// f32 values as bf16 bits, rounded to nearest even, NaN kept a (quiet) NaN: ggml's
+/// rounding, in a form the compiler vectorises.
+#[inline]
+fn to_bf16_row(src: &[f32], dst: &mut [u16]) {
+    for (d, s) in dst.iter_mut().zip(src) {
+        let u = s.to_bits();
+        let rounded = (u.wrapping_add(0x7fff + (u >> 16 & 1)) >> 16) as u16;
+        let nan = ((u >> 16) | 64) as u16;
+        *d = if u & 0x7fff_ffff > 0x7f80_0000 {
+            nan
+        } else {
+            rounded
+        };
+    }
+}
+
+/// Output features below which [`linear`] makes the tokens the product's `A`
+/// ([`linear_token_rows`]) rather than the weight ([`linear_weight_rows`]): on a 2-core
+/// Sapphire Rapids slice, `320 -> 320` over 8192 tokens ran at 539 against 354 GFLOP/s,
+/// `1280 -> 320` 581 against 410, `2560 -> 640` over 2048 639 against 755, `640 -> 5120`
+/// 576 against 993 (`examples/amx_probe.rs`).
+const TOKEN_ROWS_BELOW: usize = 512;
+
+/// The linear layer's custom op on tiles (see `host_linear.rs` for the sources and the
+/// output): thread `ith` of `nth` takes a share of the columns (tokens) in blocks of 32.
+///
+/// # Safety
+/// As `host_linear::linear_kernel`, with a bf16 weight [`covers`] accepted.
+pub(crate) unsafe fn linear(
+    dst: &ggml_sys::ggml_tensor,
+    x: &ggml_sys::ggml_tensor,
+    w: &ggml_sys::ggml_tensor,
+    bias: Option<&[f32]>,
+    ith: usize,
+    nth: usize,
+) {
+    if (w.ne[1] as usize) < TOKEN_ROWS_BELOW {
+        linear_token_rows(dst, x, w, bias, ith, nth);
+    } else {
+        linear_weight_rows(dst, x, w, bias, ith, nth);
+    }
+}
+
+/// [`linear`] with the weight as the product's `A` (its rows as stored, no packing) and the
+/// tokens as `B` (packed a block of 32 at a time); results written transposed.
+///
+/// # Safety
+/// As [`linear`].
+unsafe fn linear_weight_rows(
+    dst: &ggml_sys::ggml_tensor,
+    x: &ggml_sys::ggml_tensor,
+    w: &ggml_sys::ggml_tensor,
+    bias: Option<&[f32]>,
+    ith: usize,
+    nth: usize,
+) {
+    let (k, m) = (w.ne[0] as usize, w.ne[1] as usize);
+    let n = (x.ne[1] * x.ne[2] * x.ne[3]) as usize;
+    let blocks = super::host_conv::thread_share(n.div_ceil(BLOCK), ith as _, nth as _);
+    let (xd, out) = (x.data as *const f32, dst.data as *mut f32);
+    product(
+        w.data as *const u16,
+        k,
+        m,
+        n,
+        blocks,
+        |b, dst| {
+            let col0 = b * BLOCK;
+            pack_f32_columns((n - col0).min(BLOCK), k, k, |j| xd.add((col0 + j) * k), dst)
+        },
+        |row0, col0, ncols, c| {
+            for j in 0..ncols {
+                let o = std::slice::from_raw_parts_mut(out.add((col0 + j) * m + row0), BLOCK);
+                for (r, v) in o.iter_mut().enumerate() {
+                    *v = c[r * BLOCK + j] + bias.map_or(0.0, |b| b[row0 + r]);
+                }
+            }
+        },
+    );
+}
+
+/// [`linear`] with the tokens as the product's `A` (rows of `K` values, rounded to bf16 a
+/// chunk at a time) and the weight as its `B`, packed once a call by each thread: each
+/// output row (one token's features) is written as stored, contiguous.
+///
+/// # Safety
+/// As [`linear`].
+unsafe fn linear_token_rows(
+    dst: &ggml_sys::ggml_tensor,
+    x: &ggml_sys::ggml_tensor,
+    w: &ggml_sys::ggml_tensor,
+    bias: Option<&[f32]>,
+    ith: usize,
+    nth: usize,
+) {
+    let (k, m) = (w.ne[0] as usize, w.ne[1] as usize);
+    let n = (x.ne[1] * x.ne[2] * x.ne[3]) as usize;
+    let blocks = super::host_conv::thread_share(n.div_ceil(BLOCK), ith as _, nth as _);
+    let (xd, out) = (x.data as *const f32, dst.data as *mut f32);
+    token_rows(
+        w.data as *const u32,
+        k,
+        m,
+        n,
+        blocks,
+        |t, d| to_bf16_row(std::slice::from_raw_parts(xd.add(t * k), k), d),
+        |t, col0, c| {
+            let o = std::slice::from_raw_parts_mut(out.add(t * m + col0), BLOCK);
+            match bias {
+                Some(b) => {
+                    for ((v, x), b) in o.iter_mut().zip(c).zip(&b[col0..col0 + BLOCK]) {
+                        *v = x + b;
+                    }
+                }
+                None => o.copy_from_slice(c),
+            }
+        },
+    );
+}
+
+/// The product `rows x weight^T` with the rows (`n` of them, `k` values each) as the tiles'
+/// `A` and the weight (`m` rows of `k` bf16 values, as `k / 2` words each) as `B`, packed
+/// once a call by each thread. `row(t, dst)` writes row `t` as bf16; `write(t, col0, c)`
+/// takes the 32 results of row `t`, columns `col0..col0 + 32`. Rows are taken in blocks of
+/// 32 (`blocks`), converted about 512 KiB at a time.
+///
+/// # Safety
+/// `weight` holds `m * k / 2` words; [`covers`] accepted `k`, `m`.
+unsafe fn token_rows(
+    weight: *const u32,
+    k: usize,
+    m: usize,
+    n: usize,
+    blocks: std::ops::Range<usize>,
+    row: impl Fn(usize, &mut [u16]),
+    mut write: impl FnMut(usize, usize, &[f32]),
+) {
+    if blocks.is_empty() {
+        return;
+    }
+    let chunk = ((1usize << 18) / k).clamp(1, blocks.len());
+    let (wwords, awords) = (k / 2 * m, chunk * BLOCK * k / 2);
+    super::host_conv::with_scratch(wwords + awords, |scratch| {
+        // SAFETY: the scratch's f32 values reinterpreted as words of the same size.
+        let scratch =
+            std::slice::from_raw_parts_mut(scratch.as_mut_ptr() as *mut u32, wwords + awords);
+        let (packed, rows) = scratch.split_at_mut(wwords);
+        // B: word p of weight row j (its bf16 values 2p, 2p + 1) at p * m + j.
+        for j in 0..m {
+            let wr = std::slice::from_raw_parts(weight.add(j * k / 2), k / 2);
+            for (p, v) in wr.iter().enumerate() {
+                packed[p * m + j] = *v;
+            }
+        }
+        let rows = std::slice::from_raw_parts_mut(rows.as_mut_ptr() as *mut u16, awords * 2);
+        let mut tiles = Blocks::new();
+        let mut c = [0f32; BLOCK * BLOCK];
+        let mut b0 = blocks.start;
+        while b0 < blocks.end {
+            let b1 = (b0 + chunk).min(blocks.end);
+            let (t0, t1) = (b0 * BLOCK, (b1 * BLOCK).min(n));
+            for t in t0..b1 * BLOCK {
+                let d = &mut rows[(t - t0) * k..(t - t0 + 1) * k];
+                if t < t1 {
+                    row(t, d);
+                } else {
+                    d.fill(0);
+                }
+            }
+            for col0 in (0..m).step_by(BLOCK) {
+                let bp = packed.as_ptr().add(col0) as *const u8;
+                for tb in (t0..t1).step_by(BLOCK) {
+                    let a = rows.as_ptr().add((tb - t0) * k) as *const u8;
+                    tiles.run(a, k * 2, bp, m * 4, k / BLOCK, &mut c);
+                    for r in 0..(t1 - tb).min(BLOCK) {
+                        write(tb + r, col0, &c[r * BLOCK..(r + 1) * BLOCK]);
+                    }
+                }
+            }
+            b0 = b1;
+        }
+    });
+}
+
+/// A convolution's product and epilogue on tiles, as one custom op: `src[0]` the bf16
+/// im2col `[K, OW, OH, N]` (this crate's im2col), `src[1]` the bf16 kernel `[KW, KH, IC, OC]`
+/// (contiguous, `K = KW KH IC`), `src[2]` the bias `[OC]` f32 or absent; `dst`
+/// `[OW, OH, OC, N]` f32. Thread `ith` of `nth` takes a share of (image, block of 32 pixels).
+///
+/// # Safety
+/// Called by ggml on a `dst` built by `Context::conv_2d_host` after [`covers`] accepted
+/// `K` and `OC` of a contiguous bf16 kernel.
+pub(crate) unsafe extern "C" fn conv_kernel(
+    dst: *mut ggml_sys::ggml_tensor,
+    ith: std::ffi::c_int,
+    nth: std::ffi::c_int,
+    _userdata: *mut std::ffi::c_void,
+) {
+    let (d, im, w) = (&*dst, &*(*dst).src[0], &*(*dst).src[1]);
+    let (k, oc) = (im.ne[0] as usize, w.ne[3] as usize);
+    let p = (im.ne[1] * im.ne[2]) as usize;
+    let images = im.ne[3] as usize;
+    let bias = (*dst).src[2]
+        .as_ref()
+        .map(|b| std::slice::from_raw_parts(b.data as *const f32, oc));
+    let (imd, out) = (im.data as *const u16, d.data as *mut f32);
+    let per_image = p.div_ceil(BLOCK);
+    let items = super::host_conv::thread_share(images * per_image, ith, nth);
+    // Items of one image at a time: the product's columns are that image's pixels.
+    let mut i0 = items.start;
+    while i0 < items.end {
+        let img = i0 / per_image;
+        let i1 = items.end.min((img + 1) * per_image);
+        let base = imd.add(img * p * k);
+        let out_img = out.add(img * oc * p);
+        product(
+            w.data as *const u16,
+            k,
+            oc,
+            p,
+            i0 - img * per_image..i1 - img * per_image,
+            |b, dst| {
+                let col0 = b * BLOCK;
+                pack_bf16_columns(
+                    (p - col0).min(BLOCK),
+                    k,
+                    k,
+                    |j| base.add((col0 + j) * k),
+                    dst,
+                )
+            },
+            |row0, col0, ncols, c| {
+                for r in 0..BLOCK {
+                    let o =
+                        std::slice::from_raw_parts_mut(out_img.add((row0 + r) * p + col0), ncols);
+                    let add = bias.map_or(0.0, |b| b[row0 + r]);
+                    for (j, v) in o.iter_mut().enumerate() {
+                        *v = c[r * BLOCK + j] + add;
+                    }
+                }
+            },
+        );
+        i0 = i1;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn value(i: usize, seed: usize) -> f32 {
+        ((i.wrapping_mul(2654435761).wrapping_add(seed) >> 8) % 1000) as f32 / 500.0 - 1.0
+    }
+
+    #[test]
+    fn tile_blocks_equal_the_bf16_product() {
+        if !available() {
+            eprintln!("skipped: no AMX-BF16 on this CPU");
+            return;
+        }
+        let (m, k) = (32, 96);
+        let round = |x: f32| half::bf16::from_f32(x).to_f32();
+        let a: Vec<u16> = (0..m * k)
+            .map(|i| half::bf16::from_f32(value(i, 1)).to_bits())
+            .collect();
+        let cols: Vec<Vec<f32>> = (0..20)
+            .map(|j| (0..k).map(|i| value(i + 1000 * j, 2)).collect())
+            .collect();
+        let mut b = vec![0u32; k / 2 * BLOCK];
+        // SAFETY: 20 columns of k values; b holds k/2 * 32 words.
+        unsafe { pack_f32_columns(cols.len(), k, k, |j| cols[j].as_ptr(), &mut b) };
+        let mut c = [0f32; BLOCK * BLOCK];
+        // SAFETY: AMX present; a has 32 rows of k values, b k/2 rows of 32 words.
+        unsafe {
+            let mut t = Blocks::new();
+            t.run(
+                a.as_ptr() as *const u8,
+                k * 2,
+                b.as_ptr() as *const u8,
+                128,
+                k / 32,
+                &mut c,
+            );
+        }
+        for r in 0..m {
+            for j in 0..BLOCK {
+                let want: f64 = if j < cols.len() {
+                    (0..k)
+                        .map(|i| {
+                            half::bf16::from_bits(a[r * k + i]).to_f32() as f64
+                                * round(cols[j][i]) as f64
+                        })
+                        .sum()
+                } else {
+                    0.0
+                };
+                let got = c[r * BLOCK + j] as f64;
+                assert!(
+                    (got - want).abs() < 1e-4 * (1.0 + want.abs()),
+                    "({r}, {j}): {got} vs {want}"
+                );
+            }
+        }
+    }
+}
