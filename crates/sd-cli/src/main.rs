@@ -470,7 +470,7 @@ fn generate(cli: &Cli, threads: usize) -> Result<(), Fail> {
     if on_cpu && cli.weight_type.is_none() && sd_tensor::ggml::cpu_amx_bf16() {
         tracing::info!(
             "this CPU has AMX-BF16 tiles: with f16 or f32 weights, `--type bf16` runs the \
-             UNet step about 1.4x faster, at bf16's precision"
+             UNet step about 2x faster, at bf16's precision"
         );
     } else if on_cpu && cli.weight_type.is_none() && devices::cpu_has_bf16_products() {
         tracing::info!(

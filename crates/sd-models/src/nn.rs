@@ -97,11 +97,14 @@ impl Conv2d {
         let kn = self.weight.ne();
         let pointwise = kn[0] == 1 && kn[1] == 1 && self.stride == 1 && self.padding == 0;
         // The CPU kernels take 1x1 convolutions too (their transposes are ggml's slowest
-        // copies) when their im2col keeps the precision of the matmul path: f16 kernels
-        // (ggml converts the activations to f16 either way), f32 kernels with exact numerics.
+        // copies) when their im2col keeps the precision of the matmul path: f16 and bf16
+        // kernels (ggml converts the activations to the kernel's type either way; bf16 ones
+        // run on AMX tiles where the CPU has them), f32 kernels with exact numerics.
         let wt = self.weight.dtype();
         let host = g.opts.host_kernels
-            && (!pointwise || wt == Some(DType::F16) || (wt == Some(DType::F32) && g.opts.exact));
+            && (!pointwise
+                || matches!(wt, Some(DType::F16 | DType::BF16))
+                || (wt == Some(DType::F32) && g.opts.exact));
         let y = if pointwise && !host {
             // 1x1: a matmul over channels.
             let xn = x.ne();

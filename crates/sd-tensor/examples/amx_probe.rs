@@ -69,6 +69,38 @@ fn main() {
         }
         println!("{line}");
     }
+    // SD1.5 self-attention at 64x64 and 32x32 latents (batch 2): f32 products, then bf16
+    // (tiles where the CPU has AMX-BF16 and `SD_AMX` is not 0, else AVX512-BF16).
+    for (heads, d, n) in [(8, 40, 4096), (8, 80, 1024)] {
+        let mut line = format!("attention {heads}x{d} over {n}:");
+        // Two products of 2 n n d per head and image.
+        let flop = 2.0 * heads as f64 * 4.0 * (n * n * d) as f64;
+        for bf16 in [false, true] {
+            let ctx = Context::new_descriptors(16, 64, 1).unwrap();
+            ctx.set_bf16_attention(bf16);
+            let q = ctx.new_tensor(DType::F32, &[heads * d, n, 2]).unwrap();
+            let k = ctx.new_tensor(DType::F32, &[heads * d, n, 2]).unwrap();
+            let v = ctx.new_tensor(DType::F32, &[heads * d, n, 2]).unwrap();
+            let buf = BufferType::cpu().alloc_context_tensors(&ctx).unwrap();
+            fill(&q, 1);
+            fill(&k, 2);
+            fill(&v, 3);
+            let scale = 1.0 / (d as f32).sqrt();
+            let y = ctx
+                .attention_host(&q, &k, &v, heads, scale)
+                .unwrap()
+                .unwrap();
+            let best = best_of_three(&ctx, &y, &backend);
+            let name = if bf16 { "bf16" } else { "f32" };
+            line += &format!(
+                "  {name} {:.1} ms {:.0} GFLOP/s",
+                best * 1e3,
+                flop / best / 1e9
+            );
+            drop(buf);
+        }
+        println!("{line}");
+    }
     for shape in [
         (64, 64, 320, 320, 2, 3),
         (64, 64, 960, 320, 2, 3),

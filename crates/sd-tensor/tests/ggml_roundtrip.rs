@@ -919,7 +919,7 @@ fn host_channels_innermost_convolution_agrees_with_ggmls_ops() {
 /// f64: one to eight heads, value widths unlike the key width, several query blocks and one,
 /// two batch items, q, k and v read in place from one fused `[q | k | v]` projection (row
 /// strides wider than the operand), 1 and 3 threads, f32 and (where the CPU has AVX512-BF16)
-/// bf16 products; a mismatched shape is `None`.
+/// bf16 products (on AMX tiles where it also has AMX-BF16); a mismatched shape is `None`.
 #[test]
 fn host_attention_matches_softmax_attention() {
     // (heads, d, dv, n_q, n_kv)
@@ -1031,7 +1031,8 @@ fn host_attention_matches_softmax_attention() {
 
 /// bf16 weights on AMX tiles, where the CPU has AMX-BF16 (skipped elsewhere): linear layers
 /// with fewer and with more than 512 output features (the tokens, then the weight as the
-/// tiles' rows), token counts that are not multiples of 32, and convolutions (3x3 and 1x1,
+/// tiles' rows; the latter from 32 tokens on), token counts that are not multiples of 32,
+/// and convolutions (3x3 and 1x1,
 /// 32 and 64 output channels, several images whose pixel counts are not multiples of 32)
 /// agree with ggml's f32 ops on the same bf16 values to f32 rounding, with and without a
 /// bias, 1 and 3 threads: one custom op a linear layer, two a convolution (the bf16 im2col and
@@ -1059,9 +1060,15 @@ fn amx_tiles_agree_with_ggmls_f32_ops_on_bf16_values() {
             );
         }
     };
-    for (i, (k, m, cols)) in [(64, 96, 515), (96, 512, 520), (320, 320, 600)]
-        .into_iter()
-        .enumerate()
+    // (the second and fourth: 512 features, from one block of 32 tokens on)
+    for (i, (k, m, cols)) in [
+        (64, 96, 515),
+        (96, 512, 520),
+        (320, 320, 600),
+        (64, 512, 40),
+    ]
+    .into_iter()
+    .enumerate()
     {
         for threads in [1, 3] {
             let ctx = Context::new_descriptors(32, 32, 1).unwrap();

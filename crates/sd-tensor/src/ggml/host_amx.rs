@@ -142,6 +142,25 @@ impl Blocks {
         kb: usize,
         c: &mut [f32; BLOCK * BLOCK],
     ) {
+        self.run_to(a, lda, b, ldb, kb, c.as_mut_ptr(), BLOCK * 4);
+    }
+
+    /// [`run`](Self::run) with the block stored at `c`, its 32 rows `ldc` bytes apart.
+    ///
+    /// # Safety
+    /// As [`run`](Self::run); 32 rows of 32 f32 at `c`, `ldc` bytes apart, are writable.
+    #[inline]
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) unsafe fn run_to(
+        &mut self,
+        a: *const u8,
+        lda: usize,
+        b: *const u8,
+        ldb: usize,
+        kb: usize,
+        c: *mut f32,
+        ldc: usize,
+    ) {
         asm!(
             "tilezero tmm4",
             "tilezero tmm5",
@@ -161,8 +180,7 @@ impl Blocks {
             tile_dot!("6", "2", "1");
             tile_dot!("7", "3", "1");
         }
-        let p = c.as_mut_ptr() as *mut u8;
-        let ldc = BLOCK * 4;
+        let p = c as *mut u8;
         tile_store!("4", p, ldc);
         tile_store!("6", p.add(64), ldc);
         tile_store!("5", p.add(16 * ldc), ldc);
@@ -295,7 +313,7 @@ unsafe fn product(
 /// f32 values as bf16 bits, rounded to nearest even, NaN kept a (quiet) NaN: ggml's
 /// rounding, in a form the compiler vectorises.
 #[inline]
-fn to_bf16_row(src: &[f32], dst: &mut [u16]) {
+pub(crate) fn to_bf16_row(src: &[f32], dst: &mut [u16]) {
     for (d, s) in dst.iter_mut().zip(src) {
         let u = s.to_bits();
         let rounded = (u.wrapping_add(0x7fff + (u >> 16 & 1)) >> 16) as u16;
@@ -313,7 +331,7 @@ fn to_bf16_row(src: &[f32], dst: &mut [u16]) {
 /// Sapphire Rapids slice, `320 -> 320` over 8192 tokens ran at 539 against 354 GFLOP/s,
 /// `1280 -> 320` 581 against 410, `2560 -> 640` over 2048 639 against 755, `640 -> 5120`
 /// 576 against 993 (`examples/amx_probe.rs`).
-const TOKEN_ROWS_BELOW: usize = 512;
+pub(crate) const TOKEN_ROWS_BELOW: usize = 512;
 
 /// The linear layer's custom op on tiles (see `host_linear.rs` for the sources and the
 /// output): thread `ith` of `nth` takes a share of the columns (tokens) in blocks of 32.

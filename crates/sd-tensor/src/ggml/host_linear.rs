@@ -41,20 +41,29 @@ pub(crate) fn covers(
     x_ne: [usize; 4],
     x_f32_contiguous: bool,
 ) -> bool {
-    let typed = match weight_type {
-        Some(DType::F16 | DType::F32) => true,
-        #[cfg(target_arch = "x86_64")]
-        Some(DType::BF16) => super::host_amx::covers(weight_ne[0], weight_ne[1], weight_contiguous),
-        _ => false,
-    };
     let columns = x_ne[1] * x_ne[2] * x_ne[3];
+    let (typed, min_columns) = match weight_type {
+        Some(DType::F16 | DType::F32) => (true, MIN_COLUMNS),
+        // On AMX tiles: with the weight as the tiles' rows (512+ features) nothing is packed
+        // per call but 32 tokens at a time, so a block of 32 tokens is enough.
+        #[cfg(target_arch = "x86_64")]
+        Some(DType::BF16) => (
+            super::host_amx::covers(weight_ne[0], weight_ne[1], weight_contiguous),
+            if weight_ne[1] >= super::host_amx::TOKEN_ROWS_BELOW {
+                super::host_amx::BLOCK
+            } else {
+                MIN_COLUMNS
+            },
+        ),
+        _ => (false, MIN_COLUMNS),
+    };
     typed
         && weight_contiguous
         && weight_ne[2] == 1
         && weight_ne[3] == 1
         && weight_ne[0] == x_ne[0]
         && x_f32_contiguous
-        && columns >= MIN_COLUMNS
+        && columns >= min_columns
 }
 
 /// The custom op (see the module doc): thread `ith` of `nth` computes its share of the
