@@ -1033,10 +1033,12 @@ fn host_attention_matches_softmax_attention() {
 /// with fewer and with more than 512 output features (the tokens, then the weight as the
 /// tiles' rows; the latter from 32 tokens on), token counts that are not multiples of 32,
 /// and convolutions (3x3 and 1x1,
-/// 32 and 64 output channels, several images whose pixel counts are not multiples of 32)
-/// agree with ggml's f32 ops on the same bf16 values to f32 rounding, with and without a
-/// bias, 1 and 3 threads: one custom op a linear layer, two a convolution (the bf16 im2col and
-/// the tile product with its epilogue).
+/// 32 and 64 output channels, several images whose pixel counts are not multiples of 32;
+/// over wide images without an im2col: channel counts that are not multiples of 32, an odd
+/// one, several blocks of rows) agree with ggml's f32 ops on the same bf16 values to f32
+/// rounding, with and without a bias, 1 and 3 threads: one custom op a linear layer, two a
+/// convolution with an im2col (the bf16 im2col and the tile product with its epilogue), one
+/// without.
 #[test]
 fn amx_tiles_agree_with_ggmls_f32_ops_on_bf16_values() {
     if !sd_tensor::ggml::cpu_amx_bf16() {
@@ -1099,13 +1101,20 @@ fn amx_tiles_agree_with_ggmls_f32_ops_on_bf16_values() {
             drop(buf);
         }
     }
-    // (kernel w, h, in ch, out ch), input (w, h, n), pad
-    let convs: [([usize; 4], [usize; 3], usize); 3] = [
-        ([3, 3, 32, 32], [13, 11, 2], 1),
-        ([1, 1, 64, 64], [7, 9, 3], 0),
-        ([3, 3, 32, 64], [40, 3, 1], 1),
+    // (kernel w, h, in ch, out ch), input (w, h, n), pad, custom ops: two convolutions of
+    // two ops (bf16 im2col, tile product) or, for images at least 64 padded columns wide
+    // and 1x1 kernels, of one (the implicit tile product: no im2col).
+    let convs: [([usize; 4], [usize; 3], usize, usize); 6] = [
+        ([3, 3, 32, 32], [13, 11, 2], 1, 4),
+        ([1, 1, 64, 64], [7, 9, 3], 0, 2),
+        ([3, 3, 32, 64], [40, 3, 1], 1, 4),
+        // Implicit: channels padded to 64, an odd channel count, two images.
+        ([3, 3, 48, 32], [70, 5, 2], 1, 2),
+        ([3, 3, 33, 32], [66, 4, 1], 1, 2),
+        // Implicit: two blocks of output rows (2 MiB of packed input rows a block).
+        ([3, 3, 512, 32], [64, 40, 1], 1, 2),
     ];
-    for (i, (kn, xn, pad)) in convs.into_iter().enumerate() {
+    for (i, (kn, xn, pad, ops)) in convs.into_iter().enumerate() {
         for threads in [1, 3] {
             let ctx = Context::new_descriptors(64, 64, 1).unwrap();
             ctx.set_host_kernels(true);
@@ -1138,7 +1147,7 @@ fn amx_tiles_agree_with_ggmls_f32_ops_on_bf16_values() {
             check(
                 format!("conv {kn:?} over {xn:?} threads {threads}"),
                 custom,
-                4,
+                ops,
                 values,
             );
             drop(buf);

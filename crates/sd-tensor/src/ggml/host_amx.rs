@@ -17,6 +17,11 @@
 //! accumulators in `tmm4`-`tmm7`; the caller writes each finished block where it belongs.
 //! The sums are f32 (the tiles accumulate pairs of bf16 products in f32).
 //!
+//! **Users.** Linear layers ([`linear`]: the tokens or the weight as `A`, by the feature
+//! count), convolutions (stride 1 over wide images and 1x1: [`implicit_conv_kernel`], no
+//! im2col; else the bf16 im2col and [`conv_kernel`]) and the attention
+//! (`host_attention.rs`, with [`Blocks::run_to`]).
+//!
 //! Tiles are used through `asm!` (Rust's AMX intrinsics are not stable). The tile state is
 //! the calling thread's: every kernel configures it on entry ([`Blocks::new`]) and releases
 //! it when done (its `Drop`).
@@ -188,17 +193,60 @@ impl Blocks {
     }
 }
 
+impl Blocks {
+    /// Zeroes the four accumulators (the start of a block summed over several operand pairs
+    /// with [`step`](Self::step)).
+    #[inline]
+    pub(crate) fn zero(&mut self) {
+        // SAFETY: tiles configured by `new`.
+        unsafe {
+            asm!(
+                "tilezero tmm4",
+                "tilezero tmm5",
+                "tilezero tmm6",
+                "tilezero tmm7",
+                options(nostack, nomem, preserves_flags)
+            )
+        };
+    }
+
+    /// Adds one 32-value step of `A B` to the accumulators: `a` at 32 rows of 32 bf16 values
+    /// (`lda` bytes apart), `b` at 16 rows of 32 packed words (`ldb` bytes apart).
+    ///
+    /// # Safety
+    /// Those rows are readable.
+    #[inline]
+    pub(crate) unsafe fn step(&mut self, a: *const u8, lda: usize, b: *const u8, ldb: usize) {
+        tile_load!("2", a, lda);
+        tile_load!("3", a.add(16 * lda), lda);
+        tile_load!("0", b, ldb);
+        tile_load!("1", b.add(64), ldb);
+        tile_dot!("4", "2", "0");
+        tile_dot!("5", "3", "0");
+        tile_dot!("6", "2", "1");
+        tile_dot!("7", "3", "1");
+    }
+
+    /// Stores the accumulators into `c` (32 rows of 32 f32).
+    #[inline]
+    pub(crate) fn store(&mut self, c: &mut [f32; BLOCK * BLOCK]) {
+        let p = c.as_mut_ptr() as *mut u8;
+        let ldc = BLOCK * 4;
+        // SAFETY: `c` holds 32 rows of 128 bytes.
+        unsafe {
+            tile_store!("4", p, ldc);
+            tile_store!("6", p.add(64), ldc);
+            tile_store!("5", p.add(16 * ldc), ldc);
+            tile_store!("7", p.add(16 * ldc + 64), ldc);
+        }
+    }
+}
+
 impl Drop for Blocks {
     fn drop(&mut self) {
         // SAFETY: this thread's tiles were configured by `new`.
         unsafe { asm!("tilerelease", options(nostack, nomem, preserves_flags)) };
     }
-}
-
-/// One f32 as bf16 bits, rounded to nearest even (as ggml rounds).
-#[inline(always)]
-pub(crate) fn bf16_bits(x: f32) -> u32 {
-    half::bf16::from_f32(x).to_bits() as u32
 }
 
 /// Packs up to 32 columns of f32 activations as the product's `B` operand: column `j` is
@@ -217,10 +265,12 @@ pub(crate) unsafe fn pack_f32_columns(
 ) {
     let half = k / 2;
     dst[..kp / 2 * BLOCK].fill(0);
+    // Each column rounded to bf16 in one vectorised pass, then its pairs stored 32 apart.
+    let mut row = vec![0u16; k];
     for j in 0..cols.min(BLOCK) {
-        let v = std::slice::from_raw_parts(col(j), k);
-        for p in 0..half {
-            dst[p * BLOCK + j] = bf16_bits(v[2 * p]) | bf16_bits(v[2 * p + 1]) << 16;
+        to_bf16_row(std::slice::from_raw_parts(col(j), k), &mut row);
+        for (p, w) in row.chunks_exact(2).take(half).enumerate() {
+            dst[p * BLOCK + j] = w[0] as u32 | (w[1] as u32) << 16;
         }
     }
 }
@@ -554,6 +604,174 @@ pub(crate) unsafe extern "C" fn conv_kernel(
         );
         i0 = i1;
     }
+}
+
+/// Bytes of one item's packed input rows (the tiles' `B` of an implicit convolution).
+const IMPLICIT_INPUT_BYTES: usize = 2 << 20;
+
+/// Padded columns per wasted column at least (as `host_conv_implicit.rs`): the `KW - 1`
+/// columns of each padded row that are not output pixels stay within 1/32 of the work.
+const IMPLICIT_MAX_WASTE: usize = 32;
+
+/// Whether [`implicit_conv_kernel`] computes a convolution: bf16 kernel `[KW, KH, C, OC]`
+/// (contiguous) with `OC` a multiple of 32, input `[W, H, C, N]` f32 with contiguous rows,
+/// stride and dilation 1, images wide enough that the padded rows' spare columns stay
+/// within 1/32 of the work; AMX present.
+pub(crate) fn covers_implicit(
+    kernel_ne: [usize; 4],
+    input_ne: [usize; 4],
+    geometry: super::host_conv::Im2colGeometry,
+) -> bool {
+    let unit = geometry.stride == [1, 1] && geometry.dilation == [1, 1];
+    let padded_width = input_ne[0] + 2 * geometry.pad[0] as usize;
+    unit && kernel_ne[2] == input_ne[2]
+        && kernel_ne[3].is_multiple_of(BLOCK)
+        && (kernel_ne[0] - 1) * IMPLICIT_MAX_WASTE <= padded_width
+        && geometry.output_size(input_ne[0], input_ne[1]).is_some()
+        && available()
+}
+
+/// A stride-1 convolution of a bf16 kernel on tiles with no im2col (the scheme of
+/// `host_conv_implicit.rs`): in the padded grid (`PW = W + 2 px` columns) output pixel
+/// `q = y PW + x` of tap `(ky, kx)` reads input value `q + ky PW + kx`, so each tap is a
+/// tile product of the kernel's tap slice (`[OC][C]`, the tiles' `A`) with the padded input
+/// as pairs of channels (`[C / 2][rows * PW]` words, the tiles' `B`) read at the tap's
+/// offset; the accumulators sum every tap and channel step before one store. Sources and
+/// output as the im2col tile op's, but `src[0]` is the f32 input `[W, H, C, N]` (contiguous
+/// rows). Items are (image, block of output rows); each thread packs the kernel tap-major
+/// once a call and each item's padded rows (about 2 MiB), then writes the output pixels
+/// (not the spare columns) with the bias.
+///
+/// # Safety
+/// Called by ggml on a `dst` built by `Context::conv_2d_host` after [`covers_implicit`]
+/// accepted it; `userdata` the packed geometry.
+pub(crate) unsafe extern "C" fn implicit_conv_kernel(
+    dst: *mut ggml_sys::ggml_tensor,
+    ith: std::ffi::c_int,
+    nth: std::ffi::c_int,
+    userdata: *mut std::ffi::c_void,
+) {
+    let g = super::host_conv::Im2colGeometry::unpack(userdata as usize);
+    let (d, x, w) = (&*dst, &*(*dst).src[0], &*(*dst).src[1]);
+    let bias = (*dst).src[2]
+        .as_ref()
+        .map(|b| std::slice::from_raw_parts(b.data as *const f32, w.ne[3] as usize));
+    let [iw, ih, c, n] = x.ne.map(|v| v as usize);
+    let (kw, kh, oc) = (w.ne[0] as usize, w.ne[1] as usize, w.ne[3] as usize);
+    let (px, py) = (g.pad[0] as usize, g.pad[1] as usize);
+    let pw = iw + 2 * px;
+    let (ow, oh) = (d.ne[0] as usize, d.ne[1] as usize);
+    let cp = c.next_multiple_of(BLOCK);
+    // Output rows an item: its packed rows (plus the taps' reach) near IMPLICIT_INPUT_BYTES.
+    let fit = (IMPLICIT_INPUT_BYTES / (cp * 2 * pw))
+        .saturating_sub(kh)
+        .max(1);
+    let blocks = oh.div_ceil(fit.min(oh));
+    let rows = oh.div_ceil(blocks);
+    let items = super::host_conv::thread_share(n * blocks, ith, nth);
+    if items.is_empty() {
+        return;
+    }
+    // Words of one channel pair's plane: the block's padded rows, the taps' reach past the
+    // last output pixel and a spare column block.
+    let plane = (rows + kh) * pw + BLOCK;
+    // A 1x1 kernel of whole channel blocks is the tiles' `A` as stored (rows of `c`).
+    let direct = kh * kw == 1 && c == cp;
+    let kwords = if direct { 0 } else { kh * kw * oc * cp / 2 };
+    let bwords = cp / 2 * plane;
+    let (xs, kd) = (x.data as *const u8, w.data as *const u16);
+    let (nb1, nb2, nb3) = (x.nb[1], x.nb[2], x.nb[3]);
+    let out = d.data as *mut f32;
+    super::host_conv::with_scratch(kwords + bwords, |scratch| {
+        // SAFETY: the scratch's f32 values reinterpreted as words of the same size.
+        let scratch =
+            std::slice::from_raw_parts_mut(scratch.as_mut_ptr() as *mut u32, kwords + bwords);
+        let (kt, bp) = scratch.split_at_mut(kwords);
+        // A: tap t's slice as rows of `cp` bf16 values: kt16[(t * oc + o) * cp + ch].
+        let kt16 = std::slice::from_raw_parts_mut(kt.as_mut_ptr() as *mut u16, kwords * 2);
+        kt16.fill(0);
+        for o in (0..oc).filter(|_| !direct) {
+            for ch in 0..c {
+                let src = kd.add((o * c + ch) * kh * kw);
+                for t in 0..kh * kw {
+                    kt16[(t * oc + o) * cp + ch] = *src.add(t);
+                }
+            }
+        }
+        let mut tiles = Blocks::new();
+        let mut cblock = [0f32; BLOCK * BLOCK];
+        for item in items {
+            let (img, blk) = (item / blocks, item % blocks);
+            let y0 = blk * rows;
+            let y1 = (y0 + rows).min(oh);
+            // B: padded input rows y0 .. y1 + kh - 1 (padded coordinates), channel pairs.
+            bp.fill(0);
+            let mut lo = vec![0u16; iw];
+            let mut hi = vec![0u16; iw];
+            for pr in 0..c.div_ceil(2) {
+                for r in 0..(y1 - y0 + kh - 1) {
+                    let iy = (y0 + r) as isize - py as isize;
+                    if iy < 0 || iy >= ih as isize {
+                        continue;
+                    }
+                    let row = |ch: usize| {
+                        std::slice::from_raw_parts(
+                            xs.add(img * nb3 + ch * nb2 + iy as usize * nb1) as *const f32,
+                            iw,
+                        )
+                    };
+                    to_bf16_row(row(2 * pr), &mut lo);
+                    if 2 * pr + 1 < c {
+                        to_bf16_row(row(2 * pr + 1), &mut hi);
+                    } else {
+                        hi.fill(0);
+                    }
+                    let dst = &mut bp[pr * plane + r * pw + px..][..iw];
+                    for ((v, l), h) in dst.iter_mut().zip(&lo).zip(&hi) {
+                        *v = *l as u32 | (*h as u32) << 16;
+                    }
+                }
+            }
+            let q_end = (y1 - y0) * pw;
+            for o0 in (0..oc).step_by(BLOCK) {
+                for q0 in (0..q_end).step_by(BLOCK) {
+                    tiles.zero();
+                    for ky in 0..kh {
+                        for kx in 0..kw {
+                            let t = ky * kw + kx;
+                            let a = if direct {
+                                kd.add(o0 * cp) as *const u8
+                            } else {
+                                kt16.as_ptr().add((t * oc + o0) * cp) as *const u8
+                            };
+                            let b = bp.as_ptr().add(q0 + ky * pw + kx) as *const u8;
+                            for s in 0..cp / BLOCK {
+                                tiles.step(
+                                    a.add(s * 64),
+                                    cp * 2,
+                                    b.add(s * 16 * plane * 4),
+                                    plane * 4,
+                                );
+                            }
+                        }
+                    }
+                    tiles.store(&mut cblock);
+                    for r in 0..BLOCK {
+                        let o = o0 + r;
+                        let add = bias.map_or(0.0, |b| b[o]);
+                        let plane_out = out.add((img * oc + o) * oh * ow);
+                        for j in 0..BLOCK.min(q_end - q0) {
+                            let q = q0 + j;
+                            let (y, xx) = (q / pw, q % pw);
+                            if xx < ow {
+                                *plane_out.add((y0 + y) * ow + xx) = cblock[r * BLOCK + j] + add;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    });
 }
 
 #[cfg(test)]

@@ -831,6 +831,34 @@ impl Context {
         if let Some((g, ow, oh)) = host {
             let k = kn[0] * kn[1] * kn[2];
             let bf16 = kernel.dtype() == Some(DType::BF16) && kernel.is_contiguous();
+            if bf16 && self.f32_products() && super::host_amx::covers_implicit(kn, xn, g) {
+                // SAFETY: shapes and types checked (`check_conv`, `covers_implicit`, the
+                // bias's in `conv_2d_host`); one custom op.
+                return self
+                    .op("conv_2d", 1, |c| unsafe {
+                        let mut args = [
+                            input.raw(),
+                            kernel.raw(),
+                            bias.map_or(std::ptr::null_mut(), |b| b.raw()),
+                        ];
+                        sys::ggml_custom_4d(
+                            c,
+                            sys::GGML_TYPE_F32,
+                            ow as i64,
+                            oh as i64,
+                            kn[3] as i64,
+                            xn[3] as i64,
+                            args.as_mut_ptr(),
+                            if bias.is_some() { 3 } else { 2 },
+                            Some(super::host_amx::implicit_conv_kernel),
+                            sys::GGML_N_TASKS_MAX,
+                            g.pack() as *mut std::ffi::c_void,
+                        )
+                    })
+                    .inspect(|t| {
+                        t.set_name(TILE_CONV_NAME);
+                    });
+            }
             if bf16 && self.f32_products() && super::host_amx::covers(k, kn[3], true) {
                 // SAFETY: shapes and types checked (`check_conv`, `covers`, the bias's in
                 // `conv_2d_host`); two custom ops.
