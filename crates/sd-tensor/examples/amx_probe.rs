@@ -4,9 +4,11 @@
 //! CPU's `AMX` buffer type (int8 tiles), on the SD UNet's linear and convolution shapes:
 //! `cargo run --release -p sd-tensor --example amx_probe [threads]`.
 
-use std::time::Instant;
+#[path = "probe/common.rs"]
+mod common;
 
-use sd_tensor::ggml::{Backend, BufferType, Context, GTensor, Gallocr, Graph};
+use common::{best_of_three, conv_seconds, fill, linear_seconds, rate};
+use sd_tensor::ggml::{Backend, BufferType, Context};
 use sd_tensor::DType;
 
 fn main() {
@@ -48,24 +50,8 @@ fn main() {
         )
         .collect();
         for (name, dtype, buft, f32_products) in cases {
-            let wctx = Context::new_descriptors(4, 8, 1).unwrap();
-            let w = wctx.new_tensor(dtype, &[k, n]).unwrap();
-            let wbuf = buft.alloc_context_tensors(&wctx).unwrap();
-            let ctx = Context::new_descriptors(16, 64, 1).unwrap();
-            ctx.set_host_kernels(true);
-            ctx.set_f32_products(f32_products);
-            let x = ctx.new_tensor(DType::F32, &[k, m]).unwrap();
-            let xbuf = BufferType::cpu().alloc_context_tensors(&ctx).unwrap();
-            fill(&w, 1);
-            fill(&x, 3);
-            let y = ctx.linear(&w, &x, None).unwrap();
-            let best = best_of_three(&ctx, &y, &backend);
-            line += &format!(
-                "  {name} {:.1} ms {:.0} GFLOP/s",
-                best * 1e3,
-                flop / best / 1e9
-            );
-            drop((xbuf, wbuf));
+            let best = linear_seconds(&backend, (k, n, m), dtype, buft, f32_products, false);
+            line += &rate(name, best, flop);
         }
         println!("{line}");
     }
@@ -91,12 +77,7 @@ fn main() {
                 .unwrap()
                 .unwrap();
             let best = best_of_three(&ctx, &y, &backend);
-            let name = if bf16 { "bf16" } else { "f32" };
-            line += &format!(
-                "  {name} {:.1} ms {:.0} GFLOP/s",
-                best * 1e3,
-                flop / best / 1e9
-            );
+            line += &rate(if bf16 { "bf16" } else { "f32" }, best, flop);
             drop(buf);
         }
         println!("{line}");
@@ -117,7 +98,8 @@ fn main() {
 /// Times one 3x3 (or 1x1) convolution `c -> oc` over `n` images of `w x h`: f16 kernels on
 /// this crate's implicit f32 kernel, bf16 kernels on ggml's product (after the bf16 im2col)
 /// and on tiles.
-fn conv(backend: &Backend, (w, h, c, oc, n, k): (usize, usize, usize, usize, usize, usize)) {
+fn conv(backend: &Backend, shape: (usize, usize, usize, usize, usize, usize)) {
+    let (w, h, c, oc, n, k) = shape;
     let mut line = format!("conv {w}x{h} {c}->{oc} n{n} k{k}:");
     let flop = 2.0 * (w * h * n * oc * c * k * k) as f64;
     for (name, dtype, own) in [
@@ -125,54 +107,7 @@ fn conv(backend: &Backend, (w, h, c, oc, n, k): (usize, usize, usize, usize, usi
         ("ggml bf16", DType::BF16, false),
         ("tiles bf16", DType::BF16, true),
     ] {
-        let ctx = Context::new_descriptors(16, 64, 1).unwrap();
-        ctx.set_host_kernels(true);
-        ctx.set_f32_products(own);
-        let kt = ctx.new_tensor(dtype, &[k, k, c, oc]).unwrap();
-        let b = ctx.new_tensor(DType::F32, &[oc]).unwrap();
-        let x = ctx.new_tensor(DType::F32, &[w, h, c, n]).unwrap();
-        let buf = BufferType::cpu().alloc_context_tensors(&ctx).unwrap();
-        fill(&kt, 1);
-        fill(&b, 2);
-        fill(&x, 3);
-        let p = (k - 1) / 2;
-        let y = ctx
-            .conv_2d_host(&kt, &x, Some(&b), (1, 1), (p, p), (1, 1), false)
-            .unwrap();
-        let best = best_of_three(&ctx, &y, backend);
-        line += &format!(
-            "  {name} {:.1} ms {:.0} GFLOP/s",
-            best * 1e3,
-            flop / best / 1e9
-        );
-        drop(buf);
+        line += &rate(name, conv_seconds(backend, shape, dtype, own), flop);
     }
     println!("{line}");
-}
-
-/// Fills `t` with fixed values in [-0.5, 0.5) (a multiplicative hash of the index and `seed`).
-fn fill(t: &GTensor, seed: u32) {
-    let v: Vec<f32> = (0..t.nelements())
-        .map(|i| {
-            ((i as u32).wrapping_mul(2654435761).wrapping_add(seed) >> 8) as f32 / 16777216.0 - 0.5
-        })
-        .collect();
-    t.write_f32(&v).unwrap();
-}
-
-/// Allocates the graph of `y` on `backend` and returns its fastest of three computes, in
-/// seconds.
-fn best_of_three(ctx: &Context, y: &GTensor, backend: &Backend) -> f64 {
-    y.set_output();
-    let mut graph = Graph::new(ctx, 64).unwrap();
-    graph.build_forward_expand(y).unwrap();
-    let mut galloc = Gallocr::new(backend.buffer_type()).unwrap();
-    galloc.alloc_graph(&graph).unwrap();
-    (0..3)
-        .map(|_| {
-            let t = Instant::now();
-            backend.compute(&graph).unwrap();
-            t.elapsed().as_secs_f64()
-        })
-        .fold(f64::MAX, f64::min)
 }

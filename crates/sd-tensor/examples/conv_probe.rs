@@ -3,9 +3,11 @@
 //! (`Context::linear`), the crate's kernel against ggml's product:
 //! `cargo run --release -p sd-tensor --example conv_probe [threads]`.
 
-use std::time::Instant;
+#[path = "probe/common.rs"]
+mod common;
 
-use sd_tensor::ggml::{Backend, BufferType, Context, GTensor, Gallocr, Graph};
+use common::{conv_seconds, linear_seconds, rate};
+use sd_tensor::ggml::{Backend, BufferType};
 use sd_tensor::DType;
 
 fn main() {
@@ -31,32 +33,12 @@ fn main() {
         (512, 512, 128, 128, 1, 3),
     ];
     let backend = Backend::cpu(threads).unwrap();
-    for (w, h, c, oc, n, k) in shapes {
+    for shape @ (w, h, c, oc, n, k) in shapes {
         let mut line = format!("{w}x{h} {c}->{oc} n{n} k{k}:");
+        let flop = 2.0 * (w * h * n * oc * c * k * k) as f64;
         for implicit in [false, true] {
-            let ctx = Context::new_descriptors(16, 64, 1).unwrap();
-            ctx.set_host_kernels(true);
-            ctx.set_f32_products(implicit);
-            let kt = ctx.new_tensor(DType::F16, &[k, k, c, oc]).unwrap();
-            let b = ctx.new_tensor(DType::F32, &[oc]).unwrap();
-            let x = ctx.new_tensor(DType::F32, &[w, h, c, n]).unwrap();
-            let buf = BufferType::cpu().alloc_context_tensors(&ctx).unwrap();
-            fill(&kt, 1);
-            fill(&b, 2);
-            fill(&x, 3);
-            let p = (k - 1) / 2;
-            let y = ctx
-                .conv_2d_host(&kt, &x, Some(&b), (1, 1), (p, p), (1, 1), false)
-                .unwrap();
-            let best = best_of_three(&ctx, &y, &backend);
-            let flop = 2.0 * (w * h * n * oc * c * k * k) as f64;
-            line += &format!(
-                "  {} {:.1} ms {:.0} GFLOP/s",
-                if implicit { "implicit" } else { "im2col" },
-                best * 1e3,
-                flop / best / 1e9
-            );
-            drop(buf);
+            let best = conv_seconds(&backend, shape, DType::F16, implicit);
+            line += &rate(if implicit { "implicit" } else { "im2col" }, best, flop);
         }
         println!("{line}");
     }
@@ -70,55 +52,18 @@ fn main() {
         (2560, 640, 2048),
     ] {
         let mut line = format!("linear {k}->{m} n{n}:");
+        let flop = 2.0 * (k * m * n) as f64;
         for host in [false, true] {
-            let ctx = Context::new_descriptors(16, 64, 1).unwrap();
-            ctx.set_host_kernels(true);
-            ctx.set_f32_products(host);
-            let w = ctx.new_tensor(DType::F16, &[k, m]).unwrap();
-            let b = ctx.new_tensor(DType::F32, &[m]).unwrap();
-            let x = ctx.new_tensor(DType::F32, &[k, n]).unwrap();
-            let buf = BufferType::cpu().alloc_context_tensors(&ctx).unwrap();
-            fill(&w, 1);
-            fill(&b, 2);
-            fill(&x, 3);
-            let y = ctx.linear(&w, &x, Some(&b)).unwrap();
-            let best = best_of_three(&ctx, &y, &backend);
-            let flop = 2.0 * (k * m * n) as f64;
-            line += &format!(
-                "  {} {:.1} ms {:.0} GFLOP/s",
-                if host { "kernel" } else { "ggml" },
-                best * 1e3,
-                flop / best / 1e9
+            let best = linear_seconds(
+                &backend,
+                (k, m, n),
+                DType::F16,
+                BufferType::cpu(),
+                host,
+                true,
             );
-            drop(buf);
+            line += &rate(if host { "kernel" } else { "ggml" }, best, flop);
         }
         println!("{line}");
     }
-}
-
-/// Fills `t` with fixed values in [-0.5, 0.5) (a multiplicative hash of the index and `seed`).
-fn fill(t: &GTensor, seed: u32) {
-    let v: Vec<f32> = (0..t.nelements())
-        .map(|i| {
-            ((i as u32).wrapping_mul(2654435761).wrapping_add(seed) >> 8) as f32 / 16777216.0 - 0.5
-        })
-        .collect();
-    t.write_f32(&v).unwrap();
-}
-
-/// Allocates the graph of `y` on `backend` and returns its fastest of three computes, in
-/// seconds.
-fn best_of_three(ctx: &Context, y: &GTensor, backend: &Backend) -> f64 {
-    y.set_output();
-    let mut graph = Graph::new(ctx, 64).unwrap();
-    graph.build_forward_expand(y).unwrap();
-    let mut galloc = Gallocr::new(backend.buffer_type()).unwrap();
-    galloc.alloc_graph(&graph).unwrap();
-    (0..3)
-        .map(|_| {
-            let t = Instant::now();
-            backend.compute(&graph).unwrap();
-            t.elapsed().as_secs_f64()
-        })
-        .fold(f64::MAX, f64::min)
 }

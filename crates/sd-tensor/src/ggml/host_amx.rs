@@ -254,21 +254,23 @@ impl Drop for Blocks {
 /// columns past `cols` and pairs past `k / 2` (up to `kp / 2`) are zero.
 ///
 /// # Safety
-/// Each `col(j)` for `j < cols` points at `k` readable f32 values; `dst` holds
-/// `kp / 2 * 32` words, `kp >= k`.
+/// Each `col(j)` for `j < cols` points at `k` readable f32 values; `row` holds at least `k`
+/// values (scratch); `dst` holds `kp / 2 * 32` words, `kp >= k`.
 pub(crate) unsafe fn pack_f32_columns(
     cols: usize,
     k: usize,
     kp: usize,
     col: impl Fn(usize) -> *const f32,
+    row: &mut [u16],
     dst: &mut [u32],
 ) {
     let half = k / 2;
     dst[..kp / 2 * BLOCK].fill(0);
-    // Each column rounded to bf16 in one vectorised pass, then its pairs stored 32 apart.
-    let mut row = vec![0u16; k];
+    // Each column rounded to bf16 in one vectorised pass (into `row`), then its pairs
+    // stored 32 apart.
+    let row = &mut row[..k];
     for j in 0..cols.min(BLOCK) {
-        to_bf16_row(std::slice::from_raw_parts(col(j), k), &mut row);
+        to_bf16_row(std::slice::from_raw_parts(col(j), k), row);
         for (p, w) in row.chunks_exact(2).take(half).enumerate() {
             dst[p * BLOCK + j] = w[0] as u32 | (w[1] as u32) << 16;
         }
@@ -326,7 +328,7 @@ unsafe fn product(
     m: usize,
     cols: usize,
     blocks: std::ops::Range<usize>,
-    pack: impl Fn(usize, &mut [u32]),
+    mut pack: impl FnMut(usize, &mut [u32]),
     mut write: impl FnMut(usize, usize, usize, &[f32; BLOCK * BLOCK]),
 ) {
     if blocks.is_empty() {
@@ -420,6 +422,7 @@ unsafe fn linear_weight_rows(
     let n = (x.ne[1] * x.ne[2] * x.ne[3]) as usize;
     let blocks = super::host_conv::thread_share(n.div_ceil(BLOCK), ith as _, nth as _);
     let (xd, out) = (x.data as *const f32, dst.data as *mut f32);
+    let mut row = vec![0u16; k];
     product(
         w.data as *const u16,
         k,
@@ -428,7 +431,8 @@ unsafe fn linear_weight_rows(
         blocks,
         |b, dst| {
             let col0 = b * BLOCK;
-            pack_f32_columns((n - col0).min(BLOCK), k, k, |j| xd.add((col0 + j) * k), dst)
+            let cols = (n - col0).min(BLOCK);
+            pack_f32_columns(cols, k, k, |j| xd.add((col0 + j) * k), &mut row, dst)
         },
         |row0, col0, ncols, c| {
             for j in 0..ncols {
@@ -700,14 +704,14 @@ pub(crate) unsafe extern "C" fn implicit_conv_kernel(
         }
         let mut tiles = Blocks::new();
         let mut cblock = [0f32; BLOCK * BLOCK];
+        // One input row of the two channels of a pair, as bf16.
+        let (mut lo, mut hi) = (vec![0u16; iw], vec![0u16; iw]);
         for item in items {
             let (img, blk) = (item / blocks, item % blocks);
             let y0 = blk * rows;
             let y1 = (y0 + rows).min(oh);
             // B: padded input rows y0 .. y1 + kh - 1 (padded coordinates), channel pairs.
             bp.fill(0);
-            let mut lo = vec![0u16; iw];
-            let mut hi = vec![0u16; iw];
             for pr in 0..c.div_ceil(2) {
                 for r in 0..(y1 - y0 + kh - 1) {
                     let iy = (y0 + r) as isize - py as isize;
@@ -798,7 +802,16 @@ mod tests {
             .collect();
         let mut b = vec![0u32; k / 2 * BLOCK];
         // SAFETY: 20 columns of k values; b holds k/2 * 32 words.
-        unsafe { pack_f32_columns(cols.len(), k, k, |j| cols[j].as_ptr(), &mut b) };
+        unsafe {
+            pack_f32_columns(
+                cols.len(),
+                k,
+                k,
+                |j| cols[j].as_ptr(),
+                &mut vec![0; k],
+                &mut b,
+            )
+        };
         let mut c = [0f32; BLOCK * BLOCK];
         // SAFETY: AMX present; a has 32 rows of k values, b k/2 rows of 32 words.
         unsafe {

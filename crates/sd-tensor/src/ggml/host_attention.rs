@@ -236,12 +236,8 @@ unsafe fn attend(
     sums: &mut [f32],
 ) {
     let heads = spec.heads as usize;
-    let blocks = q.rows.div_ceil(block);
     for item in share {
-        let (b, rest) = (item / (heads * blocks), item % (heads * blocks));
-        let (h, blk) = (rest / blocks, rest % blocks);
-        let r0 = blk * block;
-        let m = block.min(q.rows - r0);
+        let (b, h, r0, m) = item_rows(item, heads, block, q.rows);
         let scores = &mut scores[..m * k.rows];
         // SAFETY: every view below lies inside its tensor (rows r0..r0+m of q and the
         // output, all n_kv rows of k and v, head h's values of each row).
@@ -306,6 +302,15 @@ unsafe fn attend(
     }
 }
 
+/// Item `item` of an attention split into (batch item, head, block of `block` of the `rows`
+/// queries), blocks innermost: its batch item, head, first query and query count.
+fn item_rows(item: usize, heads: usize, block: usize, rows: usize) -> (usize, usize, usize, usize) {
+    let blocks = rows.div_ceil(block);
+    let (b, rest) = (item / (heads * blocks), item % (heads * blocks));
+    let r0 = rest % blocks * block;
+    (b, rest / blocks, r0, block.min(rows - r0))
+}
+
 /// [`attend`] on bf16 products: `buf` holds `mp * n_kv + 3 mp` f32 values (scores, maxes,
 /// sums, reciprocals; `mp` = `block` rounded up to 16), `packs` the four packed operands
 /// (`words`: K, V, the query block, the numerators). K and V are packed once per head this
@@ -326,7 +331,6 @@ unsafe fn attend_bf16(
 ) {
     use super::host_attention_bf16 as bf;
     let heads = spec.heads as usize;
-    let blocks = q.rows.div_ceil(block);
     let (d, dv, n_kv) = (q.head_width, v.head_width, k.rows);
     let pairs = n_kv.div_ceil(2);
     let (kp, rest) = packs.split_at_mut(words[0]);
@@ -335,10 +339,7 @@ unsafe fn attend_bf16(
     let pp = &mut rest[..words[3]];
     let mut current = None;
     for item in share {
-        let (b, r) = (item / (heads * blocks), item % (heads * blocks));
-        let (h, blk) = (r / blocks, r % blocks);
-        let r0 = blk * block;
-        let m = block.min(q.rows - r0);
+        let (b, h, r0, m) = item_rows(item, heads, block, q.rows);
         let mp = m.next_multiple_of(16);
         let (scores, rest) = buf.split_at_mut(mp * n_kv);
         let (maxes, rest) = rest.split_at_mut(mp);
@@ -395,7 +396,6 @@ unsafe fn attend_tiles(
 ) {
     use super::host_amx::{to_bf16_row, Blocks, BLOCK};
     let heads = spec.heads as usize;
-    let blocks = q.rows.div_ceil(block);
     let (d, dv, n_kv) = (q.head_width, v.head_width, k.rows);
     let (dp, dvp, np) = (
         d.next_multiple_of(BLOCK),
@@ -416,10 +416,7 @@ unsafe fn attend_tiles(
     let mut inv = [0f32; 256];
     let mut current = None;
     for item in share {
-        let (b, r) = (item / (heads * blocks), item % (heads * blocks));
-        let (h, blk) = (r / blocks, r % blocks);
-        let r0 = blk * block;
-        let m = block.min(q.rows - r0);
+        let (b, h, r0, m) = item_rows(item, heads, block, q.rows);
         let mp = m.next_multiple_of(BLOCK);
         // SAFETY: every view lies inside its tensor (rows r0..r0+m of q and the output, all
         // n_kv rows of k and v, head h's values of each row); the packs and `buf` are sized

@@ -53,6 +53,76 @@ fn bad(op: &'static str, detail: String) -> GgmlError {
     GgmlError::InvalidOperands { op, detail }
 }
 
+/// One custom op of this crate's CPU kernels giving a convolution's f32 output
+/// `[ow, oh, oc, n]` (`out`) from `src` (the input or its im2col), the kernel and the bias
+/// when there is one, with `userdata`.
+///
+/// # Safety
+/// `c` is a live no-alloc context; `fun` accepts these sources and this output.
+unsafe fn conv_output_op(
+    c: *mut sys::ggml_context,
+    src: *mut sys::ggml_tensor,
+    kernel: &GTensor,
+    bias: Option<&GTensor>,
+    out: [usize; 4],
+    fun: sys::ggml_custom_op_t,
+    userdata: usize,
+) -> *mut sys::ggml_tensor {
+    let mut args = [
+        src,
+        kernel.raw(),
+        bias.map_or(std::ptr::null_mut(), |b| b.raw()),
+    ];
+    // SAFETY: see the function's contract.
+    unsafe {
+        sys::ggml_custom_4d(
+            c,
+            sys::GGML_TYPE_F32,
+            out[0] as i64,
+            out[1] as i64,
+            out[2] as i64,
+            out[3] as i64,
+            args.as_mut_ptr(),
+            if bias.is_some() { 3 } else { 2 },
+            fun,
+            sys::GGML_N_TASKS_MAX,
+            userdata as *mut std::ffi::c_void,
+        )
+    }
+}
+
+/// This crate's im2col of `input` (`[W, H, C, n]` f32, contiguous rows) as `dtype`:
+/// `[k, ow, oh, n]` (see `host_conv.rs`).
+///
+/// # Safety
+/// `c` is a live no-alloc context; `g` is the convolution's geometry, `k`, `ow`, `oh` its
+/// sizes for this input.
+unsafe fn host_im2col(
+    c: *mut sys::ggml_context,
+    input: &GTensor,
+    dtype: sys::ggml_type,
+    [k, ow, oh, n]: [usize; 4],
+    g: super::host_conv::Im2colGeometry,
+) -> *mut sys::ggml_tensor {
+    let mut args = [input.raw()];
+    // SAFETY: see the function's contract.
+    unsafe {
+        sys::ggml_custom_4d(
+            c,
+            dtype,
+            k as i64,
+            ow as i64,
+            oh as i64,
+            n as i64,
+            args.as_mut_ptr(),
+            1,
+            Some(super::host_conv::im2col_kernel),
+            sys::GGML_N_TASKS_MAX,
+            g.pack() as *mut std::ffi::c_void,
+        )
+    }
+}
+
 fn can_repeat(b: &GTensor, a: &GTensor) -> bool {
     let (an, bn) = (a.ne(), b.ne());
     (0..4).all(|i| bn[i] != 0 && an[i] % bn[i] == 0)
@@ -801,23 +871,14 @@ impl Context {
                 // bias's in `conv_2d_host`); one custom op.
                 return self
                     .op("conv_2d", 1, |c| unsafe {
-                        let mut args = [
-                            input.raw(),
-                            kernel.raw(),
-                            bias.map_or(std::ptr::null_mut(), |b| b.raw()),
-                        ];
-                        sys::ggml_custom_4d(
+                        conv_output_op(
                             c,
-                            sys::GGML_TYPE_F32,
-                            ow as i64,
-                            oh as i64,
-                            kn[3] as i64,
-                            xn[3] as i64,
-                            args.as_mut_ptr(),
-                            if bias.is_some() { 3 } else { 2 },
+                            input.raw(),
+                            kernel,
+                            bias,
+                            [ow, oh, kn[3], xn[3]],
                             Some(super::host_conv_implicit::implicit_conv_kernel),
-                            sys::GGML_N_TASKS_MAX,
-                            g.pack() as *mut std::ffi::c_void,
+                            g.pack(),
                         )
                     })
                     .inspect(|t| {
@@ -836,23 +897,14 @@ impl Context {
                 // bias's in `conv_2d_host`); one custom op.
                 return self
                     .op("conv_2d", 1, |c| unsafe {
-                        let mut args = [
-                            input.raw(),
-                            kernel.raw(),
-                            bias.map_or(std::ptr::null_mut(), |b| b.raw()),
-                        ];
-                        sys::ggml_custom_4d(
+                        conv_output_op(
                             c,
-                            sys::GGML_TYPE_F32,
-                            ow as i64,
-                            oh as i64,
-                            kn[3] as i64,
-                            xn[3] as i64,
-                            args.as_mut_ptr(),
-                            if bias.is_some() { 3 } else { 2 },
+                            input.raw(),
+                            kernel,
+                            bias,
+                            [ow, oh, kn[3], xn[3]],
                             Some(super::host_amx::implicit_conv_kernel),
-                            sys::GGML_N_TASKS_MAX,
-                            g.pack() as *mut std::ffi::c_void,
+                            g.pack(),
                         )
                     })
                     .inspect(|t| {
@@ -864,37 +916,15 @@ impl Context {
                 // `conv_2d_host`); two custom ops.
                 return self
                     .op("conv_2d", 2, |c| unsafe {
-                        let mut args = [input.raw()];
-                        let im = sys::ggml_custom_4d(
+                        let im = host_im2col(c, input, sys::GGML_TYPE_BF16, [k, ow, oh, xn[3]], g);
+                        conv_output_op(
                             c,
-                            sys::GGML_TYPE_BF16,
-                            k as i64,
-                            ow as i64,
-                            oh as i64,
-                            xn[3] as i64,
-                            args.as_mut_ptr(),
-                            1,
-                            Some(super::host_conv::im2col_kernel),
-                            sys::GGML_N_TASKS_MAX,
-                            g.pack() as *mut std::ffi::c_void,
-                        );
-                        let mut args = [
                             im,
-                            kernel.raw(),
-                            bias.map_or(std::ptr::null_mut(), |b| b.raw()),
-                        ];
-                        sys::ggml_custom_4d(
-                            c,
-                            sys::GGML_TYPE_F32,
-                            ow as i64,
-                            oh as i64,
-                            kn[3] as i64,
-                            xn[3] as i64,
-                            args.as_mut_ptr(),
-                            if bias.is_some() { 3 } else { 2 },
+                            kernel,
+                            bias,
+                            [ow, oh, kn[3], xn[3]],
                             Some(super::host_amx::conv_kernel),
-                            sys::GGML_N_TASKS_MAX,
-                            std::ptr::null_mut(),
+                            0,
                         )
                     })
                     .inspect(|t| {
@@ -905,22 +935,13 @@ impl Context {
         // SAFETY: shapes checked; im2col + mul_mat + reshapes + permute + cont = 8 tensors.
         self.op("conv_2d", 8, |c| unsafe {
             let im = match host {
-                Some((g, ow, oh)) => {
-                    let mut args = [input.raw()];
-                    sys::ggml_custom_4d(
-                        c,
-                        im2col_type,
-                        (kn[0] * kn[1] * kn[2]) as i64,
-                        ow as i64,
-                        oh as i64,
-                        xn[3] as i64,
-                        args.as_mut_ptr(),
-                        1,
-                        Some(super::host_conv::im2col_kernel),
-                        sys::GGML_N_TASKS_MAX,
-                        g.pack() as *mut std::ffi::c_void,
-                    )
-                }
+                Some((g, ow, oh)) => host_im2col(
+                    c,
+                    input,
+                    im2col_type,
+                    [kn[0] * kn[1] * kn[2], ow, oh, xn[3]],
+                    g,
+                ),
                 None => sys::ggml_im2col(
                     c,
                     kernel.raw(),
