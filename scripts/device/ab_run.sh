@@ -15,7 +15,7 @@ print(json.dumps(d), file=open(sys.argv[2], 'a'))
 t = d.get('last_step_timing_ms', {}); g = lambda k: d.get(k, 0) or 0
 print(sys.argv[1], 'step %.1f' % d['step_ms_median'], 'h2d %.2f GB' % (g('h2d_bytes_per_step') / 1e9),
       'segs', g('segments'), 'pre', g('prefetched'), 'ahead', g('max_prefetches_ahead'),
-      'overlapped', g('segments_overlapped'), 'behind', g('segments_queued_behind'), 'reused', g('graphs_reused'), 'pool %.0f MiB' % (g('staging_pool_bytes') / 2**20), 'peak %.0f MiB' % (g('peak_device_used_bytes') / 2**20),
+      'overlapped', g('segments_overlapped'), 'behind', g('segments_queued_behind'), 'reused', g('graphs_reused'), 'unmoved %.1f' % g('graphs_unmoved_per_step'), 'pool %.0f MiB' % (g('staging_pool_bytes') / 2**20), 'peak %.0f MiB' % (g('peak_device_used_bytes') / 2**20),
       'budget %.0f MiB' % (g('budget_bytes') / 2**20),
       ' '.join('%s=%.1f' % kv for kv in t.items()))" $label $OUT/results.jsonl
 }

@@ -201,6 +201,12 @@ impl SessionConfig {
         self
     }
 
+    /// Sets [`StreamingOptions::stable_cuts`].
+    pub fn with_stable_cuts(mut self, on: bool) -> Self {
+        self.streaming.stable_cuts = on;
+        self
+    }
+
     /// Sets [`StreamingOptions::merge_segments`].
     pub fn with_segment_merging(mut self, on: bool) -> Self {
         self.streaming.merge_segments = on;

@@ -103,6 +103,14 @@ pub struct StreamingOptions {
     /// What is prefetched stays staged (evictable like any staged weight) when the
     /// execution ends. Default: on.
     pub next_pass_prefetch: bool,
+    /// With [`reuse_graphs`](Self::reuse_graphs) in a segmented run, the cut cache keeps
+    /// the buffers of every size a step holds at once (its spare quota, which the staging
+    /// pool leaves room for), and each cut takes back the buffer it had the step before:
+    /// from the third step on, every kept segment graph reads and writes the same
+    /// addresses as in the step before (which ggml's CUDA backend needs to replay it as a
+    /// CUDA graph), and no cut buffer is allocated or freed inside a step. Off, spares
+    /// are kept only within the largest segment's live cuts, the largest freed first.
+    pub stable_cuts: bool,
 }
 
 impl Default for StreamingOptions {
@@ -121,6 +129,7 @@ impl Default for StreamingOptions {
             segments_in_flight: 2,
             evict_in_flight: true,
             next_pass_prefetch: true,
+            stable_cuts: true,
         }
     }
 }

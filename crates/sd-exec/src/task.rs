@@ -105,6 +105,11 @@ pub struct SegmentReport {
     /// Whether it ran the ggml graph kept from the previous execution of the same graph
     /// (nothing built or allocated).
     pub graph_reused: bool,
+    /// Whether that kept graph ran with every node and source where it was last time (its
+    /// weights staged at the same offsets, its cuts in the same entries): ggml's CUDA
+    /// backend replays such a graph as the CUDA graph it captured, one launch instead of
+    /// one per kernel (see [`sd_residency::ModelManager::set_stable_placement`]).
+    pub graph_unmoved: bool,
     /// Whether its preparation on the host (capacity, staging, graph, prefetches) ran
     /// while the segment before it computed (asynchronous compute).
     pub overlapped: bool,

@@ -773,12 +773,14 @@ fn repeated_steps_keep_a_resident_set_under_a_half_weight_budget() {
     // Half the weights besides the largest segment, with a little slack for alignment.
     let budget = weights / 2 + footprint + 8192;
     // A streaming window of two segments (the one computing and the next): a wider window
-    // leaves the resident set less of this small pool.
+    // leaves the resident set less of this small pool. (Stable cuts off: their spares
+    // would take a fifth of this toy model's small pool, where this is about the weights.)
     let id = r.engine.create_session(
         SessionConfig::new("test", r.backend.clone(), r.gpu)
             .with_budget(Some(budget))
             .with_prefetch(false)
-            .with_stream_window(2),
+            .with_stream_window(2)
+            .with_stable_cuts(false),
     );
     r.engine.start(id).unwrap();
     let h2d = |r: &Rig| r.sim.stats().host_to_device_bytes;
@@ -1892,8 +1894,11 @@ fn prefetch_runs_several_segments_ahead_within_budget_and_equals_whole() {
             r.engine.manager_mut().set_async_uploads(async_on);
             assert_eq!(r.engine.manager_mut().uploads_async(r.gpu), async_on);
             // (A streaming window of two segments: a wider one leaves the resident set
-            // less of this small pool than the least recently used weights keep.)
+            // less of this small pool than the least recently used weights keep. Stable
+            // cuts off: their spares would take a fifth of this toy model's small pool,
+            // where the comparison is about how the pool's weights stream.)
             let mut config = SessionConfig::new("test", r.backend.clone(), r.gpu)
+                .with_stable_cuts(false)
                 .with_budget(Some(budget))
                 .with_segmentation(SegmentationPolicy::Always)
                 .with_prefetch(true)
@@ -2002,4 +2007,83 @@ fn segment_graphs_are_kept_from_step_to_step() {
         );
         r.engine.end(id).unwrap();
     }
+}
+
+/// Stable placement (`ModelManager::set_stable_placement`, `StreamingOptions::stable_cuts`):
+/// streamed through a staging pool at a quarter and a half of its weights, a UNet's weights
+/// go back to the pool offsets and its cuts to the cut-cache buffers they had the step
+/// before, so that from the third step on every segment's kept graph runs with every node
+/// and source where it was the step before (what ggml's CUDA backend needs to replay its
+/// captured CUDA graph) and nothing is allocated on the device inside a step; every output
+/// is the whole graph's bits, within the budget. Off, cuts move from step to step.
+#[test]
+fn stable_placement_keeps_segment_graphs_at_their_addresses() {
+    let with_x = unet_with_x;
+    let seeds = [7u64, 11, 13, 17, 19, 23, 29];
+    let want = fresh_whole_outputs("STABLE_REF", &seeds);
+    let (seg, _) = run(
+        "STABLE_PROBE",
+        unet,
+        None,
+        SegmentationPolicy::Always,
+        false,
+    );
+    let weights = weight_bytes(&rig("STABLE_W", false), "unet.");
+    let footprint = seg.segments.iter().map(|s| s.footprint()).max().unwrap();
+    let mut moved_without = 0;
+    for (fraction, stable) in [(4, true), (2, true), (4, false), (2, false)] {
+        let budget = weights / fraction + footprint + 8192;
+        let mut r = rig(&format!("STABLE_{fraction}_{stable}"), true);
+        r.engine.manager_mut().set_stable_placement(stable);
+        let id = r.engine.create_session(
+            SessionConfig::new("test", r.backend.clone(), r.gpu)
+                .with_budget(Some(budget))
+                .with_prefetch(true)
+                .with_staging_pool(true)
+                .with_streaming(StreamingOptions {
+                    stable_cuts: stable,
+                    ..StreamingOptions::default()
+                }),
+        );
+        r.engine.start(id).unwrap();
+        for (i, &s) in seeds.iter().enumerate() {
+            let tag = format!("1/{fraction} of the weights, stable {stable}, step {i}");
+            let before = r.sim.stats();
+            let out = r.engine.execute(id, &with_x(&r.w, s)).unwrap();
+            let allocations = r.sim.stats().allocations - before.allocations;
+            assert!(out.segmented, "{tag}: not segmented under {budget}");
+            assert!(
+                out.weight_upload_bytes > 0 || i == 0,
+                "{tag}: nothing streamed"
+            );
+            assert_eq!(out.output, want[i], "{tag}: differs from the whole graph");
+            let n = out.segments.len();
+            let unmoved = out.segments.iter().filter(|s| s.graph_unmoved).count();
+            println!(
+                "{tag}: {unmoved} of {n} segment graphs unmoved ({} reused), {} bytes streamed, {allocations} device allocations",
+                out.segments.iter().filter(|s| s.graph_reused).count(),
+                out.weight_upload_bytes
+            );
+            assert!(unmoved <= out.segments.iter().filter(|s| s.graph_reused).count());
+            if i == 0 {
+                assert_eq!(unmoved, 0, "{tag}");
+            } else if stable && i >= 2 {
+                assert_eq!(unmoved, n, "{tag}");
+                assert_eq!(allocations, 0, "{tag}: device allocations inside a step");
+            }
+            if !stable && i >= 3 {
+                moved_without += n - unmoved;
+            }
+        }
+        assert!(
+            r.sim.peak_bytes() <= budget,
+            "peak {} > budget {budget}",
+            r.sim.peak_bytes()
+        );
+        r.engine.end(id).unwrap();
+    }
+    assert!(
+        moved_without > 0,
+        "first fit never moved a segment's graph: the test shows nothing"
+    );
 }

@@ -7,10 +7,11 @@
 //!
 //! Spares: with a spare limit ([`CutCache::set_spare_limit`]), an entry that is removed
 //! keeps its buffer as a spare while the cache's bytes stay within the limit, and a new
-//! entry of the same layout takes a spare instead of allocating (the one at the lowest
-//! address, so that a run repeating the same cuts gets the same entries every time: no
-//! device allocation or free inside a step, and the same addresses for graphs kept from
-//! the step before).
+//! entry of the same layout takes a spare instead of allocating (the one that held the same
+//! cut last, else the one at the lowest address), so that a run repeating the same cuts
+//! gets the same entries every time: no device allocation or free inside a step, and the
+//! same addresses for graphs kept from the step before (which ggml's CUDA backend needs to
+//! replay them as CUDA graphs).
 
 use std::collections::HashMap;
 
@@ -30,6 +31,11 @@ pub struct CutCache {
     entries: HashMap<CutName, Entry>,
     /// Buffers of removed entries kept for reuse (see the module documentation).
     spares: Vec<Entry>,
+    /// Where each cut's entry was last (a cut takes that spare back first).
+    last: HashMap<CutName, usize>,
+    /// Buffers of each size (in bytes) a run needs at once (see
+    /// [`set_spare_quota`](CutCache::set_spare_quota)).
+    quota: HashMap<usize, usize>,
     /// The most bytes entries and spares may hold together for spares to be kept (`0`:
     /// none kept).
     spare_limit: u64,
@@ -58,6 +64,8 @@ impl CutCache {
             buft,
             entries: HashMap::new(),
             spares: Vec::new(),
+            last: HashMap::new(),
+            quota: HashMap::new(),
             spare_limit: 0,
             holding: false,
         }
@@ -81,8 +89,43 @@ impl CutCache {
         self.trim_spares(0);
     }
 
-    /// Frees spares, the largest first, until `extra` more bytes keep the cache within
-    /// its spare limit (all of them without a limit).
+    /// Sets how many buffers of each size (tensor bytes) a run of the same plan holds at
+    /// once: spares are then freed from the sizes held beyond their quota first, so that
+    /// a run repeating the same cuts keeps the buffers it needs of every size (with a
+    /// spare limit of at least the quota's bytes, none is freed or allocated from one run
+    /// to the next). Empty: no quota (the largest spares go first).
+    pub fn set_spare_quota(&mut self, quota: HashMap<usize, usize>) {
+        self.quota = quota;
+    }
+
+    /// Buffers held (entries and spares) by tensor size.
+    fn held_by_size(&self) -> HashMap<usize, usize> {
+        let mut held: HashMap<usize, usize> = HashMap::new();
+        for e in self.entries.values().chain(&self.spares) {
+            *held.entry(e.tensor.nbytes()).or_default() += 1;
+        }
+        held
+    }
+
+    /// The order in which to free the spares `candidates` (indices): those of sizes held
+    /// beyond their quota first, then the largest first.
+    fn drop_order(&self, mut candidates: Vec<usize>) -> Vec<usize> {
+        let held = self.held_by_size();
+        let over = |i: usize| {
+            let size = self.spares[i].tensor.nbytes();
+            held.get(&size).copied().unwrap_or(0) > self.quota.get(&size).copied().unwrap_or(0)
+        };
+        candidates.sort_by_key(|&i| {
+            (
+                !over(i),
+                std::cmp::Reverse(self.spares[i].buffer.footprint()),
+            )
+        });
+        candidates
+    }
+
+    /// Frees spares (see [`drop_order`](Self::drop_order)) until `extra` more bytes keep
+    /// the cache within its spare limit (all of them without a limit).
     fn trim_spares(&mut self, extra: u64) {
         if self.holding {
             return;
@@ -92,10 +135,8 @@ impl CutCache {
             return;
         }
         while !self.spares.is_empty() && self.bytes() as u64 + extra > self.spare_limit {
-            let largest = (0..self.spares.len())
-                .max_by_key(|&i| self.spares[i].buffer.footprint())
-                .unwrap_or(0);
-            self.spares.swap_remove(largest);
+            let first = self.drop_order((0..self.spares.len()).collect())[0];
+            self.spares.swap_remove(first);
         }
     }
 
@@ -135,9 +176,8 @@ impl CutCache {
         if self.spare_limit == 0 || self.holding {
             return new_bytes;
         }
-        // Free unmatched spares, the largest first, while over the limit.
-        let mut unmatched: Vec<usize> = (0..self.spares.len()).filter(|&i| !taken[i]).collect();
-        unmatched.sort_by_key(|&i| std::cmp::Reverse(self.spares[i].buffer.footprint()));
+        // Free unmatched spares while over the limit (see `drop_order`).
+        let unmatched = self.drop_order((0..self.spares.len()).filter(|&i| !taken[i]).collect());
         let mut bytes = self.bytes() as u64 + new_bytes;
         let mut drop: Vec<usize> = Vec::new();
         for i in unmatched {
@@ -154,9 +194,9 @@ impl CutCache {
         new_bytes
     }
 
-    /// Takes the spare at the lowest address with `like`'s type and shape (and strides,
-    /// unless `contiguous`), if any.
-    fn take_spare(&mut self, like: &GTensor, contiguous: bool) -> Option<Entry> {
+    /// Takes a spare with `like`'s type and shape (and strides, unless `contiguous`), if
+    /// any: the one that held cut `name` last, else the one at the lowest address.
+    fn take_spare(&mut self, name: &CutName, like: &GTensor, contiguous: bool) -> Option<Entry> {
         let i = (0..self.spares.len())
             .filter(|&i| {
                 let t = &self.spares[i].tensor;
@@ -168,7 +208,10 @@ impl CutCache {
                         t.nb() == like.nb()
                     })
             })
-            .min_by_key(|&i| self.spares[i].tensor.data_addr())?;
+            .min_by_key(|&i| {
+                let at = self.spares[i].tensor.data_addr();
+                (self.last.get(name) != Some(&at), at)
+            })?;
         Some(self.spares.swap_remove(i))
     }
 
@@ -194,8 +237,9 @@ impl CutCache {
             if let Some(old) = self.entries.remove(name) {
                 self.keep_spares([old]);
             }
-            if let Some(spare) = self.take_spare(like, contiguous) {
+            if let Some(spare) = self.take_spare(name, like, contiguous) {
                 spare.tensor.set_name(&like.name());
+                self.last.insert(name.clone(), spare.tensor.data_addr());
                 self.entries.insert(name.clone(), spare);
                 return Ok(&self.entries[name]);
             }
@@ -219,6 +263,7 @@ impl CutCache {
                 .buft
                 .alloc_context_tensors(&ctx)
                 .map_err(ggml(format!("allocating cut cache entry '{name}'")))?;
+            self.last.insert(name.clone(), tensor.data_addr());
             self.entries.insert(name.clone(), Entry { tensor, buffer });
         }
         Ok(&self.entries[name])
@@ -403,6 +448,8 @@ impl CutCache {
     pub fn clear(&mut self) {
         self.entries.clear();
         self.spares.clear();
+        self.last.clear();
+        self.quota.clear();
     }
 }
 

@@ -153,6 +153,8 @@ pub struct SegmentGraph {
     placeholders: Vec<GTensor>,
     /// Tensors of other contexts the copies point at (kept alive with the graph).
     _keep: Vec<GTensor>,
+    /// [`Graph::data_addresses_hash`] when it last ran (see [`note_run`](Self::note_run)).
+    last_addresses: Option<u64>,
 }
 
 impl std::fmt::Debug for SegmentGraph {
@@ -300,6 +302,14 @@ impl SegmentGraph {
         for t in &self.views {
             t.rebase_view();
         }
+    }
+
+    /// Notes that the graph is about to run with its memory as it is now; returns whether
+    /// every node and source is where it was when it last ran (so ggml's CUDA backend can
+    /// replay the CUDA graph it captured then; `false` the first time).
+    pub fn note_run(&mut self) -> bool {
+        let now = self.graph.data_addresses_hash();
+        self.last_addresses.replace(now) == Some(now)
     }
 
     /// Points the uploads at `graph`'s input leaves (see [`reusable_for`](Self::reusable_for)).
@@ -738,6 +748,7 @@ fn build(
         in_place,
         cut_inputs,
         placeholders,
+        last_addresses: None,
         _keep: keep,
     })
 }

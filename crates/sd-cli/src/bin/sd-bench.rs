@@ -331,6 +331,12 @@ struct UnetArgs {
     /// `StreamingOptions::next_pass_prefetch`)
     #[arg(long = "next-pass-prefetch", value_enum, default_value = "on")]
     next_pass_prefetch: OnOff,
+    /// Streamed weights go back to the staging-pool offsets and cuts to the cut-cache
+    /// buffers they had the step before, so that segment graphs read the same addresses
+    /// every step and ggml's CUDA backend replays them (see
+    /// `ModelManager::set_stable_placement`, `StreamingOptions::stable_cuts`)
+    #[arg(long = "stable-placement", value_enum, default_value = "on")]
+    stable_placement: OnOff,
     /// Convert the linear weights when loading (q8_0, q4_K, f16...; default: the file's)
     #[arg(long = "type", value_name = "TYPE")]
     weight_type: Option<String>,
@@ -761,6 +767,8 @@ struct RigOptions<'a> {
     streaming: StreamingOptions,
     /// Whether prefetch uploads go to the device's copy stream where it has one.
     async_upload: bool,
+    /// Whether streamed weights keep their staging-pool offsets from step to step.
+    stable_placement: bool,
     /// Bytes of the budget left to the backend runtime (`None`: measured, as `sd` does).
     runtime_reserve: Option<u64>,
     /// This project's CPU kernels where the CPU backend computes.
@@ -802,6 +810,7 @@ impl RigOptions<'_> {
                 // A/B switch for the coalesced uploads (SD_BENCH_COALESCE=0: off).
                 coalesce: coalesce_uploads(),
                 copy_stream: self.async_upload,
+                stable_placement: self.stable_placement,
             },
             runtime_reserve: self.runtime_reserve,
             ..RuntimeOptions::default()
@@ -1165,6 +1174,7 @@ fn cmd_unet(a: &UnetArgs) -> Result<()> {
         stream_window: a.stream_window as usize,
         evict_in_flight: a.evict_in_flight == OnOff::On,
         next_pass_prefetch: a.next_pass_prefetch == OnOff::On,
+        stable_cuts: a.stable_placement == OnOff::On,
         ..StreamingOptions::default()
     };
     let options = RigOptions {
@@ -1177,6 +1187,7 @@ fn cmd_unet(a: &UnetArgs) -> Result<()> {
         threads,
         streaming,
         async_upload: a.async_upload == OnOff::On,
+        stable_placement: a.stable_placement == OnOff::On,
         runtime_reserve: a.runtime_reserve,
         host_kernels: a.host_kernels == OnOff::On,
     };
@@ -1206,10 +1217,12 @@ fn cmd_unet(a: &UnetArgs) -> Result<()> {
     let sim0 = rig.rt.sim_device().map(|s| s.stats());
     let mut times = Vec::with_capacity(steps);
     let mut last = first.clone();
+    let mut unmoved = 0usize;
     for _ in 0..steps {
         let t0 = Instant::now();
         last = rig.step(&inputs)?;
         times.push(t0.elapsed().as_secs_f64());
+        unmoved += last.segments.iter().filter(|s| s.graph_unmoved).count();
     }
     let uploaded = rig.rt.engine().manager().upload_bytes() - up0;
     // The simulated device's buffer allocations and frees per timed step.
@@ -1311,6 +1324,10 @@ fn cmd_unet(a: &UnetArgs) -> Result<()> {
             "prefetched": last.segments.iter().filter(|s| s.prefetched).count(),
             "max_prefetches_ahead": last.segments.iter().map(|s| s.prefetches_ahead).max().unwrap_or(0),
             "graphs_reused": last.segments.iter().filter(|s| s.graph_reused).count(),
+            "stable_placement": a.stable_placement == OnOff::On,
+            // Segment runs of the timed steps whose graph read and wrote the same addresses
+            // as their previous run (ggml's CUDA backend replays those as CUDA graphs).
+            "graphs_unmoved_per_step": unmoved as f64 / steps as f64,
             "segments_overlapped": last.segments.iter().filter(|s| s.overlapped).count(),
             "segments_queued_behind": last.segments.iter().filter(|s| s.queued_behind > 0).count(),
             // The simulated device's faults (accesses a GPU would let race or fail; 0 in a correct run).
@@ -1393,6 +1410,7 @@ fn cmd_check(name: &str, threads: usize) -> Result<()> {
             threads,
             streaming: StreamingOptions::default(),
             async_upload,
+            stable_placement: true,
             // The tiny UNet's budget is all the engine's.
             runtime_reserve: Some(0),
             host_kernels: true,

@@ -72,6 +72,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
             segment_device,
             param_bytes,
             segment_uses,
+            stable_cuts: Default::default(),
         })
     }
 

@@ -115,6 +115,8 @@ pub(crate) struct Prepared {
     pub(crate) param_bytes: HashMap<ParamId, u64>,
     /// The segments using each parameter: every segment's preferred eviction order.
     pub(crate) segment_uses: SegmentUses,
+    /// `Exec::stable_cuts_plan`, once computed for this execution.
+    pub(crate) stable_cuts: std::cell::OnceCell<Option<(u64, HashMap<usize, usize>)>>,
 }
 
 /// What a session remembers of a plan choice: the graph (structure, without marks), the
@@ -271,6 +273,8 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         self.setup_staging_pool(task, p, segmented)?;
         let resident = self.resident_set(p);
         let spares = self.cut_spare_limit(p);
+        let quota = self.stable_cuts_plan(p).map(|(_, q)| q).unwrap_or_default();
+        self.session.slots[0].cut_cache.set_spare_quota(quota);
         self.session.slots[0].cut_cache.set_spare_limit(spares);
         self.session.slots[0].cut_cache.hold_frees(false);
         if segmented {
@@ -674,6 +678,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
                 prefetches_ahead: queued.len(),
                 direct_outputs: done.direct_outputs,
                 graph_reused: done.graph_reused,
+                graph_unmoved: done.graph_unmoved,
                 overlapped: done.overlapped,
                 queued_behind: done.queued_behind,
                 held_for_in_flight: done.held_for_in_flight,
@@ -880,12 +885,14 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
             timing.upload_wait += t.elapsed();
         }
         let slot = &mut self.session.slots[d];
-        let Some(sg) = slot.workspace.current() else {
+        let Some(sg) = slot.workspace.current_mut() else {
             return Err(ExecError::Ggml {
                 context: format!("segment {k} '{}'", seg.name),
                 source: sd_tensor::GgmlError::Mismatch("workspace lost its graph".into()),
             });
         };
+        let graph_unmoved = sg.note_run();
+        let sg = &*sg;
         let t = Instant::now();
         let context = || format!("computing segment {k} '{}'", seg.name);
         let mut event = None;
@@ -952,6 +959,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
             direct_outputs: direct.len(),
             direct: direct.into_iter().collect(),
             graph_reused: reused,
+            graph_unmoved,
             queued: queue,
             overlapped,
             queued_behind,
@@ -1229,6 +1237,8 @@ struct SegmentDone {
     direct: Vec<CutName>,
     /// Whether the graph kept from the last execution ran again.
     graph_reused: bool,
+    /// See [`SegmentReport::graph_unmoved`].
+    graph_unmoved: bool,
     /// Whether it was queued without waiting (the caller puts it in flight).
     queued: bool,
     /// Whether its preparation overlapped the compute of the segment before it.

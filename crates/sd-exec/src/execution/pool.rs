@@ -33,6 +33,18 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
     /// largest segment's weights, and the largest non-weight need it leaves it beside;
     /// `None` where no pool is used.
     pub(crate) fn staging_pool_room(&self, p: &Prepared, segmented: bool) -> Option<(u64, u64)> {
+        let extra = self.stable_cuts_plan(p).map_or(0, |(extra, _)| extra);
+        self.staging_pool_room_with(p, segmented, extra)
+    }
+
+    /// [`staging_pool_room`](Self::staging_pool_room) leaving `extra` bytes beside the
+    /// segments' needs (the stable cuts' spares).
+    fn staging_pool_room_with(
+        &self,
+        p: &Prepared,
+        segmented: bool,
+        extra: u64,
+    ) -> Option<(u64, u64)> {
         let cfg = &self.session.config;
         if !segmented
             || !cfg.streaming.staging_pool
@@ -56,7 +68,8 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
                 d.need.saturating_sub(d.weight_bytes)
             })
             .max()?
-            .saturating_add(self.session.slots[0].runner_cache.bytes() as u64);
+            .saturating_add(self.session.slots[0].runner_cache.bytes() as u64)
+            .saturating_add(extra);
         let weights: u64 = p.param_bytes.values().sum();
         let size = limit
             .saturating_sub(nonweight)
@@ -145,14 +158,55 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         if owner != self.session.id.owner() {
             return None;
         }
-        (0..p.plan.segments.len())
-            .map(|k| {
-                let d = crate::refine::segment_plan(p, k);
-                let seg = &p.plan.segments[k];
-                let buffers = (seg.live_cuts.len() + seg.outputs.len()) as u64;
-                d.cut_bytes + d.output_bytes + p.granularity.saturating_sub(1) * buffers
-            })
-            .max()
+        let extra = self.stable_cuts_plan(p).map_or(0, |(extra, _)| extra);
+        Some(live_cut_limit(p)? + extra)
+    }
+
+    /// With kept segment graphs ([`StreamingOptions::reuse_graphs`](crate::StreamingOptions::reuse_graphs))
+    /// and [`StreamingOptions::stable_cuts`](crate::StreamingOptions::stable_cuts) in a segmented run, the segments whose cuts the cut cache holds at once: the one
+    /// being prepared and those still in flight (see [`stable_cuts`]); `None` otherwise.
+    fn stable_cut_window(&self, p: &Prepared) -> Option<usize> {
+        let cfg = &self.session.config;
+        if p.plan.segments.len() < 2
+            || !cfg.streaming.reuse_graphs
+            || !cfg.streaming.stable_cuts
+            || self.session.is_layer_split()
+        {
+            return None;
+        }
+        Some(if cfg.streaming.async_compute {
+            cfg.streaming.segments_in_flight.max(1) + 1
+        } else {
+            1
+        })
+    }
+
+    /// With stable cuts (see [`stable_cut_window`](Self::stable_cut_window)), the bytes
+    /// the cut cache's spares need beyond [`live_cut_limit`] so that every cut finds the
+    /// buffer it had the step before, and the spare quota that keeps them (see
+    /// [`stable_cuts`] and [`sd_graphcut::CutCache::set_spare_quota`]): kept segment graphs
+    /// then read and write the same addresses from step to step (which ggml's CUDA backend
+    /// needs to replay them). The staging pool leaves the bytes room, so they are taken
+    /// only while they cost it at most a quarter of its size (more streaming otherwise
+    /// outweighs the replays); `None` otherwise.
+    pub(crate) fn stable_cuts_plan(&self, p: &Prepared) -> Option<(u64, HashMap<usize, usize>)> {
+        p.stable_cuts
+            .get_or_init(|| self.compute_stable_cuts_plan(p))
+            .clone()
+    }
+
+    fn compute_stable_cuts_plan(&self, p: &Prepared) -> Option<(u64, HashMap<usize, usize>)> {
+        let window = self.stable_cut_window(p)?;
+        let (bytes, quota) = stable_cuts(p, window, self.session.config.backend.buffer_type());
+        let extra = bytes.saturating_sub(live_cut_limit(p).unwrap_or(0));
+        if extra > 0 {
+            let (pool, _) = self.staging_pool_room_with(p, true, 0)?;
+            if extra > pool / 4 {
+                tracing::debug!(extra, pool, "stable cuts would take too much of the pool");
+                return None;
+            }
+        }
+        Some((extra, quota))
     }
 
     /// The weights a segmented run with a staging pool keeps on the device from step to
@@ -232,6 +286,63 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         );
         set
     }
+}
+
+/// The most bytes of cut-cache entries any segment of plan `p` holds at once (its live
+/// cuts and its outputs, each rounded up to the allocation granularity); `None` for a plan
+/// without segments.
+fn live_cut_limit(p: &Prepared) -> Option<u64> {
+    (0..p.plan.segments.len())
+        .map(|k| {
+            let d = crate::refine::segment_plan(p, k);
+            let seg = &p.plan.segments[k];
+            let buffers = (seg.live_cuts.len() + seg.outputs.len()) as u64;
+            d.cut_bytes + d.output_bytes + p.granularity.saturating_sub(1) * buffers
+        })
+        .max()
+}
+
+/// The cut-cache bytes a step of plan `p` needs for every cut to get back the buffer it
+/// had in the step before: entries of one layout are interchangeable (a cut takes a
+/// spare of its layout, the one it had last time first, see `CutCache`), so for each
+/// entry size the most entries of that size held at once, summed over the sizes. Held at
+/// once: the cuts live in `window` consecutive segments (segments still in flight keep the
+/// cuts they read) and the graph's outputs (kept from one step to the next).
+fn stable_cuts(p: &Prepared, window: usize, buft: BufferType) -> (u64, HashMap<usize, usize>) {
+    let segs = &p.plan.segments;
+    let mut bytes_of: HashMap<&CutName, usize> = HashMap::new();
+    let mut outputs: HashSet<&CutName> = HashSet::new();
+    for seg in segs {
+        for o in &seg.outputs {
+            bytes_of.insert(&o.name, o.bytes);
+            if o.graph_output {
+                outputs.insert(&o.name);
+            }
+        }
+    }
+    // An entry's buffer: its bytes aligned, in whole allocation units.
+    let align = buft.alignment().max(1) as u64;
+    let entry = |b: usize| buft.footprint((b as u64).div_ceil(align) * align);
+    let mut peak: HashMap<usize, usize> = HashMap::new();
+    for k in 0..segs.len() {
+        let mut held: HashSet<&CutName> = outputs.clone();
+        for seg in &segs[k.saturating_sub(window.max(1) - 1)..=k] {
+            held.extend(seg.live_cuts.iter());
+            held.extend(seg.outputs.iter().map(|o| &o.name));
+        }
+        let mut count: HashMap<usize, usize> = HashMap::new();
+        for name in held {
+            if let Some(&b) = bytes_of.get(name) {
+                *count.entry(b).or_default() += 1;
+            }
+        }
+        for (size, n) in count {
+            let e = peak.entry(size).or_default();
+            *e = (*e).max(n);
+        }
+    }
+    let bytes = peak.iter().map(|(&size, &n)| entry(size) * n as u64).sum();
+    (bytes, peak)
 }
 
 /// The bytes of a staging pool of `pool` bytes that streamed weights may fill: less a 1/32

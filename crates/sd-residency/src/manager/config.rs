@@ -14,6 +14,8 @@ pub struct UploadOptions {
     pub coalesce: bool,
     /// See [`ModelManager::set_async_uploads`] (default off).
     pub copy_stream: bool,
+    /// See [`ModelManager::set_stable_placement`] (default on).
+    pub stable_placement: bool,
 }
 
 impl Default for UploadOptions {
@@ -22,16 +24,18 @@ impl Default for UploadOptions {
             pinned_host_params: true,
             coalesce: true,
             copy_stream: false,
+            stable_placement: true,
         }
     }
 }
 
 impl ModelManager {
-    /// Sets the three upload switches of `options`.
+    /// Sets the upload switches of `options`.
     pub fn set_upload_options(&mut self, options: UploadOptions) {
         self.set_pinned_host_params(options.pinned_host_params);
         self.set_coalesce_uploads(options.coalesce);
         self.set_async_uploads(options.copy_stream);
+        self.set_stable_placement(options.stable_placement);
     }
 
     /// Registers a backend the manager may place weights on or compute with.
@@ -188,6 +192,16 @@ impl ModelManager {
     /// coalesced uploads in each of six interleaved pairs (docs/benchmarks.md).
     pub fn set_coalesce_uploads(&mut self, on: bool) {
         self.coalesce_uploads = on;
+    }
+
+    /// Whether a weight staged in a staging pool again goes back to the offset it had last
+    /// time when that region is free (default: on). A sampling loop then reads every
+    /// step's weights where the step before did, so that a segment's kept graph is the
+    /// same graph at the same addresses from step to step, which ggml's CUDA backend
+    /// replays as one CUDA graph; off, first fit places them wherever the step's order of
+    /// evictions left room.
+    pub fn set_stable_placement(&mut self, on: bool) {
+        self.stable_placement = on;
     }
 
     /// Whether prefetch uploads are queued on a copy stream of the compute device (a second

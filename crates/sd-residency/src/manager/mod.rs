@@ -164,6 +164,8 @@ pub struct ModelManager {
     /// Weights placed at the staging pools' high end (see
     /// [`DeviceResidencyManager::keep_at_pool_end`]).
     pub(crate) pool_high: std::collections::HashSet<ParamId>,
+    /// See [`ModelManager::set_stable_placement`].
+    pub(crate) stable_placement: bool,
 }
 
 impl std::fmt::Debug for ModelManager {
@@ -222,6 +224,7 @@ impl ModelManager {
             async_uploads: false,
             upload_bytes: 0,
             pool_high: Default::default(),
+            stable_placement: true,
         }
     }
 

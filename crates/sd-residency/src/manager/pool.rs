@@ -13,11 +13,19 @@
 //! memory when evicted, only room in the pool. Capacity checks therefore count the staging
 //! copies a request still needs as missing device bytes only when they do not fit in the
 //! pool's largest free region (they would then get buffers of their own).
+//!
+//! Stable placement: a weight streamed through the pool again goes back to the offset it
+//! had last time when that region is free (see [`StagingPool::place`]). A sampling loop
+//! then stages every step's weights where the step before had them, so each segment's
+//! graph reads the same addresses every step, which is what ggml's CUDA backend needs to
+//! replay the graph it captured (one CUDA graph launch instead of a launch per kernel).
+
+use std::collections::HashMap;
 
 use sd_tensor::ggml::Buffer;
 
 use super::blocks::align_up;
-use crate::residency::OwnerId;
+use crate::residency::{OwnerId, ParamId};
 
 /// One staging pool: its buffer, who asked for it and its free regions.
 #[derive(Debug)]
@@ -29,6 +37,8 @@ pub(crate) struct StagingPool {
     /// Free regions `(offset, size)`, sorted by offset, never adjacent (coalesced).
     free: Vec<(u64, u64)>,
     align: u64,
+    /// Where each weight was placed last (see [`place`](Self::place)).
+    last: HashMap<ParamId, u64>,
 }
 
 impl StagingPool {
@@ -41,7 +51,41 @@ impl StagingPool {
             owner,
             free: vec![(0, size)],
             align,
+            last: HashMap::new(),
         }
+    }
+
+    /// Places a group of weights `(param, bytes, high)`, all or none, and returns their
+    /// offsets in order. With `stable`, each goes back to the offset it had last time when
+    /// that region is free, the others first fit (or high, see [`alloc`](Self::alloc));
+    /// when that leaves one without room, the whole group is placed as plain first fit
+    /// would: so a group fits exactly when [`fits_all`](Self::fits_all) says it does.
+    pub fn place(&mut self, items: &[(ParamId, u64, bool)], stable: bool) -> Option<Vec<u64>> {
+        let needs: Vec<(u64, bool)> = items
+            .iter()
+            .map(|&(_, b, high)| (align_up(b.max(1), self.align), high))
+            .collect();
+        let attempt = |prefer: &dyn Fn(usize) -> Option<u64>| {
+            let mut free = self.free.clone();
+            let mut offsets = Vec::with_capacity(needs.len());
+            for (i, &(need, high)) in needs.iter().enumerate() {
+                let at = prefer(i)
+                    .filter(|&o| take_at(&mut free, o, need))
+                    .or_else(|| take(&mut free, need, self.align, high))?;
+                offsets.push(at);
+            }
+            Some((free, offsets))
+        };
+        let sticky = |i: usize| self.last.get(&items[i].0).copied();
+        let (free, offsets) = stable
+            .then(|| attempt(&sticky))
+            .flatten()
+            .or_else(|| attempt(&|_| None))?;
+        self.free = free;
+        for (&(p, _, _), &o) in items.iter().zip(&offsets) {
+            self.last.insert(p, o);
+        }
+        Some(offsets)
     }
 
     /// The pool's size.
@@ -53,6 +97,8 @@ impl StagingPool {
     /// them; returns the offset, or `None` when no region does. With `high`, at the end
     /// of the last region that holds them instead (weights kept for long go to the pool's
     /// high end, so that the ones streamed through it find one contiguous region).
+    /// (The manager places groups with [`place`](Self::place).)
+    #[cfg(test)]
     pub fn alloc(&mut self, bytes: u64, high: bool) -> Option<u64> {
         let need = align_up(bytes.max(1), self.align);
         take(&mut self.free, need, self.align, high)
@@ -136,6 +182,28 @@ fn take(free: &mut Vec<(u64, u64)>, need: u64, align: u64, high: bool) -> Option
     Some(a)
 }
 
+/// Takes exactly `offset..offset + need` from the free list when one free region holds it;
+/// returns whether it did.
+fn take_at(free: &mut Vec<(u64, u64)>, offset: u64, need: u64) -> bool {
+    let i = free.partition_point(|&(o, _)| o <= offset);
+    let Some(i) = i.checked_sub(1) else {
+        return false;
+    };
+    let (off, size) = free[i];
+    if offset + need > off + size {
+        return false;
+    }
+    let mut parts = Vec::with_capacity(2);
+    if offset > off {
+        parts.push((off, offset - off));
+    }
+    if off + size > offset + need {
+        parts.push((offset + need, off + size - offset - need));
+    }
+    free.splice(i..=i, parts);
+    true
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -188,5 +256,60 @@ mod tests {
         p.free(hi, 100);
         // The freed top region is the last that holds 100 bytes again.
         assert_eq!(p.alloc(100, true), Some(hi));
+    }
+
+    #[test]
+    fn stable_placement_returns_weights_to_their_last_offsets() {
+        let buf = BufferType::cpu().alloc(4096).unwrap();
+        let mut p = StagingPool::new(buf, OwnerId(1));
+        let a = p.buffer.alignment() as u64;
+        let (x, y, z) = (ParamId(1), ParamId(2), ParamId(3));
+        // First time: first fit.
+        let first = p.place(&[(x, 100, false), (y, 200, false)], true).unwrap();
+        assert_eq!(first, vec![0, align_up(100, a)]);
+        let third = p.place(&[(z, 300, false)], true).unwrap();
+        // Freed in another order and placed again in another order: each weight goes
+        // back where it was, where first fit would have put `z` at 0.
+        p.free(first[0], 100);
+        p.free(first[1], 200);
+        p.free(third[0], 300);
+        assert_eq!(p.place(&[(z, 300, false)], true).unwrap(), third);
+        assert_eq!(
+            p.place(&[(y, 200, false), (x, 100, false)], true).unwrap(),
+            vec![first[1], first[0]]
+        );
+        p.free(first[0], 100);
+        p.free(first[1], 200);
+        p.free(third[0], 300);
+        assert_eq!(p.free_bytes(), 4096);
+        // Without stability: first fit.
+        assert_eq!(p.place(&[(z, 300, false)], false).unwrap(), vec![0]);
+        p.free(0, 300);
+        // A last offset that is taken: first fit for that weight.
+        let w = ParamId(4);
+        assert_eq!(p.place(&[(w, 300, false)], false).unwrap(), vec![0]);
+        let s300 = align_up(300, a);
+        assert_eq!(p.place(&[(z, 300, false)], true).unwrap(), vec![s300]);
+        p.free(0, 300);
+        p.free(s300, 300);
+        // A stable placement that would leave a later weight without room falls back to
+        // first fit for the whole group, which fits as `fits_all` says.
+        let s100 = align_up(100, a);
+        assert_eq!(
+            p.place(&[(y, 100, false), (x, 100, false)], false).unwrap(),
+            vec![0, s100]
+        );
+        p.free(0, 100);
+        p.free(s100, 100);
+        let big = 4096 - s100;
+        assert!(p.fits_all([(100, false), (big, false)]));
+        let got = p.place(&[(x, 100, false), (w, big, false)], true).unwrap();
+        assert_eq!(got, vec![0, s100]);
+        p.free(0, 100);
+        p.free(s100, big);
+        assert_eq!(p.free_bytes(), 4096);
+        // Failing groups change nothing.
+        assert_eq!(p.place(&[(x, 100, false), (w, 4096, false)], true), None);
+        assert_eq!(p.free_bytes(), 4096);
     }
 }

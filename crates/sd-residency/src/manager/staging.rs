@@ -84,23 +84,24 @@ impl ModelManager {
                 .iter()
                 .map(|p| (*p, buft.alloc_size(&self.states[p].tensor) as u64))
                 .collect();
-            // The backend's staging pool first: a region of it per tensor, first fit, in
-            // order (as the capacity check simulates it); all or none.
+            // The backend's staging pool first: a region of it per tensor, all or none,
+            // where each had it last time if free (stable placement), else first fit in
+            // order; it fits when first fit fits (as the capacity check simulates it).
             let high = &self.pool_high;
+            let stable = self.stable_placement;
             let pooled = self.pools.get_mut(&backend).and_then(|pool| {
-                let mut regions: Vec<(u64, u64)> = Vec::with_capacity(sizes.len());
-                for &(p, bytes) in &sizes {
-                    match pool.alloc(bytes, high.contains(&p)) {
-                        Some(off) => regions.push((off, bytes)),
-                        None => {
-                            for &(off, bytes) in &regions {
-                                pool.free(off, bytes);
-                            }
-                            return None;
-                        }
-                    }
-                }
-                Some(regions)
+                let items: Vec<(ParamId, u64, bool)> = sizes
+                    .iter()
+                    .map(|&(p, bytes)| (p, bytes, high.contains(&p)))
+                    .collect();
+                let offsets = pool.place(&items, stable)?;
+                Some(
+                    offsets
+                        .into_iter()
+                        .zip(&sizes)
+                        .map(|(off, &(_, bytes))| (off, bytes))
+                        .collect::<Vec<(u64, u64)>>(),
+                )
             });
             if pooled.is_none() && owner.is_some() && self.pools.contains_key(&backend) {
                 // A prefetch stays inside the pool: the room outside it is the runtime's

@@ -147,6 +147,27 @@ impl Graph {
         Context::resolve(p)
     }
 
+    /// A hash of the data addresses of every node and of every node's sources: equal for
+    /// two runs of the same graph when nothing it reads or writes moved in between, the
+    /// condition under which ggml's CUDA backend replays the CUDA graph it captured
+    /// instead of launching every kernel again.
+    pub fn data_addresses_hash(&self) -> u64 {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        for i in 0..self.n_nodes() {
+            // SAFETY: index in range; the node and its sources live as long as the graph's
+            // contexts, which outlive this borrow.
+            let t = unsafe { sys::ggml_graph_node(self.raw(), i as i32).as_ref() };
+            let Some(t) = t else { continue };
+            (t.data as usize).hash(&mut h);
+            for s in t.src.iter().filter(|s| !s.is_null()) {
+                // SAFETY: a non-null source of a live node.
+                (unsafe { (**s).data } as usize).hash(&mut h);
+            }
+        }
+        h.finish()
+    }
+
     /// All nodes in execution order.
     pub fn nodes(&self) -> Vec<GTensor> {
         (0..self.n_nodes()).filter_map(|i| self.node(i)).collect()

@@ -1,0 +1,35 @@
+#!/bin/bash
+# A/B on the GPU of stable placement (fifteenth session, issue 19): `sd-bench unet` with
+# `--stable-placement on` (the default: streamed weights back at their staging-pool offsets,
+# cuts in the cut-cache buffers they had the step before, so that ggml's CUDA backend
+# replays each kept segment graph as a CUDA graph) against `off` (first fit; cut spares
+# within the largest segment's live cuts), interleaved. MODELS [sd15 sdxl]; SD1.5 at
+# SD15_BUDGETS [0.75 0.5 0.25 0.1] of its weights, ROUNDS [2]; SDXL at XL_BUDGETS
+# [0.5 0.25], XL_ROUNDS [1]; pinned params, reserve 0; the bare graph and the resident
+# step beside them. Runs start only until DEADLINE [540] s after the call began. JSON
+# lines in $OUT/results.jsonl. Run from the checkout root with stage/ as for
+# streaming_sweep.sh (SAVE_MODULE=1 returns the built module for stage/mod/).
+CALL_T0=$(date +%s)
+# Built (or unpacked) in a subshell to show only its last lines, then sourced for its settings.
+source scripts/device/stage_module.sh 2>&1 | tail -3
+source scripts/device/stage_module.sh >/dev/null 2>&1
+source scripts/device/ab_run.sh
+late() { (( $(date +%s) - CALL_T0 > ${DEADLINE:-540} )) && echo "deadline: skipping $1"; }
+device_header
+for m in ${MODELS-sd15 sdxl}; do
+  [[ $m == sdxl ]] && export STEPS=6
+  late $m && break
+  bench_model $m
+  ab_one $m-bare "${W[@]}" --params device --direct on
+  budgets=${SD15_BUDGETS-0.75 0.5 0.25 0.1}; rounds=${ROUNDS-2}
+  [[ $m == sdxl ]] && budgets=${XL_BUDGETS-0.5 0.25} && rounds=${XL_ROUNDS-1}
+  for r in $(seq $rounds); do
+    for f in $budgets; do
+      late $m-$f && break 2
+      ab_one $m-$f-stable-r$r "${W[@]}" --max-vram $f
+      ab_one $m-$f-moving-r$r "${W[@]}" --max-vram $f --stable-placement off
+    done
+  done
+  rm -rf /tmp/w-$m
+done
+echo "done in $(($(date +%s)-CALL_T0)) s"
