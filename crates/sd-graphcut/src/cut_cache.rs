@@ -555,4 +555,60 @@ mod tests {
         cache.clear();
         assert_eq!((cache.spares(), cache.bytes()), (0, 0));
     }
+
+    #[test]
+    fn cuts_take_back_their_buffers_and_the_quota_keeps_each_size() {
+        let ctx = Context::new_descriptors(16, 16, 0).unwrap();
+        let name = |s: &str| CutName::new("g", s).unwrap();
+        let (big, small, tiny) = (like(&ctx, 64), like(&ctx, 32), like(&ctx, 8));
+        let footprint = |t: &GTensor, bytes: usize| {
+            let mut probe = CutCache::host();
+            probe.store_bytes(&name("p"), t, &vec![0; bytes]).unwrap();
+            probe.bytes() as u64
+        };
+        let (fb, fs, ft) = (
+            footprint(&big, 512),
+            footprint(&small, 256),
+            footprint(&tiny, 64),
+        );
+        let mut cache = CutCache::host();
+        cache.set_spare_limit(Some(2 * fb + fs));
+        cache.store_bytes(&name("a"), &big, &[1; 512]).unwrap();
+        cache.store_bytes(&name("b"), &big, &[2; 512]).unwrap();
+        let at = |c: &CutCache, n: &str| c.get(&name(n)).unwrap().data_addr();
+        let (a, b) = (at(&cache, "a"), at(&cache, "b"));
+        cache.retain(|_| false);
+        // The cut whose buffer is at the higher address comes first this time: it still
+        // gets its own (by address alone it would take the lower one), and so does the
+        // other.
+        let (first, second) = if a > b { ("a", "b") } else { ("b", "a") };
+        cache.store_bytes(&name(first), &big, &[3; 512]).unwrap();
+        cache.store_bytes(&name(second), &big, &[4; 512]).unwrap();
+        assert_eq!((at(&cache, "a"), at(&cache, "b")), (a, b));
+        cache.store_bytes(&name("s"), &small, &[5; 256]).unwrap();
+        cache.retain(|_| false);
+        assert_eq!(cache.spares(), 3);
+        // Over the limit, spares of a size held beyond its quota go first: with a quota
+        // of two big buffers and no small one, a new tiny entry frees the small spare
+        // (largest first would free a big one).
+        let mut quota = HashMap::new();
+        quota.insert(big.nbytes(), 2);
+        cache.set_spare_quota(quota);
+        cache.set_spare_limit(Some(2 * fb + fs + ft - 1));
+        cache.store_bytes(&name("t"), &tiny, &[6; 64]).unwrap();
+        assert_eq!(cache.spares(), 2);
+        assert_eq!(cache.room_for(&[&big, &big]), 0, "both big spares kept");
+        cache.store_bytes(&name("a"), &big, &[7; 512]).unwrap();
+        cache.store_bytes(&name("b"), &big, &[8; 512]).unwrap();
+        assert_eq!((at(&cache, "a"), at(&cache, "b")), (a, b));
+        // Without a quota the largest goes first.
+        cache.retain(|_| false);
+        cache.set_spare_quota(HashMap::new());
+        cache.store_bytes(&name("s"), &small, &[9; 256]).unwrap();
+        assert_eq!(cache.spares(), 2, "a tiny and a big spare left");
+        assert!(
+            cache.room_for(&[&big, &big]) > 0,
+            "one big buffer was freed"
+        );
+    }
 }
