@@ -1,9 +1,10 @@
 #!/bin/bash
 # A/B on the GPU of stable placement (fifteenth session, issue 19): `sd-bench unet` with
-# `--stable-placement on` (the default: streamed weights back at their staging-pool offsets,
+# `--stable-placement on --stable-cuts on` (streamed weights back at their staging-pool offsets,
 # cuts in the cut-cache buffers they had the step before, so that ggml's CUDA backend
-# replays each kept segment graph as a CUDA graph) against `off` (first fit; cut spares
-# within the largest segment's live cuts), interleaved. MODELS [sd15 sdxl]; SD1.5 at
+# replays each kept segment graph as a CUDA graph) against `off` (`--stable-placement off
+# --stable-cuts off`: first fit; cut spares within the largest segment's live cuts), and with
+# CUTS_ONLY=1 stable cuts alone (`--stable-placement off`), interleaved. MODELS [sd15 sdxl]; SD1.5 at
 # SD15_BUDGETS [0.75 0.5 0.25 0.1] of its weights, ROUNDS [2]; SDXL at XL_BUDGETS
 # [0.5 0.25], XL_ROUNDS [1]; pinned params, reserve 0; the bare graph and the resident
 # step beside them. Runs start only until DEADLINE [540] s after the call began. JSON
@@ -26,8 +27,9 @@ for m in ${MODELS-sd15 sdxl}; do
   for r in $(seq $rounds); do
     for f in $budgets; do
       late $m-$f && break 2
-      ab_one $m-$f-stable-r$r "${W[@]}" --max-vram $f
-      ab_one $m-$f-moving-r$r "${W[@]}" --max-vram $f --stable-placement off
+      ab_one $m-$f-stable-r$r "${W[@]}" --max-vram $f --stable-placement on --stable-cuts on
+      ab_one $m-$f-moving-r$r "${W[@]}" --max-vram $f --stable-placement off --stable-cuts off
+      [[ -n ${CUTS_ONLY-} ]] && ab_one $m-$f-cutsonly-r$r "${W[@]}" --max-vram $f --stable-cuts on
     done
   done
   rm -rf /tmp/w-$m

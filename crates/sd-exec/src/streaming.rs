@@ -108,8 +108,12 @@ pub struct StreamingOptions {
     /// pool leaves room for), and each cut takes back the buffer it had the step before:
     /// from the third step on, every kept segment graph reads and writes the same
     /// addresses as in the step before (which ggml's CUDA backend needs to replay it as a
-    /// CUDA graph), and no cut buffer is allocated or freed inside a step. Off, spares
-    /// are kept only within the largest segment's live cuts, the largest freed first.
+    /// CUDA graph), and no cut buffer is allocated or freed inside a step. Off (the
+    /// default), spares are kept only within the largest segment's live cuts, the largest
+    /// freed first. Off by default: on the H100 the weights still moved between steps
+    /// (see [`sd_residency::ModelManager::set_stable_placement`]), so no graph replayed,
+    /// and the quota's room came out of the staging pool (`docs/benchmarks.md`, fifteenth
+    /// session).
     pub stable_cuts: bool,
 }
 
@@ -129,7 +133,7 @@ impl Default for StreamingOptions {
             segments_in_flight: 2,
             evict_in_flight: true,
             next_pass_prefetch: true,
-            stable_cuts: true,
+            stable_cuts: false,
         }
     }
 }

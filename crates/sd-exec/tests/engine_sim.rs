@@ -773,14 +773,12 @@ fn repeated_steps_keep_a_resident_set_under_a_half_weight_budget() {
     // Half the weights besides the largest segment, with a little slack for alignment.
     let budget = weights / 2 + footprint + 8192;
     // A streaming window of two segments (the one computing and the next): a wider window
-    // leaves the resident set less of this small pool. (Stable cuts off: their spares
-    // would take a fifth of this toy model's small pool, where this is about the weights.)
+    // leaves the resident set less of this small pool.
     let id = r.engine.create_session(
         SessionConfig::new("test", r.backend.clone(), r.gpu)
             .with_budget(Some(budget))
             .with_prefetch(false)
-            .with_stream_window(2)
-            .with_stable_cuts(false),
+            .with_stream_window(2),
     );
     r.engine.start(id).unwrap();
     let h2d = |r: &Rig| r.sim.stats().host_to_device_bytes;
@@ -1894,11 +1892,8 @@ fn prefetch_runs_several_segments_ahead_within_budget_and_equals_whole() {
             r.engine.manager_mut().set_async_uploads(async_on);
             assert_eq!(r.engine.manager_mut().uploads_async(r.gpu), async_on);
             // (A streaming window of two segments: a wider one leaves the resident set
-            // less of this small pool than the least recently used weights keep. Stable
-            // cuts off: their spares would take a fifth of this toy model's small pool,
-            // where the comparison is about how the pool's weights stream.)
+            // less of this small pool than the least recently used weights keep.)
             let mut config = SessionConfig::new("test", r.backend.clone(), r.gpu)
-                .with_stable_cuts(false)
                 .with_budget(Some(budget))
                 .with_segmentation(SegmentationPolicy::Always)
                 .with_prefetch(true)

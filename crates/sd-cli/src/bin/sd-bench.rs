@@ -331,12 +331,14 @@ struct UnetArgs {
     /// `StreamingOptions::next_pass_prefetch`)
     #[arg(long = "next-pass-prefetch", value_enum, default_value = "on")]
     next_pass_prefetch: OnOff,
-    /// Streamed weights go back to the staging-pool offsets and cuts to the cut-cache
-    /// buffers they had the step before, so that segment graphs read the same addresses
-    /// every step and ggml's CUDA backend replays them (see
-    /// `ModelManager::set_stable_placement`, `StreamingOptions::stable_cuts`)
-    #[arg(long = "stable-placement", value_enum, default_value = "on")]
+    /// Streamed weights go back to the staging-pool offsets they had the step before (see
+    /// `ModelManager::set_stable_placement`)
+    #[arg(long = "stable-placement", value_enum, default_value = "off")]
     stable_placement: OnOff,
+    /// Cuts go back to the cut-cache buffers they had the step before, the cache keeping
+    /// a spare quota per size (see `StreamingOptions::stable_cuts`)
+    #[arg(long = "stable-cuts", value_enum, default_value = "off")]
+    stable_cuts: OnOff,
     /// Convert the linear weights when loading (q8_0, q4_K, f16...; default: the file's)
     #[arg(long = "type", value_name = "TYPE")]
     weight_type: Option<String>,
@@ -1174,7 +1176,7 @@ fn cmd_unet(a: &UnetArgs) -> Result<()> {
         stream_window: a.stream_window as usize,
         evict_in_flight: a.evict_in_flight == OnOff::On,
         next_pass_prefetch: a.next_pass_prefetch == OnOff::On,
-        stable_cuts: a.stable_placement == OnOff::On,
+        stable_cuts: a.stable_cuts == OnOff::On,
         ..StreamingOptions::default()
     };
     let options = RigOptions {
@@ -1325,6 +1327,7 @@ fn cmd_unet(a: &UnetArgs) -> Result<()> {
             "max_prefetches_ahead": last.segments.iter().map(|s| s.prefetches_ahead).max().unwrap_or(0),
             "graphs_reused": last.segments.iter().filter(|s| s.graph_reused).count(),
             "stable_placement": a.stable_placement == OnOff::On,
+            "stable_cuts": a.stable_cuts == OnOff::On,
             // Segment runs of the timed steps whose graph read and wrote the same addresses
             // as their previous run (ggml's CUDA backend replays those as CUDA graphs).
             "graphs_unmoved_per_step": unmoved as f64 / steps as f64,
@@ -1410,7 +1413,7 @@ fn cmd_check(name: &str, threads: usize) -> Result<()> {
             threads,
             streaming: StreamingOptions::default(),
             async_upload,
-            stable_placement: true,
+            stable_placement: false,
             // The tiny UNet's budget is all the engine's.
             runtime_reserve: Some(0),
             host_kernels: true,

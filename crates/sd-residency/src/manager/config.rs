@@ -14,7 +14,7 @@ pub struct UploadOptions {
     pub coalesce: bool,
     /// See [`ModelManager::set_async_uploads`] (default off).
     pub copy_stream: bool,
-    /// See [`ModelManager::set_stable_placement`] (default on).
+    /// See [`ModelManager::set_stable_placement`] (default off).
     pub stable_placement: bool,
 }
 
@@ -24,7 +24,7 @@ impl Default for UploadOptions {
             pinned_host_params: true,
             coalesce: true,
             copy_stream: false,
-            stable_placement: true,
+            stable_placement: false,
         }
     }
 }
@@ -195,11 +195,15 @@ impl ModelManager {
     }
 
     /// Whether a weight staged in a staging pool again goes back to the offset it had last
-    /// time when that region is free (default: on). A sampling loop then reads every
+    /// time when that region is free (default: off). A sampling loop then reads every
     /// step's weights where the step before did, so that a segment's kept graph is the
     /// same graph at the same addresses from step to step, which ggml's CUDA backend
     /// replays as one CUDA graph; off, first fit places them wherever the step's order of
-    /// evictions left room.
+    /// evictions left room. Off by default: on the H100 (and on the simulated device with
+    /// CUDA's 2 MiB allocation unit) the weights streamed through the window still went
+    /// elsewhere every step, the evictions' order differing from step to step, and SDXL's
+    /// budgeted steps were slower (`docs/benchmarks.md`, fifteenth session); a static
+    /// placement of the window is what replays need.
     pub fn set_stable_placement(&mut self, on: bool) {
         self.stable_placement = on;
     }

@@ -224,7 +224,7 @@ impl ModelManager {
             async_uploads: false,
             upload_bytes: 0,
             pool_high: Default::default(),
-            stable_placement: true,
+            stable_placement: false,
         }
     }
 
