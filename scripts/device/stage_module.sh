@@ -15,7 +15,7 @@ if [[ ! -f $M/libggml-cuda.so && -n "$(ls $S/mod/libggml-cuda.so.xz.* 2>/dev/nul
 fi
 if [[ ! -f $M/libggml-cuda.so ]]; then
   mkdir -p /tmp/ggml && tar -xzf $S/ggml.tgz -C /tmp/ggml
-  CARGO_TARGET_DIR=/tmp/xt $S/xtask build-cuda --arch 90 --no-sd --ggml-src /tmp/ggml --out $M >/tmp/build-cuda.log 2>&1 || { tail -30 /tmp/build-cuda.log; exit 1; }
+  CARGO_TARGET_DIR=/tmp/xt $S/xtask build-cuda --arch 90 --no-sd --ggml-src /tmp/ggml --out $M -- -DGGML_CUDA_GRAPHS=ON >/tmp/build-cuda.log 2>&1 || { tail -30 /tmp/build-cuda.log; exit 1; }
   echo "module built in $(($(date +%s) - T0)) s"
   # SAVE_MODULE=1: the module back in $OUT (xz; carry it as stage/mod/ next time).
   [[ ${SAVE_MODULE:-0} == 1 ]] && xz -T0 -3 -c $M/libggml-cuda.so | split -b 15M -d - "${SAVE_TO:-$OUT}/libggml-cuda.so.xz." && ls -la "${SAVE_TO:-$OUT}"/libggml-cuda.so.xz.*

@@ -205,6 +205,9 @@ pub fn build(gpu: Gpu, args: &[String]) -> Res<()> {
             cfg.arg(format!("-DCMAKE_CUDA_ARCHITECTURES={}", o.arch))
                 .args([
                     "-DGGML_CUDA=ON",
+                    // CUDA graphs: a graph computed again with nothing moved is replayed
+                    // as one launch (ggml's default is off outside llama.cpp's build).
+                    "-DGGML_CUDA_GRAPHS=ON",
                     "-DGGML_CUDA_FA_ALL_QUANTS=OFF",
                     "-DGGML_CUDA_NCCL=OFF",
                 ]);
