@@ -166,30 +166,11 @@ impl Blocks {
         c: *mut f32,
         ldc: usize,
     ) {
-        asm!(
-            "tilezero tmm4",
-            "tilezero tmm5",
-            "tilezero tmm6",
-            "tilezero tmm7",
-            options(nostack, nomem, preserves_flags)
-        );
-        let a1 = a.add(16 * lda);
+        self.zero();
         for i in 0..kb {
-            let bp = b.add(16 * i * ldb);
-            tile_load!("2", a.add(64 * i), lda);
-            tile_load!("3", a1.add(64 * i), lda);
-            tile_load!("0", bp, ldb);
-            tile_load!("1", bp.add(64), ldb);
-            tile_dot!("4", "2", "0");
-            tile_dot!("5", "3", "0");
-            tile_dot!("6", "2", "1");
-            tile_dot!("7", "3", "1");
+            self.step(a.add(64 * i), lda, b.add(16 * i * ldb), ldb);
         }
-        let p = c as *mut u8;
-        tile_store!("4", p, ldc);
-        tile_store!("6", p.add(64), ldc);
-        tile_store!("5", p.add(16 * ldc), ldc);
-        tile_store!("7", p.add(16 * ldc + 64), ldc);
+        self.store_to(c, ldc);
     }
 }
 
@@ -230,15 +211,21 @@ impl Blocks {
     /// Stores the accumulators into `c` (32 rows of 32 f32).
     #[inline]
     pub(crate) fn store(&mut self, c: &mut [f32; BLOCK * BLOCK]) {
-        let p = c.as_mut_ptr() as *mut u8;
-        let ldc = BLOCK * 4;
         // SAFETY: `c` holds 32 rows of 128 bytes.
-        unsafe {
-            tile_store!("4", p, ldc);
-            tile_store!("6", p.add(64), ldc);
-            tile_store!("5", p.add(16 * ldc), ldc);
-            tile_store!("7", p.add(16 * ldc + 64), ldc);
-        }
+        unsafe { self.store_to(c.as_mut_ptr(), BLOCK * 4) }
+    }
+
+    /// Stores the accumulators at `c`, 32 rows of 32 f32 `ldc` bytes apart.
+    ///
+    /// # Safety
+    /// Those rows are writable.
+    #[inline]
+    unsafe fn store_to(&mut self, c: *mut f32, ldc: usize) {
+        let p = c as *mut u8;
+        tile_store!("4", p, ldc);
+        tile_store!("6", p.add(64), ldc);
+        tile_store!("5", p.add(16 * ldc), ldc);
+        tile_store!("7", p.add(16 * ldc + 64), ldc);
     }
 }
 

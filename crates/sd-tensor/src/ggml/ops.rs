@@ -854,6 +854,19 @@ impl Context {
             Some(DType::F32) if exact_f32 => sys::GGML_TYPE_F32,
             _ => sys::GGML_TYPE_F16,
         };
+        // One custom op computing the convolution from the input itself with `fun` (the
+        // im2col geometry packed as its userdata), named `name`; the callers check shapes,
+        // types and strides for `fun` first.
+        let implicit_op =
+            |fun: sys::ggml_custom_op_t, geometry: usize, out: [usize; 4], name: &str| {
+                // SAFETY: `fun` covers these shapes (checked by the callers); one custom op.
+                self.op("conv_2d", 1, |c| unsafe {
+                    conv_output_op(c, input.raw(), kernel, bias, out, fun, geometry)
+                })
+                .inspect(|t| {
+                    t.set_name(name);
+                })
+            };
         // Stride-1 convolutions of f16 / f32 kernels over large enough images: products over
         // shifted views of the padded input, no im2col (see `host_conv_implicit.rs`).
         if let Some((g, ow, oh)) = host {
@@ -867,23 +880,14 @@ impl Context {
                     g,
                 );
             if implicit {
-                // SAFETY: shapes, types and strides checked (`covers`, `check_conv`, the
-                // bias's in `conv_2d_host`); one custom op.
-                return self
-                    .op("conv_2d", 1, |c| unsafe {
-                        conv_output_op(
-                            c,
-                            input.raw(),
-                            kernel,
-                            bias,
-                            [ow, oh, kn[3], xn[3]],
-                            Some(super::host_conv_implicit::implicit_conv_kernel),
-                            g.pack(),
-                        )
-                    })
-                    .inspect(|t| {
-                        t.set_name(IMPLICIT_CONV_NAME);
-                    });
+                // Shapes, types and strides checked (`covers`, `check_conv`, the bias's in
+                // `conv_2d_host`).
+                return implicit_op(
+                    Some(super::host_conv_implicit::implicit_conv_kernel),
+                    g.pack(),
+                    [ow, oh, kn[3], xn[3]],
+                    IMPLICIT_CONV_NAME,
+                );
             }
         }
         // bf16 kernels on AMX tiles: this crate's bf16 im2col, then one op for the product,
@@ -893,23 +897,14 @@ impl Context {
             let k = kn[0] * kn[1] * kn[2];
             let bf16 = kernel.dtype() == Some(DType::BF16) && kernel.is_contiguous();
             if bf16 && self.f32_products() && super::host_amx::covers_implicit(kn, xn, g) {
-                // SAFETY: shapes and types checked (`check_conv`, `covers_implicit`, the
-                // bias's in `conv_2d_host`); one custom op.
-                return self
-                    .op("conv_2d", 1, |c| unsafe {
-                        conv_output_op(
-                            c,
-                            input.raw(),
-                            kernel,
-                            bias,
-                            [ow, oh, kn[3], xn[3]],
-                            Some(super::host_amx::implicit_conv_kernel),
-                            g.pack(),
-                        )
-                    })
-                    .inspect(|t| {
-                        t.set_name(TILE_CONV_NAME);
-                    });
+                // Shapes and types checked (`check_conv`, `covers_implicit`, the bias's in
+                // `conv_2d_host`).
+                return implicit_op(
+                    Some(super::host_amx::implicit_conv_kernel),
+                    g.pack(),
+                    [ow, oh, kn[3], xn[3]],
+                    TILE_CONV_NAME,
+                );
             }
             if bf16 && self.f32_products() && super::host_amx::covers(k, kn[3], true) {
                 // SAFETY: shapes and types checked (`check_conv`, `covers`, the bias's in
