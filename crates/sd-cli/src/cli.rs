@@ -301,7 +301,7 @@ pub struct Cli {
     pub hires_upscale_tile_size: Option<u32>,
 
     /// Compute device: cpu (default), a device from --list-devices (cuda0, Vulkan0...),
-    /// sim:SIZE (a simulated GPU), A&B (the diffusion model layer-split across A and B), or
+    /// sim:SIZE (a simulated GPU; sim:SIZE/PAGE rounds its buffers up to pages), A&B (the diffusion model layer-split across A and B), or
     /// module assignments as stable-diffusion.cpp takes them (diffusion=cuda0,te=cpu,vae=cpu;
     /// modules: diffusion, te, vae, upscaler; a bare device is the default of the others)
     #[arg(
@@ -629,7 +629,8 @@ fn label(d: &ComputeDevice) -> String {
     match d {
         ComputeDevice::Cpu => "cpu".into(),
         ComputeDevice::Named(n) => n.clone(),
-        ComputeDevice::Sim { bytes } => format!("sim:{}M", bytes >> 20),
+        ComputeDevice::Sim { bytes, page: 0 } => format!("sim:{}M", bytes >> 20),
+        ComputeDevice::Sim { bytes, page } => format!("sim:{}M/{page}", bytes >> 20),
     }
 }
 
@@ -1027,13 +1028,19 @@ mod tests {
     #[test]
     fn backend_module_assignments() {
         let p = |a: &[&str]| placement(&cli(a).unwrap());
-        let sim64 = ComputeDevice::Sim { bytes: 64 << 20 };
+        let sim64 = ComputeDevice::Sim {
+            bytes: 64 << 20,
+            page: 0,
+        };
         let cuda0 = ComputeDevice::Named("cuda0".into());
         assert_eq!(
             p(&["--backend", "diffusion=sim:64&sim:32"]).unwrap(),
             Placement {
                 compute: sim64.clone(),
-                split: vec![ComputeDevice::Sim { bytes: 32 << 20 }],
+                split: vec![ComputeDevice::Sim {
+                    bytes: 32 << 20,
+                    page: 0
+                }],
                 placement: Vec::new(),
             }
         );

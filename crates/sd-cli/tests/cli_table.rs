@@ -1301,6 +1301,39 @@ fn cases() -> Vec<Case> {
             check: no_check,
         },
         Case {
+            name: "a device that rounds buffers up to 2 MiB pages: the budget counts the pages",
+            setup: none,
+            // Counted at exact sizes, as before, this run went ahead under 12M and its many
+            // small buffers, each a whole page on this device, peaked at 36 MiB.
+            args: |d| {
+                with(
+                    gen(d.join("o.png")),
+                    &["--backend", "sim:128/2M", "--max-vram", "12M"],
+                )
+            },
+            code: 1,
+            stderr: &["does not fit a limit of 12582912 B on SIM0", "minimum budget"],
+            stdout: &[],
+            files: &[],
+            check: |d, _| {
+                // Under a budget that holds the pages: within it, the unbudgeted image.
+                let run = |name: &str, extra: &[&str]| {
+                    let out = Command::new(env!("CARGO_BIN_EXE_sd"))
+                        .args(with(gen(d.join(name)), extra))
+                        .output()
+                        .unwrap();
+                    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+                    out
+                };
+                let o = run("o.png", &["--backend", "sim:128/2M", "--max-vram", "40M", "-v"]);
+                let peak = sim_peak(&o.stderr);
+                assert!(peak <= (40 << 20) + (6 << 10), "peak {peak} over 40M");
+                run("whole.png", &["--backend", "sim:128"]);
+                let img = |p: &Path| sd_tensor::Image::load_png(p).unwrap().into_pixels();
+                assert!(img(&d.join("o.png")) == img(&d.join("whole.png")), "pixels differ");
+            },
+        },
+        Case {
             name: "sd plan: the run's segments on the simulated device, nothing written",
             setup: none,
             args: |d| {

@@ -47,11 +47,15 @@ pub enum ComputeDevice {
     Cpu,
     /// A ggml device by name, as `sd --list-devices` prints it (`CUDA0`, `Vulkan0`...).
     Named(String),
-    /// A simulated discrete GPU of this many bytes (`sim:<size>`): a real ggml backend whose
-    /// arithmetic is the CPU's, with fixed memory and peak tracking (tests, budget studies).
+    /// A simulated discrete GPU of this many bytes (`sim:<size>`, `sim:<size>/<page>`): a real
+    /// ggml backend whose arithmetic is the CPU's, with fixed memory and peak tracking (tests,
+    /// budget studies).
     Sim {
         /// Device memory in bytes.
         bytes: u64,
+        /// The unit its allocator rounds every buffer up to, as `cudaMalloc` rounds to 2 MiB
+        /// pages (`sim:2G/2M`); 0: exact sizes.
+        page: u64,
     },
 }
 
@@ -60,8 +64,9 @@ pub use sd_residency::capacity::{parse_size, SizeError};
 impl FromStr for ComputeDevice {
     type Err = String;
 
-    /// `cpu`, `sim:<size>` (size in MiB without a unit; `sim:512`, `sim:1.5G`), or a ggml
-    /// device name.
+    /// `cpu`, `sim:<size>` (size in MiB without a unit; `sim:512`, `sim:1.5G`),
+    /// `sim:<size>/<page>` (buffers rounded up to pages of that size, in bytes without a unit;
+    /// `sim:2G/2M`), or a ggml device name.
     fn from_str(s: &str) -> std::result::Result<Self, String> {
         let t = s.trim();
         if t.is_empty() {
@@ -70,12 +75,28 @@ impl FromStr for ComputeDevice {
         if t.eq_ignore_ascii_case("cpu") {
             return Ok(ComputeDevice::Cpu);
         }
-        if let Some(size) = t.strip_prefix("sim:").or_else(|| t.strip_prefix("SIM:")) {
+        if let Some(spec) = t.strip_prefix("sim:").or_else(|| t.strip_prefix("SIM:")) {
+            let (size, page) = match spec.split_once('/') {
+                Some((size, page)) => (size, Some(page)),
+                None => (spec, None),
+            };
             let bytes = parse_size(size, 20).map_err(|e| format!("sim:<size>: {e}"))?;
             if bytes == 0 {
                 return Err("sim:<size>: the simulated device needs a positive size".into());
             }
-            return Ok(ComputeDevice::Sim { bytes });
+            let page = match page {
+                None => 0,
+                Some(p) => {
+                    let page = parse_size(p, 0).map_err(|e| format!("sim:<size>/<page>: {e}"))?;
+                    if page == 0 || page > bytes {
+                        return Err(format!(
+                            "sim:<size>/<page>: the page ({p}) must be positive and at most the device's size"
+                        ));
+                    }
+                    page
+                }
+            };
+            return Ok(ComputeDevice::Sim { bytes, page });
         }
         Ok(ComputeDevice::Named(t.to_string()))
     }
@@ -405,7 +426,7 @@ impl Runtime {
                     }
                     (Arc::new(b), None)
                 }
-                ComputeDevice::Sim { bytes } => {
+                ComputeDevice::Sim { bytes, page } => {
                     let name = format!("sim:{}", bytes >> 20);
                     let s = SimDevice::new(
                         &format!("SIM{sim_count}"),
@@ -415,6 +436,7 @@ impl Runtime {
                             // Queued copies and events, as a GPU has: streamed weights
                             // take the copy-stream path (see `sd_tensor::ggml::CopyStream`).
                             async_transfers: true,
+                            allocation_granularity: usize::try_from(*page).unwrap_or(usize::MAX),
                             ..SimOptions::default()
                         },
                     )
@@ -491,7 +513,14 @@ impl Runtime {
         let mut budget = None;
         let mut runtime_reserve = 0;
         if let Some(mv) = &options.max_vram {
-            if !primary_sim && !compute.is_cpu() {
+            if let (true, ComputeDevice::Sim { page, .. }) = (primary_sim, &options.compute) {
+                // A simulated device has no runtime of its own, but its allocator may round
+                // buffers up (`sim:<size>/<page>`): recorded as a GPU's measured unit is, so
+                // that the budget counts the bytes the device takes.
+                compute
+                    .buffer_type()
+                    .set_allocation_granularity((*page).max(1));
+            } else if !compute.is_cpu() {
                 // What the GPU's runtime holds for itself (context, BLAS, kernels, pools)
                 // counts against the budget too: measure it instead of guessing.
                 let r = match options.runtime_reserve {
@@ -1167,7 +1196,7 @@ fn flash_attn_head_dims(backends: &[&Backend]) -> Result<Vec<usize>> {
 
 #[cfg(test)]
 mod exact_tests {
-    use super::resolve_exact;
+    use super::{resolve_exact, ComputeDevice};
 
     #[test]
     fn gpus_default_to_fast_numerics_and_cpus_keep_the_compute_options() {
@@ -1185,5 +1214,34 @@ mod exact_tests {
             !resolve_exact(Some(false), true, false),
             "forced fast on the CPU"
         );
+    }
+
+    #[test]
+    fn sim_devices_parse_with_and_without_a_page() {
+        let sim = |s: &str| s.parse::<ComputeDevice>();
+        assert_eq!(
+            sim("sim:512"),
+            Ok(ComputeDevice::Sim {
+                bytes: 512 << 20,
+                page: 0
+            })
+        );
+        assert_eq!(
+            sim("sim:2G/2M"),
+            Ok(ComputeDevice::Sim {
+                bytes: 2 << 30,
+                page: 2 << 20
+            })
+        );
+        assert_eq!(
+            sim("sim:64/4096"),
+            Ok(ComputeDevice::Sim {
+                bytes: 64 << 20,
+                page: 4096
+            })
+        );
+        for bad in ["sim:64/0", "sim:64/1G", "sim:64/x", "sim:0/2M"] {
+            assert!(sim(bad).is_err(), "{bad} parsed");
+        }
     }
 }

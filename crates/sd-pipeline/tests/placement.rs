@@ -40,7 +40,10 @@ fn load(budget: Option<u64>, placement: Vec<(Component, ComputeDevice)>) -> Pipe
     Pipeline::load(
         builtin(),
         RuntimeOptions {
-            compute: ComputeDevice::Sim { bytes: 256 << 20 },
+            compute: ComputeDevice::Sim {
+                bytes: 256 << 20,
+                page: 0,
+            },
             placement,
             max_vram: budget
                 .map(|b| MaxVram::parse(&format!("{}", b as f64 / (1u64 << 30) as f64)).unwrap()),
@@ -146,7 +149,10 @@ fn the_plan_of_a_run_names_each_model_s_device() {
 #[test]
 fn a_component_without_an_entry_computes_on_the_compute_device() {
     let options = RuntimeOptions {
-        compute: ComputeDevice::Sim { bytes: 64 << 20 },
+        compute: ComputeDevice::Sim {
+            bytes: 64 << 20,
+            page: 0,
+        },
         placement: vec![
             (Component::Vae, ComputeDevice::Named("CUDA1".into())),
             (Component::Vae, ComputeDevice::Cpu),
@@ -156,10 +162,16 @@ fn a_component_without_an_entry_computes_on_the_compute_device() {
     assert_eq!(options.device_of(Component::Vae), &ComputeDevice::Cpu);
     assert_eq!(
         options.device_of(Component::TextEncoder),
-        &ComputeDevice::Sim { bytes: 64 << 20 }
+        &ComputeDevice::Sim {
+            bytes: 64 << 20,
+            page: 0
+        }
     );
     assert_eq!(
         options.device_of(Component::Diffusion),
-        &ComputeDevice::Sim { bytes: 64 << 20 }
+        &ComputeDevice::Sim {
+            bytes: 64 << 20,
+            page: 0
+        }
     );
 }

@@ -30,7 +30,10 @@ fn load(budget: u64) -> Pipeline {
     Pipeline::load(
         builtin(),
         RuntimeOptions {
-            compute: ComputeDevice::Sim { bytes: 256 << 20 },
+            compute: ComputeDevice::Sim {
+                bytes: 256 << 20,
+                page: 0,
+            },
             max_vram: Some(
                 MaxVram::parse(&format!("{}", budget as f64 / (1u64 << 30) as f64)).unwrap(),
             ),

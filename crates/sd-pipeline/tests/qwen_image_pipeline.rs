@@ -162,7 +162,10 @@ fn the_runner_cache_keeps_constants_across_steps_with_the_same_latents() {
     let run = &runs()[0];
     let generate_on_sim = |keep: bool| {
         let opts = RuntimeOptions {
-            compute: sd_pipeline::runtime::ComputeDevice::Sim { bytes: 256 << 20 },
+            compute: sd_pipeline::runtime::ComputeDevice::Sim {
+                bytes: 256 << 20,
+                page: 0,
+            },
             ..options()
         };
         let mut p = Pipeline::load(&path, opts).unwrap();

@@ -31,7 +31,10 @@ fn load(budget_mib: u64) -> Pipeline {
     Pipeline::load(
         builtin(),
         RuntimeOptions {
-            compute: ComputeDevice::Sim { bytes: 256 << 20 },
+            compute: ComputeDevice::Sim {
+                bytes: 256 << 20,
+                page: 0,
+            },
             max_vram: Some(MaxVram::parse(&format!("{}", budget_mib as f64 / 1024.0)).unwrap()),
             threads: 2,
             ..RuntimeOptions::default()
@@ -144,7 +147,10 @@ fn minimum_budget_fits_and_below_it_does_not() {
         Pipeline::load(
             builtin(),
             RuntimeOptions {
-                compute: ComputeDevice::Sim { bytes: 256 << 20 },
+                compute: ComputeDevice::Sim {
+                    bytes: 256 << 20,
+                    page: 0,
+                },
                 max_vram: Some(MaxVram::parse(&gib(b)).unwrap()),
                 threads: 2,
                 ..RuntimeOptions::default()
@@ -175,7 +181,10 @@ fn a_refiner_is_planned_with_its_share_of_the_steps() {
     let mut p = Pipeline::load(
         fixtures.join("tiny_sdxl.safetensors"),
         RuntimeOptions {
-            compute: ComputeDevice::Sim { bytes: 256 << 20 },
+            compute: ComputeDevice::Sim {
+                bytes: 256 << 20,
+                page: 0,
+            },
             max_vram: Some(MaxVram::parse("0.0625").unwrap()),
             threads: 2,
             ..RuntimeOptions::default()

@@ -94,7 +94,10 @@ fn budgeted_segmented_runs_equal_whole_runs() {
     let mean = diffs.iter().sum::<i32>() as f64 / diffs.len() as f64;
     eprintln!("host kernels against ggml's ops: max pixel diff {max}, mean {mean:.4}");
     assert!(max <= 8 && mean < 0.5, "max {max}, mean {mean}");
-    let sim = ComputeDevice::Sim { bytes: 256 << 20 };
+    let sim = ComputeDevice::Sim {
+        bytes: 256 << 20,
+        page: 0,
+    };
     let (whole, p) = generate(RuntimeOptions {
         params: ParamsLocation::Disk,
         ..options(sim.clone(), None)
@@ -126,7 +129,10 @@ fn budgeted_segmented_runs_equal_whole_runs() {
 #[test]
 fn an_impossible_budget_is_a_capacity_error() {
     let Err(err) = generate(options(
-        ComputeDevice::Sim { bytes: 256 << 20 },
+        ComputeDevice::Sim {
+            bytes: 256 << 20,
+            page: 0,
+        },
         Some(1 << 20),
     )) else {
         panic!("a 1 MiB budget cannot hold the text encoder's token embedding");
@@ -167,7 +173,10 @@ fn a_runtime_graph_equals_run_cpu() {
     // The same graph through a runtime on the simulated device, always segmented.
     let mut rt = Runtime::new(
         RuntimeOptions {
-            compute: ComputeDevice::Sim { bytes: 64 << 20 },
+            compute: ComputeDevice::Sim {
+                bytes: 64 << 20,
+                page: 0,
+            },
             threads: 2,
             segmentation: sd_exec::SegmentationPolicy::Always,
             ..RuntimeOptions::default()
@@ -216,7 +225,10 @@ fn a_second_model_source_runs_in_the_same_runtime() {
     std::fs::copy(builtin(), &copy).unwrap();
     let mut rt = Runtime::new(
         RuntimeOptions {
-            compute: ComputeDevice::Sim { bytes: 64 << 20 },
+            compute: ComputeDevice::Sim {
+                bytes: 64 << 20,
+                page: 0,
+            },
             max_vram: Some(MaxVram::parse("0.01").unwrap()),
             threads: 2,
             planning_headroom: Some(0),
@@ -271,7 +283,10 @@ fn a_second_model_source_runs_in_the_same_runtime() {
 /// included) cross between the devices.
 #[test]
 fn layer_split_across_two_simulated_devices_equals_the_whole_run() {
-    let sim = ComputeDevice::Sim { bytes: 256 << 20 };
+    let sim = ComputeDevice::Sim {
+        bytes: 256 << 20,
+        page: 0,
+    };
     // Tiled VAE decoding keeps the decoder within the first device's small budget.
     let tiled = Txt2Img {
         vae_tiling: Some(VaeTiling {
@@ -336,7 +351,10 @@ fn layer_split_across_two_simulated_devices_equals_the_whole_run() {
 /// the device's free memory keep their weights in RAM.
 #[test]
 fn weights_load_straight_into_a_device_without_a_budget() {
-    let sim = ComputeDevice::Sim { bytes: 256 << 20 };
+    let sim = ComputeDevice::Sim {
+        bytes: 256 << 20,
+        page: 0,
+    };
     let cpu = sd_tensor::ggml::Device::cpu().unwrap();
     let mut firsts = Vec::new();
     for loc in [ParamsLocation::Auto, ParamsLocation::Ram] {
@@ -385,7 +403,13 @@ fn weights_load_straight_into_a_device_without_a_budget() {
     // models that do not fit keep their weights in RAM and stream from there.
     let p = Pipeline::load(
         builtin(),
-        options(ComputeDevice::Sim { bytes: 8 << 20 }, None),
+        options(
+            ComputeDevice::Sim {
+                bytes: 8 << 20,
+                page: 0,
+            },
+            None,
+        ),
     )
     .unwrap();
     let h = p.handles();
@@ -405,7 +429,10 @@ fn weights_load_straight_into_a_device_without_a_budget() {
 /// first use.
 #[test]
 fn preload_reads_the_ram_copies_of_a_budgeted_run_before_sampling() {
-    let sim = ComputeDevice::Sim { bytes: 256 << 20 };
+    let sim = ComputeDevice::Sim {
+        bytes: 256 << 20,
+        page: 0,
+    };
     let cpu = sd_tensor::ggml::Device::cpu().unwrap();
     let budget = 8u64 << 20;
     let (lazy, _) = generate(options(sim.clone(), Some(budget))).unwrap();

@@ -35,7 +35,10 @@ fn params() -> Txt2Img {
 
 fn options(max_vram: Option<u64>) -> RuntimeOptions {
     RuntimeOptions {
-        compute: ComputeDevice::Sim { bytes: 256 << 20 },
+        compute: ComputeDevice::Sim {
+            bytes: 256 << 20,
+            page: 0,
+        },
         params: ParamsLocation::Disk,
         max_vram: max_vram
             .map(|b| MaxVram::parse(&format!("{}", b as f64 / (1u64 << 30) as f64)).unwrap()),

@@ -41,7 +41,10 @@ fn upscaler_shares_the_generation_budget_and_reclaims_idle_copies() {
     // engine must release the VAE's workspace and evict some of its weights.
     let budget_mib = 8.0;
     let opts = RuntimeOptions {
-        compute: ComputeDevice::Sim { bytes: 256 << 20 },
+        compute: ComputeDevice::Sim {
+            bytes: 256 << 20,
+            page: 0,
+        },
         max_vram: Some(MaxVram::parse(&format!("{}", budget_mib / 1024.0)).unwrap()),
         threads: 2,
         planning_headroom: Some(1 << 20),

@@ -1075,9 +1075,10 @@ fn direct_backend(
     let (backend, sim) = match device {
         ComputeDevice::Cpu => (Backend::cpu(threads)?, None),
         ComputeDevice::Named(name) => (Backend::by_name(name)?, None),
-        ComputeDevice::Sim { bytes } => {
+        ComputeDevice::Sim { bytes, page } => {
             let opts = SimOptions {
                 threads,
+                allocation_granularity: usize::try_from(*page).unwrap_or(usize::MAX),
                 ..Default::default()
             };
             let sim = SimDevice::new("SIM0", *bytes, opts)?;

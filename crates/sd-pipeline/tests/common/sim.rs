@@ -10,7 +10,10 @@ use sd_residency::capacity::MaxVram;
 pub fn sim_runtime(loader: TensorCatalog, budget: Option<u64>) -> Result<Runtime, RuntimeError> {
     Runtime::new(
         RuntimeOptions {
-            compute: ComputeDevice::Sim { bytes: 64 << 20 },
+            compute: ComputeDevice::Sim {
+                bytes: 64 << 20,
+                page: 0,
+            },
             max_vram: budget
                 .map(|b| MaxVram::parse(&format!("{}", b as f64 / (1u64 << 30) as f64)).unwrap()),
             threads: 2,
