@@ -326,7 +326,7 @@ impl UnetStep {
 /// Floating point operations of the matrix products of `graph`, the work that dominates a
 /// diffusion model: `2 K M N` for every `MUL_MAT` of `[K, M] x [K, N]` (times its batch
 /// dimensions; convolutions are `IM2COL` + `MUL_MAT` and counted here, or the implicit
-/// convolution ops, `IMPLICIT_CONV_NAME` and `TILE_CONV_NAME`, `2 KW KH C` per output value), and `4 d n_q n_kv`
+/// convolution ops, `IMPLICIT_CONV_NAME`, `TILE_CONV_NAME` and `IM2COL_CONV_NAME`, `2 KW KH C` per output value), and `4 d n_q n_kv`
 /// per head for `FLASH_ATTN_EXT` and the CPU attention kernel (`ATTENTION_HOST_NAME`). Normalisations, activations and element-wise ops (a few
 /// percent for SD UNets) are not counted.
 pub fn graph_flops(graph: &Graph) -> f64 {
@@ -360,7 +360,8 @@ pub fn graph_flops(graph: &Graph) -> f64 {
             }
             "CUSTOM"
                 if node.name() == sd_tensor::ggml::IMPLICIT_CONV_NAME
-                    || node.name() == sd_tensor::ggml::TILE_CONV_NAME =>
+                    || node.name() == sd_tensor::ggml::TILE_CONV_NAME
+                    || node.name() == sd_tensor::ggml::IM2COL_CONV_NAME =>
             {
                 // A convolution without im2col: 2 KW KH C values per output value.
                 if let Some(k) = node.src(1) {

@@ -705,6 +705,98 @@ fn host_implicit_convolution_agrees_with_ggmls_f32_convolution() {
     }
 }
 
+/// f16 kernels of at least 16 output channels that the implicit kernel does not take (strided,
+/// narrow images, dilated) run as this crate's f32 im2col and one f32 product op
+/// (`IM2COL_CONV_NAME`: the layout and the bias on the way) and agree with ggml's exact f32
+/// convolution to f32 rounding (ggml's own f16 path rounds the activations to f16): row
+/// groups of several channel tiles, more threads than tiles (the columns split, across the
+/// images' boundary), several column blocks of an image, several kernel chunks a thread, a
+/// channel-strided input, with and without a bias, 1 to 3 threads. With
+/// `set_f32_products(false)` they keep ggml's f16 im2col and product.
+#[test]
+fn host_f16_convolutions_outside_the_implicit_kernel_run_as_f32_products() {
+    // (kernel w, h, in ch, out ch), input (w, h, n), stride, pad, dilation
+    type Case = (
+        [usize; 4],
+        [usize; 3],
+        (usize, usize),
+        (usize, usize),
+        (usize, usize),
+    );
+    let cases: [Case; 6] = [
+        // Stride 2 (a UNet's downsampler), three channel tiles.
+        ([3, 3, 6, 40], [17, 12, 2], (2, 2), (1, 1), (1, 1)),
+        // A narrow image (below the implicit kernel's width): 1,200 pixels, three column
+        // blocks of 512.
+        ([3, 3, 5, 33], [20, 60, 1], (1, 1), (1, 1), (1, 1)),
+        // One channel tile: 3 threads split the columns of 2 images.
+        ([3, 3, 4, 16], [9, 7, 2], (1, 1), (1, 1), (1, 1)),
+        ([1, 1, 8, 20], [6, 5, 2], (1, 1), (0, 0), (1, 1)),
+        ([3, 3, 4, 17], [12, 10, 1], (1, 1), (2, 2), (2, 2)),
+        // K = 3 3 4000 = 36,000 values: two kernel chunks of 58 rows for 64 channels.
+        ([3, 3, 4000, 64], [4, 3, 1], (1, 1), (1, 1), (1, 1)),
+    ];
+    for (i, (kn, xn, stride, pad, dil)) in cases.into_iter().enumerate() {
+        for threads in [1, 3] {
+            for own in [true, false] {
+                let ctx = Context::new_descriptors(96, 96, 1).unwrap();
+                ctx.set_host_kernels(true);
+                ctx.set_f32_products(own);
+                let k = ctx.new_tensor(DType::F16, &kn).unwrap();
+                let k32 = ctx.new_tensor(DType::F32, &kn).unwrap();
+                let bias = ctx.new_tensor(DType::F32, &[kn[3]]).unwrap();
+                let x = ctx
+                    .new_tensor(DType::F32, &[xn[0], xn[1], kn[2], xn[2]])
+                    .unwrap();
+                let buf = BufferType::cpu().alloc_context_tensors(&ctx).unwrap();
+                let kv = f16_round(&rnd(kn.iter().product(), 31 + i as u64));
+                k.write_f32(&kv).unwrap();
+                k32.write_f32(&kv).unwrap();
+                bias.write_f32(&rnd(kn[3], 15 + i as u64)).unwrap();
+                x.write_f32(&rnd(xn[0] * xn[1] * kn[2] * xn[2], 19 + i as u64))
+                    .unwrap();
+                let strided = ctx.cont(&ctx.permute(&x, [0, 1, 3, 2]).unwrap()).unwrap();
+                let strided = ctx.permute(&strided, [0, 1, 3, 2]).unwrap();
+                let mut outs = Vec::new();
+                for input in [x.clone(), strided] {
+                    let a = ctx.conv_2d(&k32, &input, stride, pad, dil, true).unwrap();
+                    let b = ctx
+                        .conv_2d_host(&k, &input, None, stride, pad, dil, false)
+                        .unwrap();
+                    outs.push((a.clone(), b));
+                    let with_bias = ctx
+                        .add(&a, &ctx.reshape(&bias, &[1, 1, kn[3], 1]).unwrap())
+                        .unwrap();
+                    let b = ctx
+                        .conv_2d_host(&k, &input, Some(&bias), stride, pad, dil, false)
+                        .unwrap();
+                    outs.push((with_bias, b));
+                }
+                let named = outs
+                    .iter()
+                    .filter(|(_, b)| b.name() == sd_tensor::ggml::IM2COL_CONV_NAME)
+                    .count();
+                assert_eq!(named, if own { 4 } else { 0 }, "case {i} own {own}");
+                let (custom, values) = compute_pairs(&ctx, &outs, threads);
+                // The im2col and the product op, or the im2col and the epilogue.
+                assert_eq!(custom, 8, "case {i} own {own}");
+                for (a, b) in values {
+                    let scale = a.iter().fold(1f32, |m, v| m.max(v.abs()));
+                    // ggml's f16 path rounds the activations to f16.
+                    let tol = if own { 4e-6 } else { 2e-3 };
+                    assert_eq!(a.len(), b.len());
+                    assert!(
+                        max_abs(&a, &b) <= tol * scale,
+                        "case {i} threads {threads} own {own}: max diff {} (scale {scale})",
+                        max_abs(&a, &b)
+                    );
+                }
+                drop(buf);
+            }
+        }
+    }
+}
+
 /// `Context::linear` with the CPU kernels on: f16 and f32 weights over at least 512 columns
 /// take the crate's kernel (one custom op; several weight chunks a thread, a feature count
 /// that is not a multiple of the row tiles) and agree with ggml's f32 `mul_mat` + `add` to

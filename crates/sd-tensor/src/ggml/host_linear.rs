@@ -16,6 +16,15 @@
 //!
 //! Sums run in another order than ggml's and in f32 throughout: results agree with ggml's
 //! f32 product to f32 rounding.
+//!
+//! **The convolution after an im2col** ([`conv_kernel`]): the convolutions of f16 kernels the
+//! implicit kernel does not take (strided, or over images narrower than its minimum: the
+//! SD UNets' 32x32, 16x16 and 8x8 levels and their downsamplers) are this same product of
+//! the kernel `[KW KH C, OC]` with this crate's f32 im2col `[KW KH C, OW OH N]`, each image's
+//! block written straight into the `[OW, OH, OC, N]` layout with the bias (ggml's path
+//! rounds the im2col to f16 and runs its f16 product: 217 against 297-352 GFLOP/s for these
+//! shapes on the 2-core AMX Xeon of 2026-12-06, then a layout pass). Threads split the
+//! output channels and, when there are few row tiles for the threads, the columns.
 
 use std::ffi::{c_int, c_void};
 
@@ -31,6 +40,29 @@ pub(crate) const MIN_COLUMNS: usize = 512;
 /// whole input again: at 1 MiB a `2560 -> 640` layer over 2048 columns ran at 174 GFLOP/s,
 /// at 8 MiB 195 (ggml's product: 182).
 const CHUNK_VALUES: usize = 2 * 1024 * 1024;
+
+/// f32 im2col values (4 bytes each) above which a convolution keeps ggml's f16 im2col
+/// (half the bytes): 256 MiB, beyond the SD UNets' and far below a large VAE encode's
+/// (1.2 GB at 1024x1024).
+const MAX_IM2COL_VALUES: usize = 64 * 1024 * 1024;
+
+/// Whether [`conv_kernel`] computes a convolution of a kernel of `kernel_type` (contiguous)
+/// with `k = KW KH C` values per output value, `oc` output channels and `columns = OW OH N`
+/// output pixels: f16 kernels of at least 16 output channels whose f32 im2col stays within
+/// [`MAX_IM2COL_VALUES`].
+pub(crate) fn covers_conv(
+    kernel_type: Option<DType>,
+    kernel_contiguous: bool,
+    k: usize,
+    oc: usize,
+    columns: usize,
+) -> bool {
+    kernel_type == Some(DType::F16)
+        && kernel_contiguous
+        && oc >= 16
+        && k.checked_mul(columns)
+            .is_some_and(|v| v <= MAX_IM2COL_VALUES)
+}
 
 /// Whether the kernel computes `weight x`: weight `[K, M]` (2-D) f16 or f32, contiguous;
 /// `x` `[K, ...]` f32 contiguous with at least [`MIN_COLUMNS`] columns.
@@ -147,6 +179,121 @@ pub(crate) unsafe extern "C" fn linear_kernel(
                     false,
                     gemm::Parallelism::None,
                 );
+            }
+            r0 = r1;
+        }
+    });
+}
+
+/// Output pixels a product of [`conv_kernel`] computes at a time into its scratch (the
+/// block is then written transposed into the output planes, with the bias).
+const CONV_COLUMN_BLOCK: usize = 2048;
+
+/// The convolution op (see the module doc): `dst` `[OW, OH, OC, N]` f32 from `src[0]`, the
+/// f32 im2col `[K, OW, OH, N]` (contiguous), `src[1]`, the kernel `[KW, KH, C, OC]` f16 or f32
+/// (contiguous, `K = KW KH C`), and `src[2]`, the bias `[OC]` f32 or null. The threads form a
+/// grid of row groups (tiles of 16 output channels) by column groups (output pixels of all
+/// images, in order); each converts its rows of the kernel in chunks and, for blocks of
+/// [`CONV_COLUMN_BLOCK`] pixels of one image, runs the product as the linear layer does
+/// (channels innermost, into its scratch), then writes the block into the image's planes.
+///
+/// # Safety
+/// Called by ggml with a live `dst` built by `Context::conv_2d_host` after [`covers_conv`]
+/// accepted its kernel (shapes, types and the bias checked there).
+pub(crate) unsafe extern "C" fn conv_kernel(
+    dst: *mut sys::ggml_tensor,
+    ith: c_int,
+    nth: c_int,
+    _userdata: *mut c_void,
+) {
+    // SAFETY: see the function's contract: src[0] the im2col, src[1] the kernel, src[2] the
+    // bias or null.
+    let (d, im, w, bias) = unsafe {
+        (
+            &*dst,
+            &*(*dst).src[0],
+            &*(*dst).src[1],
+            (*dst).src[2].as_ref(),
+        )
+    };
+    let k = im.ne[0] as usize;
+    let plane = (d.ne[0] * d.ne[1]) as usize;
+    let (m, images) = (d.ne[2] as usize, d.ne[3] as usize);
+    // SAFETY: the bias holds M f32 values when present.
+    let bias = bias.map(|b| unsafe { std::slice::from_raw_parts(b.data as *const f32, m) });
+    let (ith, nth) = (ith.max(0) as usize, nth.max(1) as usize);
+    // Row groups first; the threads left over split the columns.
+    let tiles = m.div_ceil(16);
+    let row_groups = tiles.min(nth);
+    let col_groups = nth / row_groups;
+    if ith >= row_groups * col_groups {
+        return;
+    }
+    let (rg, cg) = (ith % row_groups, ith / row_groups);
+    let t = thread_share(tiles, rg as c_int, row_groups as c_int);
+    let rows = (t.start * 16).min(m)..(t.end * 16).min(m);
+    let cols = thread_share(plane * images, cg as c_int, col_groups as c_int);
+    if rows.is_empty() || cols.is_empty() {
+        return;
+    }
+    let chunk = (CHUNK_VALUES / k.max(1)).max(16).min(rows.len());
+    let out = d.data as *mut f32;
+    let x = im.data as *const f32;
+    // SAFETY: the kernel holds K*M f16 or f32 values, contiguous (`covers_conv`).
+    let weight = unsafe { F32Source::of(w, k * m) };
+    with_scratch(chunk * k + chunk * CONV_COLUMN_BLOCK, |scratch| {
+        let (buf, block) = scratch.split_at_mut(chunk * k);
+        let mut r0 = rows.start;
+        while r0 < rows.end {
+            let r1 = (r0 + chunk).min(rows.end);
+            let h = r1 - r0;
+            let lhs = weight.f32_values(r0 * k..r1 * k, buf);
+            // Blocks of one image's pixels.
+            let mut c0 = cols.start;
+            while c0 < cols.end {
+                let img = c0 / plane;
+                let c1 = cols.end.min((img + 1) * plane).min(c0 + CONV_COLUMN_BLOCK);
+                let wide = c1 - c0;
+                // SAFETY: lhs is [h, K] row-major; the im2col's column c (all images in
+                // order) is K values at c K; the block is [h, wide], column j at j h.
+                unsafe {
+                    gemm::gemm(
+                        h,
+                        wide,
+                        k,
+                        block.as_mut_ptr(),
+                        h as isize,
+                        1,
+                        false,
+                        lhs.as_ptr(),
+                        1,
+                        k as isize,
+                        x.add(c0 * k),
+                        k as isize,
+                        1,
+                        0.0,
+                        1.0,
+                        false,
+                        false,
+                        false,
+                        gemm::Parallelism::None,
+                    );
+                }
+                // Plane `oc` of image `img` starts at (img M + oc) * plane; this block is its
+                // pixels p0..p0 + wide.
+                let p0 = c0 - img * plane;
+                for oc in r0..r1 {
+                    let b = bias.map_or(0.0, |b| b[oc]);
+                    // SAFETY: oc < M and p0 + wide <= plane: inside dst; rows r0..r1 of these
+                    // pixels belong to this thread alone.
+                    let dst = unsafe {
+                        std::slice::from_raw_parts_mut(out.add((img * m + oc) * plane + p0), wide)
+                    };
+                    for (j, v) in dst.iter_mut().enumerate() {
+                        *v = block[j * h + (oc - r0)] + b;
+                    }
+                }
+                c0 = c1;
             }
             r0 = r1;
         }

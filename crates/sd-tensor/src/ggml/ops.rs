@@ -49,6 +49,11 @@ pub const IMPLICIT_CONV_NAME: &str = "conv_2d_implicit";
 /// are the bf16 im2col and the kernel `[KW, KH, C, OC]`).
 pub const TILE_CONV_NAME: &str = "conv_2d_tiles";
 
+/// The name of the node of a convolution's f32 product after this crate's f32 im2col (f16
+/// kernels the implicit convolution does not take, see [`Context::set_f32_products`]; a
+/// `CUSTOM` op whose sources are the im2col and the kernel `[KW, KH, C, OC]`).
+pub const IM2COL_CONV_NAME: &str = "conv_2d_im2col";
+
 fn bad(op: &'static str, detail: String) -> GgmlError {
     GgmlError::InvalidOperands { op, detail }
 }
@@ -924,6 +929,40 @@ impl Context {
                     })
                     .inspect(|t| {
                         t.set_name(TILE_CONV_NAME);
+                    });
+            }
+        }
+        // f16 kernels the implicit kernel does not take (strided, narrow images): this crate's
+        // f32 im2col, then one op for the f32 product, the layout and the bias (see
+        // `host_linear.rs`).
+        if let Some((g, ow, oh)) = host {
+            let k = kn[0] * kn[1] * kn[2];
+            if self.f32_products()
+                && super::host_linear::covers_conv(
+                    kernel.dtype(),
+                    kernel.is_contiguous(),
+                    k,
+                    kn[3],
+                    ow * oh * xn[3],
+                )
+            {
+                // SAFETY: shapes and types checked (`check_conv`, `covers_conv`, the bias's
+                // in `conv_2d_host`); two custom ops.
+                return self
+                    .op("conv_2d", 2, |c| unsafe {
+                        let im = host_im2col(c, input, sys::GGML_TYPE_F32, [k, ow, oh, xn[3]], g);
+                        conv_output_op(
+                            c,
+                            im,
+                            kernel,
+                            bias,
+                            [ow, oh, kn[3], xn[3]],
+                            Some(super::host_linear::conv_kernel),
+                            0,
+                        )
+                    })
+                    .inspect(|t| {
+                        t.set_name(IM2COL_CONV_NAME);
                     });
             }
         }
