@@ -201,6 +201,12 @@ impl SessionConfig {
         self
     }
 
+    /// Sets [`StreamingOptions::compute_aware_residency`].
+    pub fn with_compute_aware_residency(mut self, on: bool) -> Self {
+        self.streaming.compute_aware_residency = on;
+        self
+    }
+
     /// Sets [`StreamingOptions::stable_cuts`].
     pub fn with_stable_cuts(mut self, on: bool) -> Self {
         self.streaming.stable_cuts = on;

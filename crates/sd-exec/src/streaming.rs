@@ -115,6 +115,13 @@ pub struct StreamingOptions {
     /// and the quota's room came out of the staging pool (`docs/benchmarks.md`, fifteenth
     /// session).
     pub stable_cuts: bool,
+    /// Whether the resident set weighs each segment's streamed share by the compute before
+    /// it: a segment may stream in proportion to the matrix-product work of the segment
+    /// that runs while its prefetch does (`sd_tensor::ggml::node_flops`), and keeps the rest
+    /// resident, instead of every segment streaming the same cap. A UNet's deep blocks hold
+    /// most of its weights and little of its compute: under the same cap their uploads
+    /// outlast the short segments before them. Default: off.
+    pub compute_aware_residency: bool,
 }
 
 impl Default for StreamingOptions {
@@ -134,6 +141,7 @@ impl Default for StreamingOptions {
             evict_in_flight: true,
             next_pass_prefetch: true,
             stable_cuts: false,
+            compute_aware_residency: false,
         }
     }
 }

@@ -2082,3 +2082,52 @@ fn stable_placement_keeps_segment_graphs_at_their_addresses() {
         "first fit never moved a segment's graph: the test shows nothing"
     );
 }
+
+/// A resident set weighed by the compute before each segment
+/// (`StreamingOptions::compute_aware_residency`): step after step of a sampling loop at
+/// 7/16 and half of a small UNet's weights, the whole graph's bits, within the budget,
+/// part of the weights kept on the device (less than every weight streamed a steady step).
+#[test]
+fn compute_aware_residency_keeps_the_budget_and_the_bits() {
+    let seeds = [7u64, 11, 13, 17];
+    let want = fresh_whole_outputs("AWARE_REF", &seeds);
+    let (seg, _) = run("AWARE_PROBE", unet, None, SegmentationPolicy::Always, false);
+    let weights = weight_bytes(&rig("AWARE_W", false), "unet.");
+    let footprint = seg.segments.iter().map(|s| s.footprint()).max().unwrap();
+    for sixteenths in [7, 8] {
+        let budget = weights * sixteenths / 16 + footprint + 8192;
+        let mut r = rig(&format!("AWARE_{sixteenths}"), true);
+        let id = r.engine.create_session(
+            SessionConfig::new("test", r.backend.clone(), r.gpu)
+                .with_budget(Some(budget))
+                .with_prefetch(true)
+                .with_staging_pool(true)
+                .with_compute_aware_residency(true),
+        );
+        r.engine.start(id).unwrap();
+        for (i, &s) in seeds.iter().enumerate() {
+            let tag = format!("{sixteenths}/16 of the weights, step {i}");
+            let out = r.engine.execute(id, &unet_with_x(&r.w, s)).unwrap();
+            assert!(out.segmented, "{tag}: not segmented under {budget}");
+            assert_eq!(out.output, want[i], "{tag}: differs from the whole graph");
+            println!(
+                "{tag}: {} bytes streamed of {weights}",
+                out.weight_upload_bytes
+            );
+            if i > 0 {
+                assert!(out.weight_upload_bytes > 0, "{tag}: nothing streamed");
+                assert!(
+                    out.weight_upload_bytes < weights,
+                    "{tag}: every weight streamed ({} bytes)",
+                    out.weight_upload_bytes
+                );
+            }
+        }
+        assert!(
+            r.sim.peak_bytes() <= budget,
+            "peak {} > budget {budget}",
+            r.sim.peak_bytes()
+        );
+        r.engine.end(id).unwrap();
+    }
+}

@@ -324,55 +324,9 @@ impl UnetStep {
 }
 
 /// Floating point operations of the matrix products of `graph`, the work that dominates a
-/// diffusion model: `2 K M N` for every `MUL_MAT` of `[K, M] x [K, N]` (times its batch
-/// dimensions; convolutions are `IM2COL` + `MUL_MAT` and counted here, or the implicit
-/// convolution ops, `IMPLICIT_CONV_NAME`, `TILE_CONV_NAME` and `IM2COL_CONV_NAME`, `2 KW KH C` per output value), and `4 d n_q n_kv`
-/// per head for `FLASH_ATTN_EXT` and the CPU attention kernel (`ATTENTION_HOST_NAME`). Normalisations, activations and element-wise ops (a few
-/// percent for SD UNets) are not counted.
+/// diffusion model: the sum of [`sd_tensor::ggml::node_flops`] over its nodes.
 pub fn graph_flops(graph: &Graph) -> f64 {
-    let mut total = 0.0f64;
-    for node in graph.nodes() {
-        match node.op_name() {
-            "MUL_MAT" => {
-                if let Some(a) = node.src(0) {
-                    total += 2.0 * a.ne()[0] as f64 * node.nelements() as f64;
-                }
-            }
-            "FLASH_ATTN_EXT" => {
-                if let (Some(q), Some(k)) = (node.src(0), node.src(1)) {
-                    let [d, nq, heads, b] = q.ne();
-                    total += 4.0 * (d * nq * heads * b) as f64 * k.ne()[1] as f64;
-                }
-            }
-            "CUSTOM" if node.name() == sd_tensor::ggml::ATTENTION_HOST_NAME => {
-                // q [heads d, n_q, B], k [heads d, n_kv, B], v [heads dv, n_kv, B].
-                if let (Some(q), Some(k), Some(v)) = (node.src(0), node.src(1), node.src(2)) {
-                    let [qw, nq, b, _] = q.ne();
-                    let pairs = (nq * b) as f64 * k.ne()[1] as f64;
-                    total += 2.0 * pairs * (qw + v.ne()[0]) as f64;
-                }
-            }
-            "CUSTOM" if node.name() == sd_tensor::ggml::LINEAR_HOST_NAME => {
-                // [K, M] x [K, N]: 2 K per output value.
-                if let Some(w) = node.src(1) {
-                    total += 2.0 * w.ne()[0] as f64 * node.nelements() as f64;
-                }
-            }
-            "CUSTOM"
-                if node.name() == sd_tensor::ggml::IMPLICIT_CONV_NAME
-                    || node.name() == sd_tensor::ggml::TILE_CONV_NAME
-                    || node.name() == sd_tensor::ggml::IM2COL_CONV_NAME =>
-            {
-                // A convolution without im2col: 2 KW KH C values per output value.
-                if let Some(k) = node.src(1) {
-                    let [kw, kh, c, _] = k.ne();
-                    total += 2.0 * (kw * kh * c) as f64 * node.nelements() as f64;
-                }
-            }
-            _ => {}
-        }
-    }
-    total
+    graph.nodes().iter().map(sd_tensor::ggml::node_flops).sum()
 }
 
 /// The 1/5/15-minute load averages (`/proc/loadavg`), or "unknown": benchmarks print them

@@ -314,6 +314,10 @@ struct UnetArgs {
     /// device from step to step and stream the rest (off: evict the least recently used)
     #[arg(long = "resident-set", value_enum, default_value = "on")]
     resident_set: OnOff,
+    /// The resident set weighs each segment's streamed share by the compute before it (see
+    /// `StreamingOptions::compute_aware_residency`)
+    #[arg(long = "compute-aware-residency", value_enum, default_value = "off")]
+    compute_aware_residency: OnOff,
     /// Merged segments' weights within a quarter of the pool's room (see
     /// `StreamingOptions::pool_sized_segments`)
     #[arg(long = "pool-sized-segments", value_enum, default_value = "off")]
@@ -1173,6 +1177,7 @@ fn cmd_unet(a: &UnetArgs) -> Result<()> {
         segments_in_flight: a.segments_in_flight as usize,
         prefetch_depth: a.prefetch_depth.map_or(usize::MAX, |d| d as usize),
         resident_set: a.resident_set == OnOff::On,
+        compute_aware_residency: a.compute_aware_residency == OnOff::On,
         pool_sized_segments: a.pool_sized_segments == OnOff::On,
         stream_window: a.stream_window as usize,
         evict_in_flight: a.evict_in_flight == OnOff::On,
@@ -1306,6 +1311,7 @@ fn cmd_unet(a: &UnetArgs) -> Result<()> {
             "segments_in_flight": a.segments_in_flight,
             "prefetch_depth": a.prefetch_depth,
             "resident_set": a.resident_set == OnOff::On,
+            "compute_aware_residency": a.compute_aware_residency == OnOff::On,
             "pool_sized_segments": a.pool_sized_segments == OnOff::On,
             "stream_window": a.stream_window,
             "evict_in_flight": a.evict_in_flight == OnOff::On,

@@ -209,6 +209,63 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         Some((extra, quota))
     }
 
+    /// The resident set of [`StreamingOptions::compute_aware_residency`](crate::StreamingOptions::compute_aware_residency):
+    /// each segment streams at most its share ([`compute_shares`]) times the smallest scale
+    /// at which the kept weights and the most any `window` consecutive segments stream fit
+    /// `usable` bytes, and keeps its largest tensors past that. `None` (the caller falls back
+    /// to equal caps) when the plan counts no work or no scale fits.
+    fn compute_aware_set(
+        &self,
+        p: &Prepared,
+        usable: u64,
+        window: usize,
+    ) -> Option<HashSet<ParamId>> {
+        let nodes = p.graph.node_tensors();
+        let flops: Vec<f64> = p
+            .plan
+            .segments
+            .iter()
+            .map(|seg| {
+                seg.internal_nodes
+                    .iter()
+                    .chain(&seg.recomputed_nodes)
+                    .filter_map(|&i| nodes.get(i))
+                    .map(sd_tensor::ggml::node_flops)
+                    .sum()
+            })
+            .collect();
+        let shares = compute_shares(&flops)?;
+        let w = &p.segment_weight_bytes;
+        let mut m = smallest_fitting_scale(w, &shares, window, usable)?;
+        let bytes = |id: &ParamId| p.param_bytes.get(id).copied().unwrap_or(0);
+        // Whole tensors overshoot the caps: raise the scale until the set and its window
+        // fit (a 64th of the largest segment's scale at a time).
+        let top = w
+            .iter()
+            .zip(&shares)
+            .filter(|(_, &a)| a > 0.0)
+            .map(|(&b, &a)| b as f64 / a)
+            .fold(0.0f64, f64::max);
+        loop {
+            let (set, each) = keep_above(&p.segment_params, |k| (shares[k] * m) as u64, bytes);
+            let kept: u64 = set.iter().map(bytes).sum();
+            if kept + window_bytes(&each, window) <= usable {
+                tracing::debug!(
+                    scale = m,
+                    resident_bytes = kept,
+                    streamed_bytes = each.iter().sum::<u64>(),
+                    params = set.len(),
+                    "compute-aware resident set"
+                );
+                return Some(set);
+            }
+            if m >= top {
+                return None;
+            }
+            m = (m + top / 64.0).min(top);
+        }
+    }
+
     /// The weights a segmented run with a staging pool keeps on the device from step to
     /// step: protected from eviction (unless a segment does not fit otherwise) while the
     /// other weights stream through the rest of the pool, the streaming window, where
@@ -241,6 +298,11 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         let usable = pool_usable(pool);
         let window = cfg.streaming.stream_window.max(2) as u64;
         let w = &p.segment_weight_bytes;
+        if cfg.streaming.compute_aware_residency {
+            if let Some(set) = self.compute_aware_set(p, usable, window as usize) {
+                return set;
+            }
+        }
         // Resident bytes when every segment streams at most `m` (shared weights counted
         // once per segment: an upper bound).
         let resident_at = |m: u64| w.iter().map(|b| b.saturating_sub(m)).sum::<u64>();
@@ -267,7 +329,8 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         let mut m = lo;
         let step = (largest / 16).max(1);
         let set = loop {
-            let (set, streamed) = keep_above(&p.segment_params, m, bytes);
+            let (set, each) = keep_above(&p.segment_params, |_| m, bytes);
+            let streamed = each.iter().copied().max().unwrap_or(0);
             let kept: u64 = set.iter().map(bytes).sum();
             if kept + window * streamed <= usable {
                 break set;
@@ -359,18 +422,19 @@ pub(crate) fn window_share(pool: u64, window: usize) -> u64 {
     pool_usable(pool) / window.max(1) as u64
 }
 
-/// Per segment in order, the weights kept so that it streams at most `cap` bytes: its
+/// Per segment in order, the weights kept so that it streams at most `cap(k)` bytes: its
 /// largest tensors while more than one is needed, then the smallest single tensor that
 /// brings it under the cap (less overshoot than taking the largest). Returns the kept set
-/// and the largest streamed bytes of any segment.
+/// and each segment's streamed bytes.
 fn keep_above(
     segments: &[Vec<ParamId>],
-    cap: u64,
+    cap: impl Fn(usize) -> u64,
     bytes: impl Fn(&ParamId) -> u64,
-) -> (HashSet<ParamId>, u64) {
+) -> (HashSet<ParamId>, Vec<u64>) {
     let mut set: HashSet<ParamId> = HashSet::new();
-    let mut most = 0u64;
-    for params in segments {
+    let mut each = Vec::with_capacity(segments.len());
+    for (k, params) in segments.iter().enumerate() {
+        let cap = cap(k);
         let mut streamed: u64 = params
             .iter()
             .filter(|id| !set.contains(id))
@@ -402,7 +466,93 @@ fn keep_above(
                 set.insert(id);
             }
         }
-        most = most.max(streamed);
+        each.push(streamed);
     }
-    (set, most)
+    (set, each)
+}
+
+/// The most bytes any `window` consecutive segments stream (cyclically: a sampling loop's
+/// next step follows the last segment), given each segment's streamed bytes.
+fn window_bytes(streamed: &[u64], window: usize) -> u64 {
+    let n = streamed.len();
+    (0..n)
+        .map(|i| {
+            (0..window.min(n))
+                .map(|j| streamed[(i + j) % n])
+                .sum::<u64>()
+        })
+        .max()
+        .unwrap_or(0)
+}
+
+/// Each segment's share of the streamed bytes under
+/// [`StreamingOptions::compute_aware_residency`](crate::StreamingOptions::compute_aware_residency):
+/// in proportion to the work of the segment before it (cyclically), whose compute its
+/// prefetch runs under; `None` when no segment computes anything counted.
+pub(crate) fn compute_shares(flops: &[f64]) -> Option<Vec<f64>> {
+    let n = flops.len();
+    let mean = flops.iter().sum::<f64>() / n.max(1) as f64;
+    (mean > 0.0).then(|| (0..n).map(|k| flops[(k + n - 1) % n] / mean).collect())
+}
+
+/// The smallest scale `m` (bytes of streamed weights per unit of share) for which the
+/// weights kept when each segment streams at most `shares[k] m` of its `weights[k]`, plus
+/// the most any `window` consecutive segments stream, fit `usable` bytes; searched over
+/// 256 steps up to the scale at which every segment with a share streams all of its
+/// weights. `None` when none fits.
+pub(crate) fn smallest_fitting_scale(
+    weights: &[u64],
+    shares: &[f64],
+    window: usize,
+    usable: u64,
+) -> Option<f64> {
+    let top = weights
+        .iter()
+        .zip(shares)
+        .filter(|(_, &a)| a > 0.0)
+        .map(|(&w, &a)| w as f64 / a)
+        .fold(0.0f64, f64::max);
+    let fits = |m: f64| {
+        let streamed: Vec<u64> = weights
+            .iter()
+            .zip(shares)
+            .map(|(&w, &a)| w.min((a * m) as u64))
+            .collect();
+        let kept: u64 = weights.iter().zip(&streamed).map(|(w, s)| w - s).sum();
+        kept + window_bytes(&streamed, window) <= usable
+    };
+    const STEPS: u32 = 256;
+    (0..=STEPS)
+        .map(|i| top * f64::from(i) / f64::from(STEPS))
+        .find(|&m| fits(m))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{compute_shares, smallest_fitting_scale, window_bytes};
+
+    #[test]
+    fn each_segment_streams_in_proportion_to_the_work_before_it() {
+        // Segment 1 follows the heavy segment 0; segment 0 follows segment 2 (the next step).
+        assert_eq!(compute_shares(&[4.0, 1.0, 1.0]), Some(vec![0.5, 2.0, 0.5]));
+        assert_eq!(compute_shares(&[0.0, 0.0]), None);
+        assert_eq!(window_bytes(&[1, 2, 3, 4], 2), 7);
+        // The window wraps around: the last segment and the next step's first.
+        assert_eq!(window_bytes(&[4, 0, 0, 4], 2), 8);
+        assert_eq!(window_bytes(&[5, 1], 3), 6);
+    }
+
+    #[test]
+    fn the_smallest_scale_keeps_the_most_that_fits() {
+        let (w, shares) = ([100u64, 100, 100], [0.5, 2.0, 0.5]);
+        // Everything fits resident: nothing streams.
+        assert_eq!(smallest_fitting_scale(&w, &shares, 2, 300), Some(0.0));
+        // Streaming [m/2, min(2m, 100), m/2] keeps 300 - the streamed bytes and needs a
+        // window of two: 300 - m/2 <= 250 from m = 100 on (segment 1 streams all of its
+        // weights, the others half).
+        assert_eq!(smallest_fitting_scale(&w, &shares, 2, 250), Some(100.0));
+        // Only everything streamed fits 200 (a window of two whole segments).
+        assert_eq!(smallest_fitting_scale(&w, &shares, 2, 200), Some(200.0));
+        assert_eq!(smallest_fitting_scale(&w, &shares, 2, 199), None);
+    }
 }

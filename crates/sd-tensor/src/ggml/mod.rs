@@ -20,6 +20,7 @@ mod alloc;
 mod backend;
 mod context;
 mod error;
+mod flops;
 mod graph;
 pub mod graph_ext;
 #[cfg(target_arch = "x86_64")]
@@ -46,6 +47,7 @@ pub use alloc::Gallocr;
 pub use backend::{Backend, Buffer, BufferType, BufferUsage, Device, DeviceKind, DeviceMemory};
 pub use context::Context;
 pub use error::GgmlError;
+pub use flops::node_flops;
 pub use graph::Graph;
 pub use mapped::SharedBytes;
 pub use modules::{load_backend_modules, ModuleOutcome, MODULES_ENV};
