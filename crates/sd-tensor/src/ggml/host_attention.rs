@@ -563,35 +563,8 @@ unsafe fn softmax_pairs_avx512(s: &[f32], maxes: &mut [f32], sums: &mut [f32], p
     let m = maxes.len();
     let n = s.len() / m.max(1);
     let sp = s.as_ptr();
-    let exp = |x: __m512| -> __m512 {
-        let under = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, _mm512_set1_ps(-87.3));
-        let x = _mm512_max_ps(x, _mm512_set1_ps(-87.3));
-        let shift = _mm512_set1_ps(12_582_912.0);
-        let t = _mm512_fmadd_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E), shift);
-        let nn = _mm512_sub_ps(t, shift);
-        let r = _mm512_fnmadd_ps(nn, _mm512_set1_ps(0.693_359_4), x);
-        let r = _mm512_fnmadd_ps(nn, _mm512_set1_ps(-2.121_944_4e-4), r);
-        let mut p = _mm512_set1_ps(1.987_569_1e-4);
-        for c in [
-            1.398_199_9e-3,
-            8.333_452e-3,
-            4.166_579_6e-2,
-            1.666_666_5e-1,
-            0.5,
-        ] {
-            p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-        }
-        let er = _mm512_add_ps(
-            _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r),
-            _mm512_set1_ps(1.0),
-        );
-        let biased = _mm512_add_epi32(
-            _mm512_sub_epi32(_mm512_castps_si512(t), _mm512_castps_si512(shift)),
-            _mm512_set1_epi32(127),
-        );
-        let scale = _mm512_castsi512_ps(_mm512_slli_epi32::<23>(biased));
-        _mm512_maskz_mul_ps(!under, er, scale)
-    };
+    // SAFETY (the closure): the CPU has AVX-512 F (this function's contract).
+    let exp = |x: __m512| -> __m512 { exp_nonpositive_avx512(x) };
     // Round to nearest even, as bf16 bits in the low (`lo`) or high half of each lane.
     let round = |x: __m512| -> __m512i {
         let u = _mm512_castps_si512(x);
@@ -638,6 +611,12 @@ unsafe fn softmax_pairs_avx512(s: &[f32], maxes: &mut [f32], sums: &mut [f32], p
 /// each row's sum. Every loop runs down a column, `m` independent rows in vector lanes.
 fn softmax_rows_of_columns(s: &mut [f32], maxes: &mut [f32], sums: &mut [f32]) {
     let m = maxes.len();
+    #[cfg(target_arch = "x86_64")]
+    if m.is_multiple_of(16) && std::arch::is_x86_feature_detected!("avx512f") {
+        // SAFETY: the CPU has AVX-512 F; `m` is a multiple of 16.
+        unsafe { softmax_rows_avx512(s, maxes, sums) };
+        return;
+    }
     maxes.fill(f32::NEG_INFINITY);
     sums.fill(0.0);
     for col in s.chunks_exact(m) {
@@ -651,6 +630,84 @@ fn softmax_rows_of_columns(s: &mut [f32], maxes: &mut [f32], sums: &mut [f32]) {
             *sum += *v;
         }
     }
+}
+
+/// [`softmax_rows_of_columns`] in AVX-512 registers, 16 rows at a time, in the same column
+/// order (the binary is built for baseline x86-64: the portable loop runs 128-bit vectors
+/// there). Same operations as [`exp_nonpositive`], fused (a NaN score is not kept: the
+/// attention's inputs are finite).
+///
+/// # Safety
+/// The CPU has AVX-512 F; `maxes.len()` is a multiple of 16; `s` holds whole columns of
+/// `maxes.len()` values; `sums` as long as `maxes`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn softmax_rows_avx512(s: &mut [f32], maxes: &mut [f32], sums: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let m = maxes.len();
+    let n = s.len() / m.max(1);
+    let sp = s.as_mut_ptr();
+    let (mp, up) = (maxes.as_mut_ptr(), sums.as_mut_ptr());
+    // SAFETY: every offset below is `col * m + i` with `col < n` and `i + 16 <= m`, inside
+    // `s`, or `i + 16 <= m`, inside `maxes` and `sums`.
+    unsafe {
+        for i in (0..m).step_by(16) {
+            _mm512_storeu_ps(mp.add(i), _mm512_set1_ps(f32::NEG_INFINITY));
+            _mm512_storeu_ps(up.add(i), _mm512_setzero_ps());
+        }
+        for col in 0..n {
+            for i in (0..m).step_by(16) {
+                let v = _mm512_loadu_ps(sp.add(col * m + i));
+                _mm512_storeu_ps(mp.add(i), _mm512_max_ps(_mm512_loadu_ps(mp.add(i)), v));
+            }
+        }
+        for col in 0..n {
+            for i in (0..m).step_by(16) {
+                let at = sp.add(col * m + i);
+                let e = exp_nonpositive_avx512(_mm512_sub_ps(
+                    _mm512_loadu_ps(at),
+                    _mm512_loadu_ps(mp.add(i)),
+                ));
+                _mm512_storeu_ps(at, e);
+                _mm512_storeu_ps(up.add(i), _mm512_add_ps(_mm512_loadu_ps(up.add(i)), e));
+            }
+        }
+    }
+}
+
+/// [`exp_nonpositive`] of 16 lanes (fused multiply-adds; a NaN lane is not kept).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+fn exp_nonpositive_avx512(x: std::arch::x86_64::__m512) -> std::arch::x86_64::__m512 {
+    use std::arch::x86_64::*;
+    let under = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, _mm512_set1_ps(-87.3));
+    let x = _mm512_max_ps(x, _mm512_set1_ps(-87.3));
+    let shift = _mm512_set1_ps(12_582_912.0);
+    let t = _mm512_fmadd_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E), shift);
+    let nn = _mm512_sub_ps(t, shift);
+    let r = _mm512_fnmadd_ps(nn, _mm512_set1_ps(0.693_359_4), x);
+    let r = _mm512_fnmadd_ps(nn, _mm512_set1_ps(-2.121_944_4e-4), r);
+    let mut p = _mm512_set1_ps(1.987_569_1e-4);
+    for c in [
+        1.398_199_9e-3,
+        8.333_452e-3,
+        4.166_579_6e-2,
+        1.666_666_5e-1,
+        0.5,
+    ] {
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+    }
+    let er = _mm512_add_ps(
+        _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r),
+        _mm512_set1_ps(1.0),
+    );
+    let biased = _mm512_add_epi32(
+        _mm512_sub_epi32(_mm512_castps_si512(t), _mm512_castps_si512(shift)),
+        _mm512_set1_epi32(127),
+    );
+    let scale = _mm512_castsi512_ps(_mm512_slli_epi32::<23>(biased));
+    _mm512_maskz_mul_ps(!under, er, scale)
 }
 
 /// `e^x` for `x <= 0` (scores minus their row's maximum; `NaN` stays `NaN`), branch-free and
