@@ -187,7 +187,7 @@ pub(crate) unsafe extern "C" fn linear_kernel(
 
 /// Output pixels a product of [`conv_kernel`] computes at a time into its scratch (the
 /// block is then written transposed into the output planes, with the bias).
-const CONV_COLUMN_BLOCK: usize = 2048;
+const CONV_COLUMN_BLOCK: usize = 512;
 
 /// The convolution op (see the module doc): `dst` `[OW, OH, OC, N]` f32 from `src[0]`, the
 /// f32 im2col `[K, OW, OH, N]` (contiguous), `src[1]`, the kernel `[KW, KH, C, OC]` f16 or f32
