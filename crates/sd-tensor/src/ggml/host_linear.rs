@@ -98,6 +98,55 @@ pub(crate) fn covers(
         && columns >= min_columns
 }
 
+/// Thread `ith` of `nth`'s output features (weight rows) of `m`, in multiples of 16 (the
+/// products' row tiles).
+fn feature_rows(m: usize, ith: usize, nth: usize) -> std::ops::Range<usize> {
+    let tiles = thread_share(m.div_ceil(16), ith as c_int, nth as c_int);
+    (tiles.start * 16).min(m)..(tiles.end * 16).min(m)
+}
+
+/// `dst (+)= lhs x`: `lhs` the weight's rows as f32 (`[h, k]` row-major, `h = lhs.len() / k`),
+/// `x` `cols` columns of `k` contiguous values each, `dst` `[h, cols]` with rows contiguous
+/// and columns `dst_cs` values apart; added to what `dst` holds when `accumulate`.
+///
+/// # Safety
+/// `x` holds `cols * k` values; `dst` holds the `[h, cols]` block at those strides, written by
+/// this thread alone.
+unsafe fn rows_times_columns(
+    lhs: &[f32],
+    k: usize,
+    x: *const f32,
+    cols: usize,
+    dst: *mut f32,
+    dst_cs: usize,
+    accumulate: bool,
+) {
+    // SAFETY: see the function's contract.
+    unsafe {
+        gemm::gemm(
+            lhs.len() / k,
+            cols,
+            k,
+            dst,
+            dst_cs as isize,
+            1,
+            accumulate,
+            lhs.as_ptr(),
+            1,
+            k as isize,
+            x,
+            k as isize,
+            1,
+            1.0,
+            1.0,
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        );
+    }
+}
+
 /// The custom op (see the module doc): thread `ith` of `nth` computes its share of the
 /// output features.
 ///
@@ -130,9 +179,7 @@ pub(crate) unsafe extern "C" fn linear_kernel(
         unsafe { super::host_amx::linear(d, x, w, bias, ith as usize, nth as usize) };
         return;
     }
-    // Feature ranges in multiples of 16 (the products' row tiles).
-    let tiles = thread_share(m.div_ceil(16), ith, nth);
-    let rows = (tiles.start * 16).min(m)..(tiles.end * 16).min(m);
+    let rows = feature_rows(m, ith as usize, nth as usize);
     if rows.is_empty() {
         return;
     }
@@ -155,31 +202,19 @@ pub(crate) unsafe extern "C" fn linear_kernel(
                     dst.copy_from_slice(&b[r0..r1]);
                 }
             }
-            // SAFETY: lhs is [r1 - r0, K] row-major; x is [K, N] (column j at j K); the
-            // output block [r1 - r0, N] starts at row r0, columns M apart.
+            // SAFETY: x is [K, N] (column j at j K); the output block [r1 - r0, N] starts at
+            // row r0, columns M apart; rows r0..r1 are this thread's.
             unsafe {
-                gemm::gemm(
-                    r1 - r0,
-                    n,
+                rows_times_columns(
+                    lhs,
                     k,
-                    out.add(r0),
-                    m as isize,
-                    1,
-                    bias.is_some(),
-                    lhs.as_ptr(),
-                    1,
-                    k as isize,
                     x.data as *const f32,
-                    k as isize,
-                    1,
-                    1.0,
-                    1.0,
-                    false,
-                    false,
-                    false,
-                    gemm::Parallelism::None,
-                );
-            }
+                    n,
+                    out.add(r0),
+                    m,
+                    bias.is_some(),
+                )
+            };
             r0 = r1;
         }
     });
@@ -230,8 +265,7 @@ pub(crate) unsafe extern "C" fn conv_kernel(
         return;
     }
     let (rg, cg) = (ith % row_groups, ith / row_groups);
-    let t = thread_share(tiles, rg as c_int, row_groups as c_int);
-    let rows = (t.start * 16).min(m)..(t.end * 16).min(m);
+    let rows = feature_rows(m, rg, row_groups);
     let cols = thread_share(plane * images, cg as c_int, col_groups as c_int);
     if rows.is_empty() || cols.is_empty() {
         return;
@@ -254,31 +288,11 @@ pub(crate) unsafe extern "C" fn conv_kernel(
                 let img = c0 / plane;
                 let c1 = cols.end.min((img + 1) * plane).min(c0 + CONV_COLUMN_BLOCK);
                 let wide = c1 - c0;
-                // SAFETY: lhs is [h, K] row-major; the im2col's column c (all images in
-                // order) is K values at c K; the block is [h, wide], column j at j h.
+                // SAFETY: the im2col's column c (all images in order) is K values at c K;
+                // the block is [h, wide], column j at j h, this thread's scratch.
                 unsafe {
-                    gemm::gemm(
-                        h,
-                        wide,
-                        k,
-                        block.as_mut_ptr(),
-                        h as isize,
-                        1,
-                        false,
-                        lhs.as_ptr(),
-                        1,
-                        k as isize,
-                        x.add(c0 * k),
-                        k as isize,
-                        1,
-                        0.0,
-                        1.0,
-                        false,
-                        false,
-                        false,
-                        gemm::Parallelism::None,
-                    );
-                }
+                    rows_times_columns(lhs, k, x.add(c0 * k), wide, block.as_mut_ptr(), h, false)
+                };
                 // Plane `oc` of image `img` starts at (img M + oc) * plane; this block is its
                 // pixels p0..p0 + wide.
                 let p0 = c0 - img * plane;
