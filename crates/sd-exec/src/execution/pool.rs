@@ -240,12 +240,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         let bytes = |id: &ParamId| p.param_bytes.get(id).copied().unwrap_or(0);
         // Whole tensors overshoot the caps: raise the scale until the set and its window
         // fit (a 64th of the largest segment's scale at a time).
-        let top = w
-            .iter()
-            .zip(&shares)
-            .filter(|(_, &a)| a > 0.0)
-            .map(|(&b, &a)| b as f64 / a)
-            .fold(0.0f64, f64::max);
+        let top = full_scale(w, &shares);
         loop {
             let (set, each) = keep_above(&p.segment_params, |k| (shares[k] * m) as u64, bytes);
             let kept: u64 = set.iter().map(bytes).sum();
@@ -495,6 +490,16 @@ pub(crate) fn compute_shares(flops: &[f64]) -> Option<Vec<f64>> {
     (mean > 0.0).then(|| (0..n).map(|k| flops[(k + n - 1) % n] / mean).collect())
 }
 
+/// The scale at which every segment with a share streams all of its `weights`.
+fn full_scale(weights: &[u64], shares: &[f64]) -> f64 {
+    weights
+        .iter()
+        .zip(shares)
+        .filter(|(_, &a)| a > 0.0)
+        .map(|(&w, &a)| w as f64 / a)
+        .fold(0.0f64, f64::max)
+}
+
 /// The smallest scale `m` (bytes of streamed weights per unit of share) for which the
 /// weights kept when each segment streams at most `shares[k] m` of its `weights[k]`, plus
 /// the most any `window` consecutive segments stream, fit `usable` bytes; searched over
@@ -506,12 +511,7 @@ pub(crate) fn smallest_fitting_scale(
     window: usize,
     usable: u64,
 ) -> Option<f64> {
-    let top = weights
-        .iter()
-        .zip(shares)
-        .filter(|(_, &a)| a > 0.0)
-        .map(|(&w, &a)| w as f64 / a)
-        .fold(0.0f64, f64::max);
+    let top = full_scale(weights, shares);
     let fits = |m: f64| {
         let streamed: Vec<u64> = weights
             .iter()
