@@ -443,6 +443,10 @@ impl Runtime {
                     .map_err(backend_err(&name))?;
                     sim_count += 1;
                     let b = s.backend().map_err(backend_err(&name))?;
+                    // No runtime to measure, but the allocator may round buffers up
+                    // (`sim:<size>/<page>`): recorded as a GPU's measured unit is, so that
+                    // every budget on this device counts the bytes it takes.
+                    b.buffer_type().set_allocation_granularity((*page).max(1));
                     (Arc::new(b), Some(s))
                 }
             })
@@ -513,14 +517,7 @@ impl Runtime {
         let mut budget = None;
         let mut runtime_reserve = 0;
         if let Some(mv) = &options.max_vram {
-            if let (true, ComputeDevice::Sim { page, .. }) = (primary_sim, &options.compute) {
-                // A simulated device has no runtime of its own, but its allocator may round
-                // buffers up (`sim:<size>/<page>`): recorded as a GPU's measured unit is, so
-                // that the budget counts the bytes the device takes.
-                compute
-                    .buffer_type()
-                    .set_allocation_granularity((*page).max(1));
-            } else if !compute.is_cpu() {
+            if !primary_sim && !compute.is_cpu() {
                 // What the GPU's runtime holds for itself (context, BLAS, kernels, pools)
                 // counts against the budget too: measure it instead of guessing.
                 let r = match options.runtime_reserve {
