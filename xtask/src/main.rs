@@ -268,16 +268,16 @@ fn weight_rows(
     Ok(())
 }
 
-/// The weight types of a `--weights` value: `f16`, `bf16` or both, comma-separated
-/// (`f16` always runs: it is the reference row).
+/// The weight types of a `--weights` value: `f16`, `bf16`, `q8_0`, comma-separated (`f16`
+/// always runs: it is the reference row).
 fn weights_arg(v: Option<&str>, what: &str) -> Res<Vec<String>> {
-    let v = v.ok_or_else(|| format!("{what}: --weights needs f16, bf16 or f16,bf16"))?;
+    let v = v.ok_or_else(|| format!("{what}: --weights needs a list of f16, bf16, q8_0"))?;
     let mut out = vec!["f16".to_string()];
     for w in v.split(',') {
         match w {
             "f16" => {}
-            "bf16" => out.push(w.to_string()),
-            _ => return Err(format!("{what}: --weights {v}: f16, bf16 or f16,bf16")),
+            "bf16" | "q8_0" => out.push(w.to_string()),
+            _ => return Err(format!("{what}: --weights {v}: a list of f16, bf16, q8_0")),
         }
     }
     Ok(out)

@@ -1467,6 +1467,30 @@ fn cases() -> Vec<Case> {
             },
         },
         Case {
+            name: "--type q8_0: q8_0 linear weights (on AMX tiles, the kernels in bf16, where the CPU has them), f16's image within a few levels",
+            setup: none,
+            args: |d| bf16_case(d.join("o.png"), "q8_0"),
+            code: 0,
+            stderr: &[],
+            stdout: &["saved"],
+            files: &["o.png"],
+            check: |d, _| {
+                let out = Command::new(env!("CARGO_BIN_EXE_sd"))
+                    .args(bf16_case(d.join("f16.png"), "f16"))
+                    .output()
+                    .unwrap();
+                assert!(out.status.success());
+                let img = |p: &Path| sd_tensor::Image::load_png(p).unwrap().into_pixels();
+                let (a, b) = (img(&d.join("o.png")), img(&d.join("f16.png")));
+                assert_eq!(a.len(), b.len());
+                let diff: Vec<u32> = a.iter().zip(&b).map(|(p, q)| p.abs_diff(*q) as u32).collect();
+                let max = diff.iter().max().copied().unwrap_or(0);
+                let mean = diff.iter().sum::<u32>() as f64 / diff.len() as f64;
+                // Different weights (not the f16 run), the same picture.
+                assert!(max > 0 && max <= 32 && mean <= 2.0, "max {max}, mean {mean}");
+            },
+        },
+        Case {
             name: "LoRA tag without --lora-model-dir",
             setup: none,
             args: |d| with(gen(d.join("o.png")), &["-p", "a circle <lora:x:0.5>"]),

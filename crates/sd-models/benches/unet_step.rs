@@ -88,7 +88,13 @@ fn main() {
     println!(
         "attention: {}",
         if host_kernels {
-            "the project's CPU kernel (f32, heads in place)"
+            if sd_models::weights::bf16_attention_for(Some(weights), true)
+                && std::env::var("SD_BENCH_BF16_ATTENTION").map_or(true, |v| v != "0")
+            {
+                "the project's CPU kernel (bf16 products, heads in place)"
+            } else {
+                "the project's CPU kernel (f32, heads in place)"
+            }
         } else if flash_attn {
             "flash_attn_ext (K, V in f16)"
         } else {

@@ -56,6 +56,8 @@ impl SyntheticUnet {
     ) -> Result<Self> {
         let _span = tracing::info_span!("synthetic_unet", ?dtype).entered();
         let pb = ParamBuilder::with_synthetic_dtype(None, 4096, dtype)?;
+        // As the runtime loads `--type q8_0` where its CPU kernels run.
+        pb.set_unquantized_type(crate::weights::unquantized_type_for(Some(dtype), true));
         let model = UnetModel::new(&pb, config)?;
         let params = pb.finish();
         let buffer = fill_synthetic(&params, buffer_type, seed)?;
@@ -168,6 +170,7 @@ impl VaeDecode {
     ) -> Result<Self> {
         let _span = tracing::info_span!("synthetic_vae", ?dtype).entered();
         let pb = ParamBuilder::with_synthetic_dtype(None, 4096, dtype)?;
+        pb.set_unquantized_type(crate::weights::unquantized_type_for(Some(dtype), true));
         let config = VaeConfig {
             with_encoder: false,
             ..VaeConfig::default()
@@ -274,7 +277,8 @@ impl UnetStep {
         // the Runtime runs `--type bf16` (`SD_BENCH_BF16_ATTENTION=0`: f32 products).
         let bf16_attention = std::env::var("SD_BENCH_BF16_ATTENTION").map_or(true, |v| v != "0");
         g.ctx.set_bf16_attention(
-            opts.host_kernels && bench_weights() == DType::BF16 && bf16_attention,
+            crate::weights::bf16_attention_for(Some(bench_weights()), opts.host_kernels)
+                && bf16_attention,
         );
         let c = unet.config.in_channels;
         let x = g.ctx.new_tensor(DType::F32, &[width, height, c, batch])?;
@@ -358,7 +362,9 @@ pub fn f32_products() -> bool {
 }
 
 /// The weights' type a model benchmark runs with: `SD_BENCH_WEIGHTS` (`f16`, the default,
-/// or `bf16`, as `sd --type bf16` loads them).
+/// `bf16` or `q8_0`, as `sd --type bf16|q8_0` loads them: q8_0 linear weights, the
+/// convolution kernels as [`unquantized_type_for`](crate::weights::unquantized_type_for)
+/// says).
 ///
 /// # Panics
 /// On any other value (a benchmark's usage error).
@@ -366,7 +372,8 @@ pub fn bench_weights() -> DType {
     match std::env::var("SD_BENCH_WEIGHTS").as_deref() {
         Err(_) | Ok("f16") => DType::F16,
         Ok("bf16") => DType::BF16,
-        Ok(other) => panic!("SD_BENCH_WEIGHTS={other}: f16 or bf16"),
+        Ok("q8_0") => DType::Q8_0,
+        Ok(other) => panic!("SD_BENCH_WEIGHTS={other}: f16, bf16 or q8_0"),
     }
 }
 

@@ -27,6 +27,9 @@ struct Inner<'a> {
     ctx: Context,
     catalog: Option<&'a TensorCatalog>,
     weight_type: Option<DType>,
+    /// Under a quantized `weight_type`, the type of the weights it does not quantize
+    /// (`None`: the file's); see [`ParamBuilder::set_unquantized_type`].
+    unquantized_type: Option<DType>,
     /// Storage type of synthetic (catalog-less) parameters.
     synthetic: DType,
     params: BTreeMap<String, GTensor>,
@@ -85,8 +88,15 @@ fn param_dtype(storage: &TensorStorage, expected: &[usize], force_f32: bool) -> 
 }
 
 /// The dtype of a parameter under a `--type` override `t` (see
-/// [`ParamBuilder::set_weight_type`]).
-fn override_dtype(from_file: DType, t: DType, expected: &[usize], force_f32: bool) -> DType {
+/// [`ParamBuilder::set_weight_type`]); `unquantized` is the type of the weights a quantized
+/// `t` does not take (see [`ParamBuilder::set_unquantized_type`]).
+fn override_dtype(
+    from_file: DType,
+    t: DType,
+    unquantized: Option<DType>,
+    expected: &[usize],
+    force_f32: bool,
+) -> DType {
     let inner = expected.last().copied().unwrap_or(1);
     if force_f32 || expected.len() <= 1 {
         return from_file;
@@ -95,13 +105,36 @@ fn override_dtype(from_file: DType, t: DType, expected: &[usize], force_f32: boo
         if expected.len() == 2 && inner.is_multiple_of(t.block_size()) {
             t
         } else {
-            from_file
+            unquantized.unwrap_or(from_file)
         }
     } else if t.is_float() && t != DType::F64 {
         t
     } else {
         from_file
     }
+}
+
+/// The type of the weights a quantized `--type` leaves unquantized (see
+/// [`ParamBuilder::set_unquantized_type`]) for a model computed with `weight_type` where
+/// this crate's CPU kernels run (`host_kernels`): bf16 where the CPU has AMX-BF16 tiles, so
+/// that the convolutions run on the tiles beside the quantized linear layers (a q8_0 UNet
+/// keeps half its work in 3x3 kernels, which q8_0 cannot hold: blocks run along rows of 3
+/// values); same bytes as the f16 of a checkpoint. `None` elsewhere: the file's type.
+pub fn unquantized_type_for(weight_type: Option<DType>, host_kernels: bool) -> Option<DType> {
+    (host_kernels
+        && weight_type.is_some_and(|t| t.is_quantized())
+        && sd_tensor::ggml::cpu_amx_bf16())
+    .then_some(DType::BF16)
+}
+
+/// Whether the CPU attention kernel runs its products in bf16 for a model computed with
+/// `weight_type` where this crate's CPU kernels run (`host_kernels`): with bf16 weights, and
+/// with quantized weights where the CPU has AMX-BF16 tiles (whose other products are bf16
+/// then, see [`unquantized_type_for`]).
+pub fn bf16_attention_for(weight_type: Option<DType>, host_kernels: bool) -> bool {
+    host_kernels
+        && (weight_type == Some(DType::BF16)
+            || unquantized_type_for(weight_type, host_kernels).is_some())
 }
 
 impl<'a> ParamBuilder<'a> {
@@ -125,6 +158,7 @@ impl<'a> ParamBuilder<'a> {
                 ctx: Context::new_descriptors(capacity, 1, 0)?,
                 catalog,
                 weight_type: None,
+                unquantized_type: None,
                 synthetic: dtype,
                 params: BTreeMap::new(),
             })),
@@ -140,6 +174,14 @@ impl<'a> ParamBuilder<'a> {
     /// weights; convolution kernels keep the file's type).
     pub fn set_weight_type(&self, dtype: Option<DType>) {
         self.inner.borrow_mut().weight_type = dtype;
+    }
+
+    /// Under a quantized [`set_weight_type`](Self::set_weight_type) (or a quantized
+    /// synthetic type), the type of the weights it does not quantize (convolution kernels,
+    /// whose rows are not whole blocks); `None` (the default): the file's type (f32 for
+    /// synthetic parameters). See [`unquantized_type_for`] for the runtime's choice.
+    pub fn set_unquantized_type(&self, dtype: Option<DType>) {
+        self.inner.borrow_mut().unquantized_type = dtype;
     }
 
     /// A builder whose names are prefixed with `self`'s path and `name` (dot-separated).
@@ -221,12 +263,15 @@ impl<'a> ParamBuilder<'a> {
             None => {
                 let d = inner.synthetic;
                 let inner_dim = shape.last().copied().unwrap_or(1);
-                if force_f32
-                    || shape.len() <= 1
-                    || !(d.is_float() || d.is_quantized())
-                    || !inner_dim.is_multiple_of(d.block_size())
-                {
+                if force_f32 || shape.len() <= 1 || !(d.is_float() || d.is_quantized()) {
                     DType::F32
+                } else if !inner_dim.is_multiple_of(d.block_size()) {
+                    // What a quantized type does not take: the unquantized type where one
+                    // is set (as `--type` over a file), else f32.
+                    match inner.unquantized_type {
+                        Some(u) if d.is_quantized() => u,
+                        _ => DType::F32,
+                    }
                 } else {
                     d
                 }
@@ -245,7 +290,7 @@ impl<'a> ParamBuilder<'a> {
                 let from_file = param_dtype(st, shape, force_f32);
                 match inner.weight_type {
                     Some(t) if from_file != DType::F32 || st.dtype.is_float() => {
-                        override_dtype(from_file, t, shape, force_f32)
+                        override_dtype(from_file, t, inner.unquantized_type, shape, force_f32)
                     }
                     _ => from_file,
                 }

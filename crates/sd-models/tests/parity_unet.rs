@@ -6,6 +6,7 @@ mod common;
 use common::{catalog, check, config, io, ne};
 use sd_models::run::run_cpu;
 use sd_models::unet::{HeadSpec, UnetConfig, UnetModel};
+use sd_models::weights::{bf16_attention_for, unquantized_type_for};
 use sd_models::{load_all_to_cpu, ComputeOptions, GraphCtx, HostData, ParamBuilder};
 use sd_tensor::ggml::GTensor;
 use sd_tensor::DType;
@@ -64,24 +65,45 @@ fn run_typed(
     let cat = catalog(name);
     let pb = ParamBuilder::new(Some(&cat), 1024).unwrap();
     pb.set_weight_type(weight_type);
+    // As the Runtime loads a quantized type where the CPU kernels run.
+    let unquantized = unquantized_type_for(weight_type, opts.host_kernels);
+    pb.set_unquantized_type(unquantized);
     let unet = UnetModel::new(&pb, tiny_config(name)).unwrap();
     let params = pb.finish();
     // Every tensor of the file is used.
     assert_eq!(params.tensors.len(), cat.len());
     if let Some(t) = weight_type {
-        // The convolution kernels among them.
-        let converted = params.tensors.iter().filter(|(name, p)| {
-            p.dtype() == Some(t) && GTensor::ne(p)[0] == 3 && name.ends_with("weight")
-        });
-        assert!(converted.count() > 0, "no {t:?} convolution kernel");
+        let kernels = |d: Option<DType>| {
+            params
+                .tensors
+                .iter()
+                .filter(|(name, p)| {
+                    p.dtype() == d && GTensor::ne(p)[0] == 3 && name.ends_with("weight")
+                })
+                .count()
+        };
+        if t.is_quantized() {
+            // The linear weights take it; the convolution kernels the unquantized type.
+            let linear = params.tensors.iter().filter(|(_, p)| {
+                p.dtype() == Some(t) && GTensor::ne(p)[2] == 1 && GTensor::ne(p)[1] > 1
+            });
+            assert!(linear.count() > 0, "no {t:?} linear weight");
+            if let Some(u) = unquantized {
+                assert!(kernels(Some(u)) > 0, "no {u:?} convolution kernel");
+            }
+        } else {
+            // The convolution kernels among them.
+            assert!(kernels(Some(t)) > 0, "no {t:?} convolution kernel");
+        }
     }
     let _buf = load_all_to_cpu(&params, &cat).unwrap();
     let refs = io(name);
     let (xr, tr, cr) = (&refs["x"], &refs["timesteps"], &refs["context"]);
     let mut g = GraphCtx::new(8192, 8192, opts).unwrap();
-    // As the Runtime runs `--type bf16`: the attention's products in bf16 too.
+    // As the Runtime runs `--type bf16` (and a quantized type on AMX tiles): the
+    // attention's products in bf16 too.
     g.ctx
-        .set_bf16_attention(opts.host_kernels && weight_type == Some(DType::BF16));
+        .set_bf16_attention(bf16_attention_for(weight_type, opts.host_kernels));
     let x = g.ctx.new_tensor(DType::F32, &ne(&xr.shape)).unwrap();
     let t = g.ctx.new_tensor(DType::F32, &ne(&tr.shape)).unwrap();
     let c = g.ctx.new_tensor(DType::F32, &ne(&cr.shape)).unwrap();
@@ -161,6 +183,28 @@ fn unet_bf16_weights_stay_close() {
         let (got, want, _) = run_typed("unet_sd1", opts, Some(DType::BF16));
         check(
             &format!("unet_sd1 bf16 host {host_kernels}"),
+            &got,
+            &want,
+            2e-2,
+        );
+    }
+}
+
+/// q8_0 weights (`sd --type q8_0`): the linear weights quantized (on AMX tiles, each block
+/// of rows converted to bf16, where the CPU has them), the convolution kernels in bf16 there
+/// (`unquantized_type_for`), else as the file has them; within 8-bit precision of
+/// diffusers' f32 output on the project's CPU kernels and on ggml's.
+#[test]
+fn unet_q8_0_weights_stay_close() {
+    for host_kernels in [true, false] {
+        let opts = ComputeOptions {
+            exact: false,
+            flash_attn: false,
+            host_kernels,
+        };
+        let (got, want, _) = run_typed("unet_sd1", opts, Some(DType::Q8_0));
+        check(
+            &format!("unet_sd1 q8_0 host {host_kernels}"),
             &got,
             &want,
             2e-2,

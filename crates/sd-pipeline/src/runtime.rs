@@ -678,6 +678,14 @@ impl Runtime {
                 .ok_or_else(|| RuntimeError::Unknown(format!("model source {source}")))?;
             let pb = ParamBuilder::new(Some(catalog), sd_models::weights::DEFAULT_PARAM_CAPACITY)?;
             pb.set_weight_type(self.options.weight_type);
+            // Computed on the CPU with its kernels: what a quantized type leaves (the
+            // convolution kernels) in bf16 where the CPU has AMX tiles.
+            let host = self.options.host_kernels
+                && self.devices[self.device_index(component)].backend.is_cpu();
+            pb.set_unquantized_type(sd_models::weights::unquantized_type_for(
+                self.options.weight_type,
+                host,
+            ));
             let model = declare(&pb)?;
             (model, pb.finish())
         };
@@ -870,10 +878,13 @@ impl Runtime {
         if let Some(dims) = &dev.flash_attn_dims {
             g.flash_attn_head_dims = Some(dims.clone());
         }
-        // Weights converted to bf16 (`--type bf16`): the CPU attention kernel runs its
-        // products in bf16 too, where the CPU has bf16 dot products.
+        // Weights converted to bf16 (`--type bf16`), or quantized on a CPU with AMX tiles:
+        // the CPU attention kernel runs its products in bf16 too.
         g.ctx
-            .set_bf16_attention(opts.host_kernels && self.options.weight_type == Some(DType::BF16));
+            .set_bf16_attention(sd_models::weights::bf16_attention_for(
+                self.options.weight_type,
+                opts.host_kernels,
+            ));
         let built = build(&mut g)?;
         let mut graph = Graph::new(&g.ctx, graph_size).map_err(ModelError::from)?;
         built.output.set_output();

@@ -1122,7 +1122,7 @@ fn host_attention_matches_softmax_attention() {
 }
 
 /// bf16 weights on AMX tiles, where the CPU has AMX-BF16 (skipped elsewhere): linear layers
-/// with fewer and with more than 512 output features (the tokens, then the weight as the
+/// (bf16 and q8_0 weights) with fewer and with more than 512 output features (the tokens, then the weight as the
 /// tiles' rows; the latter from 32 tokens on), token counts that are not multiples of 32,
 /// and convolutions (3x3 and 1x1,
 /// 32 and 64 output channels, several images whose pixel counts are not multiples of 32;
@@ -1154,7 +1154,9 @@ fn amx_tiles_agree_with_ggmls_f32_ops_on_bf16_values() {
             );
         }
     };
-    // (the second and fourth: 512 features, from one block of 32 tokens on)
+    // (the second and fourth: 512 features, from one block of 32 tokens on). q8_0 weights
+    // (`sd --type q8_0`) take the same products, each block of rows converted to bf16: the
+    // reference multiplies ggml's dequantized values rounded to bf16.
     for (i, (k, m, cols)) in [
         (64, 96, 515),
         (96, 512, 520),
@@ -1164,16 +1166,22 @@ fn amx_tiles_agree_with_ggmls_f32_ops_on_bf16_values() {
     .into_iter()
     .enumerate()
     {
-        for threads in [1, 3] {
+        for (threads, wt) in [
+            (1, DType::BF16),
+            (3, DType::BF16),
+            (1, DType::Q8_0),
+            (3, DType::Q8_0),
+        ] {
             let ctx = Context::new_descriptors(32, 32, 1).unwrap();
             ctx.set_host_kernels(true);
-            let w = ctx.new_tensor(DType::BF16, &[k, m]).unwrap();
+            let w = ctx.new_tensor(wt, &[k, m]).unwrap();
             let w32 = ctx.new_tensor(DType::F32, &[k, m]).unwrap();
             let b = ctx.new_tensor(DType::F32, &[m]).unwrap();
             let x = ctx.new_tensor(DType::F32, &[k, cols]).unwrap();
             let buf = BufferType::cpu().alloc_context_tensors(&ctx).unwrap();
             let wv = bf(rnd(k * m, 41 + i as u64));
             w.write_f32(&wv).unwrap();
+            let wv = bf(w.read_f32().unwrap());
             w32.write_f32(&wv).unwrap();
             b.write_f32(&rnd(m, 42 + i as u64)).unwrap();
             x.write_f32(&bf(rnd(k * cols, 43 + i as u64))).unwrap();
@@ -1185,7 +1193,7 @@ fn amx_tiles_agree_with_ggmls_f32_ops_on_bf16_values() {
             ];
             let (custom, values) = compute_pairs(&ctx, &outs, threads);
             check(
-                format!("linear {k}->{m} x{cols} threads {threads}"),
+                format!("linear {wt:?} {k}->{m} x{cols} threads {threads}"),
                 custom,
                 2,
                 values,

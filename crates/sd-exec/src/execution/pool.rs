@@ -298,26 +298,10 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
                 return set;
             }
         }
-        // Resident bytes when every segment streams at most `m` (shared weights counted
-        // once per segment: an upper bound).
-        let resident_at = |m: u64| w.iter().map(|b| b.saturating_sub(m)).sum::<u64>();
-        let fits = |m: u64| resident_at(m) + window * m <= usable;
-        let largest = w.iter().copied().max().unwrap_or(0);
-        if !fits(largest) {
+        let Some(lo) = smallest_cap(w, window, usable) else {
             return HashSet::new();
-        }
-        // The smallest cap that fits: `resident_at(m) + w m` is convex in `m` (its slope,
-        // `w` less the segments over `m`, grows with `m`) and fits at `largest`, so below
-        // `largest` it fits from some cap on.
-        let (mut lo, mut hi) = (0u64, largest);
-        while lo < hi {
-            let mid = lo + (hi - lo) / 2;
-            if fits(mid) {
-                hi = mid;
-            } else {
-                lo = mid + 1;
-            }
-        }
+        };
+        let largest = w.iter().copied().max().unwrap_or(0);
         let bytes = |id: &ParamId| p.param_bytes.get(id).copied().unwrap_or(0);
         // Whole tensors overshoot the cap: raise it until the chosen set and its window
         // fit (a sixteenth of the largest segment at a time).
@@ -415,6 +399,42 @@ pub(crate) fn pool_usable(pool: u64) -> u64 {
 /// segments whose weights stay within it can be prefetched `window - 1` ahead.
 pub(crate) fn window_share(pool: u64, window: usize) -> u64 {
     pool_usable(pool) / window.max(1) as u64
+}
+
+/// The smallest cap `m` such that the weights kept when each segment streams at most `m`
+/// of its `weights` (shared weights counted once per segment: an upper bound), plus a
+/// window of `window` segments streaming `m` each, fit `usable` bytes; `None` when no cap
+/// does.
+///
+/// `f(m) = sum(max(w_k - m, 0)) + window m` is convex in `m`: its slope, `window` less the
+/// segments over `m`, grows with `m`. So it is smallest at the `window`-th largest
+/// segment's weights (0 with fewer segments) and falls until there; the smallest fitting
+/// cap is found by bisection below that point. (Testing only the largest segment's weights,
+/// as an earlier version did, misses the caps between: SD1.5 under 0.75 of its weights,
+/// where three of its largest segments overfill the pool, ran with no resident set at all
+/// and streamed 1.59 of its 1.72 GB a step.)
+fn smallest_cap(weights: &[u64], window: u64, usable: u64) -> Option<u64> {
+    let resident_at = |m: u64| weights.iter().map(|b| b.saturating_sub(m)).sum::<u64>();
+    let fits = |m: u64| resident_at(m).saturating_add(window.saturating_mul(m)) <= usable;
+    let mut sorted = weights.to_vec();
+    sorted.sort_unstable_by(|a, b| b.cmp(a));
+    let lowest = sorted
+        .get((window as usize).saturating_sub(1))
+        .copied()
+        .unwrap_or(0);
+    if !fits(lowest) {
+        return None;
+    }
+    let (mut lo, mut hi) = (0u64, lowest);
+    while lo < hi {
+        let mid = lo + (hi - lo) / 2;
+        if fits(mid) {
+            hi = mid;
+        } else {
+            lo = mid + 1;
+        }
+    }
+    Some(lo)
 }
 
 /// Per segment in order, the weights kept so that it streams at most `cap(k)` bytes: its
@@ -529,7 +549,7 @@ pub(crate) fn smallest_fitting_scale(
 
 #[cfg(test)]
 mod tests {
-    use super::{compute_shares, smallest_fitting_scale, window_bytes};
+    use super::{compute_shares, smallest_cap, smallest_fitting_scale, window_bytes};
 
     #[test]
     fn each_segment_streams_in_proportion_to_the_work_before_it() {
@@ -554,5 +574,26 @@ mod tests {
         // Only everything streamed fits 200 (a window of two whole segments).
         assert_eq!(smallest_fitting_scale(&w, &shares, 2, 200), Some(200.0));
         assert_eq!(smallest_fitting_scale(&w, &shares, 2, 199), None);
+    }
+
+    #[test]
+    fn the_smallest_cap_is_found_where_the_largest_segments_overfill_the_window() {
+        // SD1.5's segments under 0.75 of its weights on an H100 (MB), a pool of 785 MB
+        // usable and a window of three: three of the largest (280 + 233 + 197) overfill it,
+        // yet a cap near 152 keeps about 328 MB resident and fits.
+        let w = [99u64, 280, 125, 194, 197, 128, 168, 168, 233, 105, 24];
+        let f = |m: u64| w.iter().map(|b| b.saturating_sub(m)).sum::<u64>() + 3 * m;
+        let m = smallest_cap(&w, 3, 785).unwrap();
+        assert!(f(m) <= 785 && f(m - 1) > 785, "cap {m}");
+        assert!((150..=155).contains(&m), "cap {m}");
+        // Everything resident fits: nothing streams.
+        assert_eq!(smallest_cap(&w, 3, 1721), Some(0));
+        // The bound is smallest at the third largest segment (197 a segment in the window
+        // and 83 + 36 kept) and flat down to the fourth (194): the smallest such cap.
+        assert_eq!(smallest_cap(&w, 3, 3 * 197 + 83 + 36), Some(194));
+        assert_eq!(smallest_cap(&w, 3, 3 * 197 + 83 + 35), None);
+        // Fewer segments than the window: nothing kept, the window holds them all.
+        assert_eq!(smallest_cap(&[10, 20], 3, 30), Some(0));
+        assert_eq!(smallest_cap(&[10, 20], 3, 29), None);
     }
 }

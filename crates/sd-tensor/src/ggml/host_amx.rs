@@ -290,8 +290,104 @@ pub(crate) unsafe fn pack_bf16_columns(
 /// weight): about half of a Sapphire Rapids core's 2 MiB L2.
 const PANEL_BYTES: usize = 1 << 20;
 
-/// Whether the tile products compute a product of this bf16 weight: `k` (the rows'
-/// length) and `m` (its rows) multiples of 32, contiguous rows; AMX present.
+/// Bytes of one q8_0 block (ggml's `block_q8_0`: an f16 scale, then 32 signed bytes).
+const Q8_0_BLOCK_BYTES: usize = 34;
+
+/// The weight of a tile product, read as rows of bf16 values: stored bf16 (used in place), or
+/// q8_0 blocks (ggml's 8-bit weights: `sd --type q8_0`), converted to bf16 a few rows at a
+/// time where they are used (each value `d q` rounded to bf16; the tiles have no int8 product
+/// with per-block scales, and a converted block of rows is reused by every column block of a
+/// panel, so the conversion costs about one part in the panel's columns of the product).
+#[derive(Clone, Copy)]
+pub(crate) enum WeightRows {
+    /// bf16 values, rows contiguous.
+    Bf16(*const u16),
+    /// q8_0 blocks, rows contiguous (`k / 32` blocks a row).
+    Q8_0(*const u8),
+}
+
+impl WeightRows {
+    /// The rows of ggml tensor `w` (bf16 or q8_0, contiguous); `None` for another type.
+    pub(crate) fn of(w: &ggml_sys::ggml_tensor) -> Option<WeightRows> {
+        match w.type_ {
+            ggml_sys::GGML_TYPE_BF16 => Some(WeightRows::Bf16(w.data as *const u16)),
+            ggml_sys::GGML_TYPE_Q8_0 => Some(WeightRows::Q8_0(w.data as *const u8)),
+            _ => None,
+        }
+    }
+
+    /// Rows `r0..r0 + rows` (`k` values each) as bf16: a pointer into the weight, or into
+    /// `buf` (at least `rows * k` values) where they are converted.
+    ///
+    /// # Safety
+    /// The weight holds those rows.
+    pub(crate) unsafe fn rows(
+        &self,
+        r0: usize,
+        rows: usize,
+        k: usize,
+        buf: &mut [u16],
+    ) -> *const u16 {
+        match *self {
+            WeightRows::Bf16(p) => p.add(r0 * k),
+            WeightRows::Q8_0(p) => {
+                let row_bytes = k / BLOCK * Q8_0_BLOCK_BYTES;
+                let src = std::slice::from_raw_parts(p.add(r0 * row_bytes), rows * row_bytes);
+                q8_0_to_bf16(src, &mut buf[..rows * k]);
+                buf.as_ptr()
+            }
+        }
+    }
+}
+
+/// q8_0 blocks (`src`, whole blocks) as bf16 values (`dst`, 32 a block): `d q` rounded to
+/// nearest even, as [`to_bf16_row`] rounds.
+pub(crate) fn q8_0_to_bf16(src: &[u8], dst: &mut [u16]) {
+    // SAFETY: the tile products run only where `available` found AVX-512.
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx512f") {
+        unsafe { q8_0_to_bf16_avx512(src, dst) };
+        return;
+    }
+    for (b, d) in src
+        .chunks_exact(Q8_0_BLOCK_BYTES)
+        .zip(dst.chunks_exact_mut(BLOCK))
+    {
+        let scale = half::f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32();
+        let v: [f32; BLOCK] = std::array::from_fn(|i| scale * f32::from(b[2 + i] as i8));
+        to_bf16_row(&v, d);
+    }
+}
+
+/// [`q8_0_to_bf16`] in AVX-512 registers: 16 values a register (LLVM keeps the portable loop
+/// at SSE width in the README's baseline build).
+#[target_feature(enable = "avx512f")]
+unsafe fn q8_0_to_bf16_avx512(src: &[u8], dst: &mut [u16]) {
+    use std::arch::x86_64::*;
+    let round = _mm512_set1_epi32(0x7fff);
+    let one = _mm512_set1_epi32(1);
+    for (b, d) in src
+        .chunks_exact(Q8_0_BLOCK_BYTES)
+        .zip(dst.chunks_exact_mut(BLOCK))
+    {
+        let scale = _mm512_set1_ps(half::f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32());
+        for h in 0..2 {
+            let q = _mm_loadu_si128(b.as_ptr().add(2 + 16 * h) as *const __m128i);
+            let v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), scale);
+            let u = _mm512_castps_si512(v);
+            let odd = _mm512_and_si512(_mm512_srli_epi32::<16>(u), one);
+            let r = _mm512_srli_epi32::<16>(_mm512_add_epi32(u, _mm512_add_epi32(odd, round)));
+            _mm256_storeu_si256(
+                d.as_mut_ptr().add(16 * h) as *mut __m256i,
+                _mm512_cvtepi32_epi16(r),
+            );
+        }
+    }
+}
+
+/// Whether the tile products compute a product of this bf16 (or q8_0, see [`WeightRows`])
+/// weight: `k` (the rows' length) and `m` (its rows) multiples of 32, contiguous rows; AMX
+/// present.
 pub(crate) fn covers(k: usize, m: usize, weight_bf16_contiguous: bool) -> bool {
     weight_bf16_contiguous
         && k > 0
@@ -301,16 +397,16 @@ pub(crate) fn covers(k: usize, m: usize, weight_bf16_contiguous: bool) -> bool {
         && available()
 }
 
-/// Runs the product of `weight` (`m` rows of `k` bf16 values, contiguous) with the column
+/// Runs the product of `weight` (`m` rows of `k` values, contiguous) with the column
 /// blocks `blocks` (32 columns each; `cols` columns in all), packing each block with
 /// `pack(block, dst)` and handing every finished `32 x 32` result to
 /// `write(row0, col0, ncols, c)` (`c[r * 32 + j]` is row `row0 + r`, column `col0 + j`).
 ///
 /// # Safety
-/// `weight` holds `m * k` bf16 values; [`covers`] accepted `k`, `m`; `pack` fills the
+/// `weight` holds `m` rows of `k` values; [`covers`] accepted `k`, `m`; `pack` fills the
 /// `k / 2 * 32` words it is given.
 unsafe fn product(
-    weight: *const u16,
+    weight: WeightRows,
     k: usize,
     m: usize,
     cols: usize,
@@ -329,6 +425,11 @@ unsafe fn product(
             std::slice::from_raw_parts_mut(scratch.as_mut_ptr() as *mut u32, panel * block_words);
         let mut tiles = Blocks::new();
         let mut c = [0f32; BLOCK * BLOCK];
+        // Converted weight rows (q8_0): one block of 32 at a time.
+        let mut rows = match weight {
+            WeightRows::Bf16(_) => Vec::new(),
+            WeightRows::Q8_0(_) => vec![0u16; BLOCK * k],
+        };
         let mut b0 = blocks.start;
         while b0 < blocks.end {
             let b1 = (b0 + panel).min(blocks.end);
@@ -336,7 +437,7 @@ unsafe fn product(
                 pack(b, &mut packed[i * block_words..(i + 1) * block_words]);
             }
             for row0 in (0..m).step_by(BLOCK) {
-                let a = weight.add(row0 * k) as *const u8;
+                let a = weight.rows(row0, BLOCK, k, &mut rows) as *const u8;
                 for (i, b) in (b0..b1).enumerate() {
                     let bp = packed[i * block_words..].as_ptr() as *const u8;
                     tiles.run(a, k * 2, bp, BLOCK * 4, k / BLOCK, &mut c);
@@ -410,8 +511,11 @@ unsafe fn linear_weight_rows(
     let blocks = super::host_conv::thread_share(n.div_ceil(BLOCK), ith as _, nth as _);
     let (xd, out) = (x.data as *const f32, dst.data as *mut f32);
     let mut row = vec![0u16; k];
+    let Some(weight) = WeightRows::of(w) else {
+        return;
+    };
     product(
-        w.data as *const u16,
+        weight,
         k,
         m,
         n,
@@ -450,8 +554,11 @@ unsafe fn linear_token_rows(
     let n = (x.ne[1] * x.ne[2] * x.ne[3]) as usize;
     let blocks = super::host_conv::thread_share(n.div_ceil(BLOCK), ith as _, nth as _);
     let (xd, out) = (x.data as *const f32, dst.data as *mut f32);
+    let Some(weight) = WeightRows::of(w) else {
+        return;
+    };
     token_rows(
-        w.data as *const u32,
+        weight,
         k,
         m,
         n,
@@ -472,15 +579,15 @@ unsafe fn linear_token_rows(
 }
 
 /// The product `rows x weight^T` with the rows (`n` of them, `k` values each) as the tiles'
-/// `A` and the weight (`m` rows of `k` bf16 values, as `k / 2` words each) as `B`, packed
-/// once a call by each thread. `row(t, dst)` writes row `t` as bf16; `write(t, col0, c)`
+/// `A` and the weight (`m` rows of `k` values, as `k / 2` words of bf16 pairs each) as `B`,
+/// packed (a q8_0 weight converted) once a call by each thread. `row(t, dst)` writes row `t` as bf16; `write(t, col0, c)`
 /// takes the 32 results of row `t`, columns `col0..col0 + 32`. Rows are taken in blocks of
 /// 32 (`blocks`), converted about 512 KiB at a time.
 ///
 /// # Safety
-/// `weight` holds `m * k / 2` words; [`covers`] accepted `k`, `m`.
+/// `weight` holds `m` rows of `k` values; [`covers`] accepted `k`, `m`.
 unsafe fn token_rows(
-    weight: *const u32,
+    weight: WeightRows,
     k: usize,
     m: usize,
     n: usize,
@@ -499,8 +606,15 @@ unsafe fn token_rows(
             std::slice::from_raw_parts_mut(scratch.as_mut_ptr() as *mut u32, wwords + awords);
         let (packed, rows) = scratch.split_at_mut(wwords);
         // B: word p of weight row j (its bf16 values 2p, 2p + 1) at p * m + j.
+        let mut converted = match weight {
+            WeightRows::Bf16(_) => Vec::new(),
+            WeightRows::Q8_0(_) => vec![0u16; k],
+        };
         for j in 0..m {
-            let wr = std::slice::from_raw_parts(weight.add(j * k / 2), k / 2);
+            let wr = std::slice::from_raw_parts(
+                weight.rows(j, 1, k, &mut converted) as *const u32,
+                k / 2,
+            );
             for (p, v) in wr.iter().enumerate() {
                 packed[p * m + j] = *v;
             }
@@ -567,7 +681,7 @@ pub(crate) unsafe extern "C" fn conv_kernel(
         let base = imd.add(img * p * k);
         let out_img = out.add(img * oc * p);
         product(
-            w.data as *const u16,
+            WeightRows::Bf16(w.data as *const u16),
             k,
             oc,
             p,

@@ -79,7 +79,7 @@ pub(crate) fn covers(
         // On AMX tiles: with the weight as the tiles' rows (512+ features) nothing is packed
         // per call but 32 tokens at a time, so a block of 32 tokens is enough.
         #[cfg(target_arch = "x86_64")]
-        Some(DType::BF16) => (
+        Some(DType::BF16 | DType::Q8_0) => (
             super::host_amx::covers(weight_ne[0], weight_ne[1], weight_contiguous),
             if weight_ne[1] >= super::host_amx::TOKEN_ROWS_BELOW {
                 super::host_amx::BLOCK
@@ -174,8 +174,8 @@ pub(crate) unsafe extern "C" fn linear_kernel(
     // SAFETY: the bias holds M f32 values when present.
     let bias = bias.map(|b| unsafe { std::slice::from_raw_parts(b.data as *const f32, m) });
     #[cfg(target_arch = "x86_64")]
-    if w.type_ == sys::GGML_TYPE_BF16 {
-        // SAFETY: `covers` took a bf16 weight only where the tile products cover it.
+    if w.type_ == sys::GGML_TYPE_BF16 || w.type_ == sys::GGML_TYPE_Q8_0 {
+        // SAFETY: `covers` took a bf16 or q8_0 weight only where the tile products cover it.
         unsafe { super::host_amx::linear(d, x, w, bias, ith as usize, nth as usize) };
         return;
     }
