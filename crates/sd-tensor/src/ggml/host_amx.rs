@@ -175,6 +175,44 @@ impl Blocks {
 }
 
 impl Blocks {
+    /// The top half of [`run_to`](Self::run_to): a `16 x 32` block of `C = A B` from 16 rows
+    /// of `A`, on two accumulators (a product whose rows end 16 into a block of 32: the
+    /// attention's value widths of 40 and 80 take 48 and 80 rows instead of 64 and 96).
+    ///
+    /// # Safety
+    /// As [`run_to`](Self::run_to), for 16 rows of `a` and 16 rows of `c`.
+    #[inline]
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) unsafe fn run_half_to(
+        &mut self,
+        a: *const u8,
+        lda: usize,
+        b: *const u8,
+        ldb: usize,
+        kb: usize,
+        c: *mut f32,
+        ldc: usize,
+    ) {
+        asm!(
+            "tilezero tmm4",
+            "tilezero tmm6",
+            options(nostack, nomem, preserves_flags)
+        );
+        for i in 0..kb {
+            let (ai, bi) = (a.add(64 * i), b.add(16 * i * ldb));
+            tile_load!("2", ai, lda);
+            tile_load!("0", bi, ldb);
+            tile_load!("1", bi.add(64), ldb);
+            tile_dot!("4", "2", "0");
+            tile_dot!("6", "2", "1");
+        }
+        let p = c as *mut u8;
+        tile_store!("4", p, ldc);
+        tile_store!("6", p.add(64), ldc);
+    }
+}
+
+impl Blocks {
     /// Zeroes the four accumulators (the start of a block summed over several operand pairs
     /// with [`step`](Self::step)).
     #[inline]
@@ -397,24 +435,26 @@ pub(crate) fn covers(k: usize, m: usize, weight_bf16_contiguous: bool) -> bool {
         && available()
 }
 
-/// Runs the product of `weight` (`m` rows of `k` values, contiguous) with the column
-/// blocks `blocks` (32 columns each; `cols` columns in all), packing each block with
-/// `pack(block, dst)` and handing every finished `32 x 32` result to
-/// `write(row0, col0, ncols, c)` (`c[r * 32 + j]` is row `row0 + r`, column `col0 + j`).
+/// Runs the product of rows `rows_of_a` of `weight` (rows of `k` values, contiguous; the
+/// range in whole blocks of 32) with the column blocks `blocks` (32 columns each; `cols`
+/// columns in all), packing each block with `pack(block, dst)` and handing every finished
+/// `32 x 32` result to `write(row0, col0, ncols, c)` (`c[r * 32 + j]` is row `row0 + r`,
+/// column `col0 + j`).
 ///
 /// # Safety
-/// `weight` holds `m` rows of `k` values; [`covers`] accepted `k`, `m`; `pack` fills the
-/// `k / 2 * 32` words it is given.
+/// `weight` holds the rows `rows_of_a` of `k` values; [`covers`] accepted `k` and the rows;
+/// `pack` fills the `k / 2 * 32` words it is given.
+#[allow(clippy::too_many_arguments)]
 unsafe fn product(
     weight: WeightRows,
     k: usize,
-    m: usize,
+    rows_of_a: std::ops::Range<usize>,
     cols: usize,
     blocks: std::ops::Range<usize>,
     mut pack: impl FnMut(usize, &mut [u32]),
     mut write: impl FnMut(usize, usize, usize, &[f32; BLOCK * BLOCK]),
 ) {
-    if blocks.is_empty() {
+    if blocks.is_empty() || rows_of_a.is_empty() {
         return;
     }
     let block_words = k / 2 * BLOCK;
@@ -436,7 +476,7 @@ unsafe fn product(
             for (i, b) in (b0..b1).enumerate() {
                 pack(b, &mut packed[i * block_words..(i + 1) * block_words]);
             }
-            for row0 in (0..m).step_by(BLOCK) {
+            for row0 in rows_of_a.clone().step_by(BLOCK) {
                 let a = weight.rows(row0, BLOCK, k, &mut rows) as *const u8;
                 for (i, b) in (b0..b1).enumerate() {
                     let bp = packed[i * block_words..].as_ptr() as *const u8;
@@ -508,16 +548,29 @@ unsafe fn linear_weight_rows(
 ) {
     let (k, m) = (w.ne[0] as usize, w.ne[1] as usize);
     let n = (x.ne[1] * x.ne[2] * x.ne[3]) as usize;
-    let blocks = super::host_conv::thread_share(n.div_ceil(BLOCK), ith as _, nth as _);
-    let (xd, out) = (x.data as *const f32, dst.data as *mut f32);
-    let mut row = vec![0u16; k];
     let Some(weight) = WeightRows::of(w) else {
         return;
     };
+    let share = |items: usize| super::host_conv::thread_share(items, ith as _, nth as _);
+    // Threads take shares of the tokens, each running every weight row; a q8_0 weight over
+    // fewer tokens than features (the 16x16 and 8x8 levels' layers: 128 to 512 tokens of
+    // 1280 features) is converted where its rows are used, so there they take shares of the
+    // rows instead (each thread packing every token, fewer values than the rows it would
+    // convert again).
+    let col_blocks = n.div_ceil(BLOCK);
+    let by_rows = matches!(weight, WeightRows::Q8_0(_)) && n < m && nth > 1;
+    let (rows_of_a, blocks) = if by_rows {
+        let r = share(m / BLOCK);
+        (r.start * BLOCK..r.end * BLOCK, 0..col_blocks)
+    } else {
+        (0..m, share(col_blocks))
+    };
+    let (xd, out) = (x.data as *const f32, dst.data as *mut f32);
+    let mut row = vec![0u16; k];
     product(
         weight,
         k,
-        m,
+        rows_of_a,
         n,
         blocks,
         |b, dst| {
@@ -683,7 +736,7 @@ pub(crate) unsafe extern "C" fn conv_kernel(
         product(
             WeightRows::Bf16(w.data as *const u16),
             k,
-            oc,
+            0..oc,
             p,
             i0 - img * per_image..i1 - img * per_image,
             |b, dst| {
