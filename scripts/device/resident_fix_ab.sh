@@ -3,12 +3,13 @@
 # sd-bench of this checkout (stage/sd-bench.xz: the smallest cap below the window-th
 # largest segment) against the one before the fix (stage/sd-bench-old.xz: no resident set
 # whenever a window of the largest segment overfills the pool), interleaved, and the new
-# one with `--stream-window 2` and with `--pool-sized-segments on`. MODELS [sd15 sdxl];
+# one with `--stream-window 2`, with `--pool-sized-segments on` and with both. MODELS [sd15 sdxl];
 # SD1.5 at SD15_BUDGETS [0.75 0.5] of its weights, ROUNDS [2]; SDXL at XL_BUDGETS [0.5
 # 0.75], XL_ROUNDS [1]; pinned params, reserve 0; the resident step beside them. Runs start
 # only until DEADLINE [540] s after the call began. JSON lines in $OUT/results.jsonl. Run
 # from the checkout root with stage/ as for streaming_sweep.sh (stage/mod/ carrying the
-# module saved by an earlier call).
+# module saved by an earlier call). VARIANTS [new old window2 poolsized poolsized-window2]
+# picks the runs of each budget and round.
 CALL_T0=$(date +%s)
 source scripts/device/stage_module.sh 2>&1 | tail -3
 source scripts/device/stage_module.sh >/dev/null 2>&1
@@ -29,10 +30,15 @@ for m in ${MODELS-sd15 sdxl}; do
   for r in $(seq $rounds); do
     for f in $budgets; do
       late $m-$f && break 2
-      B=$NEW ab_one $m-$f-new-r$r "${W[@]}" --max-vram $f
-      B=$OLD ab_one $m-$f-old-r$r "${W[@]}" --max-vram $f
-      B=$NEW ab_one $m-$f-new-window2-r$r "${W[@]}" --max-vram $f --stream-window 2
-      B=$NEW ab_one $m-$f-new-poolsized-r$r "${W[@]}" --max-vram $f --pool-sized-segments on
+      for v in ${VARIANTS-new old window2 poolsized poolsized-window2}; do
+        case $v in
+          new) B=$NEW ab_one $m-$f-new-r$r "${W[@]}" --max-vram $f ;;
+          old) B=$OLD ab_one $m-$f-old-r$r "${W[@]}" --max-vram $f ;;
+          window2) B=$NEW ab_one $m-$f-new-window2-r$r "${W[@]}" --max-vram $f --stream-window 2 ;;
+          poolsized) B=$NEW ab_one $m-$f-new-poolsized-r$r "${W[@]}" --max-vram $f --pool-sized-segments on ;;
+          poolsized-window2) B=$NEW ab_one $m-$f-new-poolsized-window2-r$r "${W[@]}" --max-vram $f --pool-sized-segments on --stream-window 2 ;;
+        esac
+      done
     done
   done
   rm -rf /tmp/w-$m

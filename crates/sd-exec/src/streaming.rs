@@ -20,9 +20,13 @@ pub struct StreamingOptions {
     /// Whether automatic segmentation, merging cut groups under a limit with a staging
     /// pool, also keeps each merged segment's weights within a quarter of the room for
     /// weights, so that the resident set's streaming window fits (smaller segments, more of
-    /// them). Default: off: on an H100 it streamed 0.05-0.1 GB a step less for SD1.5 at
-    /// 0.75 and 0.5 of the weights but took as long or longer (more segments, more host
-    /// work each), and left SDXL's segments as they were (`sd-bench --pool-sized-segments`).
+    /// them). Default: on: on an H100 (`sd-bench unet --pool-sized-segments on|off`, three
+    /// interleaved rounds, seventeenth session) SD1.5 at 0.75 of its weights 60.3-61.1 ms
+    /// a step against 62.3-67.5 (13 segments instead of 11, 1.25 GB streamed instead of
+    /// 1.36), at 0.5 70.5-72.9 against 72.6-73.9; SD1.5 at 0.25 and SDXL at 0.5 plan the
+    /// same segments either way. (An earlier measurement found no gain; it ran with a
+    /// resident set that kept nothing whenever three of the largest segments overfilled
+    /// the pool.)
     pub pool_sized_segments: bool,
     /// Whether automatic segmentation may run consecutive cut groups as one segment while
     /// a segment stays within a third of the budget (fewer, larger segments: less
@@ -132,7 +136,7 @@ impl Default for StreamingOptions {
         StreamingOptions {
             prefetch_depth: usize::MAX,
             resident_set: true,
-            pool_sized_segments: false,
+            pool_sized_segments: true,
             merge_segments: true,
             staging_pool: true,
             refine_for_pool: true,

@@ -2007,7 +2007,9 @@ fn segment_graphs_are_kept_from_step_to_step() {
 /// Stable placement (`ModelManager::set_stable_placement`, `StreamingOptions::stable_cuts`):
 /// streamed through a staging pool at a quarter and a half of its weights, a UNet's weights
 /// go back to the pool offsets and its cuts to the cut-cache buffers they had the step
-/// before, so that from the third step on every segment's kept graph runs with every node
+/// before, so that from the fourth step on (with pool-sized segments at half the weights the
+/// resident set settles a step after the plan's first re-plan: 53.6 instead of 55.9 kB
+/// streamed from the third step) every segment's kept graph runs with every node
 /// and source where it was the step before (what ggml's CUDA backend needs to replay its
 /// captured CUDA graph) and nothing is allocated on the device inside a step; every output
 /// is the whole graph's bits, within the budget. Off, cuts move from step to step.
@@ -2062,7 +2064,7 @@ fn stable_placement_keeps_segment_graphs_at_their_addresses() {
             assert!(unmoved <= out.segments.iter().filter(|s| s.graph_reused).count());
             if i == 0 {
                 assert_eq!(unmoved, 0, "{tag}");
-            } else if stable && i >= 2 {
+            } else if stable && i >= 3 {
                 assert_eq!(unmoved, n, "{tag}");
                 assert_eq!(allocations, 0, "{tag}: device allocations inside a step");
             }

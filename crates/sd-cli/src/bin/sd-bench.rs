@@ -320,7 +320,7 @@ struct UnetArgs {
     compute_aware_residency: OnOff,
     /// Merged segments' weights within a quarter of the pool's room (see
     /// `StreamingOptions::pool_sized_segments`)
-    #[arg(long = "pool-sized-segments", value_enum, default_value = "off")]
+    #[arg(long = "pool-sized-segments", value_enum, default_value = "on")]
     pool_sized_segments: OnOff,
     /// How many segments' weights the staging pool is to hold at once (the one computing
     /// and those prefetched behind it; see `StreamingOptions::stream_window`)
