@@ -376,8 +376,16 @@ impl BasicTransformerBlock {
             .mark_fine(&x, LEVEL_SUBLAYER, &format!("{label}.attn2"))?;
         let ctx = &g.ctx;
         let n = self.norm3.forward(ctx, &x)?;
-        // GEGLU: value * gelu(gate), value the first half of the projection.
+        // GEGLU: value * gelu(gate), value the first half of the projection (one op on
+        // the CPU kernels).
         let p = self.ff_proj.forward(ctx, &n)?;
+        if let Some(y) = ctx.geglu_host(&p)? {
+            let f = self.ff_out.forward(ctx, &y)?;
+            let out = ctx.add(&x, &f)?;
+            g.marks
+                .mark_fine(&out, LEVEL_SUBLAYER, &format!("{label}.ff"))?;
+            return Ok(out);
+        }
         let [two_inner, tokens, b, _] = p.ne();
         let inner = two_inner / 2;
         let esz = DType::F32.type_size();

@@ -867,6 +867,64 @@ fn host_linear_agrees_with_ggmls_f32_product() {
     }
 }
 
+/// `geglu_host` (one custom op) agrees with ggml's GEGLU (the row halves copied out, the
+/// exact erf GELU of the gate, the product) to 1e-6 of the values' scale: rows read in place
+/// from a projection with contiguous rows and from a view with wider row strides, values
+/// large enough to reach both tails of the GELU, 1 and 3 threads; without host kernels, or
+/// an odd row, it is `None`.
+#[test]
+fn host_geglu_agrees_with_ggmls_gelu_erf_and_mul() {
+    for threads in [1, 3] {
+        let ctx = Context::new_descriptors(64, 64, 1).unwrap();
+        ctx.set_host_kernels(true);
+        let (inner, tokens, b) = (40, 37, 2);
+        let p = ctx.new_tensor(DType::F32, &[2 * inner, tokens, b]).unwrap();
+        // A wider tensor whose rows hold the projection's values then padding.
+        let wide = ctx
+            .new_tensor(DType::F32, &[2 * inner + 6, tokens, b])
+            .unwrap();
+        let odd = ctx.new_tensor(DType::F32, &[7, 3]).unwrap();
+        let buf = BufferType::cpu().alloc_context_tensors(&ctx).unwrap();
+        let v: Vec<f32> = rnd(p.nelements(), 61).iter().map(|x| 6.0 * x).collect();
+        p.write_f32(&v).unwrap();
+        wide.write_f32(&rnd(wide.nelements(), 62)).unwrap();
+        let nb = wide.nb();
+        let view = ctx
+            .view(&wide, [2 * inner, tokens, b, 1], [nb[1], nb[2], nb[3]], 0)
+            .unwrap();
+        let reference = |t: &GTensor| {
+            let nb = t.nb();
+            let half = |off: usize| {
+                ctx.cont(
+                    &ctx.view(t, [inner, tokens, b, 1], [nb[1], nb[2], nb[3]], off)
+                        .unwrap(),
+                )
+                .unwrap()
+            };
+            let (value, gate) = (half(0), half(inner * 4));
+            ctx.mul(&value, &ctx.gelu_erf(&gate).unwrap()).unwrap()
+        };
+        let outs = vec![
+            (reference(&p), ctx.geglu_host(&p).unwrap().unwrap()),
+            (reference(&view), ctx.geglu_host(&view).unwrap().unwrap()),
+        ];
+        assert!(ctx.geglu_host(&odd).unwrap().is_none());
+        let (custom, values) = compute_pairs(&ctx, &outs, threads);
+        assert_eq!(custom, 2);
+        for (i, (a, g)) in values.into_iter().enumerate() {
+            let scale = a.iter().fold(1f32, |m, v| m.max(v.abs()));
+            assert!(
+                max_abs(&a, &g) <= 1e-6 * scale,
+                "case {i}, {threads} threads: max diff {} (scale {scale})",
+                max_abs(&a, &g)
+            );
+        }
+        ctx.set_host_kernels(false);
+        assert!(ctx.geglu_host(&p).unwrap().is_none());
+        drop(buf);
+    }
+}
+
 /// `channel_affine` on the crate's CPU kernel gives the bits of ggml's broadcast `mul` then
 /// `add`, for per-channel and per-sample scales and shifts, either alone, 1 and 3 threads;
 /// a shape that fits neither is an error.

@@ -748,7 +748,7 @@ fn exp_nonpositive_avx512(x: std::arch::x86_64::__m512) -> std::arch::x86_64::__
 /// degree-6 minimax polynomial of the Cephes library's `expf`, times `2^n` built in the
 /// exponent bits. Below `-87.3` (where `e^x` leaves the normal floats) the result is 0.
 #[inline(always)]
-fn exp_nonpositive(input: f32) -> f32 {
+pub(crate) fn exp_nonpositive(input: f32) -> f32 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
     // ln 2 split in two so that n * LN2_HI is exact.
     const LN2_HI: f32 = 0.693_359_4;

@@ -35,6 +35,10 @@ pub enum Precision {
 /// graph's work find it by this name; its sources are q, k and v).
 pub const ATTENTION_HOST_NAME: &str = "attention_host";
 
+/// The name of the node [`Context::geglu_host`] makes (a `CUSTOM` op; its source is the
+/// projection `[2 I, ...]`).
+pub const GEGLU_HOST_NAME: &str = "geglu_host";
+
 /// The name of the node [`Context::linear`] makes on the CPU kernel (a `CUSTOM` op; its
 /// sources are the input `[K, ...]` and the weight `[K, M]`).
 pub const LINEAR_HOST_NAME: &str = "linear_host";
@@ -580,6 +584,46 @@ impl Context {
         })
         .map(|t| {
             t.set_name(ATTENTION_HOST_NAME);
+            Some(t)
+        })
+    }
+
+    /// The gated GELU of a feed-forward layer on this crate's CPU kernel (a ggml custom op,
+    /// see `host_geglu.rs`; only the CPU backend runs it): `p` `[2 I, N1, N2, N3]` f32 with
+    /// contiguous rows gives `[I, N1, N2, N3]`, each row's first `I` values times the exact
+    /// (erf) GELU of its last `I` ([`GEGLU_HOST_NAME`]). `None` without
+    /// [`Context::set_host_kernels`] or when `p` is not of that form (the caller uses
+    /// ggml's ops).
+    pub fn geglu_host(&self, p: &GTensor) -> Result<Option<GTensor>> {
+        let (ne, nb) = (p.ne(), p.nb());
+        let fits = self.host_kernels()
+            && p.dtype() == Some(DType::F32)
+            && nb[0] == 4
+            && ne[0] > 0
+            && ne[0].is_multiple_of(2)
+            && nb[1..].iter().all(|b| b.is_multiple_of(4));
+        if !fits {
+            return Ok(None);
+        }
+        // SAFETY: shape, type and strides checked; one tensor.
+        self.op("geglu_host", 1, |c| unsafe {
+            let mut args = [p.raw()];
+            sys::ggml_custom_4d(
+                c,
+                sys::GGML_TYPE_F32,
+                ne[0] as i64 / 2,
+                ne[1] as i64,
+                ne[2] as i64,
+                ne[3] as i64,
+                args.as_mut_ptr(),
+                1,
+                Some(super::host_geglu::geglu_kernel),
+                sys::GGML_N_TASKS_MAX,
+                std::ptr::null_mut(),
+            )
+        })
+        .map(|t| {
+            t.set_name(GEGLU_HOST_NAME);
             Some(t)
         })
     }
