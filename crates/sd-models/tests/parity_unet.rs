@@ -172,22 +172,28 @@ fn unet_fast_numerics_stay_close() {
 /// against bf16 or f32 columns only; an f16 im2col aborted), and so do the attention's
 /// where the CPU has AVX512-BF16; on f32 columns with ggml's im2col and attention; both
 /// stay within bf16's precision of diffusers' f32 output.
-#[test]
-fn unet_bf16_weights_stay_close() {
+/// The tiny SD1 UNet with `weights` (`sd --type`), on the project's CPU kernels and on
+/// ggml's, within 2e-2 of diffusers' f32 output.
+fn typed_weights_stay_close(weights: DType) {
     for host_kernels in [true, false] {
         let opts = ComputeOptions {
             exact: false,
             flash_attn: false,
             host_kernels,
         };
-        let (got, want, _) = run_typed("unet_sd1", opts, Some(DType::BF16));
+        let (got, want, _) = run_typed("unet_sd1", opts, Some(weights));
         check(
-            &format!("unet_sd1 bf16 host {host_kernels}"),
+            &format!("unet_sd1 {weights:?} host {host_kernels}"),
             &got,
             &want,
             2e-2,
         );
     }
+}
+
+#[test]
+fn unet_bf16_weights_stay_close() {
+    typed_weights_stay_close(DType::BF16);
 }
 
 /// q8_0 weights (`sd --type q8_0`): the linear weights quantized (on AMX tiles, each block
@@ -196,20 +202,7 @@ fn unet_bf16_weights_stay_close() {
 /// diffusers' f32 output on the project's CPU kernels and on ggml's.
 #[test]
 fn unet_q8_0_weights_stay_close() {
-    for host_kernels in [true, false] {
-        let opts = ComputeOptions {
-            exact: false,
-            flash_attn: false,
-            host_kernels,
-        };
-        let (got, want, _) = run_typed("unet_sd1", opts, Some(DType::Q8_0));
-        check(
-            &format!("unet_sd1 q8_0 host {host_kernels}"),
-            &got,
-            &want,
-            2e-2,
-        );
-    }
+    typed_weights_stay_close(DType::Q8_0);
 }
 
 #[test]

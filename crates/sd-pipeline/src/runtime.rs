@@ -670,6 +670,7 @@ impl Runtime {
         source: SourceId,
         declare: impl FnOnce(&ParamBuilder<'_>) -> std::result::Result<T, ModelError>,
     ) -> Result<(ModelHandle, T)> {
+        let device = self.device_index(component);
         let (model, params) = {
             let catalog = self
                 .engine
@@ -680,8 +681,7 @@ impl Runtime {
             pb.set_weight_type(self.options.weight_type);
             // Computed on the CPU with its kernels: what a quantized type leaves (the
             // convolution kernels) in bf16 where the CPU has AMX tiles.
-            let host = self.options.host_kernels
-                && self.devices[self.device_index(component)].backend.is_cpu();
+            let host = self.options.host_kernels && self.devices[device].backend.is_cpu();
             pb.set_unquantized_type(sd_models::weights::unquantized_type_for(
                 self.options.weight_type,
                 host,
@@ -698,7 +698,6 @@ impl Runtime {
             ParamsLocation::Disk => ResidencyMode::Disk,
             _ => ResidencyMode::ParamBackend,
         };
-        let device = self.device_index(component);
         let dev = &self.devices[device];
         let (backend, backend_id, budget) = (dev.backend.clone(), dev.id, dev.budget);
         let split = component == Component::Diffusion && device == 0 && !self.split.is_empty();
