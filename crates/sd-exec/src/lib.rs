@@ -35,5 +35,7 @@ pub use limit::device_limit;
 pub use reserve::{measure_runtime_reserve, RuntimeReserve};
 pub use session::{ExecutionSession, SegmentationPolicy, SessionConfig, SessionId, SplitDevice};
 pub use streaming::StreamingOptions;
-pub use task::{ComputeResult, ComputeTask, ExecTiming, PlanSummary, SegmentPlan, SegmentReport};
+pub use task::{
+    ComputeResult, ComputeTask, ExecTiming, PlanSummary, SegmentPlan, SegmentReport, SegmentTimes,
+};
 pub use workspace::ComputeWorkspace;

@@ -253,6 +253,9 @@ pub struct ExecutionSession {
     pub(crate) started: bool,
     pub(crate) last_reports: Vec<SegmentReport>,
     pub(crate) executions: u64,
+    /// With [`StreamingOptions::timeline`](crate::StreamingOptions::timeline): the thread
+    /// that notes when queued segments finish (started on first use).
+    pub(crate) watcher: Option<crate::execution::watcher::DoneWatcher>,
 }
 
 impl fmt::Debug for ExecutionSession {
@@ -292,6 +295,7 @@ impl ExecutionSession {
             started: false,
             last_reports: Vec::new(),
             executions: 0,
+            watcher: None,
             config,
         }
     }

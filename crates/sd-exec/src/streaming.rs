@@ -128,6 +128,11 @@ pub struct StreamingOptions {
     /// (`scripts/device/aware_ab.sh`, docs/benchmarks.md) SD1.5 at 0.75 / 0.25 of its weights
     /// and SDXL at 0.5 / 0.25 took as long, SD1.5 at 0.5 4% longer.
     pub compute_aware_residency: bool,
+    /// Whether each segment's report carries when the device finished it
+    /// ([`SegmentTimes::done`](crate::SegmentTimes::done)) for segments queued without
+    /// waiting: a thread of the session waits on their events in turn. For timelines of a
+    /// step (`sd-bench unet --timeline on`); default off.
+    pub timeline: bool,
 }
 
 impl Default for StreamingOptions {
@@ -148,6 +153,7 @@ impl Default for StreamingOptions {
             next_pass_prefetch: true,
             stable_cuts: false,
             compute_aware_residency: false,
+            timeline: false,
         }
     }
 }

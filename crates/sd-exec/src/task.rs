@@ -129,6 +129,25 @@ pub struct SegmentReport {
     /// (part of [`ExecTiming::wait`]; zero for weights on a copy stream, which the device
     /// waits for in its queue).
     pub prefetch_wait: std::time::Duration,
+    /// When its work happened.
+    pub times: SegmentTimes,
+}
+
+/// When one segment's work happened, on the calling thread and on its device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SegmentTimes {
+    /// Its preparation began (room, weights, graph).
+    pub prepared: std::time::Instant,
+    /// How long its synchronous staging took (weights not prefetched).
+    pub staging: std::time::Duration,
+    /// Its graph was handed to the backend.
+    pub launched: std::time::Instant,
+    /// The backend returned: the segment is queued, or done when computed synchronously.
+    pub returned: std::time::Instant,
+    /// When the device finished it: `returned` when computed synchronously; for a segment
+    /// queued without waiting, seen by the session's watcher with
+    /// [`StreamingOptions::timeline`](crate::StreamingOptions::timeline) on, else `None`.
+    pub done: Option<std::time::Instant>,
 }
 
 impl SegmentReport {

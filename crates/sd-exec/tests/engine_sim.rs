@@ -2133,3 +2133,86 @@ fn compute_aware_residency_keeps_the_budget_and_the_bits() {
         r.engine.end(id).unwrap();
     }
 }
+
+/// `StreamingOptions::timeline` and the manager's upload log, under a budget of about half
+/// the weights with segments queued without waiting: every segment's report says when it
+/// was prepared, launched, returned and done on the device, in that order, the devices'
+/// ends in segment order; the transfer threads' jobs say when they were queued, started
+/// and finished, and copied no more than the manager counted. Off, queued segments have
+/// no device end. The output stays the whole graph's.
+#[test]
+fn a_step_timeline_orders_each_segments_work() {
+    let (whole, _) = run("TL_REF", unet, None, SegmentationPolicy::Never, false);
+    let (seg, _) = run("TL_PROBE", unet, None, SegmentationPolicy::Always, false);
+    let weights = weight_bytes(&rig("TL_W", false), "unet.");
+    let footprint = seg.segments.iter().map(|s| s.footprint()).max().unwrap();
+    let budget = weights / 2 + footprint + 8192;
+    for timeline in [true, false] {
+        let tag = format!("timeline {timeline}");
+        let mut r = rig_with(
+            &format!("TL_{timeline}"),
+            true,
+            SimOptions {
+                async_transfers: true,
+                ..SimOptions::default()
+            },
+        );
+        r.engine.manager_mut().set_upload_log(timeline);
+        let id = r.engine.create_session(
+            SessionConfig::new("test", r.backend.clone(), r.gpu)
+                .with_budget(Some(budget))
+                .with_prefetch(true)
+                .with_streaming(StreamingOptions {
+                    timeline,
+                    ..StreamingOptions::default()
+                }),
+        );
+        r.engine.start(id).unwrap();
+        for step in 0..3 {
+            let uploaded = r.engine.manager().upload_bytes();
+            let out = r.engine.execute(id, &unet(&r.w)).unwrap();
+            let uploaded = r.engine.manager().upload_bytes() - uploaded;
+            let tag = format!("{tag} step {step}");
+            assert!(out.segmented, "{tag}: not segmented");
+            assert_eq!(out.output, whole.output, "{tag}: differs from whole");
+            let queued = out.segments.iter().filter(|s| s.queued_behind > 0).count();
+            assert!(queued > 0, "{tag}: nothing queued behind a segment");
+            let mut last_done = None;
+            for s in &out.segments {
+                let t = s.times;
+                assert!(t.prepared <= t.launched, "{tag}: segment {}", s.index);
+                assert!(t.launched <= t.returned, "{tag}: segment {}", s.index);
+                match t.done {
+                    Some(done) => {
+                        assert!(t.returned <= done, "{tag}: segment {}", s.index);
+                        assert!(last_done <= Some(done), "{tag}: segment {}", s.index);
+                        last_done = Some(done);
+                    }
+                    None => assert!(!timeline, "{tag}: segment {} not seen done", s.index),
+                }
+            }
+            if !timeline {
+                assert!(
+                    out.segments.iter().any(|s| s.times.done.is_none()),
+                    "{tag}: a queued segment's end is known without the watcher"
+                );
+            }
+            let spans = r.engine.manager_mut().take_upload_spans();
+            let copied: u64 = spans.iter().map(|u| u.bytes).sum();
+            assert!(
+                copied <= uploaded,
+                "{tag}: {copied} logged, {uploaded} counted"
+            );
+            if timeline && step > 0 {
+                assert!(!spans.is_empty(), "{tag}: no transfer job logged");
+            }
+            for u in &spans {
+                assert!(
+                    u.queued <= u.started && u.started <= u.finished,
+                    "{tag}: {u:?}"
+                );
+            }
+        }
+        r.engine.end(id).unwrap();
+    }
+}

@@ -11,7 +11,7 @@ pub mod residency;
 
 pub use manager::{
     Component, LoraSpec, ModelManager, ParamInfo, ParamSpec, ResidencyMode, UploadOptions,
-    MAX_RESIDENCY_BLOCK_BYTES,
+    UploadSpan, MAX_RESIDENCY_BLOCK_BYTES,
 };
 pub use residency::{
     BackendId, BackendMemoryRequest, BlockId, DeviceResidencyManager, OwnerId, ParamId,

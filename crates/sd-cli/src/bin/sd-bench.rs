@@ -343,6 +343,11 @@ struct UnetArgs {
     /// a spare quota per size (see `StreamingOptions::stable_cuts`)
     #[arg(long = "stable-cuts", value_enum, default_value = "off")]
     stable_cuts: OnOff,
+    /// Report the last step's timeline: per segment when it was prepared, launched and
+    /// done on the device, and when each transfer thread job copied (see
+    /// `StreamingOptions::timeline`, `ModelManager::set_upload_log`)
+    #[arg(long = "timeline", value_enum, default_value = "off")]
+    timeline: OnOff,
     /// Convert the linear weights when loading (q8_0, q4_K, f16...; default: the file's)
     #[arg(long = "type", value_name = "TYPE")]
     weight_type: Option<String>,
@@ -1183,6 +1188,7 @@ fn cmd_unet(a: &UnetArgs) -> Result<()> {
         evict_in_flight: a.evict_in_flight == OnOff::On,
         next_pass_prefetch: a.next_pass_prefetch == OnOff::On,
         stable_cuts: a.stable_cuts == OnOff::On,
+        timeline: a.timeline == OnOff::On,
         ..StreamingOptions::default()
     };
     let options = RigOptions {
@@ -1226,12 +1232,26 @@ fn cmd_unet(a: &UnetArgs) -> Result<()> {
     let mut times = Vec::with_capacity(steps);
     let mut last = first.clone();
     let mut unmoved = 0usize;
+    let timeline = a.timeline == OnOff::On;
+    if timeline {
+        rig.rt.engine_mut().manager_mut().set_upload_log(true);
+    }
+    // The last two steps' transfer thread jobs (the first segments' weights of a step are
+    // copied during the step before it).
+    let (mut prev_spans, mut last_spans) = (Vec::new(), Vec::new());
+    let mut last_t0 = Instant::now();
     for _ in 0..steps {
         let t0 = Instant::now();
         last = rig.step(&inputs)?;
         times.push(t0.elapsed().as_secs_f64());
         unmoved += last.segments.iter().filter(|s| s.graph_unmoved).count();
+        last_t0 = t0;
+        prev_spans = std::mem::replace(
+            &mut last_spans,
+            rig.rt.engine_mut().manager_mut().take_upload_spans(),
+        );
     }
+    let last_end = last_t0 + Duration::from_secs_f64(times.last().copied().unwrap_or(0.0));
     let uploaded = rig.rt.engine().manager().upload_bytes() - up0;
     // The simulated device's buffer allocations and frees per timed step.
     let sim_churn = rig.rt.sim_device().zip(sim0).map(|(s, s0)| {
@@ -1371,6 +1391,38 @@ fn cmd_unet(a: &UnetArgs) -> Result<()> {
             "staging_pool_bytes": staging_pool_bytes,
             // The last step per segment: [index, weight MB, prefetched, ms the host waited
             // for its prefetched weights, segments queued ahead of it].
+            // With --timeline on, ms from the last step's start: per segment [index, weight
+            // MB, prepared, staging ms, launched, returned, done on the device (null: not
+            // seen)], the step's end, and the transfer thread jobs of the last two steps
+            // [MB, queued, started, finished].
+            "last_step_timeline": timeline.then(|| {
+                let rel = |t: Instant| {
+                    let ms = if t >= last_t0 {
+                        ms(t - last_t0)
+                    } else {
+                        -ms(last_t0 - t)
+                    };
+                    (ms * 1e3).round() / 1e3
+                };
+                json!({
+                    "end": rel(last_end),
+                    "segments": last.segments.iter().map(|s| json!([
+                        s.index,
+                        (s.weight_bytes as f64 / 1e6 * 10.0).round() / 10.0,
+                        rel(s.times.prepared),
+                        (ms(s.times.staging) * 1e3).round() / 1e3,
+                        rel(s.times.launched),
+                        rel(s.times.returned),
+                        s.times.done.map(rel),
+                    ])).collect::<Vec<_>>(),
+                    "uploads": prev_spans.iter().chain(&last_spans).map(|u| json!([
+                        (u.bytes as f64 / 1e6 * 10.0).round() / 10.0,
+                        rel(u.queued),
+                        rel(u.started),
+                        rel(u.finished),
+                    ])).collect::<Vec<_>>(),
+                })
+            }),
             "last_step_segments": last.segments.iter().map(|s| json!([
                 s.index,
                 (s.weight_bytes as f64 / 1e6 * 10.0).round() / 10.0,

@@ -55,11 +55,12 @@ use crate::eviction::{
     ensure_capacity, fits_as_is, CapacityAsk, EvictionOrder, ReclaimEvent, SegmentUses,
 };
 use crate::session::{ExecutionSession, SegmentationPolicy, SessionConfig, SessionId};
-use crate::task::{ComputeResult, ComputeTask, ExecTiming, SegmentReport};
+use crate::task::{ComputeResult, ComputeTask, ExecTiming, SegmentReport, SegmentTimes};
 
 mod choice;
 mod layer_split;
 mod pool;
+pub(crate) mod watcher;
 
 pub(crate) use pool::window_share;
 
@@ -291,6 +292,14 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
             && self.session.slots.len() == 1
             && self.session.slots[0].backend.supports_events();
         self.manager.set_uploads_wait_for_compute(!async_compute);
+        if async_compute && self.session.config.streaming.timeline && self.session.watcher.is_none()
+        {
+            self.session.watcher = watcher::DoneWatcher::start();
+        }
+        if let Some(w) = &self.session.watcher {
+            // What an execution that failed left (its events are done: it was settled).
+            w.take();
+        }
         let mut in_flight: VecDeque<InFlight> = VecDeque::new();
         let run = self.run_segments(
             task,
@@ -303,8 +312,15 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
             timing,
         );
         let settled = self.settle_all(&mut in_flight, timing);
-        let reports = run?;
+        let mut reports = run?;
         settled?;
+        if let Some(w) = &self.session.watcher {
+            for (k, at) in w.take() {
+                if let Some(r) = reports.get_mut(k) {
+                    r.times.done = Some(at);
+                }
+            }
+        }
         let out = self
             .session
             .slots
@@ -421,6 +437,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
 
         for (k, seg) in plan.segments.iter().enumerate() {
             let _span = tracing::debug_span!("segment", index = k, name = %seg.name).entered();
+            let prepared_at = Instant::now();
             let d = p.segment_device[k];
             let buft = self.session.slots[d].backend.buffer_type();
             let backend_name = self.session.slots[d].backend.name().to_string();
@@ -599,7 +616,8 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
                 }
                 self.session.pinned_now.extend_from_slice(group);
             }
-            timing.staging += t.elapsed();
+            let staging = t.elapsed();
+            timing.staging += staging;
             // From here on the segment's weights are pinned: unpin whatever happens (or
             // when the segment is done, if it is left in flight).
             let evicting_before = self.session.evicting_prefetches;
@@ -684,6 +702,13 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
                 held_for_in_flight: done.held_for_in_flight,
                 evicting_prefetches: self.session.evicting_prefetches - evicting_before,
                 prefetch_wait,
+                times: SegmentTimes {
+                    prepared: prepared_at,
+                    staging,
+                    launched: done.launched,
+                    returned: done.returned,
+                    done: (!queued_now).then_some(done.returned),
+                },
             });
         }
         // Prefetches for the next pass stay, staged; any other left over goes.
@@ -896,6 +921,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         let t = Instant::now();
         let context = || format!("computing segment {k} '{}'", seg.name);
         let mut event = None;
+        let launched = Instant::now();
         if queue {
             // SAFETY: the inputs' bytes are borrowed for the whole execution, which waits
             // for every segment it queued before it returns (`run_plan`).
@@ -909,10 +935,13 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
             // read only after.
             unsafe { slot.backend.compute_async(sg.graph()) }
                 .map_err(ExecError::ggml(context()))?;
-            event = slot.backend.device().and_then(Event::new);
+            event = slot.backend.device().and_then(Event::new).map(Arc::new);
             if let Some(e) = &event {
                 e.record(&slot.backend)
                     .map_err(ExecError::ggml(format!("recording segment {k}'s event")))?;
+                if let Some(w) = &self.session.watcher {
+                    w.watch(k, e.clone());
+                }
             }
         } else {
             sg.upload(inputs)?;
@@ -920,6 +949,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
                 .compute(sg.graph())
                 .map_err(ExecError::ggml(context()))?;
         }
+        let returned = Instant::now();
         timing.compute += t.elapsed();
         let t = Instant::now();
         for (name, t) in stores {
@@ -964,6 +994,8 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
             overlapped,
             queued_behind,
             event,
+            launched,
+            returned,
         })
     }
 
@@ -1224,7 +1256,7 @@ pub(crate) struct InFlight {
     pins: usize,
     /// Recorded on its backend right after it: done when it is (`None`: the backend is
     /// synchronised instead).
-    done: Option<Event>,
+    done: Option<Arc<Event>>,
 }
 
 /// What computing one segment came to.
@@ -1248,7 +1280,10 @@ struct SegmentDone {
     /// See [`SegmentReport::held_for_in_flight`].
     held_for_in_flight: u64,
     /// Recorded on its backend right after it was queued.
-    event: Option<Event>,
+    event: Option<Arc<Event>>,
+    /// When its graph was handed to the backend, and when the backend returned.
+    launched: Instant,
+    returned: Instant,
 }
 
 /// The capacity a segment asks for: room for `required` (its weights) and the request's

@@ -222,6 +222,21 @@ impl ModelManager {
         self.async_uploads = on;
     }
 
+    /// Whether transfer threads record when each of their jobs ran (for timelines of a
+    /// step, see [`take_upload_spans`](Self::take_upload_spans); default off). Uploads on
+    /// a copy stream and synchronous staging are not recorded.
+    pub fn set_upload_log(&mut self, on: bool) {
+        self.upload_log = on.then(Default::default);
+    }
+
+    /// The [`UploadSpan`](super::UploadSpan)s recorded since the last call (empty with the
+    /// log off), in the order the jobs finished.
+    pub fn take_upload_spans(&mut self) -> Vec<super::UploadSpan> {
+        self.upload_log.as_ref().map_or_else(Vec::new, |log| {
+            std::mem::take(&mut *log.lock().unwrap_or_else(|e| e.into_inner()))
+        })
+    }
+
     /// Whether prefetch uploads to `backend` are queued on a copy stream (the setting is
     /// on and the backend has one).
     pub fn uploads_async(&mut self, backend: BackendId) -> bool {

@@ -62,6 +62,7 @@ pub use blocks::MAX_RESIDENCY_BLOCK_BYTES;
 pub use config::UploadOptions;
 pub use lora::LoraSpec;
 pub use state::{Component, ParamSpec, ResidencyMode};
+pub use transfer::UploadSpan;
 
 use crate::capacity::{
     inspect_capacity, DeviceClass, DeviceMemoryCapacity, DeviceMemoryRequest, DeviceState, MaxVram,
@@ -160,6 +161,8 @@ pub struct ModelManager {
     /// See [`DeviceResidencyManager::set_uploads_wait_for_compute`].
     uploads_wait_for_compute: bool,
     async_uploads: bool,
+    /// Where transfer threads record when they ran (see [`ModelManager::set_upload_log`]).
+    pub(crate) upload_log: Option<transfer::UploadLog>,
     upload_bytes: u64,
     /// Weights placed at the staging pools' high end (see
     /// [`DeviceResidencyManager::keep_at_pool_end`]).
@@ -222,6 +225,7 @@ impl ModelManager {
             coalesce_uploads: true,
             uploads_wait_for_compute: true,
             async_uploads: false,
+            upload_log: None,
             upload_bytes: 0,
             pool_high: Default::default(),
             stable_placement: false,

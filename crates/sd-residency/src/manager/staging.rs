@@ -406,7 +406,8 @@ impl ModelManager {
                     // weights are not slowed down by a later segment's.
                     _ => {
                         let after = self.transfers.iter().rev().find_map(|j| j.completion());
-                        TransferJob::spawn(copies, blocks, coalesce, after)
+                        let log = self.upload_log.clone();
+                        TransferJob::spawn(copies, blocks, coalesce, after, log)
                     }
                 };
                 self.transfers.push(job);

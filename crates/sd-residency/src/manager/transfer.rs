@@ -27,6 +27,7 @@
 
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
+use std::time::Instant;
 
 use sd_tensor::ggml::{Backend, CopyStream, Event, GTensor};
 
@@ -61,6 +62,24 @@ impl Drop for SetOnDrop {
         self.0.set();
     }
 }
+
+/// When one transfer thread job ran: `queued` when the prefetch issued it, `started` when
+/// it began copying (after the job before it), `finished` when its copies were done (see
+/// [`ModelManager::set_upload_log`](crate::ModelManager::set_upload_log)).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct UploadSpan {
+    /// Bytes copied.
+    pub bytes: u64,
+    /// When the job was handed to its thread.
+    pub queued: Instant,
+    /// When its copies began.
+    pub started: Instant,
+    /// When its copies were done.
+    pub finished: Instant,
+}
+
+/// Where transfer threads record their [`UploadSpan`]s.
+pub(crate) type UploadLog = Arc<Mutex<Vec<UploadSpan>>>;
 
 /// One copy: source (a params copy) into destination (its staging placement).
 pub(crate) struct WeightCopy {
@@ -117,18 +136,21 @@ fn copy_all(copies: &[WeightCopy], coalesce: bool) -> Result<u64, String> {
 impl TransferJob {
     /// Starts copying `copies` on a new thread, once `after` (the previous thread job) is
     /// done; when no thread can be started, waits for `after`, copies synchronously and
-    /// returns a finished job. With `coalesce`, see [`Backend::copy_tensors`].
+    /// returns a finished job. With `coalesce`, see [`Backend::copy_tensors`]. With `log`,
+    /// the job's [`UploadSpan`] is recorded there.
     pub fn spawn(
         copies: Vec<WeightCopy>,
         blocks: Vec<BlockId>,
         coalesce: bool,
         after: Option<Completion>,
+        log: Option<UploadLog>,
     ) -> TransferJob {
         let shared = Arc::new(copies);
         let theirs = shared.clone();
         let done = Completion::default();
         let guard = SetOnDrop(done.clone());
         let before = after.clone();
+        let queued = Instant::now();
         let state = match std::thread::Builder::new()
             .name("sd-weight-transfer".into())
             .spawn(move || {
@@ -136,7 +158,18 @@ impl TransferJob {
                 if let Some(a) = before {
                     a.wait();
                 }
-                copy_all(&theirs, coalesce)
+                let started = Instant::now();
+                let r = copy_all(&theirs, coalesce);
+                if let (Some(log), Ok(bytes)) = (log, &r) {
+                    let span = UploadSpan {
+                        bytes: *bytes,
+                        queued,
+                        started,
+                        finished: Instant::now(),
+                    };
+                    log.lock().unwrap_or_else(|e| e.into_inner()).push(span);
+                }
+                r
             }) {
             Ok(h) => State::Running(h),
             Err(e) => {
