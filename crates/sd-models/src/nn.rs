@@ -205,8 +205,24 @@ impl GroupNorm {
 
     /// Normalises `x` `[W, H, C, N]`.
     pub fn forward(&self, ctx: &Context, x: &GTensor) -> Result<GTensor> {
+        self.forward_then(ctx, x, false)
+    }
+
+    /// `silu(self.forward(x))`: one op on the CPU with this crate's kernels
+    /// ([`Context::group_norm_host`]).
+    pub fn forward_silu(&self, ctx: &Context, x: &GTensor) -> Result<GTensor> {
+        self.forward_then(ctx, x, true)
+    }
+
+    fn forward_then(&self, ctx: &Context, x: &GTensor, silu: bool) -> Result<GTensor> {
+        let fused =
+            ctx.group_norm_host(x, self.groups, self.eps, &self.weight, &self.bias, silu)?;
+        if let Some(y) = fused {
+            return Ok(y);
+        }
         let y = ctx.group_norm(x, self.groups, self.eps)?;
-        Ok(ctx.channel_affine(&y, Some(&self.weight), Some(&self.bias))?)
+        let y = ctx.channel_affine(&y, Some(&self.weight), Some(&self.bias))?;
+        Ok(if silu { ctx.silu(&y)? } else { y })
     }
 }
 

@@ -19,7 +19,7 @@
 
 use sd_formats::names::UNET_PREFIX;
 use sd_graphcut::{LEVEL_LAYER, LEVEL_SUBLAYER};
-use sd_tensor::ggml::{Context, GTensor};
+use sd_tensor::ggml::GTensor;
 use sd_tensor::DType;
 
 use crate::nn::{attention, Activation, Conv2d, GroupNorm, LayerNorm, Linear};
@@ -266,12 +266,12 @@ impl ResBlock {
     /// `x` `[W, H, Cin, B]`, `emb` `[time_embed_dim, B]`.
     fn forward(&self, g: &mut GraphCtx, x: &GTensor, emb: &GTensor) -> Result<GTensor> {
         let ctx = &g.ctx;
-        let h = ctx.silu(&self.in_norm.forward(ctx, x)?)?;
+        let h = self.in_norm.forward_silu(ctx, x)?;
         let h = self.in_conv.forward(g, &h)?;
         let e = self.emb_proj.forward(ctx, &ctx.silu(emb)?)?; // [Cout, B]
         let h = ctx.channel_affine(&h, None, Some(&e))?;
         g.marks.mark_fine(&h, LEVEL_SUBLAYER, "in_layers")?;
-        let h = ctx.silu(&self.out_norm.forward(ctx, &h)?)?;
+        let h = self.out_norm.forward_silu(ctx, &h)?;
         let h = self.out_conv.forward(g, &h)?;
         let skip = match &self.skip_connection {
             Some(c) => c.forward(g, x)?,
@@ -561,10 +561,6 @@ fn forward_block(
     Ok(hs)
 }
 
-fn silu_norm(ctx: &Context, n: &GroupNorm, x: &GTensor) -> Result<GTensor> {
-    Ok(ctx.silu(&n.forward(ctx, x)?)?)
-}
-
 impl UnetModel {
     /// Declares the parameters under `config.prefix` of `pb`.
     pub fn new(pb: &ParamBuilder<'_>, config: UnetConfig) -> Result<Self> {
@@ -802,6 +798,6 @@ impl UnetModel {
 
         // 5. Output: GroupNorm, SiLU, conv.
         self.out_conv
-            .forward(g, &silu_norm(&ctx, &self.out_norm, &hs)?)
+            .forward(g, &self.out_norm.forward_silu(&ctx, &hs)?)
     }
 }

@@ -10,7 +10,7 @@
 //! accepted). The latent scaling factor (0.18215 for SD1/SD2) is the caller's business.
 
 use sd_formats::names::VAE_PREFIX;
-use sd_tensor::ggml::{Context, GTensor};
+use sd_tensor::ggml::GTensor;
 
 use crate::nn::{attention, Conv2d, GroupNorm};
 use crate::weights::ParamBuilder;
@@ -118,9 +118,9 @@ impl ResnetBlock {
 
     fn forward(&self, g: &GraphCtx, x: &GTensor) -> Result<GTensor> {
         let ctx = &g.ctx;
-        let h = ctx.silu(&self.norm1.forward(ctx, x)?)?;
+        let h = self.norm1.forward_silu(ctx, x)?;
         let h = self.conv1.forward(g, &h)?;
-        let h = ctx.silu(&self.norm2.forward(ctx, &h)?)?;
+        let h = self.norm2.forward_silu(ctx, &h)?;
         let h = self.conv2.forward(g, &h)?;
         let skip = match &self.nin_shortcut {
             Some(c) => c.forward(g, x)?,
@@ -263,10 +263,6 @@ pub struct AutoencoderKl {
     pub quant_conv: Option<Conv2d>,
     /// `post_quant_conv` (latent to latent, 1x1).
     pub post_quant_conv: Option<Conv2d>,
-}
-
-fn silu_norm(ctx: &Context, n: &GroupNorm, x: &GTensor) -> Result<GTensor> {
-    Ok(ctx.silu(&n.forward(ctx, x)?)?)
 }
 
 impl AutoencoderKl {
@@ -440,7 +436,7 @@ impl AutoencoderKl {
         // 4. Output: GroupNorm, SiLU, conv_out, quant_conv.
         h = enc
             .conv_out
-            .forward(g, &silu_norm(&ctx, &enc.norm_out, &h)?)?;
+            .forward(g, &enc.norm_out.forward_silu(&ctx, &h)?)?;
         if let Some(q) = &self.quant_conv {
             h = q.forward(g, &h)?;
         }
@@ -479,6 +475,6 @@ impl AutoencoderKl {
         }
         // 4. Output: GroupNorm, SiLU, conv_out.
         dec.conv_out
-            .forward(g, &silu_norm(&ctx, &dec.norm_out, &h)?)
+            .forward(g, &dec.norm_out.forward_silu(&ctx, &h)?)
     }
 }

@@ -925,6 +925,79 @@ fn host_geglu_agrees_with_ggmls_gelu_erf_and_mul() {
     }
 }
 
+/// `group_norm_host` (one custom op: the norm, its per-channel scale and shift, and the
+/// SiLU when asked) agrees with ggml's `group_norm`, a broadcast `mul` and `add`, and
+/// `silu`, to 2e-6 of the values' scale: groups of one and of several channels, planes of
+/// 35 values (not a multiple of the kernel's 16 lanes) and of 64, inputs off zero (a mean
+/// the two-pass variance must subtract), 1 and 3 threads; without host kernels, or for a
+/// non-contiguous input, it is `None`; channels that do not split into the groups are an
+/// error.
+#[test]
+fn host_group_norm_agrees_with_ggmls_norm_affine_and_silu() {
+    for threads in [1, 3] {
+        for (w, h, c, n, groups) in [(7, 5, 6, 2, 3), (8, 8, 32, 2, 32), (8, 8, 64, 1, 8)] {
+            let ctx = Context::new_descriptors(64, 64, 1).unwrap();
+            let x = ctx.new_tensor(DType::F32, &[w, h, c, n]).unwrap();
+            let scale = ctx.new_tensor(DType::F32, &[c]).unwrap();
+            let shift = ctx.new_tensor(DType::F32, &[c]).unwrap();
+            let buf = BufferType::cpu().alloc_context_tensors(&ctx).unwrap();
+            let v: Vec<f32> = rnd(x.nelements(), 71)
+                .iter()
+                .map(|x| 3.0 * x + 5.0)
+                .collect();
+            x.write_f32(&v).unwrap();
+            scale.write_f32(&rnd(c, 72)).unwrap();
+            shift.write_f32(&rnd(c, 73)).unwrap();
+            let eps = 1e-5;
+            let as_channels = |t: &GTensor| ctx.reshape(t, &[1, 1, c, 1]).unwrap();
+            let reference = |silu: bool| {
+                let y = ctx.group_norm(&x, groups, eps).unwrap();
+                let y = ctx.mul(&y, &as_channels(&scale)).unwrap();
+                let y = ctx.add(&y, &as_channels(&shift)).unwrap();
+                if silu {
+                    ctx.silu(&y).unwrap()
+                } else {
+                    y
+                }
+            };
+            ctx.set_host_kernels(true);
+            let host = |silu: bool| {
+                ctx.group_norm_host(&x, groups, eps, &scale, &shift, silu)
+                    .unwrap()
+                    .unwrap()
+            };
+            let outs = vec![
+                (reference(false), host(false)),
+                (reference(true), host(true)),
+            ];
+            let t = ctx.transpose(&x).unwrap();
+            assert!(ctx
+                .group_norm_host(&t, groups, eps, &scale, &shift, true)
+                .unwrap()
+                .is_none());
+            assert!(ctx
+                .group_norm_host(&x, 5, eps, &scale, &shift, true)
+                .is_err());
+            let (custom, values) = compute_pairs(&ctx, &outs, threads);
+            assert_eq!(custom, 2);
+            for (i, (a, g)) in values.into_iter().enumerate() {
+                let scale = a.iter().fold(1f32, |m, v| m.max(v.abs()));
+                assert!(
+                    max_abs(&a, &g) <= 2e-6 * scale,
+                    "{w}x{h}x{c}x{n} / {groups}, case {i}, {threads} threads: max diff {} (scale {scale})",
+                    max_abs(&a, &g)
+                );
+            }
+            ctx.set_host_kernels(false);
+            assert!(ctx
+                .group_norm_host(&x, groups, eps, &scale, &shift, false)
+                .unwrap()
+                .is_none());
+            drop(buf);
+        }
+    }
+}
+
 /// `channel_affine` on the crate's CPU kernel gives the bits of ggml's broadcast `mul` then
 /// `add`, for per-channel and per-sample scales and shifts, either alone, 1 and 3 threads;
 /// a shape that fits neither is an error.

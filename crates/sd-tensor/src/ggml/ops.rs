@@ -39,6 +39,10 @@ pub const ATTENTION_HOST_NAME: &str = "attention_host";
 /// projection `[2 I, ...]`).
 pub const GEGLU_HOST_NAME: &str = "geglu_host";
 
+/// The name of the node [`Context::group_norm_host`] makes (a `CUSTOM` op; its sources are
+/// the input, the scales and the shifts).
+pub const GROUP_NORM_HOST_NAME: &str = "group_norm_host";
+
 /// The name of the node [`Context::linear`] makes on the CPU kernel (a `CUSTOM` op; its
 /// sources are the input `[K, ...]` and the weight `[K, M]`).
 pub const LINEAR_HOST_NAME: &str = "linear_host";
@@ -624,6 +628,67 @@ impl Context {
         })
         .map(|t| {
             t.set_name(GEGLU_HOST_NAME);
+            Some(t)
+        })
+    }
+
+    /// With this crate's CPU kernels ([`Context::set_host_kernels`]): a group norm of `x`
+    /// `[W, H, C, N]` (f32, contiguous) over `groups` groups of channels with `eps`, times
+    /// the `C` `scale`s plus the `shift`s per channel, then with `silu` its SiLU, in one
+    /// op ([`GROUP_NORM_HOST_NAME`]). `None` without host kernels or when the operands are
+    /// not of that form (the caller uses ggml's ops); an error when the channels do not
+    /// split into `groups`.
+    pub fn group_norm_host(
+        &self,
+        x: &GTensor,
+        groups: usize,
+        eps: f32,
+        scale: &GTensor,
+        shift: &GTensor,
+        silu: bool,
+    ) -> Result<Option<GTensor>> {
+        let ne = x.ne();
+        if groups == 0 || groups > 0x7fff_ffff || !ne[2].is_multiple_of(groups) {
+            return Err(bad(
+                "group_norm_host",
+                format!("{} channels do not split into {groups} groups", ne[2]),
+            ));
+        }
+        let affine_ok = |t: &GTensor| {
+            t.dtype() == Some(DType::F32) && t.is_contiguous() && t.nelements() == ne[2]
+        };
+        let fits = self.host_kernels()
+            && x.dtype() == Some(DType::F32)
+            && x.is_contiguous()
+            && affine_ok(scale)
+            && affine_ok(shift);
+        if !fits {
+            return Ok(None);
+        }
+        let spec = super::host_group_norm::GroupNormSpec {
+            groups: groups as u32,
+            silu,
+            eps,
+        };
+        // SAFETY: shapes, types and contiguity checked; three tensors.
+        self.op("group_norm_host", 1, |c| unsafe {
+            let mut args = [x.raw(), scale.raw(), shift.raw()];
+            sys::ggml_custom_4d(
+                c,
+                sys::GGML_TYPE_F32,
+                ne[0] as i64,
+                ne[1] as i64,
+                ne[2] as i64,
+                ne[3] as i64,
+                args.as_mut_ptr(),
+                3,
+                Some(super::host_group_norm::group_norm_kernel),
+                sys::GGML_N_TASKS_MAX,
+                spec.pack() as *mut std::ffi::c_void,
+            )
+        })
+        .map(|t| {
+            t.set_name(GROUP_NORM_HOST_NAME);
             Some(t)
         })
     }
