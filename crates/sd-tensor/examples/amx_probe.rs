@@ -2,7 +2,8 @@
 //! backend four ways: ggml's f16 product, this crate's f32 product of f16 weights
 //! (`Context::linear`), ggml's q8_0 product, and ggml's q8_0 product with the weights in the
 //! CPU's `AMX` buffer type (int8 tiles), on the SD UNet's linear and convolution shapes:
-//! `cargo run --release -p sd-tensor --example amx_probe [threads]`.
+//! `cargo run --release -p sd-tensor --example amx_probe [threads] [products|attention|conv]`
+//! (a part alone; all three by default).
 
 #[path = "probe/common.rs"]
 mod common;
@@ -11,29 +12,34 @@ use common::{best_of_three, conv_seconds, fill, linear_seconds, rate};
 use sd_tensor::ggml::{Backend, BufferType, Context};
 use sd_tensor::DType;
 
+/// (K, N, M): projections, feed-forwards and 3x3 convolutions as products (K = 9 C).
+const PRODUCTS: [(usize, usize, usize); 9] = [
+    (320, 320, 8192),
+    (320, 2560, 8192),
+    (1280, 320, 8192),
+    (640, 5120, 2048),
+    (2560, 640, 2048),
+    (2880, 320, 8192),
+    (5760, 640, 2048),
+    (11520, 1280, 512),
+    (2048, 2048, 2048),
+];
+
 fn main() {
     let threads: usize = std::env::args()
         .nth(1)
         .and_then(|s| s.parse().ok())
         .unwrap_or(2);
+    let part = std::env::args().nth(2);
+    let runs = |name: &str| part.as_deref().is_none_or(|p| p == name);
     let extra: Vec<String> = BufferType::cpu_extra().iter().map(|b| b.name()).collect();
     println!("CPU extra buffer types: {extra:?}");
     let amx = BufferType::cpu_amx();
     // ggml's AMX product faults in this ggml release (see `host_amx.rs`): asked for only.
     let ggml_amx = std::env::var("PROBE_GGML_AMX").is_ok_and(|v| v == "1");
     let backend = Backend::cpu(threads).unwrap();
-    // (K, N, M): projections, feed-forwards and 3x3 convolutions as products (K = 9 C).
-    for (k, n, m) in [
-        (320, 320, 8192),
-        (320, 2560, 8192),
-        (1280, 320, 8192),
-        (640, 5120, 2048),
-        (2560, 640, 2048),
-        (2880, 320, 8192),
-        (5760, 640, 2048),
-        (11520, 1280, 512),
-        (2048, 2048, 2048),
-    ] {
+    let products = if runs("products") { &PRODUCTS[..] } else { &[] };
+    for &(k, n, m) in products {
         let mut line = format!("{k}->{n} x{m}:");
         let flop = 2.0 * (k * n * m) as f64;
         let cases: Vec<(&str, DType, BufferType, bool)> = [
@@ -57,7 +63,12 @@ fn main() {
     }
     // SD1.5 self-attention at 64x64 and 32x32 latents (batch 2): f32 products, then bf16
     // (tiles where the CPU has AMX-BF16 and `SD_AMX` is not 0, else AVX512-BF16).
-    for (heads, d, n) in [(8, 40, 4096), (8, 80, 1024)] {
+    let attentions = if runs("attention") {
+        &[(8, 40, 4096), (8, 80, 1024)][..]
+    } else {
+        &[]
+    };
+    for &(heads, d, n) in attentions {
         let mut line = format!("attention {heads}x{d} over {n}:");
         // Two products of 2 n n d per head and image.
         let flop = 2.0 * heads as f64 * 4.0 * (n * n * d) as f64;
@@ -82,18 +93,22 @@ fn main() {
         }
         println!("{line}");
     }
-    for shape in [
-        (64, 64, 320, 320, 2, 3),
-        (64, 64, 960, 320, 2, 3),
-        (32, 32, 640, 640, 2, 3),
-        (16, 16, 1280, 1280, 2, 3),
-        (128, 128, 512, 512, 1, 3),
-        (256, 256, 256, 256, 1, 3),
-        (512, 512, 128, 128, 1, 3),
-    ] {
+    let convs = if runs("conv") { &CONVS[..] } else { &[] };
+    for &shape in convs {
         conv(&backend, shape);
     }
 }
+
+/// (w, h, c, oc, n, k) of the convolutions timed.
+const CONVS: [(usize, usize, usize, usize, usize, usize); 7] = [
+    (64, 64, 320, 320, 2, 3),
+    (64, 64, 960, 320, 2, 3),
+    (32, 32, 640, 640, 2, 3),
+    (16, 16, 1280, 1280, 2, 3),
+    (128, 128, 512, 512, 1, 3),
+    (256, 256, 256, 256, 1, 3),
+    (512, 512, 128, 128, 1, 3),
+];
 
 /// Times one 3x3 (or 1x1) convolution `c -> oc` over `n` images of `w x h`: f16 kernels on
 /// this crate's implicit f32 kernel, bf16 kernels on ggml's product (after the bf16 im2col)

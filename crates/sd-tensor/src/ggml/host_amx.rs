@@ -267,6 +267,56 @@ impl Blocks {
     }
 }
 
+impl Blocks {
+    /// `S^T = K Q^T` for one block of 32 queries held in four tiles: `q` points at the
+    /// queries packed as 32 rows (two steps of 16) of 32 words (`ldq` bytes apart: pairs of
+    /// head values of 32 queries), `k` at `keys` rows of 64 bf16 values (`ldk` bytes apart: a
+    /// head of at most 64 values, zero past it), and each 16 keys' scores are stored at
+    /// `s`, key `j`'s 32 f32 at `s + j ldc` bytes. The queries are loaded once for all the
+    /// keys (two tiles a step) and each 16 keys take one tile load a step, where
+    /// [`run_to`](Self::run_to) loads both operands for every 32 keys: half the loads for the
+    /// same products. `keys` is a multiple of 16.
+    ///
+    /// # Safety
+    /// Those rows are readable and writable as described; the tiles are configured.
+    #[inline]
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) unsafe fn scores_to(
+        &mut self,
+        q: *const u8,
+        ldq: usize,
+        k: *const u8,
+        ldk: usize,
+        keys: usize,
+        s: *mut f32,
+        ldc: usize,
+    ) {
+        // tmm0/tmm1: the first step's query columns 0-15 and 16-31, tmm2/tmm3 the second's.
+        tile_load!("0", q, ldq);
+        tile_load!("1", q.add(64), ldq);
+        tile_load!("2", q.add(16 * ldq), ldq);
+        tile_load!("3", q.add(16 * ldq + 64), ldq);
+        let s = s as *mut u8;
+        for j0 in (0..keys).step_by(16) {
+            let a = k.add(j0 * ldk);
+            asm!(
+                "tilezero tmm6",
+                "tilezero tmm7",
+                options(nostack, nomem, preserves_flags)
+            );
+            tile_load!("4", a, ldk);
+            tile_load!("5", a.add(64), ldk);
+            tile_dot!("6", "4", "0");
+            tile_dot!("7", "4", "1");
+            tile_dot!("6", "5", "2");
+            tile_dot!("7", "5", "3");
+            let c = s.add(j0 * ldc);
+            tile_store!("6", c, ldc);
+            tile_store!("7", c.add(64), ldc);
+        }
+    }
+}
+
 impl Drop for Blocks {
     fn drop(&mut self) {
         // SAFETY: this thread's tiles were configured by `new`.

@@ -26,6 +26,8 @@ const CN: usize = 6;
 /// Whether this CPU runs the kernels (AVX-512 F and BF16).
 pub(crate) fn available() -> bool {
     std::arch::is_x86_feature_detected!("avx512f")
+        && std::arch::is_x86_feature_detected!("avx512bw")
+        && std::arch::is_x86_feature_detected!("avx512vl")
         && std::arch::is_x86_feature_detected!("avx512bf16")
 }
 
@@ -39,6 +41,27 @@ fn bf16_bits(x: f32) -> u32 {
 #[inline(always)]
 fn pair(lo: f32, hi: f32) -> u32 {
     bf16_bits(lo) | bf16_bits(hi) << 16
+}
+
+/// `n` f32 values at `src` times `scale` as bf16 bits at `dst`, rounded to nearest even
+/// (`vcvtneps2bf16`, 16 a step, the tail masked; NaN stays a quiet NaN, as
+/// [`bf16_bits`] rounds, but denormal inputs become zero).
+///
+/// # Safety
+/// The CPU has AVX-512 F, BW, VL and BF16 ([`available`]); `n` values are readable at
+/// `src` and writable at `dst`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+pub(crate) unsafe fn bf16_scaled_row(src: *const f32, n: usize, scale: f32, dst: *mut u16) {
+    let s = _mm512_set1_ps(scale);
+    let mut i = 0;
+    while i < n {
+        let k = (n - i).min(16);
+        let mask: __mmask16 = if k == 16 { 0xffff } else { (1u16 << k) - 1 };
+        let x = _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, src.add(i)), s);
+        let h = std::mem::transmute::<__m256bh, __m256i>(_mm512_cvtneps_pbh(x));
+        _mm256_mask_storeu_epi16(dst.add(i) as *mut i16, mask, h);
+        i += 16;
+    }
 }
 
 /// Packs `rows` rows of `width` f32 values (row `i` at `src.add(i * stride)`, `width` even)
