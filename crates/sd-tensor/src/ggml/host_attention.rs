@@ -211,16 +211,34 @@ pub(crate) unsafe extern "C" fn attention_kernel(
         });
         return;
     }
-    super::host_conv::with_scratch(block * k.rows + 2 * block, |buf| {
+    let head = k.rows * (q.head_width + v.head_width);
+    super::host_conv::with_scratch(block * k.rows + 2 * block + head, |buf| {
         let (scores, rest) = buf.split_at_mut(block * k.rows);
-        let (maxes, sums) = rest.split_at_mut(block);
+        let (maxes, rest) = rest.split_at_mut(block);
+        let (sums, head) = rest.split_at_mut(block);
         // SAFETY: the items of this thread's share (see the function's contract).
-        unsafe { attend(&spec, [q, k, v, out], block, share, scores, maxes, sums) }
+        unsafe {
+            attend(
+                &spec,
+                [q, k, v, out],
+                block,
+                share,
+                scores,
+                maxes,
+                sums,
+                head,
+            )
+        }
     });
 }
 
 /// The items `share` of one attention (item = (batch item, head, block of `block` queries)),
-/// with `scores` (`block * n_kv` values), `maxes` and `sums` (`block` each) as scratch.
+/// with `scores` (`block * n_kv` values), `maxes` and `sums` (`block` each) as scratch, and
+/// `head` (`n_kv * (d + dv)` values) for contiguous copies of a head's keys and values:
+/// made once per head the share takes, with its next rows prefetched (each row of a head is
+/// a few cache lines a whole row of the tensor apart, which the hardware prefetcher does
+/// not follow across pages), they let the products pack contiguous rows instead of
+/// waiting on every line of the strided ones for each block of queries.
 ///
 /// # Safety
 /// The operands are live tensors of the shapes [`attention_kernel`] describes; the items
@@ -234,10 +252,29 @@ unsafe fn attend(
     scores: &mut [f32],
     maxes: &mut [f32],
     sums: &mut [f32],
+    head: &mut [f32],
 ) {
     let heads = spec.heads as usize;
+    let (d, dv, n_kv) = (q.head_width, v.head_width, k.rows);
+    let (kc, vc) = head.split_at_mut(n_kv * d);
+    let mut current = None;
     for item in share {
         let (b, h, r0, m) = item_rows(item, heads, block, q.rows);
+        if current != Some((b, h)) {
+            // SAFETY: rows 0..n_kv of head h of k and v lie inside them.
+            unsafe {
+                for j in 0..n_kv {
+                    if j + AHEAD < n_kv {
+                        prefetch_values(k.at(b, h, j + AHEAD), d);
+                        prefetch_values(v.at(b, h, j + AHEAD), dv);
+                    }
+                    let (kr, vr) = (k.at(b, h, j), v.at(b, h, j));
+                    kc[j * d..(j + 1) * d].copy_from_slice(std::slice::from_raw_parts(kr, d));
+                    vc[j * dv..(j + 1) * dv].copy_from_slice(std::slice::from_raw_parts(vr, dv));
+                }
+            }
+            current = Some((b, h));
+        }
         let scores = &mut scores[..m * k.rows];
         // SAFETY: every view below lies inside its tensor (rows r0..r0+m of q and the
         // output, all n_kv rows of k and v, head h's values of each row).
@@ -255,8 +292,8 @@ unsafe fn attend(
                 q.at(b, h, r0),
                 1,
                 q.row_stride as isize,
-                k.at(b, h, 0),
-                k.row_stride as isize,
+                kc.as_ptr(),
+                d as isize,
                 1,
                 0.0,
                 spec.scale,
@@ -281,9 +318,9 @@ unsafe fn attend(
                 scores.as_ptr(),
                 m as isize,
                 1,
-                v.at(b, h, 0),
+                vc.as_ptr(),
                 1,
-                v.row_stride as isize,
+                dv as isize,
                 0.0,
                 1.0,
                 false,
