@@ -144,7 +144,8 @@ pub struct SegmentTimes {
     pub launched: std::time::Instant,
     /// The backend returned: the segment is queued, or done when computed synchronously.
     pub returned: std::time::Instant,
-    /// When the device finished it: `returned` when computed synchronously; for a segment
+    /// When the device finished it (after `launched`; a device may finish before the call
+    /// returns): `returned` when computed synchronously; for a segment
     /// queued without waiting, seen by the session's watcher with
     /// [`StreamingOptions::timeline`](crate::StreamingOptions::timeline) on, else `None`.
     pub done: Option<std::time::Instant>,

@@ -2136,8 +2136,8 @@ fn compute_aware_residency_keeps_the_budget_and_the_bits() {
 
 /// `StreamingOptions::timeline` and the manager's upload log, under a budget of about half
 /// the weights with segments queued without waiting: every segment's report says when it
-/// was prepared, launched, returned and done on the device, in that order, the devices'
-/// ends in segment order; the transfer threads' jobs say when they were queued, started
+/// was prepared, launched, returned and done on the device (prepared, launched and returned
+/// in that order, done after the launch), the devices' ends in segment order; the transfer threads' jobs say when they were queued, started
 /// and finished, and copied no more than the manager counted. Off, queued segments have
 /// no device end. The output stays the whole graph's.
 #[test]
@@ -2184,7 +2184,9 @@ fn a_step_timeline_orders_each_segments_work() {
                 assert!(t.launched <= t.returned, "{tag}: segment {}", s.index);
                 match t.done {
                     Some(done) => {
-                        assert!(t.returned <= done, "{tag}: segment {}", s.index);
+                        // (A device may finish before the host's call returns: the
+                        // simulated one computes inside it.)
+                        assert!(t.launched <= done, "{tag}: segment {}", s.index);
                         assert!(last_done <= Some(done), "{tag}: segment {}", s.index);
                         last_done = Some(done);
                     }

@@ -318,7 +318,8 @@ impl CapturedGraph {
     ) -> Result<CapturedGraph> {
         let _span = tracing::debug_span!("capture_graph", nodes = graph.n_nodes()).entered();
         let all = graph.nodes();
-        let mut index: HashMap<TensorId, TensorRef> = HashMap::with_capacity(all.len() * 2);
+        let mut index: FxHashMap<TensorId, TensorRef> = FxHashMap::default();
+        index.reserve(all.len() * 2);
         // The same references by descriptor address: most sources are found here without
         // resolving a handle (a context lookup per source); the rest go through `resolve`.
         let mut by_addr: FxHashMap<usize, TensorRef> = FxHashMap::default();
@@ -378,7 +379,7 @@ impl CapturedGraph {
                 },
             };
             let mut d = describe_tensor(t, srcs, view_src, false);
-            if let Some(m) = marks.get(t.id()) {
+            if let Some(m) = d.id.and_then(|id| marks.get(id)) {
                 found_marks += 1;
                 d.cut = Some(CutInfo {
                     name: m.name.clone(),
@@ -502,7 +503,7 @@ fn known(by_addr: &FxHashMap<usize, TensorRef>, a: usize) -> Option<Option<Tenso
 
 fn resolve(
     t: &GTensor,
-    index: &mut HashMap<TensorId, TensorRef>,
+    index: &mut FxHashMap<TensorId, TensorRef>,
     leaves: &mut Vec<GTensor>,
     descs: &mut Vec<TensorDesc>,
     params: &dyn ParamSet,

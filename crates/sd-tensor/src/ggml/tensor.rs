@@ -166,10 +166,7 @@ impl GTensor {
 
     /// The operation that produces this tensor (`NONE` for leafs).
     pub fn op_name(&self) -> &'static str {
-        // SAFETY: static string per op.
-        unsafe { CStr::from_ptr(sys::ggml_op_name(self.t().op)) }
-            .to_str()
-            .unwrap_or("?")
+        op_name_of(self.t().op)
     }
 
     /// The raw op code (for fingerprints).
@@ -504,4 +501,21 @@ impl GTensor {
             detail: format!("unsupported type {}", self.dtype_raw()),
         }
     }
+}
+
+/// ggml's name of op `op` (`"?"` for one it does not know), from a table made on first use:
+/// capturing a graph asks it of every node of every step.
+fn op_name_of(op: u32) -> &'static str {
+    static NAMES: std::sync::OnceLock<Vec<&'static str>> = std::sync::OnceLock::new();
+    let names = NAMES.get_or_init(|| {
+        (0..sys::GGML_OP_COUNT)
+            .map(|o| {
+                // SAFETY: ggml's static string of each op below GGML_OP_COUNT.
+                unsafe { CStr::from_ptr(sys::ggml_op_name(o)) }
+                    .to_str()
+                    .unwrap_or("?")
+            })
+            .collect()
+    });
+    names.get(op as usize).copied().unwrap_or("?")
 }
