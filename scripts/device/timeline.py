@@ -18,6 +18,10 @@ def analyse(d, per_segment):
     prev_done = 0.0
     busy = idle = 0.0
     rows = []
+    # Idle device time by what the host was doing: starting the step (before segment 0),
+    # staging a segment's weights synchronously, waiting for a transfer job that ended in
+    # the gap, or other work.
+    split = {"start": 0.0, "staging": 0.0, "upload": 0.0, "other": 0.0}
     for k, mb, prepared, staging, launched, returned, done in segs:
         if done is None:
             print(f"{label}: segment {k} has no device end (timeline off or not queued)")
@@ -30,10 +34,19 @@ def analyse(d, per_segment):
             (u[3] for u in ups if prev_done < u[3] <= launched), default=None
         )
         rows.append((k, mb, done - start, gap, prepared - prev_done, staging, upload_end))
+        if k == 0:
+            split["start"] += gap
+        elif staging > 0.1:
+            split["staging"] += gap
+        elif upload_end is not None:
+            split["upload"] += gap
+        else:
+            split["other"] += gap
         busy += done - start
         idle += gap
         prev_done = done
     tail = end - prev_done
+    split["other"] += tail
     copy = 0.0
     for mb, queued, started, finished in ups:
         lo, hi = max(started, 0.0), min(finished, end)
@@ -43,7 +56,8 @@ def analyse(d, per_segment):
     print(
         f"{label}: step {end:.1f} ms, device busy {busy:.1f}, idle {idle:.1f} before segments"
         f" + {tail:.1f} after the last; transfer threads copying {copy:.1f} ms"
-        f" ({mb_step:.0f} MB finished in the step), {len(segs)} segments"
+        f" ({mb_step:.0f} MB finished in the step), {len(segs)} segments; idle: "
+        + ", ".join(f"{k} {v:.1f}" for k, v in split.items())
     )
     if per_segment:
         print("   k     MB  compute   gap  prep-after-prev  staging  upload-ended-in-gap")
