@@ -229,6 +229,10 @@ fn a_budgeted_simulated_device_gives_the_cpu_image() {
         ],
     );
     ok(&out);
+    // Streaming under the budget is no warning: prefetches that find no room are skipped,
+    // cuts merged segments hold inside are the model's business.
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!err.contains("WARN"), "{err}");
     let a = sd_tensor::Image::load_png(&cpu_png).unwrap();
     let b = sd_tensor::Image::load_png(&sim_png).unwrap();
     assert_eq!(a.pixels(), b.pixels());

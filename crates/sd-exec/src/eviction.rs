@@ -327,9 +327,11 @@ pub(crate) fn ensure_capacity<M: DeviceResidencyManager>(
             pass = skipped;
         }
     }
-    // 5. Fail.
+    // 5. Fail. (Debug, not a warning: callers recover from most of these, a prefetch by
+    // skipping it, a segment by dropping prefetches or resident weights first; one they
+    // cannot recover from reaches the user as the error below.)
     let cap = manager.inspect_compute_backend_capacity(&request, ask.required)?;
-    tracing::warn!(
+    tracing::debug!(
         what = %ask.what,
         needed_device = cap.required_device_bytes,
         available_device = cap.available_device_bytes,

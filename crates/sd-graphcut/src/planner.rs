@@ -382,8 +382,11 @@ pub fn plan_view(
             }
         }
     }
+    // Debug: a plan's diagnostics are about the model's cut marks (cuts that merged
+    // segments hold inside, marks on tensors a graph lacks), not the user's run; `sd plan`
+    // lists them, and `warnings_as_errors` makes them errors for the model's own tests.
     for d in &diagnostics {
-        tracing::warn!("graph cut: {d}");
+        tracing::debug!("graph cut: {d}");
     }
     if options.warnings_as_errors {
         if let Some(d) = diagnostics.first() {
