@@ -165,6 +165,41 @@ impl Context {
         Ok(GTensor::from_raw(self.clone(), t))
     }
 
+    /// One of this crate's CPU kernels as a ggml custom op named `name`: an f32 result of
+    /// dims `ne` computed by `fun` from `args` with `userdata`, on every thread.
+    ///
+    /// # Safety
+    /// `fun` accepts these sources, this output and this `userdata` (the caller checked the
+    /// shapes, types and strides it relies on).
+    unsafe fn host_kernel_op(
+        &self,
+        name: &'static str,
+        ne: [usize; 4],
+        args: &[&GTensor],
+        fun: sys::ggml_custom_op_t,
+        userdata: usize,
+    ) -> Result<GTensor> {
+        let mut raw: Vec<*mut sys::ggml_tensor> = args.iter().map(|t| t.raw()).collect();
+        // SAFETY: see the function's contract.
+        let t = self.op(name, 1, |c| unsafe {
+            sys::ggml_custom_4d(
+                c,
+                sys::GGML_TYPE_F32,
+                ne[0] as i64,
+                ne[1] as i64,
+                ne[2] as i64,
+                ne[3] as i64,
+                raw.as_mut_ptr(),
+                raw.len() as i32,
+                fun,
+                sys::GGML_N_TASKS_MAX,
+                userdata as *mut std::ffi::c_void,
+            )
+        })?;
+        t.set_name(name);
+        Ok(t)
+    }
+
     fn binary(
         &self,
         name: &'static str,
@@ -569,27 +604,17 @@ impl Context {
                 && (qn[0] / heads).is_multiple_of(2)
                 && super::host_attention::bf16_available(),
         };
-        // SAFETY: shapes, types and strides checked; one tensor.
-        self.op("attention_host", 1, |c| unsafe {
-            let mut args = [q.raw(), k.raw(), v.raw()];
-            sys::ggml_custom_4d(
-                c,
-                sys::GGML_TYPE_F32,
-                vn[0] as i64,
-                qn[1] as i64,
-                qn[2] as i64,
-                1,
-                args.as_mut_ptr(),
-                3,
+        // SAFETY: shapes, types and strides checked.
+        unsafe {
+            self.host_kernel_op(
+                ATTENTION_HOST_NAME,
+                [vn[0], qn[1], qn[2], 1],
+                &[q, k, v],
                 Some(super::host_attention::attention_kernel),
-                sys::GGML_N_TASKS_MAX,
-                spec.pack() as *mut std::ffi::c_void,
+                spec.pack(),
             )
-        })
-        .map(|t| {
-            t.set_name(ATTENTION_HOST_NAME);
-            Some(t)
-        })
+        }
+        .map(Some)
     }
 
     /// The gated GELU of a feed-forward layer on this crate's CPU kernel (a ggml custom op,
@@ -609,27 +634,17 @@ impl Context {
         if !fits {
             return Ok(None);
         }
-        // SAFETY: shape, type and strides checked; one tensor.
-        self.op("geglu_host", 1, |c| unsafe {
-            let mut args = [p.raw()];
-            sys::ggml_custom_4d(
-                c,
-                sys::GGML_TYPE_F32,
-                ne[0] as i64 / 2,
-                ne[1] as i64,
-                ne[2] as i64,
-                ne[3] as i64,
-                args.as_mut_ptr(),
-                1,
+        // SAFETY: shape, type and strides checked.
+        unsafe {
+            self.host_kernel_op(
+                GEGLU_HOST_NAME,
+                [ne[0] / 2, ne[1], ne[2], ne[3]],
+                &[p],
                 Some(super::host_geglu::geglu_kernel),
-                sys::GGML_N_TASKS_MAX,
-                std::ptr::null_mut(),
+                0,
             )
-        })
-        .map(|t| {
-            t.set_name(GEGLU_HOST_NAME);
-            Some(t)
-        })
+        }
+        .map(Some)
     }
 
     /// With this crate's CPU kernels ([`Context::set_host_kernels`]): a group norm of `x`
@@ -670,27 +685,17 @@ impl Context {
             silu,
             eps,
         };
-        // SAFETY: shapes, types and contiguity checked; three tensors.
-        self.op("group_norm_host", 1, |c| unsafe {
-            let mut args = [x.raw(), scale.raw(), shift.raw()];
-            sys::ggml_custom_4d(
-                c,
-                sys::GGML_TYPE_F32,
-                ne[0] as i64,
-                ne[1] as i64,
-                ne[2] as i64,
-                ne[3] as i64,
-                args.as_mut_ptr(),
-                3,
+        // SAFETY: shapes, types and contiguity checked.
+        unsafe {
+            self.host_kernel_op(
+                GROUP_NORM_HOST_NAME,
+                ne,
+                &[x, scale, shift],
                 Some(super::host_group_norm::group_norm_kernel),
-                sys::GGML_N_TASKS_MAX,
-                spec.pack() as *mut std::ffi::c_void,
+                spec.pack(),
             )
-        })
-        .map(|t| {
-            t.set_name(GROUP_NORM_HOST_NAME);
-            Some(t)
-        })
+        }
+        .map(Some)
     }
 
     /// A reshaped view of a contiguous tensor with ggml dims `ne`.
