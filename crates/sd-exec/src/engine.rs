@@ -131,6 +131,7 @@ impl<M: DeviceResidencyManager> ExecutionEngine<M> {
         s.release_all();
         s.clear_runner_cache();
         s.choices.clear();
+        s.kept_prepared.clear();
         s.planner = sd_graphcut::GraphPlanner::new(
             s.config.backend.buffer_type(),
             sd_graphcut::PlanOptions::default(),
@@ -164,6 +165,7 @@ impl<M: DeviceResidencyManager> ExecutionEngine<M> {
             .get_mut(&id)
             .ok_or(ExecError::UnknownSession(id))?;
         s.release_all();
+        s.kept_prepared.clear();
         s.sync(&mut self.manager);
         self.manager.clear_prefetched_params(id.owner());
         Ok(())
@@ -180,6 +182,7 @@ impl<M: DeviceResidencyManager> ExecutionEngine<M> {
         s.clear_runner_cache();
         s.sync(&mut self.manager);
         s.choices.clear();
+        s.kept_prepared.clear();
         s.planner = sd_graphcut::GraphPlanner::new(
             s.config.backend.buffer_type(),
             sd_graphcut::PlanOptions::default(),

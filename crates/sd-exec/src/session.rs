@@ -241,6 +241,9 @@ pub struct ExecutionSession {
     /// Plan choices by graph and limit (see `execution::Choice`), so that a graph run again
     /// under the same limit is planned once.
     pub(crate) choices: HashMap<crate::execution::ChoiceKey, crate::execution::Choice>,
+    /// The plans of the last executions, most recent last, for tasks that run the same
+    /// graph again.
+    pub(crate) kept_prepared: Vec<crate::execution::KeptPrepared>,
     /// The parameters pinned by the segment now running (unpinned after a panic).
     pub(crate) pinned_now: Vec<ParamId>,
     /// The parameters pinned by the segments in flight (asynchronous compute), oldest
@@ -291,6 +294,7 @@ impl ExecutionSession {
             evicting_prefetches: 0,
             planner: GraphPlanner::new(buft, PlanOptions::default(), PLAN_CACHE_PLANS),
             choices: HashMap::new(),
+            kept_prepared: Vec::new(),
             params_used: BTreeSet::new(),
             started: false,
             last_reports: Vec::new(),

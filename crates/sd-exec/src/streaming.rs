@@ -133,6 +133,20 @@ pub struct StreamingOptions {
     /// waiting: a thread of the session waits on their events in turn. For timelines of a
     /// step (`sd-bench unet --timeline on`); default off.
     pub timeline: bool,
+    /// How many of the next pass's first segments the last segments of a pass may prefetch
+    /// ([`next_pass_prefetch`](Self::next_pass_prefetch)), as far as there is room. A
+    /// UNet's last segments compute long on few weights: the link is otherwise idle then.
+    /// Default: 2.
+    pub next_pass_segments: usize,
+    /// How many segments' prefetches preparing one segment may add to the queue (the
+    /// scheduling is host work the segment's launch waits for). Default: 2.
+    pub prefetches_per_segment: usize,
+    /// Whether a prefetch beyond the next segment may evict weights of segments after its
+    /// target (furthest next use first), not only weights used already in this pass. On:
+    /// a step whose pool holds the last segments' weights from the step before (to be
+    /// evicted before their use anyway where the pool is small) prefetches the deep
+    /// segments early instead of leaving the link idle. Default: off.
+    pub evict_later_uses: bool,
 }
 
 impl Default for StreamingOptions {
@@ -154,6 +168,9 @@ impl Default for StreamingOptions {
             stable_cuts: false,
             compute_aware_residency: false,
             timeline: false,
+            next_pass_segments: 2,
+            prefetches_per_segment: 2,
+            evict_later_uses: false,
         }
     }
 }

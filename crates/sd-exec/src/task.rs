@@ -174,6 +174,10 @@ pub struct ComputeResult {
     /// Weight bytes uploaded to compute devices during the execution (staging and prefetch
     /// copies; the task's inputs are not counted): what streaming cost this run.
     pub weight_upload_bytes: u64,
+    /// Whether the plan was one the session kept from a recent execution: the same task
+    /// graph run again (its [`revision`](sd_tensor::ggml::Graph::revision) unchanged) under
+    /// the same limit and marks, so nothing was captured or planned.
+    pub plan_kept: bool,
 }
 
 /// Where the wall-clock time of one execution went, measured on the calling thread. The

@@ -2218,3 +2218,71 @@ fn a_step_timeline_orders_each_segments_work() {
         r.engine.end(id).unwrap();
     }
 }
+
+/// A task run again (a sampling loop that keeps its step's graph and feeds it new inputs)
+/// keeps its plan: from the second execution on nothing is captured or planned
+/// (`ComputeResult::plan_kept`), the new inputs are read, and each step equals a task built
+/// afresh with them, bit for bit, within a budget that segments it. A task built afresh
+/// (the same structure in a new graph) and a graph changed since its last run are planned
+/// again.
+#[test]
+fn a_task_run_again_keeps_its_plan_and_reads_its_new_inputs() {
+    let feed = |task: &mut ComputeTask, seed: u64| {
+        task.inputs[0].1 = bytes_of(&rnd(8 * 8 * 4, seed));
+        task.inputs[1].1 = bytes_of(&rnd(C, seed + 1));
+    };
+    let seeds = [7u64, 20, 30];
+    let mut r = rig("KEPT_REF", false);
+    let id = r.session(None, SegmentationPolicy::Never, false);
+    let refs: Vec<Vec<u8>> = seeds
+        .iter()
+        .map(|&seed| {
+            let mut t = unet(&r.w);
+            feed(&mut t, seed);
+            r.engine.execute(id, &t).unwrap().output
+        })
+        .collect();
+    r.engine.end(id).unwrap();
+    assert_ne!(refs[0], refs[1], "the inputs change the output");
+    let (seg, _) = run("KEPT_PROBE", unet, None, SegmentationPolicy::Always, false);
+    let weights = weight_bytes(&rig("KEPT_W", false), "unet.");
+    let footprint = seg.segments.iter().map(|s| s.footprint()).max().unwrap();
+    let budget = weights / 2 + footprint + 8192;
+
+    let mut r = rig("KEPT", true);
+    let id = r.session(Some(budget), SegmentationPolicy::Auto, true);
+    let mut task = unet(&r.w);
+    for round in 0..2 {
+        for (step, &seed) in seeds.iter().enumerate() {
+            feed(&mut task, seed);
+            let out = r.engine.execute(id, &task).unwrap();
+            assert!(out.segmented, "not segmented under {budget}");
+            assert_eq!(out.plan_kept, round + step > 0, "round {round} step {step}");
+            assert_eq!(out.output, refs[step], "round {round} step {step} differs");
+        }
+    }
+    // The same structure built again: a new graph, planned again (from the cached choice).
+    let fresh = r.engine.execute(id, &unet(&r.w)).unwrap();
+    assert!(!fresh.plan_kept);
+    assert_eq!(fresh.output, refs[0]);
+    // A graph changed after its run: planned again, and what it computes is read.
+    let mut grown = unet(&r.w);
+    assert!(!r.engine.execute(id, &grown).unwrap().plan_kept);
+    let ctx = grown.graph.context().clone();
+    let doubled = ctx.scale(&grown.output, 2.0).unwrap();
+    doubled.set_output();
+    grown.graph.build_forward_expand(&doubled).unwrap();
+    grown.output = doubled;
+    let out = r.engine.execute(id, &grown).unwrap();
+    assert!(!out.plan_kept, "a changed graph keeps no plan");
+    let twice: Vec<u8> = refs[0]
+        .chunks(4)
+        .flat_map(|b| (f32::from_le_bytes([b[0], b[1], b[2], b[3]]) * 2.0).to_le_bytes())
+        .collect();
+    assert_eq!(out.output, twice);
+    assert!(
+        r.sim.peak_bytes() <= budget,
+        "peak over the budget {budget}"
+    );
+    r.engine.end(id).unwrap();
+}

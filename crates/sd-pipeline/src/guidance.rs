@@ -11,7 +11,7 @@ use sd_tensor::{DType, Tensor};
 
 use crate::family::{Conditioning, TextCond};
 use crate::params::SkipLayerGuidance;
-use crate::runtime::{BuiltGraph, ModelHandle, Runtime, RuntimeError};
+use crate::runtime::{BuiltGraph, GraphKey, KeyedGraph, ModelHandle, Runtime, RuntimeError};
 use crate::sampling::{Denoise, SamplingError};
 
 /// The diffusion network of a runtime with classifier-free guidance (a [`Denoise`] model).
@@ -43,10 +43,24 @@ pub struct Guided<'a> {
 /// batch of prompts) and fed to every step as a constant input, which the runtime may keep
 /// on the device ([`Runtime::keep_constants`], stable-diffusion.cpp's Qwen-Image prefix
 /// cache).
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct EmbeddedText {
     /// Per batch of prompts (their addresses): the embedding `[hidden, tokens, batch]`.
     done: Vec<(Vec<usize>, [usize; 3], Vec<f32>)>,
+    /// Unique in the process: the step graphs kept under an embedding's index
+    /// ([`Runtime::run_keyed`]) are keyed by it too, so that no later run finds one that
+    /// holds another run's embedding.
+    serial: u64,
+}
+
+impl Default for EmbeddedText {
+    fn default() -> Self {
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        EmbeddedText {
+            done: Vec::new(),
+            serial: NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+        }
+    }
 }
 
 impl EmbeddedText {
@@ -153,53 +167,67 @@ impl Guided<'_> {
             None
         };
         let embedded_run = embedded.is_some();
-        let out = self
-            .runtime
-            .run(self.handle, "diffusion", net.graph_size(), |g| {
-                let x = g.ctx.new_tensor(DType::F32, &[w, h, c, batch])?;
-                let t = g.ctx.new_tensor(DType::F32, &[batch])?;
-                let ctx = match embedded {
-                    Some((index, ne, data)) => g.constant_input(
-                        &format!("embedded_text.{index}"),
-                        DType::F32,
-                        &ne,
-                        HostData::F32(data),
-                    )?,
-                    None => g.ctx.new_tensor(DType::F32, &[hidden, tokens, batch])?,
-                };
-                let yt = match &y {
-                    Some((adm, _)) => Some(g.ctx.new_tensor(DType::F32, &[*adm, batch])?),
-                    None => None,
-                };
-                let gt = match guidance {
-                    Some(_) => Some(g.ctx.new_tensor(DType::F32, &[batch])?),
-                    None => None,
-                };
-                let mut inputs = DiffusionInputs::new(&x, &t);
-                inputs.context = Some(&ctx);
-                inputs.context_embedded = embedded_run;
-                inputs.y = yt.as_ref();
-                inputs.guidance = gt.as_ref();
-                inputs.skip_blocks = skip;
-                let output = net.forward(g, &inputs)?;
-                let mut data = vec![
-                    (x.clone(), HostData::F32(xs)),
-                    (t.clone(), HostData::F32(vec![timestep; batch])),
-                ];
-                if !embedded_run {
-                    data.push((ctx.clone(), HostData::F32(context)));
-                }
-                if let (Some(yt), Some((_, yd))) = (yt, y) {
-                    data.push((yt, HostData::F32(yd)));
-                }
-                if let (Some(gt), Some(v)) = (gt, guidance) {
-                    data.push((gt, HostData::F32(vec![v; batch])));
-                }
-                Ok(BuiltGraph {
-                    output,
-                    inputs: data,
-                })
-            })?;
+        // The graph's structure: kept from step to step (the data below fed to it).
+        let key = GraphKey::of(&(
+            [w, h, c, batch, hidden, tokens],
+            y.as_ref().map(|(adm, _)| *adm),
+            guidance.is_some(),
+            embedded
+                .as_ref()
+                .map(|(index, ne, _)| (self.embedded.serial, *index, *ne)),
+            skip,
+        ));
+        let mut data = vec![HostData::F32(xs), HostData::F32(vec![timestep; batch])];
+        if !embedded_run {
+            data.push(HostData::F32(context));
+        }
+        if let Some((_, yd)) = y.as_ref() {
+            data.push(HostData::F32(yd.clone()));
+        }
+        if let Some(v) = guidance {
+            data.push(HostData::F32(vec![v; batch]));
+        }
+        let out =
+            self.runtime
+                .run_keyed(self.handle, "diffusion", net.graph_size(), key, data, |g| {
+                    let x = g.ctx.new_tensor(DType::F32, &[w, h, c, batch])?;
+                    let t = g.ctx.new_tensor(DType::F32, &[batch])?;
+                    let ctx = match embedded {
+                        Some((index, ne, data)) => g.constant_input(
+                            &format!("embedded_text.{index}"),
+                            DType::F32,
+                            &ne,
+                            HostData::F32(data),
+                        )?,
+                        None => g.ctx.new_tensor(DType::F32, &[hidden, tokens, batch])?,
+                    };
+                    let yt = match &y {
+                        Some((adm, _)) => Some(g.ctx.new_tensor(DType::F32, &[*adm, batch])?),
+                        None => None,
+                    };
+                    let gt = match guidance {
+                        Some(_) => Some(g.ctx.new_tensor(DType::F32, &[batch])?),
+                        None => None,
+                    };
+                    let mut inputs = DiffusionInputs::new(&x, &t);
+                    inputs.context = Some(&ctx);
+                    inputs.context_embedded = embedded_run;
+                    inputs.y = yt.as_ref();
+                    inputs.guidance = gt.as_ref();
+                    inputs.skip_blocks = skip;
+                    let output = net.forward(g, &inputs)?;
+                    // In the order of the data above.
+                    let mut fed = vec![x.clone(), t.clone()];
+                    if !embedded_run {
+                        fed.push(ctx.clone());
+                    }
+                    fed.extend(yt);
+                    fed.extend(gt);
+                    Ok(KeyedGraph {
+                        output,
+                        inputs: fed,
+                    })
+                })?;
         Ok(out.data)
     }
 }

@@ -23,7 +23,7 @@ use sd_residency::ModelManager;
 use sd_tensor::ggml::GTensor;
 
 /// A constant input of a task, not yet fed to it.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub(crate) struct Constant {
     /// The input leaf.
     pub tensor: GTensor,

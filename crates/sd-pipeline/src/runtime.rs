@@ -319,6 +319,53 @@ struct ModelSlot {
     on_device: bool,
     /// The model's constant inputs kept on the device ([`Runtime::keep_constants`]).
     constants: RunnerCache,
+    /// Graphs kept by [`Runtime::run_keyed`], most recent last.
+    kept: Vec<KeptTask>,
+}
+
+/// At most this many graphs are kept per model by [`Runtime::run_keyed`] (a step's
+/// guided pass, one pass per prompt where the contexts differ in length, the skip-layer
+/// pass).
+const MAX_KEPT_GRAPHS: usize = 4;
+
+/// Names the structure of a graph that a caller builds again and again with new input
+/// data (every step of a sampling loop), for [`Runtime::run_keyed`]: two builds under one
+/// key must give the same graph (the same ops, shapes and constants); only the data of
+/// the inputs may differ.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct GraphKey(pub u64);
+
+impl GraphKey {
+    /// The key of everything `parts` hashes (shapes, switches, a pass's name).
+    pub fn of(parts: &impl std::hash::Hash) -> GraphKey {
+        use std::hash::Hasher;
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        parts.hash(&mut h);
+        GraphKey(h.finish())
+    }
+}
+
+/// What the build of [`Runtime::run_keyed`] returns: the output and the input leaves, in
+/// the order of the data the caller passes.
+#[derive(Debug)]
+pub struct KeyedGraph {
+    /// The tensor whose values are returned.
+    pub output: GTensor,
+    /// The input leaves the caller feeds at every run.
+    pub inputs: Vec<GTensor>,
+}
+
+/// A task kept by [`Runtime::run_keyed`]: built once, run again with new input data.
+struct KeptTask {
+    key: GraphKey,
+    task: ComputeTask,
+    output: GTensor,
+    /// The caller's input leaves: `task.inputs[..fed]`, in order.
+    fed: usize,
+    /// The constant inputs, fed at every run (kept on the device or uploaded).
+    constants: Vec<Constant>,
+    /// The graph's context (kept alive with it).
+    _g: GraphCtx,
 }
 
 /// The output of [`Runtime::run`] as f32 values.
@@ -336,6 +383,9 @@ pub struct RunOutput {
     pub timing: ExecTiming,
     /// Weight bytes uploaded to devices during the execution.
     pub weight_upload_bytes: u64,
+    /// Whether the engine ran the plan kept from the model's last run (a graph kept by
+    /// [`Runtime::run_keyed`] run again: nothing built, captured or planned).
+    pub plan_kept: bool,
 }
 
 impl RunOutput {
@@ -758,6 +808,7 @@ impl Runtime {
             device,
             on_device,
             constants: RunnerCache::default(),
+            kept: Vec::new(),
         });
         Ok((ModelHandle(self.models.len() - 1), model))
     }
@@ -790,13 +841,114 @@ impl Runtime {
     ) -> Result<RunOutput> {
         let (mut task, output, _g, constants) =
             self.build_task(h, description, graph_size, build)?;
+        self.execute_built(h, &mut task, &output, constants)
+    }
+
+    /// [`Runtime::run`] for a graph built again and again (every step of a sampling loop):
+    /// the first run under `key` builds it with `build` and keeps it (the task, its plan
+    /// in the engine, its segment graphs); a later run under the same key only feeds it
+    /// `inputs`, in the order of [`KeyedGraph::inputs`], without building, capturing or
+    /// planning anything. The model keeps its last [`MAX_KEPT_GRAPHS`] keys; they go with
+    /// [`Runtime::release`] and [`Runtime::set_loras`].
+    pub fn run_keyed(
+        &mut self,
+        h: ModelHandle,
+        description: &str,
+        graph_size: usize,
+        key: GraphKey,
+        inputs: Vec<HostData>,
+        build: impl FnOnce(&mut GraphCtx) -> std::result::Result<KeyedGraph, ModelError>,
+    ) -> Result<RunOutput> {
+        self.slot(h)?;
+        let found = self.models[h.0].kept.iter().position(|k| k.key == key);
+        let mut kept = match found {
+            Some(i) => {
+                let mut k = self.models[h.0].kept.remove(i);
+                if inputs.len() != k.fed {
+                    return Err(RuntimeError::Output {
+                        model: self.slot(h)?.name.clone(),
+                        task: description.to_string(),
+                        detail: format!(
+                            "fed {} inputs to a graph kept with {}",
+                            inputs.len(),
+                            k.fed
+                        ),
+                    });
+                }
+                for ((t, bytes), data) in k.task.inputs.iter_mut().zip(&inputs) {
+                    *bytes = host_bytes(t, data)?;
+                }
+                k.task.description = description.to_string();
+                k
+            }
+            None => {
+                let mut n = 0;
+                let (task, output, g, constants) =
+                    self.build_task(h, description, graph_size, |g| {
+                        let built = build(g)?;
+                        if built.inputs.len() != inputs.len() {
+                            return Err(ModelError::Input {
+                                name: "inputs",
+                                detail: format!(
+                                    "the graph has {} inputs, {} given",
+                                    built.inputs.len(),
+                                    inputs.len()
+                                ),
+                            });
+                        }
+                        n = inputs.len();
+                        Ok(BuiltGraph {
+                            output: built.output,
+                            inputs: built.inputs.into_iter().zip(inputs).collect(),
+                        })
+                    })?;
+                KeptTask {
+                    key,
+                    task,
+                    output,
+                    fed: n,
+                    constants,
+                    _g: g,
+                }
+            }
+        };
+        // What feeding the constants adds to the task goes again after the run.
+        let (inputs_len, cached_len) = (kept.task.inputs.len(), kept.task.cached_inputs.len());
+        let result = self.execute_built(
+            h,
+            &mut kept.task,
+            &kept.output.clone(),
+            kept.constants.clone(),
+        );
+        kept.task.inputs.truncate(inputs_len);
+        kept.task.cached_inputs.truncate(cached_len);
+        if result.is_ok() {
+            let slot = &mut self.models[h.0];
+            if slot.kept.len() >= MAX_KEPT_GRAPHS {
+                slot.kept.remove(0);
+            }
+            slot.kept.push(kept);
+        }
+        result
+    }
+
+    /// Feeds `task` its `constants` (from the device where kept), executes it in model
+    /// `h`'s session and returns `output` as f32.
+    fn execute_built(
+        &mut self,
+        h: ModelHandle,
+        task: &mut ComputeTask,
+        output: &GTensor,
+        constants: Vec<Constant>,
+    ) -> Result<RunOutput> {
+        let description = task.description.clone();
         let session = self.slot(h)?.session;
         let cache = &mut self.models[h.0].constants;
-        let fed = cache.feed(&mut self.engine, session, &mut task, constants);
-        let result = match self.engine.execute(session, &task) {
+        let fed = cache.feed(&mut self.engine, session, task, constants);
+        let result = match self.engine.execute(session, task) {
             Err(e) if e.is_out_of_memory() && !fed.is_empty() => {
-                cache.fall_back(&mut self.engine, session, &mut task, fed, &e)?;
-                self.engine.execute(session, &task)
+                cache.fall_back(&mut self.engine, session, task, fed, &e)?;
+                self.engine.execute(session, task)
             }
             other => other,
         }
@@ -807,7 +959,7 @@ impl Runtime {
         let Some(data) = data else {
             return Err(RuntimeError::Output {
                 model: self.slot(h)?.name.clone(),
-                task: description.to_string(),
+                task: description,
                 detail: format!("has type {:?}, not f32", output.dtype()),
             });
         };
@@ -818,6 +970,7 @@ impl Runtime {
             segments: result.segments,
             timing: result.timing,
             weight_upload_bytes: result.weight_upload_bytes,
+            plan_kept: result.plan_kept,
         })
     }
 
@@ -924,6 +1077,7 @@ impl Runtime {
         let session = self.slot(h)?.session;
         self.engine.end(session)?;
         self.models[h.0].constants.forget();
+        self.models[h.0].kept.clear();
         self.engine.start(session)?;
         Ok(())
     }
@@ -957,6 +1111,7 @@ impl Runtime {
         }
         for m in &mut self.models {
             m.constants.forget();
+            m.kept.clear();
         }
         let result = self.engine.manager_mut().set_loras(specs);
         for s in &sessions {

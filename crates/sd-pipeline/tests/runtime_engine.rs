@@ -15,7 +15,8 @@ use sd_models::{load_all_to_cpu, GraphCtx, HostData, ParamBuilder};
 use sd_pipeline::family::ModelSpec;
 use sd_pipeline::generate::{GenerateError, Pipeline, Txt2Img};
 use sd_pipeline::runtime::{
-    BuiltGraph, ComputeDevice, ParamsLocation, Runtime, RuntimeError, RuntimeOptions,
+    BuiltGraph, ComputeDevice, GraphKey, KeyedGraph, ParamsLocation, Runtime, RuntimeError,
+    RuntimeOptions,
 };
 use sd_pipeline::vae_tiling::VaeTiling;
 use sd_residency::capacity::MaxVram;
@@ -207,6 +208,98 @@ fn a_runtime_graph_equals_run_cpu() {
     // A handle from elsewhere and a source the runtime lacks are errors, not panics.
     let r = rt.add_model("x", Component::Other, SourceId(7), |_| Ok(()));
     assert!(matches!(r, Err(RuntimeError::Unknown(_))));
+}
+
+/// A graph kept by `Runtime::run_keyed` is built once and fed new inputs at each run: every
+/// run equals `Runtime::run` of a graph built afresh with the same inputs, bit for bit
+/// (segmented on a budgeted simulated device), the engine keeps its plan from the second run
+/// on, a wrong number of inputs is an error, and after `Runtime::release` it is built again.
+#[test]
+fn a_keyed_graph_is_built_once_and_fed_new_inputs() {
+    let mut loader = TensorCatalog::new();
+    loader.add_file(builtin(), None).unwrap();
+    let spec = ModelSpec::detect(&loader).unwrap();
+    sd_models::weights::canonicalize(&mut loader, None).unwrap();
+    let clip_cfg = clip_config(&spec);
+    let mut rt = Runtime::new(
+        RuntimeOptions {
+            compute: ComputeDevice::Sim {
+                bytes: 64 << 20,
+                page: 0,
+            },
+            threads: 2,
+            segmentation: sd_exec::SegmentationPolicy::Always,
+            ..RuntimeOptions::default()
+        },
+        loader,
+    )
+    .unwrap();
+    let cfg = clip_cfg.clone();
+    let (h, clip) = rt
+        .add_model("clip", Component::TextEncoder, SourceId::MAIN, |pb| {
+            ClipTextModel::new(pb, cfg)
+        })
+        .unwrap();
+    let prompt = |k: i32| -> Vec<i32> {
+        (0..77)
+            .map(|i| if i == 0 { 49406 } else { 49407 - ((i + k) % 5) })
+            .collect()
+    };
+    let key = GraphKey::of(&("clip", 77));
+    let builds = std::cell::Cell::new(0);
+    let keyed = |rt: &mut Runtime, ids: Vec<i32>| {
+        rt.run_keyed(h, "clip", 4096, key, vec![HostData::I32(ids)], |g| {
+            builds.set(builds.get() + 1);
+            let input = g.ctx.new_tensor(DType::I32, &[77, 1])?;
+            let output = clip.forward(g, &input)?;
+            Ok(KeyedGraph {
+                output,
+                inputs: vec![input],
+            })
+        })
+    };
+    let mut outputs = Vec::new();
+    for k in 0..3 {
+        let got = keyed(&mut rt, prompt(k)).unwrap();
+        assert!(got.segmented && got.segments.len() > 1);
+        assert_eq!(got.plan_kept, k > 0, "run {k}");
+        outputs.push(got.data);
+    }
+    assert_eq!(builds.get(), 1, "built once");
+    assert_ne!(outputs[0], outputs[1], "the inputs reach the kept graph");
+    for (k, want) in outputs.iter().enumerate() {
+        let ids = prompt(k as i32);
+        let fresh = rt
+            .run(h, "clip", 4096, |g| {
+                let input = g.ctx.new_tensor(DType::I32, &[77, 1])?;
+                let output = clip.forward(g, &input)?;
+                Ok(BuiltGraph {
+                    output,
+                    inputs: vec![(input, HostData::I32(ids))],
+                })
+            })
+            .unwrap();
+        assert!(!fresh.plan_kept);
+        assert_eq!(&fresh.data, want, "run {k} differs from a fresh build");
+    }
+    // The kept graph outlives other runs of the model, and so does its plan.
+    let later = keyed(&mut rt, prompt(1)).unwrap();
+    assert_eq!(later.data, outputs[1]);
+    assert!(later.plan_kept);
+    assert_eq!(builds.get(), 1);
+    let wrong = rt.run_keyed(h, "clip", 4096, key, vec![], |_| unreachable!());
+    assert!(
+        matches!(&wrong, Err(RuntimeError::Output { detail, .. }) if detail.contains("fed 0 inputs")),
+        "{wrong:?}"
+    );
+    // The failed run dropped the kept graph; so does a release.
+    assert_eq!(keyed(&mut rt, prompt(2)).unwrap().data, outputs[2]);
+    assert_eq!(builds.get(), 2);
+    rt.release(h).unwrap();
+    let again = keyed(&mut rt, prompt(0)).unwrap();
+    assert_eq!(again.data, outputs[0]);
+    assert!(!again.plan_kept);
+    assert_eq!(builds.get(), 3);
 }
 
 /// A model from a second model source (how an upscaler file joins a pipeline's runtime)

@@ -65,8 +65,8 @@ use sd_models::unet::{HeadSpec, UnetConfig};
 use sd_models::weights::DEFAULT_PARAM_CAPACITY;
 use sd_models::{ComputeOptions, GraphCtx, HostData, ModelError, ParamBuilder, Params};
 use sd_pipeline::runtime::{
-    BuiltGraph, ComputeDevice, ModelHandle, ParamsLocation, RunOutput, Runtime, RuntimeError,
-    RuntimeOptions,
+    BuiltGraph, ComputeDevice, GraphKey, KeyedGraph, ModelHandle, ParamsLocation, RunOutput,
+    Runtime, RuntimeError, RuntimeOptions,
 };
 use sd_residency::capacity::{BudgetSpec, MaxVram};
 use sd_residency::{Component, ResidencyError, SourceId, UploadOptions};
@@ -348,6 +348,23 @@ struct UnetArgs {
     /// `StreamingOptions::timeline`, `ModelManager::set_upload_log`)
     #[arg(long = "timeline", value_enum, default_value = "off")]
     timeline: OnOff,
+    /// Keep the step's graph from step to step and feed it new inputs, as `sd`'s sampling
+    /// loop does (`Runtime::run_keyed`: nothing built, captured or planned after the first
+    /// step); off: built again at every step
+    #[arg(long = "keep-graph", value_enum, default_value = "on")]
+    keep_graph: OnOff,
+    /// How many of the next step's first segments the last segments may prefetch (see
+    /// `StreamingOptions::next_pass_segments`)
+    #[arg(long = "next-pass-segments", default_value_t = 2)]
+    next_pass_segments: usize,
+    /// How many prefetches preparing one segment may queue (see
+    /// `StreamingOptions::prefetches_per_segment`)
+    #[arg(long = "prefetches-per-segment", default_value_t = 2)]
+    prefetches_per_segment: usize,
+    /// A deep prefetch may evict weights of segments after its target (see
+    /// `StreamingOptions::evict_later_uses`)
+    #[arg(long = "evict-later-uses", value_enum, default_value = "off")]
+    evict_later_uses: OnOff,
     /// Convert the linear weights when loading (q8_0, q4_K, f16...; default: the file's)
     #[arg(long = "type", value_name = "TYPE")]
     weight_type: Option<String>,
@@ -753,14 +770,16 @@ fn f32_bytes(v: &[f32]) -> Vec<u8> {
 }
 
 /// One step of the benchmarked network through a [`Runtime`]: the path `sd` runs (one engine,
-/// one residency manager, the model's own session; the step's graph built again at each
-/// call, as a sampling loop builds it).
+/// one residency manager, the model's own session; the step's graph kept from step to step
+/// and fed new inputs, as `sd`'s sampling loop does, or built again at each call).
 struct Rig {
     rt: Runtime,
     model_handle: ModelHandle,
     model: BenchNet,
     /// Matrix-product and attention FLOPs of one step, counted from the graph.
     flops: f64,
+    /// Whether the step's graph is kept ([`Runtime::run_keyed`]).
+    keep_graph: bool,
 }
 
 /// How to build a [`Rig`].
@@ -784,6 +803,8 @@ struct RigOptions<'a> {
     runtime_reserve: Option<u64>,
     /// This project's CPU kernels where the CPU backend computes.
     host_kernels: bool,
+    /// Whether the step's graph is kept from step to step.
+    keep_graph: bool,
 }
 
 impl RigOptions<'_> {
@@ -856,6 +877,7 @@ fn build_rig(o: &RigOptions<'_>, mut rt: Runtime, inputs: &Inputs) -> Result<Rig
         model_handle,
         model,
         flops,
+        keep_graph: o.keep_graph,
     })
 }
 
@@ -863,10 +885,45 @@ impl Rig {
     /// One step: the graph built and executed through the runtime.
     fn step(&mut self, inputs: &Inputs) -> Result<RunOutput> {
         let model = &self.model;
-        Ok(self.rt.run(self.model_handle, "unet step", GRAPH, |g| {
-            step_graph(g, model, inputs)
-        })?)
+        if !self.keep_graph {
+            return Ok(self.rt.run(self.model_handle, "unet step", GRAPH, |g| {
+                step_graph(g, model, inputs)
+            })?);
+        }
+        Ok(self.rt.run_keyed(
+            self.model_handle,
+            "unet step",
+            GRAPH,
+            GraphKey(0),
+            step_data(model, inputs),
+            |g| {
+                let built = step_graph(g, model, inputs)?;
+                Ok(KeyedGraph {
+                    output: built.output,
+                    inputs: built.inputs.into_iter().map(|(t, _)| t).collect(),
+                })
+            },
+        )?)
     }
+}
+
+/// The data of [`step_graph`]'s inputs, in its order.
+fn step_data(model: &BenchNet, inputs: &Inputs) -> Vec<HostData> {
+    if let BenchNet::Llm(_) = model {
+        return vec![HostData::I32(inputs.ids.clone())];
+    }
+    let mut data = vec![
+        HostData::F32(inputs.x.clone()),
+        HostData::F32(inputs.t.clone()),
+        HostData::F32(inputs.ctx.clone()),
+    ];
+    if let Some((_, y)) = &inputs.y {
+        data.push(HostData::F32(y.clone()));
+    }
+    if let Some(g) = &inputs.guidance {
+        data.push(HostData::F32(g.clone()));
+    }
+    data
 }
 
 const GRAPH: usize = 32768;
@@ -1189,6 +1246,9 @@ fn cmd_unet(a: &UnetArgs) -> Result<()> {
         next_pass_prefetch: a.next_pass_prefetch == OnOff::On,
         stable_cuts: a.stable_cuts == OnOff::On,
         timeline: a.timeline == OnOff::On,
+        next_pass_segments: a.next_pass_segments,
+        prefetches_per_segment: a.prefetches_per_segment,
+        evict_later_uses: a.evict_later_uses == OnOff::On,
         ..StreamingOptions::default()
     };
     let options = RigOptions {
@@ -1204,6 +1264,7 @@ fn cmd_unet(a: &UnetArgs) -> Result<()> {
         stable_placement: a.stable_placement == OnOff::On,
         runtime_reserve: a.runtime_reserve,
         host_kernels: a.host_kernels == OnOff::On,
+        keep_graph: a.keep_graph == OnOff::On,
     };
     // The runtime measures its backend's own memory (the reserve left out of the budget)
     // before anything of the model is placed; device memory is sampled from then on.
@@ -1355,6 +1416,10 @@ fn cmd_unet(a: &UnetArgs) -> Result<()> {
             "graphs_reused": last.segments.iter().filter(|s| s.graph_reused).count(),
             "stable_placement": a.stable_placement == OnOff::On,
             "stable_cuts": a.stable_cuts == OnOff::On,
+            "keep_graph": a.keep_graph == OnOff::On,
+            "next_pass_segments": a.next_pass_segments,
+            "prefetches_per_segment": a.prefetches_per_segment,
+            "evict_later_uses": a.evict_later_uses == OnOff::On,
             // Segment runs of the timed steps whose graph read and wrote the same addresses
             // as their previous run (ggml's CUDA backend replays those as CUDA graphs).
             "graphs_unmoved_per_step": unmoved as f64 / steps as f64,
@@ -1476,6 +1541,7 @@ fn cmd_check(name: &str, threads: usize) -> Result<()> {
             // The tiny UNet's budget is all the engine's.
             runtime_reserve: Some(0),
             host_kernels: true,
+            keep_graph: true,
         };
         let rt = start_runtime(&options)?;
         let mut rig = build_rig(&options, rt, &inputs)?;

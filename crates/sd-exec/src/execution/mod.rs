@@ -120,6 +120,30 @@ pub(crate) struct Prepared {
     pub(crate) stable_cuts: std::cell::OnceCell<Option<(u64, HashMap<usize, usize>)>>,
 }
 
+/// What names a plan a session keeps from a recent execution (see [`KeptPrepared`]):
+/// the task graph's [`revision`](sd_tensor::ggml::Graph::revision) (the same graph, not
+/// changed since), the limit and the task's marks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct KeptKey {
+    revision: u64,
+    limit: Option<u64>,
+    marks: u64,
+}
+
+/// At most this many plans are kept per session (see [`KeptPrepared`]): a sampling loop
+/// may alternate graphs (one per prompt where the contexts differ in length, a skip-layer
+/// pass on some steps).
+const MAX_KEPT_PLANS: usize = 4;
+
+/// The plan of a recent execution, kept for a task that runs the same graph again (a
+/// sampling loop that keeps its step's graph and feeds it new inputs): the next execution
+/// neither captures nor plans.
+pub(crate) struct KeptPrepared {
+    key: KeptKey,
+    prepared: Prepared,
+    segmented: bool,
+}
+
 /// What a session remembers of a plan choice: the graph (structure, without marks), the
 /// limit it was chosen for and the number of marks the task had.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -191,19 +215,62 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
                 .entered();
         let start = Instant::now();
         let uploaded = self.manager.weight_upload_bytes();
-        let (prepared, segmented) = self.choose(task)?;
+        let key = self.kept_key(task);
+        let found = self.session.kept_prepared.iter().position(|k| k.key == key);
+        let (prepared, segmented, kept) = match found.map(|i| self.session.kept_prepared.remove(i))
+        {
+            Some(k) => {
+                tracing::trace!(
+                    revision = key.revision,
+                    "a plan kept from a recent execution"
+                );
+                (k.prepared, k.segmented, true)
+            }
+            _ => {
+                let (p, segmented) = self.choose(task)?;
+                (p, segmented, false)
+            }
+        };
         let mut timing = ExecTiming {
             plan: start.elapsed(),
             ..ExecTiming::default()
         };
         let mut result = self.run_plan(task, &prepared, segmented, &mut timing)?;
+        // Keyed as the next execution will see it (choosing may have lowered the limit:
+        // the runtime's temporaries for this graph).
+        let key = self.kept_key(task);
+        let plans = &mut self.session.kept_prepared;
+        plans.retain(|k| k.key.revision != key.revision);
+        if plans.len() >= MAX_KEPT_PLANS {
+            plans.remove(0);
+        }
+        plans.push(KeptPrepared {
+            key,
+            prepared,
+            segmented,
+        });
         timing.total = start.elapsed();
         timing.segments = result.segments.len();
         timing.finish();
         timing.log(&task.description);
         result.timing = timing;
         result.weight_upload_bytes = self.manager.weight_upload_bytes().saturating_sub(uploaded);
+        result.plan_kept = kept;
         Ok(result)
+    }
+
+    /// The key under which `task`'s plan is kept (see [`KeptPrepared`]).
+    fn kept_key(&self, task: &ComputeTask) -> KeptKey {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        for m in task.marks.iter() {
+            (m.tensor, &m.name, m.level).hash(&mut h);
+        }
+        KeptKey {
+            revision: task.graph.revision(),
+            limit: self.segment_limit(),
+            marks: h.finish(),
+        }
     }
 
     fn request(&self, device: usize, pending: u64) -> BackendMemoryRequest {
@@ -344,6 +411,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
             segments: reports,
             timing: ExecTiming::default(),
             weight_upload_bytes: 0,
+            plan_kept: false,
         })
     }
 
@@ -1023,11 +1091,13 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         let depth = self.session.config.streaming.prefetch_depth.max(1);
         let n = p.plan.segments.len();
         // Targets from `n` on are the next pass's segments `target - n`.
-        let next_pass = if self.session.config.streaming.next_pass_prefetch {
-            NEXT_PASS_SEGMENTS.min(n.saturating_sub(2))
+        let streaming = &self.session.config.streaming;
+        let next_pass = if streaming.next_pass_prefetch {
+            streaming.next_pass_segments.min(n.saturating_sub(2))
         } else {
             0
         };
+        let per_segment = streaming.prefetches_per_segment.max(1);
         let last = k.saturating_add(depth).min(n - 1 + next_pass);
         let first = queued.back().map_or(k, |(t, _)| *t) + 1;
         let mut scheduled = 0;
@@ -1051,7 +1121,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
                     scheduled += 1;
                     // Each segment extends the queue by a bounded number of targets: the
                     // scheduling is host work the segment's compute waits for.
-                    if scheduled == MAX_PREFETCHES_PER_SEGMENT {
+                    if scheduled == per_segment {
                         break;
                     }
                 }
@@ -1101,8 +1171,14 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         // Every segment from `k` to the target keeps its weights, and the resident set. A
         // prefetch beyond the next segment evicts only weights already used this step
         // (needed again next step at the earliest): evicting one still to come would
-        // stream it twice.
-        let keep_until = if target > k + 1 { n - 1 } else { target };
+        // stream it twice; unless `evict_later_uses`, where those of segments after the
+        // target may go too (furthest next use first).
+        let later_uses = self.session.config.streaming.evict_later_uses && !next_pass;
+        let keep_until = if target > k + 1 && !later_uses {
+            n - 1
+        } else {
+            target
+        };
         let mut protected: Vec<ParamId> = p.segment_params[k..=keep_until.min(n - 1)].concat();
         protected.extend(resident.iter().copied());
         // The segments between `k` and the target: the rest of this pass, then the next
@@ -1306,13 +1382,6 @@ fn segment_ask<'a>(
         pending_unless_pooled: false,
     }
 }
-
-/// How many segments' prefetches one segment may add to the queue.
-const MAX_PREFETCHES_PER_SEGMENT: usize = 2;
-
-/// How many of the next pass's first segments the last segments of a pass may prefetch
-/// (see [`crate::StreamingOptions::next_pass_prefetch`]).
-const NEXT_PASS_SEGMENTS: usize = 2;
 
 /// What asking to prefetch one segment's weights came to.
 enum Prefetch {

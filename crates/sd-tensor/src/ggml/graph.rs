@@ -2,6 +2,7 @@
 
 use std::collections::HashSet;
 use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use ggml_sys as sys;
 
@@ -20,6 +21,16 @@ pub struct Graph {
     visited: HashSet<usize>,
     n_nodes: usize,
     n_leafs: usize,
+    revision: u64,
+}
+
+/// The source of [`Graph::revision`]s: one counter for the process, so that no two graphs,
+/// and no two states of one graph, ever share a revision (a graph freed and another built at
+/// the same address included).
+static NEXT_REVISION: AtomicU64 = AtomicU64::new(1);
+
+fn next_revision() -> u64 {
+    NEXT_REVISION.fetch_add(1, Ordering::Relaxed)
 }
 
 // SAFETY: the graph lives in its context's memory; mutations need `&mut self`.
@@ -64,7 +75,16 @@ impl Graph {
             visited: HashSet::new(),
             n_nodes: 0,
             n_leafs: 0,
+            revision: next_revision(),
         })
+    }
+
+    /// A number naming this graph as it is now: unique in the process, and new whenever
+    /// the graph changes through this handle ([`build_forward_expand`](Self::build_forward_expand)).
+    /// A caller that runs the same graph again (new data in its inputs, nothing else
+    /// changed) can key what it derived from the graph by it.
+    pub fn revision(&self) -> u64 {
+        self.revision
     }
 
     pub(crate) fn raw(&self) -> *mut sys::ggml_cgraph {
@@ -115,6 +135,7 @@ impl Graph {
         self.visited.extend(added);
         self.n_nodes += new_nodes;
         self.n_leafs += new_leafs;
+        self.revision = next_revision();
         // SAFETY: live graph.
         debug_assert_eq!(self.n_nodes, unsafe { sys::ggml_graph_n_nodes(self.raw()) }
             as usize);
