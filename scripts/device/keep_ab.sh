@@ -4,7 +4,8 @@
 # captured or planned after the first step) against built again at every step (`off`), and
 # under budgets the prefetch switches: deeper next-step prefetch (`--next-pass-segments
 # NP`), deep prefetches that may evict later segments' weights (`--evict-later-uses on`),
-# more prefetches queued per segment (`--prefetches-per-segment PP`), all with timelines.
+# more prefetches queued per segment (`--prefetches-per-segment PP`), all with timelines;
+# and the resident step and bare graph with ggml's direct convolution (`--conv-direct on`).
 # MODELS [sd15 sdxl]; SD1.5 at SD15_BUDGETS [0.75 0.5 0.25], SDXL at XL_BUDGETS [0.5
 # 0.25]; VARIANTS picks the budgeted variants [base np evict both all]; pinned params,
 # reserve 0; the bare graph and the resident step beside them. Runs start only until
@@ -34,6 +35,8 @@ for m in ${MODELS-sd15 sdxl}; do
   bench_model $m
   ab_one $m-resident-off "${W[@]}" --params device --keep-graph off
   ab_one $m-bare "${W[@]}" --params device --direct on
+  ab_one $m-resident-conv "${W[@]}" --params device --conv-direct on
+  ab_one $m-bare-conv "${W[@]}" --params device --direct on --conv-direct on
   budgets=${SD15_BUDGETS-0.75 0.5 0.25}
   [[ $m == sdxl ]] && budgets=${XL_BUDGETS-0.5 0.25}
   for f in $budgets; do

@@ -105,7 +105,16 @@ impl Conv2d {
             && (!pointwise
                 || matches!(wt, Some(DType::F16 | DType::BF16))
                 || (wt == Some(DType::F32) && g.opts.exact));
-        let y = if pointwise && !host {
+        let direct = !host && ctx.direct_conv() && wt == Some(DType::F16);
+        let y = if direct {
+            ctx.conv_2d_direct(
+                &self.weight,
+                x,
+                (self.stride, self.stride),
+                (self.padding, self.padding),
+                (1, 1),
+            )?
+        } else if pointwise && !host {
             // 1x1: a matmul over channels.
             let xn = x.ne();
             let w = ctx.reshape(&self.weight, &[kn[2], kn[3]])?;
@@ -434,4 +443,49 @@ pub fn sinusoidal_embedding(values: &[f32], dim: usize) -> Vec<f32> {
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ComputeOptions;
+
+    /// With `Context::set_direct_conv`, 3x3 and 1x1 convolutions with f16 kernels are
+    /// ggml's `CONV_2D` (bias added after); f32 kernels, and every kernel without it, take
+    /// the im2col / matrix-product path.
+    #[test]
+    fn direct_convolutions_are_ggmls_conv_2d_for_f16_kernels() {
+        let opts = ComputeOptions {
+            exact: false,
+            flash_attn: false,
+            host_kernels: false,
+        };
+        for (direct, dtype, k, want) in [
+            (true, DType::F16, 3, true),
+            (true, DType::F16, 1, true),
+            (true, DType::F32, 3, false),
+            (false, DType::F16, 3, false),
+            (false, DType::F16, 1, false),
+        ] {
+            let g = GraphCtx::new(64, 64, opts).unwrap();
+            g.ctx.set_direct_conv(direct);
+            let conv = Conv2d {
+                weight: g.ctx.new_tensor(dtype, &[k, k, 4, 8]).unwrap(),
+                bias: Some(g.ctx.new_tensor(DType::F32, &[8]).unwrap()),
+                stride: 1,
+                padding: k / 2,
+            };
+            let x = g.ctx.new_tensor(DType::F32, &[6, 6, 4, 2]).unwrap();
+            let y = conv.forward(&g, &x).unwrap();
+            assert_eq!(y.ne(), [6, 6, 8, 2]);
+            assert_eq!(y.op_name(), "ADD", "the bias");
+            let z = y.src(0).unwrap();
+            assert_eq!(
+                z.op_name() == "CONV_2D",
+                want,
+                "direct {direct}, {dtype:?} {k}x{k}: {}",
+                z.op_name()
+            );
+        }
+    }
 }

@@ -62,6 +62,18 @@ fn run_typed(
     opts: ComputeOptions,
     weight_type: Option<DType>,
 ) -> (Vec<f32>, Vec<f32>, GraphCtx) {
+    run_with(name, opts, weight_type, false)
+}
+
+/// [`run_typed`], the convolutions with f16 kernels as ggml's direct convolution with
+/// `direct_conv` (`Context::set_direct_conv`, as the runtime builds for a GPU with
+/// `RuntimeOptions::direct_conv`).
+fn run_with(
+    name: &str,
+    opts: ComputeOptions,
+    weight_type: Option<DType>,
+    direct_conv: bool,
+) -> (Vec<f32>, Vec<f32>, GraphCtx) {
     let cat = catalog(name);
     let pb = ParamBuilder::new(Some(&cat), 1024).unwrap();
     pb.set_weight_type(weight_type);
@@ -100,6 +112,7 @@ fn run_typed(
     let refs = io(name);
     let (xr, tr, cr) = (&refs["x"], &refs["timesteps"], &refs["context"]);
     let mut g = GraphCtx::new(8192, 8192, opts).unwrap();
+    g.ctx.set_direct_conv(direct_conv);
     // As the Runtime runs `--type bf16` (and a quantized type on AMX tiles): the
     // attention's products in bf16 too.
     g.ctx
@@ -188,6 +201,22 @@ fn typed_weights_stay_close(weights: DType) {
             &want,
             2e-2,
         );
+    }
+}
+
+/// f16 weights with ggml's direct convolution (`RuntimeOptions::direct_conv`, the implicit
+/// GEMM of ggml's CUDA backend; here ggml's CPU kernel of the same op) stay within f16's
+/// precision of diffusers' f32 output, 3x3 and 1x1 convolutions alike.
+#[test]
+fn unet_direct_convolutions_stay_close() {
+    let opts = ComputeOptions {
+        exact: false,
+        flash_attn: false,
+        host_kernels: false,
+    };
+    for name in ["unet_sd1", "unet_sd2"] {
+        let (got, want, _) = run_with(name, opts, Some(DType::F16), true);
+        check(&format!("{name} direct conv"), &got, &want, 2e-2);
     }
 }
 

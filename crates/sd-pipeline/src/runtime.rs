@@ -206,6 +206,10 @@ pub struct RuntimeOptions {
     /// activations kept in f32, a smaller compute buffer). Off: ggml's f16 product after the
     /// im2col kernel (ggml's bits). On by default.
     pub f32_products: bool,
+    /// On a GPU, convolutions with f16 kernels as ggml's direct convolution (`sd_tensor`'s
+    /// `Context::set_direct_conv`: an implicit GEMM on CUDA's tensor cores, no im2col
+    /// buffer) instead of im2col + matrix product. Off by default.
+    pub direct_conv: bool,
     /// How every model's session streams weights under a budget (staging pool, window,
     /// prefetch depth, segments in flight, graph reuse; `sd-bench unet`'s switches). The
     /// default is the measured best of each.
@@ -242,6 +246,7 @@ impl Default for RuntimeOptions {
             weight_type: None,
             host_kernels: true,
             f32_products: true,
+            direct_conv: false,
             streaming: StreamingOptions::default(),
             uploads: UploadOptions::default(),
             runtime_reserve: None,
@@ -1027,6 +1032,8 @@ impl Runtime {
         }
         let mut g = GraphCtx::new(graph_size, graph_size, opts)?;
         g.ctx.set_f32_products(self.options.f32_products);
+        g.ctx
+            .set_direct_conv(self.options.direct_conv && !dev.backend.is_cpu());
         if let Some(dims) = &dev.flash_attn_dims {
             g.flash_attn_head_dims = Some(dims.clone());
         }

@@ -353,6 +353,10 @@ struct UnetArgs {
     /// step); off: built again at every step
     #[arg(long = "keep-graph", value_enum, default_value = "on")]
     keep_graph: OnOff,
+    /// On a GPU, convolutions with f16 kernels as ggml's direct convolution (an implicit
+    /// GEMM on CUDA; see `RuntimeOptions::direct_conv`) instead of im2col + product
+    #[arg(long = "conv-direct", value_enum, default_value = "off")]
+    conv_direct: OnOff,
     /// How many of the next step's first segments the last segments may prefetch (see
     /// `StreamingOptions::next_pass_segments`)
     #[arg(long = "next-pass-segments", default_value_t = 2)]
@@ -553,6 +557,10 @@ fn tiny_config() -> UnetConfig {
 /// `unet --type`: the type the linear weights are converted to when loaded (set once, before
 /// any model is declared; `write-weights` always writes f16).
 static WEIGHT_TYPE: std::sync::OnceLock<DType> = std::sync::OnceLock::new();
+
+/// `--conv-direct on`: convolutions with f16 kernels as ggml's direct convolution on a GPU
+/// (`RuntimeOptions::direct_conv`), in the engine's runs and the bare graph alike.
+static CONV_DIRECT: AtomicBool = AtomicBool::new(false);
 
 fn declare(cfg: &BenchArch, catalog: Option<&TensorCatalog>) -> Result<(BenchNet, Params)> {
     let pb = ParamBuilder::new(catalog, DEFAULT_PARAM_CAPACITY)?;
@@ -836,6 +844,7 @@ impl RigOptions<'_> {
             weight_type: WEIGHT_TYPE.get().copied(),
             host_kernels: self.host_kernels,
             f32_products: sd_models::bench::f32_products(),
+            direct_conv: CONV_DIRECT.load(Ordering::Relaxed),
             streaming: self.streaming.clone(),
             uploads: UploadOptions {
                 pinned_host_params: self.mode != ParamsMode::Ram,
@@ -1013,6 +1022,8 @@ fn unet_graph(
         },
     )?;
     g.flash_attn_head_dims = Some(flash_attn.to_vec());
+    g.ctx
+        .set_direct_conv(!on_cpu && CONV_DIRECT.load(Ordering::Relaxed));
     let built = step_graph(&mut g, model, inputs)?;
     let out = built.output;
     out.set_output();
@@ -1158,6 +1169,7 @@ fn direct_backend(
 }
 
 fn cmd_unet(a: &UnetArgs) -> Result<()> {
+    CONV_DIRECT.store(a.conv_direct == OnOff::On, Ordering::Relaxed);
     let weights = a.weights.clone();
     let backend_name = a.backend.as_str();
     let cfg = config_of(a.config);
@@ -1417,6 +1429,7 @@ fn cmd_unet(a: &UnetArgs) -> Result<()> {
             "stable_placement": a.stable_placement == OnOff::On,
             "stable_cuts": a.stable_cuts == OnOff::On,
             "keep_graph": a.keep_graph == OnOff::On,
+            "conv_direct": a.conv_direct == OnOff::On,
             "next_pass_segments": a.next_pass_segments,
             "prefetches_per_segment": a.prefetches_per_segment,
             "evict_later_uses": a.evict_later_uses == OnOff::On,

@@ -28,6 +28,9 @@ pub(crate) struct ContextInner {
     /// Whether host convolutions and linear layers may run as f32 products of this crate (see
     /// [`Context::set_f32_products`]).
     pub(crate) f32_products: std::sync::atomic::AtomicBool,
+    /// Whether convolutions with f16 kernels run as ggml's direct convolution (see
+    /// [`Context::set_direct_conv`]).
+    pub(crate) direct_conv: std::sync::atomic::AtomicBool,
 }
 
 // SAFETY: a ggml context is plain memory; every mutation (new tensors, names, flags,
@@ -93,6 +96,24 @@ impl Context {
         self.inner
             .f32_products
             .store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Whether networks built here run their convolutions with f16 kernels as ggml's direct
+    /// convolution ([`Context::conv_2d_direct`], ggml's `CONV_2D`: on CUDA an implicit GEMM
+    /// on tensor cores over f16 activations, the patches expanded in shared memory only,
+    /// and 1x1 convolutions as one cuBLAS product per image) instead of `im2col` + matrix
+    /// product. For graphs computed on a GPU; off by default.
+    pub fn set_direct_conv(&self, on: bool) {
+        self.inner
+            .direct_conv
+            .store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Whether [`Context::set_direct_conv`] is on.
+    pub fn direct_conv(&self) -> bool {
+        self.inner
+            .direct_conv
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Whether [`Context::set_f32_products`] is on.
@@ -168,6 +189,7 @@ impl Context {
             host_kernels: std::sync::atomic::AtomicBool::new(false),
             bf16_attention: std::sync::atomic::AtomicBool::new(false),
             f32_products: std::sync::atomic::AtomicBool::new(true),
+            direct_conv: std::sync::atomic::AtomicBool::new(false),
         });
         registry_add(&inner);
         Ok(Context { inner })
