@@ -16,7 +16,7 @@ CALL_T0=$(date +%s)
 source scripts/device/stage_module.sh 2>&1 | tail -3
 source scripts/device/stage_module.sh >/dev/null 2>&1
 source scripts/device/ab_run.sh
-late() { (( $(date +%s) - CALL_T0 > ${DEADLINE:-330} )) && echo "deadline: skipping $1"; }
+late() { (( $(date +%s) - CALL_T0 > ${DEADLINE:-150} )) && echo "deadline: skipping $1"; }
 NP=${NP:-8}; PP=${PP:-4}
 variant() {
   case $1 in
@@ -37,8 +37,8 @@ for m in ${MODELS-sd15 sdxl}; do
   ab_one $m-bare "${W[@]}" --params device --direct on
   ab_one $m-resident-conv "${W[@]}" --params device --conv-direct on
   ab_one $m-bare-conv "${W[@]}" --params device --direct on --conv-direct on
-  budgets=${SD15_BUDGETS-0.75 0.5 0.25}
-  [[ $m == sdxl ]] && budgets=${XL_BUDGETS-0.5 0.25}
+  budgets=${SD15_BUDGETS-0.5 0.75 0.25}
+  [[ $m == sdxl ]] && budgets=${XL_BUDGETS-0.5}
   for f in $budgets; do
     for v in off ${VARIANTS-base np both all}; do
       late $m-$f-$v && break 2
