@@ -136,16 +136,20 @@ pub struct StreamingOptions {
     /// How many of the next pass's first segments the last segments of a pass may prefetch
     /// ([`next_pass_prefetch`](Self::next_pass_prefetch)), as far as there is room. A
     /// UNet's last segments compute long on few weights: the link is otherwise idle then.
-    /// Default: 2.
+    /// Default: 2 (8 took as long on an H100: SD1.5 at 0.75 / 0.5 / 0.25 of its weights,
+    /// SDXL at 0.5; docs/benchmarks.md, nineteenth session).
     pub next_pass_segments: usize,
     /// How many segments' prefetches preparing one segment may add to the queue (the
-    /// scheduling is host work the segment's launch waits for). Default: 2.
+    /// scheduling is host work the segment's launch waits for). Default: 2 (4 took as long
+    /// or 1-3% longer on an H100).
     pub prefetches_per_segment: usize,
     /// Whether a prefetch beyond the next segment may evict weights of segments after its
     /// target (furthest next use first), not only weights used already in this pass. On:
     /// a step whose pool holds the last segments' weights from the step before (to be
     /// evicted before their use anyway where the pool is small) prefetches the deep
-    /// segments early instead of leaving the link idle. Default: off.
+    /// segments early instead of leaving the link idle. Default: off (on an H100, with 8
+    /// next-pass segments, as long as without, within 1-5%: the pool's room moves the link
+    /// time rather than shrinking it).
     pub evict_later_uses: bool,
 }
 

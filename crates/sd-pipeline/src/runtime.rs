@@ -208,7 +208,9 @@ pub struct RuntimeOptions {
     pub f32_products: bool,
     /// On a GPU, convolutions with f16 kernels as ggml's direct convolution (`sd_tensor`'s
     /// `Context::set_direct_conv`: an implicit GEMM on CUDA's tensor cores, no im2col
-    /// buffer) instead of im2col + matrix product. Off by default.
+    /// buffer) instead of im2col + matrix product. Off by default: slower on an H100 (the
+    /// SD1.5 UNet's bare graph 48.1 ms against 40.6, SDXL's 224.0 against 182.9;
+    /// docs/benchmarks.md, nineteenth session).
     pub direct_conv: bool,
     /// How every model's session streams weights under a budget (staging pool, window,
     /// prefetch depth, segments in flight, graph reuse; `sd-bench unet`'s switches). The
