@@ -921,12 +921,7 @@ impl Runtime {
         };
         // What feeding the constants adds to the task goes again after the run.
         let (inputs_len, cached_len) = (kept.task.inputs.len(), kept.task.cached_inputs.len());
-        let result = self.execute_built(
-            h,
-            &mut kept.task,
-            &kept.output.clone(),
-            kept.constants.clone(),
-        );
+        let result = self.execute_built(h, &mut kept.task, &kept.output, kept.constants.clone());
         kept.task.inputs.truncate(inputs_len);
         kept.task.cached_inputs.truncate(cached_len);
         if result.is_ok() {

@@ -142,6 +142,34 @@ fn an_impossible_budget_is_a_capacity_error() {
     assert!(text.contains("SIM0") && text.contains("budget"), "{text}");
 }
 
+/// A runtime on a 64 MiB simulated device that always segments, with the CLIP text encoder
+/// of `cfg` from `loader` added.
+fn segmented_clip_runtime(
+    loader: TensorCatalog,
+    cfg: &ClipTextConfig,
+) -> (Runtime, sd_pipeline::runtime::ModelHandle, ClipTextModel) {
+    let mut rt = Runtime::new(
+        RuntimeOptions {
+            compute: ComputeDevice::Sim {
+                bytes: 64 << 20,
+                page: 0,
+            },
+            threads: 2,
+            segmentation: sd_exec::SegmentationPolicy::Always,
+            ..RuntimeOptions::default()
+        },
+        loader,
+    )
+    .unwrap();
+    let cfg = cfg.clone();
+    let (h, clip) = rt
+        .add_model("clip", Component::TextEncoder, SourceId::MAIN, |pb| {
+            ClipTextModel::new(pb, cfg)
+        })
+        .unwrap();
+    (rt, h, clip)
+}
+
 #[test]
 fn a_runtime_graph_equals_run_cpu() {
     let mut loader = TensorCatalog::new();
@@ -172,25 +200,7 @@ fn a_runtime_graph_equals_run_cpu() {
     .remove(0);
 
     // The same graph through a runtime on the simulated device, always segmented.
-    let mut rt = Runtime::new(
-        RuntimeOptions {
-            compute: ComputeDevice::Sim {
-                bytes: 64 << 20,
-                page: 0,
-            },
-            threads: 2,
-            segmentation: sd_exec::SegmentationPolicy::Always,
-            ..RuntimeOptions::default()
-        },
-        loader,
-    )
-    .unwrap();
-    let cfg = clip_cfg.clone();
-    let (h, clip) = rt
-        .add_model("clip", Component::TextEncoder, SourceId::MAIN, |pb| {
-            ClipTextModel::new(pb, cfg)
-        })
-        .unwrap();
+    let (mut rt, h, clip) = segmented_clip_runtime(loader, &clip_cfg);
     let got = rt
         .run(h, "clip", 4096, |g| {
             let input = g.ctx.new_tensor(DType::I32, &[77, 1])?;
@@ -221,25 +231,7 @@ fn a_keyed_graph_is_built_once_and_fed_new_inputs() {
     let spec = ModelSpec::detect(&loader).unwrap();
     sd_models::weights::canonicalize(&mut loader, None).unwrap();
     let clip_cfg = clip_config(&spec);
-    let mut rt = Runtime::new(
-        RuntimeOptions {
-            compute: ComputeDevice::Sim {
-                bytes: 64 << 20,
-                page: 0,
-            },
-            threads: 2,
-            segmentation: sd_exec::SegmentationPolicy::Always,
-            ..RuntimeOptions::default()
-        },
-        loader,
-    )
-    .unwrap();
-    let cfg = clip_cfg.clone();
-    let (h, clip) = rt
-        .add_model("clip", Component::TextEncoder, SourceId::MAIN, |pb| {
-            ClipTextModel::new(pb, cfg)
-        })
-        .unwrap();
+    let (mut rt, h, clip) = segmented_clip_runtime(loader, &clip_cfg);
     let prompt = |k: i32| -> Vec<i32> {
         (0..77)
             .map(|i| if i == 0 { 49406 } else { 49407 - ((i + k) % 5) })

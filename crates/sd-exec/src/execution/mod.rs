@@ -238,7 +238,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
         let mut result = self.run_plan(task, &prepared, segmented, &mut timing)?;
         // Keyed as the next execution will see it (choosing may have lowered the limit:
         // the runtime's temporaries for this graph).
-        let key = self.kept_key(task);
+        let key = if kept { key } else { self.kept_key(task) };
         let plans = &mut self.session.kept_prepared;
         plans.retain(|k| k.key.revision != key.revision);
         if plans.len() >= MAX_KEPT_PLANS {

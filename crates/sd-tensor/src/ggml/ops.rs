@@ -181,7 +181,28 @@ impl Context {
     ) -> Result<GTensor> {
         let mut raw: Vec<*mut sys::ggml_tensor> = args.iter().map(|t| t.raw()).collect();
         // SAFETY: see the function's contract.
-        let t = self.op(name, 1, |c| unsafe {
+        let t = unsafe { self.custom_f32(name, ne, &mut raw, fun, userdata) }?;
+        t.set_name(name);
+        Ok(t)
+    }
+
+    /// The ggml custom op under [`host_kernel_op`](Self::host_kernel_op) (and
+    /// [`channel_affine`](Self::channel_affine), whose optional sources are null): an f32
+    /// result of dims `ne` computed by `fun` from the sources `raw` with `userdata`, on every
+    /// thread; `name` is for errors only.
+    ///
+    /// # Safety
+    /// As [`host_kernel_op`](Self::host_kernel_op), for the sources in `raw`.
+    unsafe fn custom_f32(
+        &self,
+        name: &'static str,
+        ne: [usize; 4],
+        raw: &mut [*mut sys::ggml_tensor],
+        fun: sys::ggml_custom_op_t,
+        userdata: usize,
+    ) -> Result<GTensor> {
+        // SAFETY: see the function's contract.
+        self.op(name, 1, |c| unsafe {
             sys::ggml_custom_4d(
                 c,
                 sys::GGML_TYPE_F32,
@@ -195,9 +216,7 @@ impl Context {
                 sys::GGML_N_TASKS_MAX,
                 userdata as *mut std::ffi::c_void,
             )
-        })?;
-        t.set_name(name);
-        Ok(t)
+        })
     }
 
     fn binary(
@@ -1172,28 +1191,21 @@ impl Context {
             }
             return Ok(y);
         }
-        let ne = x.ne();
-        // SAFETY: shapes and types checked; one tensor.
-        self.op("channel_affine", 1, |c| unsafe {
-            let mut args = [
-                x.raw(),
-                scale.map_or(std::ptr::null_mut(), |t| t.raw()),
-                shift.map_or(std::ptr::null_mut(), |t| t.raw()),
-            ];
-            sys::ggml_custom_4d(
-                c,
-                sys::GGML_TYPE_F32,
-                ne[0] as i64,
-                ne[1] as i64,
-                ne[2] as i64,
-                ne[3] as i64,
-                args.as_mut_ptr(),
-                3,
+        let mut args = [
+            x.raw(),
+            scale.map_or(std::ptr::null_mut(), |t| t.raw()),
+            shift.map_or(std::ptr::null_mut(), |t| t.raw()),
+        ];
+        // SAFETY: shapes and types checked (the kernel takes null scale and shift).
+        unsafe {
+            self.custom_f32(
+                "channel_affine",
+                x.ne(),
+                &mut args,
                 Some(super::host_conv::channel_affine_kernel),
-                sys::GGML_N_TASKS_MAX,
-                std::ptr::null_mut(),
+                0,
             )
-        })
+        }
     }
 
     /// The "same" convolution (stride 1, zero padding `p = (k - 1) / 2`) of channels-innermost
