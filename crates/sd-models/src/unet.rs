@@ -19,10 +19,10 @@
 
 use sd_formats::names::UNET_PREFIX;
 use sd_graphcut::{LEVEL_LAYER, LEVEL_SUBLAYER};
-use sd_tensor::ggml::GTensor;
+use sd_tensor::ggml::{Context, GTensor};
 use sd_tensor::DType;
 
-use crate::nn::{attention, Activation, Conv2d, GroupNorm, LayerNorm, Linear};
+use crate::nn::{attention, Conv2d, GroupNorm, LayerNorm, Linear};
 use crate::weights::ParamBuilder;
 use crate::{GraphCtx, ModelError, Result};
 
@@ -376,8 +376,14 @@ impl BasicTransformerBlock {
             .mark_fine(&x, LEVEL_SUBLAYER, &format!("{label}.attn2"))?;
         let ctx = &g.ctx;
         let n = self.norm3.forward(ctx, &x)?;
-        // GEGLU: value * gelu(gate), value the first half of the projection (one op on
-        // the CPU kernels).
+        // GEGLU: value * gelu(gate), value the first half of the projection (one op: this
+        // crate's CPU kernel, or ggml's GLU).
+        if let Some(out) = self.chunked_ff(ctx, &n, g.opts.exact)? {
+            let out = ctx.add(&x, &out)?;
+            g.marks
+                .mark_fine(&out, LEVEL_SUBLAYER, &format!("{label}.ff"))?;
+            return Ok(out);
+        }
         let p = self.ff_proj.forward(ctx, &n)?;
         if let Some(y) = ctx.geglu_host(&p)? {
             let f = self.ff_out.forward(ctx, &y)?;
@@ -386,23 +392,56 @@ impl BasicTransformerBlock {
                 .mark_fine(&out, LEVEL_SUBLAYER, &format!("{label}.ff"))?;
             return Ok(out);
         }
-        let [two_inner, tokens, b, _] = p.ne();
-        let inner = two_inner / 2;
-        let esz = DType::F32.type_size();
-        let nb = p.nb();
-        let value = ctx.cont(&ctx.view(&p, [inner, tokens, b, 1], [nb[1], nb[2], nb[3]], 0)?)?;
-        let gate = ctx.cont(&ctx.view(
-            &p,
-            [inner, tokens, b, 1],
-            [nb[1], nb[2], nb[3]],
-            inner * esz,
-        )?)?;
-        let gate = Activation::Gelu.forward(ctx, &gate, g.opts)?;
-        let f = self.ff_out.forward(ctx, &ctx.mul(&value, &gate)?)?;
+        let y = ctx.geglu(&p, g.opts.exact)?;
+        let f = self.ff_out.forward(ctx, &y)?;
         let out = ctx.add(&x, &f)?;
         g.marks
             .mark_fine(&out, LEVEL_SUBLAYER, &format!("{label}.ff"))?;
         Ok(out)
+    }
+}
+
+impl BasicTransformerBlock {
+    /// The feed-forward of `n` `[dim, tokens, B]` in chunks of tokens when its projection
+    /// would take more than the context's band limit (`Context::band_bytes`), each
+    /// chunk's projection within it: the same values, a smaller compute buffer (the
+    /// projection of SD1.5's top level at 512x512, batch 2, is 84 MB). `None` without a
+    /// limit, under it, or with this crate's CPU kernels (the caller runs it whole).
+    fn chunked_ff(&self, ctx: &Context, n: &GTensor, exact: bool) -> Result<Option<GTensor>> {
+        let Some(limit) = ctx.band_bytes() else {
+            return Ok(None);
+        };
+        let [dim, tokens, b, _] = n.ne();
+        let rows = tokens * b;
+        let row_bytes = self.ff_proj.weight.ne()[1] * DType::F32.type_size();
+        if ctx.host_kernels() || rows < 2 || row_bytes * rows <= limit || !n.is_contiguous() {
+            return Ok(None);
+        }
+        let per = (limit / row_bytes).clamp(1, rows - 1);
+        let flat = ctx.reshape(n, &[dim, rows])?;
+        let esz = DType::F32.type_size();
+        let mut out: Option<GTensor> = None;
+        let mut r0 = 0;
+        while r0 < rows {
+            let r1 = (r0 + per).min(rows);
+            let part = ctx.view(
+                &flat,
+                [dim, r1 - r0, 1, 1],
+                [dim * esz, dim * esz * (r1 - r0), dim * esz * (r1 - r0)],
+                r0 * dim * esz,
+            )?;
+            let y = ctx.geglu(&self.ff_proj.forward(ctx, &part)?, exact)?;
+            let f = self.ff_out.forward(ctx, &y)?;
+            out = Some(match out {
+                None => f,
+                Some(o) => ctx.concat(&o, &f, 1)?,
+            });
+            r0 = r1;
+        }
+        Ok(match out {
+            Some(o) => Some(ctx.reshape(&o, &[dim, tokens, b])?),
+            None => None,
+        })
     }
 }
 

@@ -212,6 +212,21 @@ pub struct RuntimeOptions {
     /// SD1.5 UNet's bare graph 48.1 ms against 40.6, SDXL's 224.0 against 182.9;
     /// docs/benchmarks.md, nineteenth session).
     pub direct_conv: bool,
+    /// On a device with a budget other than the CPU, the most bytes one large
+    /// intermediate may take, as a fraction of the budget: `Some(d)` computes convolutions
+    /// whose im2col exceeds `budget / d` (at least [`RuntimeOptions::band_min_bytes`]) in row bands and
+    /// UNet feed-forwards in chunks of tokens (`sd_tensor`'s `Context::set_band_bytes`):
+    /// the same values with a smaller compute buffer, which leaves the staging pool the
+    /// room. `None`: whole ops. Default: `Some(8)`: on an H100 (`sd-bench unet
+    /// --band-divisor 8|16|0`, docs/benchmarks.md, twentieth session) SD1.5 at a quarter of
+    /// its weights 79.7 ms a step against 85.6 whole (a 158 MiB staging pool against 110),
+    /// SDXL at a quarter 196 ms against 230, SD1.5 at 0.2 and 0.15 of its weights runs at
+    /// all (whole ops need more); at 0.5 / 0.75 nothing is banded (as fast as whole ops,
+    /// where a divisor of 16 took 2-4% longer: smaller products, no gain from the pool).
+    pub band_divisor: Option<u64>,
+    /// The least bytes [`RuntimeOptions::band_divisor`] bands an intermediate down to (a
+    /// tiny budget does not cut ops into slivers). Default: [`MIN_BAND_BYTES`].
+    pub band_min_bytes: u64,
     /// How every model's session streams weights under a budget (staging pool, window,
     /// prefetch depth, segments in flight, graph reuse; `sd-bench unet`'s switches). The
     /// default is the measured best of each.
@@ -249,6 +264,8 @@ impl Default for RuntimeOptions {
             host_kernels: true,
             f32_products: true,
             direct_conv: false,
+            band_divisor: Some(8),
+            band_min_bytes: MIN_BAND_BYTES,
             streaming: StreamingOptions::default(),
             uploads: UploadOptions::default(),
             runtime_reserve: None,
@@ -1034,6 +1051,13 @@ impl Runtime {
         if let Some(dims) = &dev.flash_attn_dims {
             g.flash_attn_head_dims = Some(dims.clone());
         }
+        if !dev.backend.is_cpu() {
+            g.ctx.set_band_bytes(band_bytes(
+                dev.budget,
+                self.options.band_divisor,
+                self.options.band_min_bytes,
+            ));
+        }
         // Weights converted to bf16 (`--type bf16`), or quantized on a CPU with AMX tiles:
         // the CPU attention kernel runs its products in bf16 too.
         g.ctx
@@ -1337,6 +1361,18 @@ fn resolve_exact(forced: Option<bool>, base: bool, on_gpu: bool) -> bool {
 
 /// The attention head widths (multiples of 8 up to 256) whose `flash_attn_ext` (f32 Q, f16
 /// K/V, no mask) every one of `backends` runs; the others keep `mul_mat` attention.
+/// The default of [`RuntimeOptions::band_min_bytes`].
+pub const MIN_BAND_BYTES: u64 = 4 << 20;
+
+/// The band limit of graphs on a device with `budget` (see
+/// [`RuntimeOptions::band_divisor`]), at least `floor`: `None` without a budget or a
+/// divisor.
+fn band_bytes(budget: Option<u64>, divisor: Option<u64>, floor: u64) -> Option<usize> {
+    let (b, d) = (budget?, divisor?);
+    let limit = (b / d.max(1)).max(floor).max(1);
+    Some(usize::try_from(limit).unwrap_or(usize::MAX))
+}
+
 fn flash_attn_head_dims(backends: &[&Backend]) -> Result<Vec<usize>> {
     let ctx = Context::new_descriptors(4 * 32, 1, 0).map_err(ModelError::from)?;
     let mut dims = Vec::new();

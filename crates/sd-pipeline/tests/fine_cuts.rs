@@ -7,14 +7,14 @@
 
 mod common;
 
-use common::sim::{sim_runtime, SimRun};
+use common::sim::{sim_runtime_with, SimRun};
 use sd_exec::ExecError;
 use sd_formats::files::TensorCatalog;
 use sd_models::diffusion::DiffusionArch;
 use sd_models::unet::UnetModel;
-use sd_models::HostData;
+use sd_models::{ComputeOptions, HostData};
 use sd_pipeline::family::ModelSpec;
-use sd_pipeline::runtime::{BuiltGraph, RuntimeError};
+use sd_pipeline::runtime::{BuiltGraph, RuntimeError, RuntimeOptions};
 use sd_residency::{Component, SourceId};
 use sd_tensor::DType;
 
@@ -26,6 +26,15 @@ fn builtin() -> std::path::PathBuf {
 /// One UNet step (8x8 latents, batch 1) on a 64 MiB simulated device with `budget`
 /// (bytes; `None`: no budget).
 fn step(budget: Option<u64>) -> Result<SimRun, RuntimeError> {
+    step_with(budget, 8, |_| {})
+}
+
+/// [`step`] on `side` x `side` latents, the runtime's options changed by `edit`.
+fn step_with(
+    budget: Option<u64>,
+    side: usize,
+    edit: impl FnOnce(&mut RuntimeOptions),
+) -> Result<SimRun, RuntimeError> {
     let mut loader = TensorCatalog::new();
     loader.add_file(builtin(), None).unwrap();
     let spec = ModelSpec::detect(&loader).unwrap();
@@ -33,20 +42,20 @@ fn step(budget: Option<u64>) -> Result<SimRun, RuntimeError> {
     let DiffusionArch::Unet(ucfg) = spec.diffusion.1.clone() else {
         panic!("not a UNet")
     };
-    let mut rt = sim_runtime(loader, budget)?;
+    let mut rt = sim_runtime_with(loader, budget, edit)?;
     let cfg = ucfg.clone();
     let (h, unet) = rt.add_model("unet", Component::Diffusion, SourceId::MAIN, |pb| {
         UnetModel::new(pb, cfg)
     })?;
     let ctx_dim = ucfg.context_dim;
-    let x: Vec<f32> = (0..8 * 8 * 4)
+    let x: Vec<f32> = (0..side * side * 4)
         .map(|i| ((i * 29 % 23) as f32 - 11.0) / 7.0)
         .collect();
     let c: Vec<f32> = (0..ctx_dim * 77)
         .map(|i| ((i * 13 % 19) as f32 - 9.0) / 9.0)
         .collect();
     let out = rt.run(h, "unet step", 8192, |g| {
-        let xt = g.ctx.new_tensor(DType::F32, &[8, 8, 4, 1])?;
+        let xt = g.ctx.new_tensor(DType::F32, &[side, side, 4, 1])?;
         let tt = g.ctx.new_tensor(DType::F32, &[1])?;
         let ct = g.ctx.new_tensor(DType::F32, &[ctx_dim, 77, 1])?;
         let output = unet.forward(g, &xt, &tt, &ct, None)?;
@@ -106,4 +115,58 @@ fn a_budget_below_one_layer_fails_before_running_naming_the_minimum() {
         text.contains("minimum budget") && text.contains(short.largest.as_str()),
         "{text}"
     );
+}
+
+/// Large intermediates in bands (`RuntimeOptions::band_divisor`): the UNet's convolutions
+/// in row bands and its feed-forwards in token chunks run under a budget below the least
+/// one its whole ops need (the minimum their error names), the peak within it, and the
+/// output is the unbudgeted run's within f32 rounding (ggml's CPU product may sum a
+/// narrower matrix in another order).
+#[test]
+fn bands_run_below_the_whole_ops_minimum_with_the_same_output() {
+    let side = 32;
+    let bands = |divisor: Option<u64>| {
+        move |o: &mut RuntimeOptions| {
+            o.band_divisor = divisor;
+            o.band_min_bytes = 16 << 10;
+            // Flash attention: the attention scores are not what bands shrink.
+            o.compute_options = ComputeOptions {
+                exact: false,
+                flash_attn: true,
+                host_kernels: false,
+            };
+        }
+    };
+    let whole = step_with(None, side, bands(None)).unwrap();
+    let minimum = match step_with(Some(64 << 10), side, bands(None)) {
+        Err(RuntimeError::Exec(ExecError::BudgetTooSmall(short))) => short.minimum,
+        Err(e) => panic!("not a budget error: {e}"),
+        Ok(_) => panic!("64 KiB ran"),
+    };
+    let budget = minimum * 4 / 5;
+    assert!(
+        step_with(Some(budget), side, bands(None)).is_err(),
+        "whole ops ran below their minimum"
+    );
+    let banded = step_with(Some(budget), side, bands(Some(64))).unwrap();
+    println!(
+        "weights {} B, whole ops' minimum {minimum} B, budget {budget} B: bands peak {} B, {} segments",
+        whole.weights,
+        banded.peak,
+        banded.segments.len()
+    );
+    assert!(
+        banded.peak <= budget,
+        "peak {} > budget {budget}",
+        banded.peak
+    );
+    let scale = whole.out.iter().fold(1f32, |m, v| m.max(v.abs()));
+    let diff = whole
+        .out
+        .iter()
+        .zip(&banded.out)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    assert_eq!(whole.out.len(), banded.out.len());
+    assert!(diff <= 1e-5 * scale, "banded output differs by {diff}");
 }

@@ -45,6 +45,10 @@ fn load(budget: u64) -> Pipeline {
                 flash_attn: true,
                 host_kernels: false,
             },
+            // Whole convolutions: the probes below take the minimum a decode reports at its
+            // finest cuts as the least budget it runs in, which holds for whole ops; with
+            // bands (the default) a coarser plan can need less than the finest one.
+            band_divisor: None,
             ..RuntimeOptions::default()
         },
     )

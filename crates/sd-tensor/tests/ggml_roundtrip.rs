@@ -1386,3 +1386,139 @@ fn amx_tiles_agree_with_ggmls_f32_ops_on_bf16_values() {
         }
     }
 }
+
+/// With a band limit (`Context::set_band_bytes`), `conv_2d` computes a convolution whose
+/// im2col exceeds it in bands of output rows (the input padded once, the bands
+/// concatenated) within f32 rounding of the whole convolution: 3x3 with padding, a strided
+/// downsampling, a 1x1, a dilated rectangular kernel, several images, a channel-strided
+/// input, bands of one row and of several; under the limit it is one im2col as before.
+#[test]
+fn banded_convolutions_equal_whole_ones() {
+    type Case = (
+        [usize; 4],
+        [usize; 3],
+        (usize, usize),
+        (usize, usize),
+        (usize, usize),
+    );
+    let cases: [Case; 5] = [
+        ([3, 3, 5, 4], [9, 7, 2], (1, 1), (1, 1), (1, 1)),
+        ([3, 3, 3, 2], [16, 17, 1], (2, 2), (1, 1), (1, 1)),
+        ([1, 1, 6, 3], [5, 4, 1], (1, 1), (0, 0), (1, 1)),
+        ([5, 3, 2, 3], [11, 9, 1], (1, 2), (2, 1), (1, 2)),
+        ([3, 3, 4, 4], [10, 10, 2], (1, 1), (2, 2), (2, 2)),
+    ];
+    for (i, (kn, xn, stride, pad, dil)) in cases.into_iter().enumerate() {
+        for kernel_type in [DType::F32, DType::F16] {
+            let ctx = Context::new_descriptors(512, 512, 1).unwrap();
+            let k = ctx.new_tensor(kernel_type, &kn).unwrap();
+            let x = ctx
+                .new_tensor(DType::F32, &[xn[0], xn[1], kn[2], xn[2]])
+                .unwrap();
+            let buf = BufferType::cpu().alloc_context_tensors(&ctx).unwrap();
+            k.write_f32(&rnd(kn.iter().product(), 21 + i as u64))
+                .unwrap();
+            x.write_f32(&rnd(xn[0] * xn[1] * kn[2] * xn[2], 5 + i as u64))
+                .unwrap();
+            // x with channels and images swapped, then viewed back: channel-strided rows.
+            let strided = ctx
+                .permute(
+                    &ctx.cont(&ctx.permute(&x, [0, 1, 3, 2]).unwrap()).unwrap(),
+                    [0, 1, 3, 2],
+                )
+                .unwrap();
+            let ext_w = dil.0 * (kn[0] - 1) + 1;
+            let ow = (xn[0] + 2 * pad.0 - ext_w) / stride.0 + 1;
+            let row = kn[0] * kn[1] * kn[2] * ow * xn[2] * 2;
+            let mut pairs = Vec::new();
+            for input in [&x, &strided] {
+                ctx.set_band_bytes(None);
+                let whole = ctx.conv_2d(&k, input, stride, pad, dil, false).unwrap();
+                // One row a band, then two.
+                for rows in [1, 2] {
+                    ctx.set_band_bytes(Some(row * rows));
+                    let banded = ctx.conv_2d(&k, input, stride, pad, dil, false).unwrap();
+                    assert_eq!(banded.ne(), whole.ne(), "case {i}");
+                    pairs.push((whole.clone(), banded));
+                }
+            }
+            ctx.set_band_bytes(None);
+            let mut graph = Graph::new(&ctx, 512).unwrap();
+            for (a, b) in &pairs {
+                for t in [a, b] {
+                    t.set_output();
+                    graph.build_forward_expand(t).unwrap();
+                }
+            }
+            let concats = graph
+                .nodes()
+                .iter()
+                .filter(|n| n.op_name() == "CONCAT")
+                .count();
+            assert!(concats > 0, "case {i}: no convolution was banded");
+            let backend = Backend::cpu(2).unwrap();
+            let mut galloc = Gallocr::new(backend.buffer_type()).unwrap();
+            galloc.alloc_graph(&graph).unwrap();
+            backend.compute(&graph).unwrap();
+            for (a, b) in &pairs {
+                let (a, b) = (a.read_f32().unwrap(), b.read_f32().unwrap());
+                assert!(a.iter().any(|v| *v != 0.0));
+                // The same products; ggml's CPU matrix product may sum a narrower one in
+                // another order (its tiled kernels take some shapes only).
+                let scale = a.iter().fold(1f32, |m, v| m.max(v.abs()));
+                assert!(
+                    max_abs(&a, &b) <= 1e-6 * scale,
+                    "case {i} {kernel_type:?}: max diff {}",
+                    max_abs(&a, &b)
+                );
+            }
+            drop(buf);
+        }
+    }
+}
+
+/// `Context::geglu`: the first half of each row times the GELU of the second half (erf or
+/// tanh form), within f32 rounding of the same computed with views and separate ops; rows
+/// of odd width and non-contiguous rows are errors, not aborts.
+#[test]
+fn geglu_is_the_value_half_times_the_gelu_of_the_gate_half() {
+    let ctx = Context::new_descriptors(64, 64, 1).unwrap();
+    let p = ctx.new_tensor(DType::F32, &[12, 5, 3]).unwrap();
+    let odd = ctx.new_tensor(DType::F32, &[7, 2]).unwrap();
+    let buf = BufferType::cpu().alloc_context_tensors(&ctx).unwrap();
+    p.write_f32(&rnd(12 * 5 * 3, 9)).unwrap();
+    let nb = p.nb();
+    let value = ctx
+        .cont(
+            &ctx.view(&p, [6, 5, 3, 1], [nb[1], nb[2], nb[3]], 0)
+                .unwrap(),
+        )
+        .unwrap();
+    let gate = ctx
+        .cont(
+            &ctx.view(&p, [6, 5, 3, 1], [nb[1], nb[2], nb[3]], 24)
+                .unwrap(),
+        )
+        .unwrap();
+    let mut pairs = Vec::new();
+    for erf in [true, false] {
+        let g = if erf {
+            ctx.gelu_erf(&gate)
+        } else {
+            ctx.gelu(&gate)
+        }
+        .unwrap();
+        let reference = ctx
+            .reshape(&ctx.mul(&value, &g).unwrap(), &[6, 5, 3])
+            .unwrap();
+        pairs.push((reference, ctx.geglu(&p, erf).unwrap()));
+    }
+    assert!(ctx.geglu(&odd, true).is_err());
+    assert!(ctx.geglu(&ctx.transpose(&p).unwrap(), true).is_err());
+    let (_, values) = compute_pairs(&ctx, &pairs, 2);
+    for (a, b) in values {
+        assert!(a.iter().any(|v| *v != 0.0));
+        assert!(max_abs(&a, &b) <= 1e-5, "max diff {}", max_abs(&a, &b));
+    }
+    drop(buf);
+}

@@ -357,6 +357,11 @@ struct UnetArgs {
     /// GEMM on CUDA; see `RuntimeOptions::direct_conv`) instead of im2col + product
     #[arg(long = "conv-direct", value_enum, default_value = "off")]
     conv_direct: OnOff,
+    /// Under a budget on a GPU, convolutions whose im2col exceeds the budget / N run in
+    /// row bands, feed-forwards in chunks of tokens (see `RuntimeOptions::band_divisor`);
+    /// 0: whole ops
+    #[arg(long = "band-divisor", default_value_t = 8)]
+    band_divisor: u64,
     /// How many of the next step's first segments the last segments may prefetch (see
     /// `StreamingOptions::next_pass_segments`)
     #[arg(long = "next-pass-segments", default_value_t = 2)]
@@ -561,6 +566,9 @@ static WEIGHT_TYPE: std::sync::OnceLock<DType> = std::sync::OnceLock::new();
 /// `--conv-direct on`: convolutions with f16 kernels as ggml's direct convolution on a GPU
 /// (`RuntimeOptions::direct_conv`), in the engine's runs and the bare graph alike.
 static CONV_DIRECT: AtomicBool = AtomicBool::new(false);
+
+/// `--band-divisor N` (0: off): see `RuntimeOptions::band_divisor`.
+static BAND_DIVISOR: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(8);
 
 fn declare(cfg: &BenchArch, catalog: Option<&TensorCatalog>) -> Result<(BenchNet, Params)> {
     let pb = ParamBuilder::new(catalog, DEFAULT_PARAM_CAPACITY)?;
@@ -845,6 +853,10 @@ impl RigOptions<'_> {
             host_kernels: self.host_kernels,
             f32_products: sd_models::bench::f32_products(),
             direct_conv: CONV_DIRECT.load(Ordering::Relaxed),
+            band_divisor: match BAND_DIVISOR.load(Ordering::Relaxed) {
+                0 => None,
+                d => Some(d),
+            },
             streaming: self.streaming.clone(),
             uploads: UploadOptions {
                 pinned_host_params: self.mode != ParamsMode::Ram,
@@ -1170,6 +1182,7 @@ fn direct_backend(
 
 fn cmd_unet(a: &UnetArgs) -> Result<()> {
     CONV_DIRECT.store(a.conv_direct == OnOff::On, Ordering::Relaxed);
+    BAND_DIVISOR.store(a.band_divisor, Ordering::Relaxed);
     let weights = a.weights.clone();
     let backend_name = a.backend.as_str();
     let cfg = config_of(a.config);
@@ -1430,6 +1443,7 @@ fn cmd_unet(a: &UnetArgs) -> Result<()> {
             "stable_cuts": a.stable_cuts == OnOff::On,
             "keep_graph": a.keep_graph == OnOff::On,
             "conv_direct": a.conv_direct == OnOff::On,
+            "band_divisor": a.band_divisor,
             "next_pass_segments": a.next_pass_segments,
             "prefetches_per_segment": a.prefetches_per_segment,
             "evict_later_uses": a.evict_later_uses == OnOff::On,

@@ -59,6 +59,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
                 let d = crate::refine::segment_plan(p, k);
                 tracing::trace!(
                     segment = k,
+                    name = %d.name,
                     need = d.need,
                     weights = d.weight_bytes,
                     compute = d.compute_bytes,

@@ -8,21 +8,30 @@ use sd_residency::capacity::MaxVram;
 
 /// A runtime over `loader` on a 64 MiB simulated device with `budget` bytes (`None`: none).
 pub fn sim_runtime(loader: TensorCatalog, budget: Option<u64>) -> Result<Runtime, RuntimeError> {
-    Runtime::new(
-        RuntimeOptions {
-            compute: ComputeDevice::Sim {
-                bytes: 64 << 20,
-                page: 0,
-            },
-            max_vram: budget
-                .map(|b| MaxVram::parse(&format!("{}", b as f64 / (1u64 << 30) as f64)).unwrap()),
-            threads: 2,
-            planning_headroom: Some(0),
-            prefetch: false,
-            ..RuntimeOptions::default()
+    sim_runtime_with(loader, budget, |_| {})
+}
+
+/// [`sim_runtime`] with its options changed by `edit` first.
+#[allow(dead_code)]
+pub fn sim_runtime_with(
+    loader: TensorCatalog,
+    budget: Option<u64>,
+    edit: impl FnOnce(&mut RuntimeOptions),
+) -> Result<Runtime, RuntimeError> {
+    let mut options = RuntimeOptions {
+        compute: ComputeDevice::Sim {
+            bytes: 64 << 20,
+            page: 0,
         },
-        loader,
-    )
+        max_vram: budget
+            .map(|b| MaxVram::parse(&format!("{}", b as f64 / (1u64 << 30) as f64)).unwrap()),
+        threads: 2,
+        planning_headroom: Some(0),
+        prefetch: false,
+        ..RuntimeOptions::default()
+    };
+    edit(&mut options);
+    Runtime::new(options, loader)
 }
 
 /// What the last run of a model reported.

@@ -31,6 +31,9 @@ pub(crate) struct ContextInner {
     /// Whether convolutions with f16 kernels run as ggml's direct convolution (see
     /// [`Context::set_direct_conv`]).
     pub(crate) direct_conv: std::sync::atomic::AtomicBool,
+    /// The most bytes one intermediate of a banded op may take (0: no limit; see
+    /// [`Context::set_band_bytes`]).
+    pub(crate) band_bytes: std::sync::atomic::AtomicUsize,
 }
 
 // SAFETY: a ggml context is plain memory; every mutation (new tensors, names, flags,
@@ -116,6 +119,33 @@ impl Context {
             .load(std::sync::atomic::Ordering::Relaxed)
     }
 
+    /// The most bytes one large intermediate of an op built here in bands may take
+    /// (`None`: no limit, the default). [`Context::conv_2d`] computes a convolution whose
+    /// im2col would take more in bands of output rows, each band's im2col within the limit
+    /// (at least one row a band), the bands concatenated; networks read it to run
+    /// token-wise layers (a feed-forward's projection) in chunks of tokens. The same
+    /// values, a smaller compute buffer: for graphs that run under a device budget, where
+    /// a top-resolution intermediate (94 MB for the im2col of a 640-channel 3x3
+    /// convolution of SD1.5 at 512x512, batch 2; 84 MB for its feed-forward's projection)
+    /// takes room the weights could use.
+    pub fn set_band_bytes(&self, limit: Option<usize>) {
+        self.inner
+            .band_bytes
+            .store(limit.unwrap_or(0), std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// The limit [`Context::set_band_bytes`] set.
+    pub fn band_bytes(&self) -> Option<usize> {
+        match self
+            .inner
+            .band_bytes
+            .load(std::sync::atomic::Ordering::Relaxed)
+        {
+            0 => None,
+            n => Some(n),
+        }
+    }
+
     /// Whether [`Context::set_f32_products`] is on.
     pub fn f32_products(&self) -> bool {
         self.inner
@@ -190,6 +220,7 @@ impl Context {
             bf16_attention: std::sync::atomic::AtomicBool::new(false),
             f32_products: std::sync::atomic::AtomicBool::new(true),
             direct_conv: std::sync::atomic::AtomicBool::new(false),
+            band_bytes: std::sync::atomic::AtomicUsize::new(0),
         });
         registry_add(&inner);
         Ok(Context { inner })

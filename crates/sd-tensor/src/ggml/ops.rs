@@ -297,6 +297,37 @@ impl Context {
     pub fn gelu_erf(&self, a: &GTensor) -> Result<GTensor> {
         self.unary("gelu_erf", a, sys::ggml_gelu_erf)
     }
+    /// GEGLU of `a` `[2 I, ...]` in one op: its first `I` values times the GELU of its
+    /// last `I` (diffusers' `GEGLU`: `value * gelu(gate)`), `[I, ...]`; `erf` selects the
+    /// exact GELU, otherwise ggml's tanh approximation (as [`gelu`](Self::gelu)). Needs
+    /// rows of contiguous floats of even width. One pass and no copies of the halves: the
+    /// feed-forward's largest intermediates are the projection and this output only.
+    pub fn geglu(&self, a: &GTensor, erf: bool) -> Result<GTensor> {
+        let ne = a.ne();
+        let Some(d) = a.dtype().filter(|d| d.is_float() && *d != DType::F64) else {
+            return Err(bad("geglu", format!("unsupported type {:?}", a.dtype())));
+        };
+        if ne[0] == 0
+            || !ne[0].is_multiple_of(2)
+            || a.nb()[0] != d.type_size()
+            || !a.is_contiguous_1()
+        {
+            return Err(bad(
+                "geglu",
+                format!(
+                    "needs contiguous rows of even width, got {ne:?} strides {:?}",
+                    a.nb()
+                ),
+            ));
+        }
+        let f = if erf {
+            sys::ggml_geglu_erf_swapped
+        } else {
+            sys::ggml_geglu_swapped
+        };
+        // SAFETY: float tensor with contiguous rows of even width (ggml_glu's assertion).
+        self.op("geglu", 1, |c| unsafe { f(c, a.raw()) })
+    }
     /// GELU with the quick sigmoid approximation (CLIP's `quick_gelu`).
     pub fn gelu_quick(&self, a: &GTensor) -> Result<GTensor> {
         self.unary("gelu_quick", a, sys::ggml_gelu_quick)
@@ -918,7 +949,81 @@ impl Context {
         dilation: (usize, usize),
         exact_f32: bool,
     ) -> Result<GTensor> {
+        let (kn, xn) = (kernel.ne(), input.ne());
+        self.check_conv(kn, xn, stride, pad, dilation)?;
+        if let Some(limit) = self.band_bytes() {
+            let ext_h = dilation.1 * (kn[1] - 1) + 1;
+            let ext_w = dilation.0 * (kn[0] - 1) + 1;
+            let oh = (xn[1] + 2 * pad.1 - ext_h) / stride.1 + 1;
+            let ow = (xn[0] + 2 * pad.0 - ext_w) / stride.0 + 1;
+            let esz = match kernel.dtype() {
+                Some(DType::F32) if exact_f32 => 4,
+                Some(DType::BF16) => 4,
+                _ => 2,
+            };
+            let row_bytes = kn[0] * kn[1] * kn[2] * ow * xn[3] * esz;
+            if oh >= 2 && row_bytes * oh > limit {
+                let rows = (limit / row_bytes.max(1)).clamp(1, oh - 1);
+                return self.conv_2d_bands(kernel, input, stride, pad, dilation, exact_f32, rows);
+            }
+        }
         self.conv_2d_with(kernel, input, None, stride, pad, dilation, exact_f32, false)
+    }
+
+    /// [`conv_2d`](Self::conv_2d) in bands of at most `rows` output rows: the input padded
+    /// in height once, each band an unpadded-in-height convolution of the rows it reads
+    /// (a view), the bands concatenated along the rows.
+    #[allow(clippy::too_many_arguments)]
+    fn conv_2d_bands(
+        &self,
+        kernel: &GTensor,
+        input: &GTensor,
+        stride: (usize, usize),
+        pad: (usize, usize),
+        dilation: (usize, usize),
+        exact_f32: bool,
+        rows: usize,
+    ) -> Result<GTensor> {
+        let (kn, xn) = (kernel.ne(), input.ne());
+        let ext_h = dilation.1 * (kn[1] - 1) + 1;
+        let oh = (xn[1] + 2 * pad.1 - ext_h) / stride.1 + 1;
+        let padded = if pad.1 > 0 {
+            self.pad_ext(input, [(0, 0), (pad.1, pad.1), (0, 0), (0, 0)])?
+        } else if input.is_contiguous() {
+            input.clone()
+        } else {
+            self.cont(input)?
+        };
+        let nb = padded.nb();
+        let mut out: Option<GTensor> = None;
+        let mut o0 = 0;
+        while o0 < oh {
+            let o1 = (o0 + rows).min(oh);
+            let first = o0 * stride.1;
+            let count = (o1 - o0 - 1) * stride.1 + ext_h;
+            let band = self.view(
+                &padded,
+                [xn[0], count, xn[2], xn[3]],
+                [nb[1], nb[2], nb[3]],
+                first * nb[1],
+            )?;
+            let y = self.conv_2d_with(
+                kernel,
+                &band,
+                None,
+                stride,
+                (pad.0, 0),
+                dilation,
+                exact_f32,
+                false,
+            )?;
+            out = Some(match out {
+                None => y,
+                Some(o) => self.concat(&o, &y, 1)?,
+            });
+            o0 = o1;
+        }
+        out.ok_or_else(|| bad("conv_2d", "no output rows".into()))
     }
 
     /// [`conv_2d`](Self::conv_2d) plus `bias` (`[OC]` f32, added per output channel), with the

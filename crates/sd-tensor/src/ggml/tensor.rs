@@ -145,6 +145,13 @@ impl GTensor {
         unsafe { sys::ggml_is_contiguous(self.raw()) }
     }
 
+    /// Whether the rows are contiguous and the dimensions above the second are laid out
+    /// contiguously over it (ggml's `ggml_is_contiguous_1`, which its GLU ops need).
+    pub fn is_contiguous_1(&self) -> bool {
+        // SAFETY: live descriptor.
+        unsafe { sys::ggml_is_contiguous_1(self.raw()) }
+    }
+
     /// The tensor's name.
     pub fn name(&self) -> String {
         // SAFETY: name is a NUL-terminated fixed array.
