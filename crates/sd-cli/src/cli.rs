@@ -960,8 +960,40 @@ pub fn f32_products_from_env() -> Result<bool, String> {
     f32_products_setting(std::env::var(F32_PRODUCTS_ENV).ok().as_deref())
 }
 
+/// The environment variable that turns banding off (`0`: every convolution and
+/// feed-forward whole, the bits of an unbudgeted run) or on (`1`, the default: under a
+/// budget on a device other than the CPU, large intermediates in bands; see
+/// `RuntimeOptions::band_divisor`).
+pub const BANDS_ENV: &str = "SD_BANDS";
+
+/// [`BANDS_ENV`]'s value: whether bands are on (unset or empty: on).
+pub fn bands_setting(value: Option<&str>) -> Result<bool, String> {
+    match value.map(str::trim) {
+        None | Some("") | Some("1" | "true" | "on" | "yes") => Ok(true),
+        Some("0" | "false" | "off" | "no") => Ok(false),
+        Some(other) => Err(format!(
+            "{BANDS_ENV}={other}: expected 1 (large intermediates in bands under a budget) or 0 (whole ops)"
+        )),
+    }
+}
+
+/// [`bands_setting`] of the process environment.
+pub fn bands_from_env() -> Result<bool, String> {
+    bands_setting(std::env::var(BANDS_ENV).ok().as_deref())
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn sd_bands_values() {
+        use super::bands_setting;
+        assert_eq!(bands_setting(None), Ok(true));
+        assert_eq!(bands_setting(Some("0")), Ok(false));
+        assert_eq!(bands_setting(Some(" on")), Ok(true));
+        let e = bands_setting(Some("x")).unwrap_err();
+        assert!(e.contains("SD_BANDS=x"), "{e}");
+    }
+
     #[test]
     fn sd_exact_values() {
         use super::exact_override;

@@ -463,6 +463,9 @@ fn generate(cli: &Cli, threads: usize) -> Result<(), Fail> {
     runtime.exact = cli::exact_from_env().map_err(Fail::Usage)?;
     runtime.host_kernels = cli::host_kernels_from_env().map_err(Fail::Usage)?;
     runtime.f32_products = cli::f32_products_from_env().map_err(Fail::Usage)?;
+    if !cli::bands_from_env().map_err(Fail::Usage)? {
+        runtime.band_divisor = None;
+    }
     let on_cpu = matches!(runtime.compute, ComputeDevice::Cpu);
     if cli.max_vram.is_some() && on_cpu {
         tracing::warn!("--max-vram budgets a GPU (--backend); the CPU backend ignores it");

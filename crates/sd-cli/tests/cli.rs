@@ -216,18 +216,17 @@ fn a_budgeted_simulated_device_gives_the_cpu_image() {
     ok(&run_builtin_env(&cpu_png, &[], &[("SD_HOST_KERNELS", "0")]));
     // 8 MiB: less than the UNet's or the VAE decoder's weights + workspace (7-9 MB at 64x64
     // with the engine's 128 MiB planning headroom), so they run in segments.
+    // Whole ops (SD_BANDS=0): bands would sum some products in another order.
     let sim_png = scratch("budget_sim.png");
-    let out = run_builtin(
-        &sim_png,
-        &[
-            "--backend",
-            "sim:256",
-            "--max-vram",
-            "8M",
-            "--params-backend",
-            "disk",
-        ],
-    );
+    let budgeted = [
+        "--backend",
+        "sim:256",
+        "--max-vram",
+        "8M",
+        "--params-backend",
+        "disk",
+    ];
+    let out = run_builtin_env(&sim_png, &budgeted, &[("SD_BANDS", "0")]);
     ok(&out);
     // Streaming under the budget is no warning: prefetches that find no room are skipped,
     // cuts merged segments hold inside are the model's business.
@@ -236,6 +235,13 @@ fn a_budgeted_simulated_device_gives_the_cpu_image() {
     let a = sd_tensor::Image::load_png(&cpu_png).unwrap();
     let b = sd_tensor::Image::load_png(&sim_png).unwrap();
     assert_eq!(a.pixels(), b.pixels());
+    // With bands (the default): the VAE decoder's convolutions in row bands, the same image
+    // to within rounding.
+    let banded_png = scratch("budget_bands.png");
+    ok(&run_builtin(&banded_png, &budgeted));
+    let d = sd_tensor::Image::load_png(&banded_png).unwrap();
+    let max = max_pixel_diff(&a, &d);
+    assert!(max <= 2, "bands: max pixel diff {max}");
     // The project's CPU kernels (the default; the attention rounds otherwise): the same
     // image to within rounding.
     let host_png = scratch("budget_host.png");

@@ -194,6 +194,11 @@ pub struct GraphCtx {
     /// Backends' kernels cover some widths only (ggml's CUDA backend has none for 160, an
     /// SD1.5 UNet width); other widths fall back to `mul_mat` attention.
     pub flash_attn_head_dims: Option<Vec<usize>>,
+    /// With `opts.flash_attn`: head widths below this run flash attention at this width,
+    /// zeros appended to each head (the same values; `None`: each at its own width).
+    /// ggml's CUDA backend runs widths under 64 (SD1's 40) on a generic tile kernel about
+    /// ten times slower per FLOP than its tensor-core kernels for 64 and up.
+    pub flash_attn_pad_to: Option<usize>,
 }
 
 impl GraphCtx {
@@ -208,6 +213,7 @@ impl GraphCtx {
             aux: Vec::new(),
             opts,
             flash_attn_head_dims: None,
+            flash_attn_pad_to: None,
         })
     }
 

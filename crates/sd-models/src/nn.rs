@@ -310,11 +310,41 @@ pub fn attention(
             return Ok(o);
         }
     }
+    // A copy only where the layout needs one (ggml's `cont` always copies).
+    let dense = |t: &GTensor| -> Result<GTensor> {
+        Ok(if t.is_contiguous() {
+            t.clone()
+        } else {
+            ctx.cont(t)?
+        })
+    };
     // [d, h, n, B] -> [d, n, h, B]
     let split = |t: &GTensor, dd: usize, n: usize| -> Result<GTensor> {
-        let t = ctx.reshape(&ctx.cont(t)?, &[dd, heads, n, b])?;
+        let t = ctx.reshape(&dense(t)?, &[dd, heads, n, b])?;
         Ok(ctx.cont(&ctx.permute(&t, [0, 2, 1, 3])?)?)
     };
+    // Head widths under the backend's fast flash-attention kernels (`flash_attn_pad_to`)
+    // run as those kernels' width, zeros appended to every head of Q, K and V: the
+    // products and the softmax see the same values (the scale stays the true width's),
+    // and the output's padded columns are zero and dropped.
+    let pad = g
+        .flash_attn_pad_to
+        .filter(|&p| d < p && dv == d && g.flash_attn_for(p) && mask.is_none());
+    if let Some(p) = pad {
+        // [d, h, n, B] padded to [p, h, n, B], then viewed as [p, n, h, B].
+        let widen = |t: &GTensor, n: usize| -> Result<GTensor> {
+            let t = ctx.reshape(&dense(t)?, &[d, heads, n, b])?;
+            Ok(ctx.pad(&t, [p - d, 0, 0, 0])?)
+        };
+        let heads_view = |t: &GTensor| -> Result<GTensor> { Ok(ctx.permute(t, [0, 2, 1, 3])?) };
+        let qp = heads_view(&widen(q, nq)?)?;
+        let kp = heads_view(&ctx.cast(&widen(k, nkv)?, DType::F16)?)?;
+        let vp = heads_view(&ctx.cast(&widen(v, nkv)?, DType::F16)?)?;
+        let o = ctx.flash_attn_ext(&qp, &kp, &vp, None, scale)?; // [p, h, n_q, B]
+        let on = o.nb();
+        let o = ctx.cont(&ctx.view(&o, [d, heads, nq, b], [on[1], on[2], on[3]], 0)?)?;
+        return Ok(ctx.reshape(&o, &[d * heads, nq, b])?);
+    }
     let qh = split(q, d, nq)?;
     if g.flash_attn_for(d) && mask.is_none() {
         let kh = ctx.cast(&split(k, d, nkv)?, DType::F16)?;
@@ -326,7 +356,7 @@ pub fn attention(
     let scores = ctx.mul_mat(&kh, &qh)?; // [n_kv, n_q, h, B]
     let probs = ctx.soft_max_ext(&scores, mask, scale)?;
     // v: [dv, h, n_kv, B] -> [n_kv, dv, h, B]
-    let vt = ctx.reshape(&ctx.cont(v)?, &[dv, heads, nkv, b])?;
+    let vt = ctx.reshape(&dense(v)?, &[dv, heads, nkv, b])?;
     let vt = ctx.cont(&ctx.permute(&vt, [1, 2, 0, 3])?)?;
     let o = ctx.mul_mat(&vt, &probs)?; // [dv, n_q, h, B]
     let o = ctx.cont(&ctx.permute(&o, [0, 2, 1, 3])?)?; // [dv, h, n_q, B]
@@ -449,6 +479,74 @@ pub fn sinusoidal_embedding(values: &[f32], dim: usize) -> Vec<f32> {
 mod tests {
     use super::*;
     use crate::ComputeOptions;
+
+    /// Flash attention of 40-wide heads padded to 64 (`GraphCtx::flash_attn_pad_to`) gives
+    /// the unpadded flash attention's output within f16 rounding (K and V rounded to f16
+    /// alike), self- and cross-attention shapes, and runs the op at width 64; 64-wide heads
+    /// and heads the padded width is not allowed for are left as they are.
+    #[test]
+    fn narrow_heads_padded_for_flash_attention_give_the_same_output() {
+        use sd_tensor::ggml::{Backend, BufferType, Gallocr, Graph};
+        let opts = ComputeOptions {
+            exact: false,
+            flash_attn: true,
+            host_kernels: false,
+        };
+        let heads = 8;
+        for (d, nq, nkv, pad, padded) in [
+            (40, 50, 50, true, true),
+            (40, 33, 7, true, true),
+            (64, 20, 20, true, false),
+            (40, 20, 20, false, false),
+        ] {
+            let mut outs = Vec::new();
+            for pad_to in [None, Some(64)] {
+                let mut g = GraphCtx::new(256, 256, opts).unwrap();
+                if !pad {
+                    g.flash_attn_head_dims = Some(vec![40]);
+                }
+                g.flash_attn_pad_to = pad_to;
+                let q = g.ctx.new_tensor(DType::F32, &[heads * d, nq, 2]).unwrap();
+                let k = g.ctx.new_tensor(DType::F32, &[heads * d, nkv, 2]).unwrap();
+                let v = g.ctx.new_tensor(DType::F32, &[heads * d, nkv, 2]).unwrap();
+                let buf = BufferType::cpu().alloc_context_tensors(&g.ctx).unwrap();
+                for (i, t) in [&q, &k, &v].into_iter().enumerate() {
+                    let n = t.nelements();
+                    let vals: Vec<f32> = (0..n)
+                        .map(|j| ((j * 7919 + i * 104_729) % 2001) as f32 / 1000.0 - 1.0)
+                        .collect();
+                    t.write_f32(&vals).unwrap();
+                }
+                let o = attention(&g, &q, &k, &v, heads, None).unwrap();
+                assert_eq!(o.ne(), [heads * d, nq, 2, 1]);
+                let mut graph = Graph::new(&g.ctx, 256).unwrap();
+                o.set_output();
+                graph.build_forward_expand(&o).unwrap();
+                let width = graph
+                    .nodes()
+                    .iter()
+                    .find(|n| n.op_name() == "FLASH_ATTN_EXT")
+                    .map(|n| n.src(0).unwrap().ne()[0]);
+                let want = if pad_to.is_some() && padded { 64 } else { d };
+                assert_eq!(width, Some(want), "d {d}, pad {pad_to:?}");
+                let backend = Backend::cpu(2).unwrap();
+                let mut galloc = Gallocr::new(backend.buffer_type()).unwrap();
+                galloc.alloc_graph(&graph).unwrap();
+                backend.compute(&graph).unwrap();
+                outs.push(o.read_f32().unwrap());
+                drop(buf);
+            }
+            let diff = outs[0]
+                .iter()
+                .zip(&outs[1])
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
+            assert!(outs[0].iter().any(|v| *v != 0.0));
+            // ggml's CPU kernel sums V in f16 and the scores' dot products over 40 or 64
+            // lanes in another order: f16 rounding apart.
+            assert!(diff <= 1e-3, "d {d} nq {nq} nkv {nkv}: max diff {diff}");
+        }
+    }
 
     /// With `Context::set_direct_conv`, 3x3 and 1x1 convolutions with f16 kernels are
     /// ggml's `CONV_2D` (bias added after); f32 kernels, and every kernel without it, take

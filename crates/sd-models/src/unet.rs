@@ -417,7 +417,9 @@ impl BasicTransformerBlock {
         if ctx.host_kernels() || rows < 2 || row_bytes * rows <= limit || !n.is_contiguous() {
             return Ok(None);
         }
-        let per = (limit / row_bytes).clamp(1, rows - 1);
+        // Equal chunks, as few as keep each projection within the limit.
+        let chunks = (row_bytes * rows).div_ceil(limit.max(1)).min(rows);
+        let per = rows.div_ceil(chunks);
         let flat = ctx.reshape(n, &[dim, rows])?;
         let esz = DType::F32.type_size();
         let mut out: Option<GTensor> = None;

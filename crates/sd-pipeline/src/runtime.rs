@@ -227,6 +227,11 @@ pub struct RuntimeOptions {
     /// The least bytes [`RuntimeOptions::band_divisor`] bands an intermediate down to (a
     /// tiny budget does not cut ops into slivers). Default: [`MIN_BAND_BYTES`].
     pub band_min_bytes: u64,
+    /// On a device other than the CPU with flash attention, head widths under 64 (SD1's
+    /// 40) run flash attention at width 64, zeros appended to each head
+    /// (`sd_models::GraphCtx::flash_attn_pad_to`): the same values on ggml's tensor-core
+    /// kernels instead of its generic tile kernel. Default: on.
+    pub flash_attn_pad: bool,
     /// How every model's session streams weights under a budget (staging pool, window,
     /// prefetch depth, segments in flight, graph reuse; `sd-bench unet`'s switches). The
     /// default is the measured best of each.
@@ -266,6 +271,7 @@ impl Default for RuntimeOptions {
             direct_conv: false,
             band_divisor: Some(8),
             band_min_bytes: MIN_BAND_BYTES,
+            flash_attn_pad: true,
             streaming: StreamingOptions::default(),
             uploads: UploadOptions::default(),
             runtime_reserve: None,
@@ -1050,6 +1056,9 @@ impl Runtime {
             .set_direct_conv(self.options.direct_conv && !dev.backend.is_cpu());
         if let Some(dims) = &dev.flash_attn_dims {
             g.flash_attn_head_dims = Some(dims.clone());
+            if self.options.flash_attn_pad && !dev.backend.is_cpu() {
+                g.flash_attn_pad_to = Some(FLASH_ATTN_PAD_WIDTH);
+            }
         }
         if !dev.backend.is_cpu() {
             g.ctx.set_band_bytes(band_bytes(
@@ -1361,6 +1370,9 @@ fn resolve_exact(forced: Option<bool>, base: bool, on_gpu: bool) -> bool {
 
 /// The attention head widths (multiples of 8 up to 256) whose `flash_attn_ext` (f32 Q, f16
 /// K/V, no mask) every one of `backends` runs; the others keep `mul_mat` attention.
+/// The head width [`RuntimeOptions::flash_attn_pad`] pads narrower heads to.
+pub const FLASH_ATTN_PAD_WIDTH: usize = 64;
+
 /// The default of [`RuntimeOptions::band_min_bytes`].
 pub const MIN_BAND_BYTES: u64 = 4 << 20;
 

@@ -45,9 +45,9 @@ fn load(budget: u64) -> Pipeline {
                 flash_attn: true,
                 host_kernels: false,
             },
-            // Whole convolutions: the probes below take the minimum a decode reports at its
-            // finest cuts as the least budget it runs in, which holds for whole ops; with
-            // bands (the default) a coarser plan can need less than the finest one.
+            // Whole ops: the probes below take the minimum a decode reports under one
+            // budget as what it needs under another; with bands (the default) the graph
+            // itself depends on the budget (its band limit).
             band_divisor: None,
             ..RuntimeOptions::default()
         },

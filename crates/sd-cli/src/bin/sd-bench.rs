@@ -362,6 +362,10 @@ struct UnetArgs {
     /// 0: whole ops
     #[arg(long = "band-divisor", default_value_t = 8)]
     band_divisor: u64,
+    /// On a GPU, flash attention of head widths under 64 at width 64, zeros appended (see
+    /// `RuntimeOptions::flash_attn_pad`), in the engine's runs and the bare graph alike
+    #[arg(long = "flash-pad", value_enum, default_value = "on")]
+    flash_pad: OnOff,
     /// How many of the next step's first segments the last segments may prefetch (see
     /// `StreamingOptions::next_pass_segments`)
     #[arg(long = "next-pass-segments", default_value_t = 2)]
@@ -566,6 +570,9 @@ static WEIGHT_TYPE: std::sync::OnceLock<DType> = std::sync::OnceLock::new();
 /// `--conv-direct on`: convolutions with f16 kernels as ggml's direct convolution on a GPU
 /// (`RuntimeOptions::direct_conv`), in the engine's runs and the bare graph alike.
 static CONV_DIRECT: AtomicBool = AtomicBool::new(false);
+
+/// `--flash-pad on|off`: see `RuntimeOptions::flash_attn_pad`.
+static FLASH_PAD: AtomicBool = AtomicBool::new(true);
 
 /// `--band-divisor N` (0: off): see `RuntimeOptions::band_divisor`.
 static BAND_DIVISOR: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(8);
@@ -853,6 +860,7 @@ impl RigOptions<'_> {
             host_kernels: self.host_kernels,
             f32_products: sd_models::bench::f32_products(),
             direct_conv: CONV_DIRECT.load(Ordering::Relaxed),
+            flash_attn_pad: FLASH_PAD.load(Ordering::Relaxed),
             band_divisor: match BAND_DIVISOR.load(Ordering::Relaxed) {
                 0 => None,
                 d => Some(d),
@@ -1034,6 +1042,9 @@ fn unet_graph(
         },
     )?;
     g.flash_attn_head_dims = Some(flash_attn.to_vec());
+    if !on_cpu && FLASH_PAD.load(Ordering::Relaxed) {
+        g.flash_attn_pad_to = Some(sd_pipeline::runtime::FLASH_ATTN_PAD_WIDTH);
+    }
     g.ctx
         .set_direct_conv(!on_cpu && CONV_DIRECT.load(Ordering::Relaxed));
     let built = step_graph(&mut g, model, inputs)?;
@@ -1183,6 +1194,7 @@ fn direct_backend(
 fn cmd_unet(a: &UnetArgs) -> Result<()> {
     CONV_DIRECT.store(a.conv_direct == OnOff::On, Ordering::Relaxed);
     BAND_DIVISOR.store(a.band_divisor, Ordering::Relaxed);
+    FLASH_PAD.store(a.flash_pad == OnOff::On, Ordering::Relaxed);
     let weights = a.weights.clone();
     let backend_name = a.backend.as_str();
     let cfg = config_of(a.config);
@@ -1444,6 +1456,7 @@ fn cmd_unet(a: &UnetArgs) -> Result<()> {
             "keep_graph": a.keep_graph == OnOff::On,
             "conv_direct": a.conv_direct == OnOff::On,
             "band_divisor": a.band_divisor,
+            "flash_pad": a.flash_pad == OnOff::On,
             "next_pass_segments": a.next_pass_segments,
             "prefetches_per_segment": a.prefetches_per_segment,
             "evict_later_uses": a.evict_later_uses == OnOff::On,

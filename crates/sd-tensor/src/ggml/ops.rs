@@ -962,9 +962,25 @@ impl Context {
                 _ => 2,
             };
             let row_bytes = kn[0] * kn[1] * kn[2] * ow * xn[3] * esz;
-            if oh >= 2 && row_bytes * oh > limit {
-                let rows = (limit / row_bytes.max(1)).clamp(1, oh - 1);
-                return self.conv_2d_bands(kernel, input, stride, pad, dilation, exact_f32, rows);
+            let whole = row_bytes * oh;
+            if oh >= 2 && whole > limit {
+                // Equal bands, as few as keep each within the limit.
+                let bands = whole.div_ceil(limit.max(1)).min(oh);
+                let rows = oh.div_ceil(bands);
+                // Banding costs the padded copy of the input (when there is padding) and
+                // the bands' outputs beside their concatenation: only where the im2col
+                // saves more.
+                let f32_bytes = DType::F32.type_size();
+                let padded = if pad.1 > 0 || !input.is_contiguous() {
+                    xn[0] * (xn[1] + 2 * pad.1) * xn[2] * xn[3] * f32_bytes
+                } else {
+                    0
+                };
+                let out = ow * oh * kn[3] * xn[3] * f32_bytes;
+                if whole - row_bytes * rows > padded + out {
+                    return self
+                        .conv_2d_bands(kernel, input, stride, pad, dilation, exact_f32, rows);
+                }
             }
         }
         self.conv_2d_with(kernel, input, None, stride, pad, dilation, exact_f32, false)

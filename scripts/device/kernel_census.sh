@@ -1,0 +1,40 @@
+#!/bin/bash
+# Where one SD1.5 UNet step's GPU time goes (issue 19, the resident gap to diffusers): the
+# bare ggml graph (`sd-bench unet --direct on`, CUDA graphs off so each kernel launches on
+# its own) under Nsight Compute, one duration metric per kernel, summed by kernel name over
+# the timed step (the second half of the kernels: a warm-up step runs first); then
+# diffusers' step under torch.profiler (kernel_profile.py). Run from the checkout root with
+# stage/ (and .whl/) as for band_ab.sh.
+CALL_T0=$(date +%s)
+source scripts/device/stage_module.sh 2>&1 | tail -3
+source scripts/device/stage_module.sh >/dev/null 2>&1
+source scripts/device/ab_run.sh
+$B write-weights /tmp/w-sd15 --config sd15 >/dev/null
+which ncu || ls /usr/local/cuda*/bin/ncu
+NCU=$(which ncu 2>/dev/null || ls /usr/local/cuda*/bin/ncu | head -1)
+GGML_CUDA_DISABLE_GRAPHS=1 timeout 300 $NCU --clock-control none --metrics gpu__time_duration.sum --csv --print-units base \
+  $B unet --backend CUDA0 --config sd15 --weights /tmp/w-sd15/unet.safetensors --params device --direct on --steps 1 \
+  >$OUT/ncu.csv 2>$OUT/ncu.err
+echo "ncu rc $? in $(($(date +%s)-CALL_T0)) s"; tail -3 $OUT/ncu.err
+python3 - $OUT/ncu.csv <<'PY'
+import csv, sys, collections
+rows = [r for r in csv.reader(l for l in open(sys.argv[1]) if l.startswith('"'))]
+hdr = rows[0]; rows = rows[1:]
+iname = hdr.index("Kernel Name"); ival = hdr.index("Metric Value"); iid = hdr.index("ID")
+ks = [(int(r[iid]), r[iname], float(r[ival].replace(",", ""))) for r in rows if r[ival]]
+ks.sort()
+half = ks[len(ks)//2:]
+agg = collections.defaultdict(lambda: [0.0, 0])
+for _, n, v in half:
+    key = n.split("(")[0].split("<")[0][:60] + ("<" + n.split("<")[1][:50] if "<" in n else "")
+    agg[key][0] += v / 1e6; agg[key][1] += 1
+tot = sum(v for v, _ in agg.values())
+print(f"GGML kernels {len(ks)} total, timed half {len(half)}: {tot:.3f} ms")
+for k, (ms, n) in sorted(agg.items(), key=lambda kv: -kv[1][0])[:40]:
+    print(f"GGML {ms:8.3f} ms {n:5d}  {k}")
+PY
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+  timeout 150 python3 scripts/device/kernel_profile.py 2>&1 | grep DIFF
+fi
+echo "done in $(($(date +%s)-CALL_T0)) s"
