@@ -1220,8 +1220,9 @@ impl Context {
                     });
             }
         }
-        // SAFETY: shapes checked; im2col + mul_mat + reshapes + permute + cont = 8 tensors.
-        self.op("conv_2d", 8, |c| unsafe {
+        // SAFETY: shapes checked; im2col + reshapes + per image a view, a product and a
+        // reshape, the concatenations (or the host epilogue) = at most 4 + 4 N tensors.
+        self.op("conv_2d", 4 + 4 * xn[3].max(1), |c| unsafe {
             let im = match host {
                 Some((g, ow, oh)) => host_im2col(
                     c,
@@ -1246,16 +1247,16 @@ impl Context {
             };
             // im: [IC*KH*KW, OW, OH, N]
             let imn = (*im).ne;
-            let im2 = sys::ggml_reshape_2d(c, im, imn[0], imn[3] * imn[2] * imn[1]);
             let k2 = sys::ggml_reshape_2d(
                 c,
                 kernel.raw(),
                 kn[0] as i64 * kn[1] as i64 * kn[2] as i64,
                 kn[3] as i64,
             );
-            let r = sys::ggml_mul_mat(c, im2, k2); // [N*OH*OW, OC]
             if host_kernels {
-                // Layout and bias in one pass (see `host_conv.rs`).
+                let im2 = sys::ggml_reshape_2d(c, im, imn[0], imn[3] * imn[2] * imn[1]);
+                let r = sys::ggml_mul_mat(c, im2, k2); // [N*OH*OW, OC]
+                                                       // Layout and bias in one pass (see `host_conv.rs`).
                 let mut args = [r, bias.map_or(std::ptr::null_mut(), |b| b.raw())];
                 return sys::ggml_custom_4d(
                     c,
@@ -1271,9 +1272,26 @@ impl Context {
                     std::ptr::null_mut(),
                 );
             }
-            let r = sys::ggml_reshape_4d(c, r, imn[1], imn[2], imn[3], kn[3] as i64); // [OW, OH, N, OC]
-            let r = sys::ggml_permute(c, r, 0, 1, 3, 2); // [OW, OH, OC, N]
-            sys::ggml_cont(c, r)
+            // One product per image: each gives [OW*OH, OC], the image's [OW, OH, OC] layout,
+            // and the images are concatenated (a contiguous copy; none for one image)
+            // instead of permuting [OW, OH, N, OC] (a strided copy, ggml's slowest on CUDA).
+            let per_image = |n: i64| {
+                let v = sys::ggml_view_2d(
+                    c,
+                    im,
+                    imn[0],
+                    imn[1] * imn[2],
+                    (*im).nb[1],
+                    n as usize * (*im).nb[3],
+                );
+                let r = sys::ggml_mul_mat(c, v, k2); // [OW*OH, OC]
+                sys::ggml_reshape_4d(c, r, imn[1], imn[2], kn[3] as i64, 1)
+            };
+            let mut out = per_image(0);
+            for n in 1..imn[3] {
+                out = sys::ggml_concat(c, out, per_image(n), 3);
+            }
+            out
         })
     }
 
