@@ -2,12 +2,13 @@
 torch.profiler: the peer's side of kernel_census.sh. Prints the kernels grouped by a short
 name with total ms, then the step's total, as `DIFF name ms count` lines.
 
-usage: python3 kernel_profile.py
+usage: python3 kernel_profile.py [sdxl]   (SDXL: 1024x1024, batch 2, 77x2048 context)
 """
 
 import collections
 import importlib.util
 import os
+import sys
 
 import torch
 from diffusers import UNet2DConditionModel
@@ -18,16 +19,25 @@ spec = importlib.util.spec_from_file_location("u", path)
 mod = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(mod)
 dev = torch.device("cuda")
-unet = UNet2DConditionModel(**mod.SD15_UNET).to(dev, torch.float16).eval()
-x = torch.randn(2, 4, 64, 64, device=dev, dtype=torch.float16)
+xl = sys.argv[1:2] == ["sdxl"]
+with dev:
+    unet = UNet2DConditionModel(**(mod.SDXL_UNET if xl else mod.SD15_UNET)).to(torch.float16).eval()
+side, ctx_dim = (128, 2048) if xl else (64, 768)
+x = torch.randn(2, 4, side, side, device=dev, dtype=torch.float16)
 t = torch.tensor([999.0, 499.0], device=dev)
-c = torch.randn(2, 77, 768, device=dev, dtype=torch.float16)
+c = torch.randn(2, 77, ctx_dim, device=dev, dtype=torch.float16)
+extra = {}
+if xl:
+    extra["added_cond_kwargs"] = {
+        "text_embeds": torch.zeros(2, 1280, device=dev, dtype=torch.float16),
+        "time_ids": torch.tensor([[1024.0, 1024.0, 0.0, 0.0, 1024.0, 1024.0]] * 2, device=dev, dtype=torch.float16),
+    }
 with torch.no_grad():
     for _ in range(5):
-        unet(x, t, encoder_hidden_states=c)
+        unet(x, t, encoder_hidden_states=c, **extra)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        unet(x, t, encoder_hidden_states=c)
+        unet(x, t, encoder_hidden_states=c, **extra)
         torch.cuda.synchronize()
 agg = collections.defaultdict(lambda: [0.0, 0])
 total = 0.0

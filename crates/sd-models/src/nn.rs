@@ -345,13 +345,20 @@ pub fn attention(
         let o = ctx.cont(&ctx.view(&o, [d, heads, nq, b], [on[1], on[2], on[3]], 0)?)?;
         return Ok(ctx.reshape(&o, &[d * heads, nq, b])?);
     }
-    let qh = split(q, d, nq)?;
     if g.flash_attn_for(d) && mask.is_none() {
-        let kh = ctx.cast(&split(k, d, nkv)?, DType::F16)?;
-        let vh = ctx.cast(&split(v, dv, nkv)?, DType::F16)?;
+        // Q read in place through a permuted view; K and V permuted by their casts to f16
+        // (one copy each, no separate permute).
+        let heads_view = |t: &GTensor, dd: usize, n: usize| -> Result<GTensor> {
+            let t = ctx.reshape(&dense(t)?, &[dd, heads, n, b])?;
+            Ok(ctx.permute(&t, [0, 2, 1, 3])?)
+        };
+        let qh = heads_view(q, d, nq)?;
+        let kh = ctx.cast(&heads_view(k, d, nkv)?, DType::F16)?;
+        let vh = ctx.cast(&heads_view(v, dv, nkv)?, DType::F16)?;
         let o = ctx.flash_attn_ext(&qh, &kh, &vh, None, scale)?; // [dv, h, n_q, B]
         return Ok(ctx.reshape(&o, &[dv * heads, nq, b])?);
     }
+    let qh = split(q, d, nq)?;
     let kh = split(k, d, nkv)?;
     let scores = ctx.mul_mat(&kh, &qh)?; // [n_kv, n_q, h, B]
     let probs = ctx.soft_max_ext(&scores, mask, scale)?;

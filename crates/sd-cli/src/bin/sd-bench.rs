@@ -1114,7 +1114,8 @@ fn flash_attn_dims(backend: &Backend, cfg: &BenchArch) -> Result<Vec<usize>> {
     Ok(dims)
 }
 
-/// Every head width of `cfg` whose attention can use flash attention (the LLM's: none).
+/// Every head width of `cfg` whose attention can use flash attention (the LLM's: none), and
+/// with `--flash-pad on` the width narrower heads are padded to.
 fn all_head_dims(cfg: &BenchArch) -> Result<Vec<usize>> {
     let mut dims = Vec::new();
     let cfg = match cfg {
@@ -1133,6 +1134,11 @@ fn all_head_dims(cfg: &BenchArch) -> Result<Vec<usize>> {
         DiffusionArch::Mmdit(m) => dims.push(m.head_dim()),
         DiffusionArch::Flux(f) => dims.push(f.head_dim()),
         DiffusionArch::QwenImage(q) => dims.push(q.head_dim()),
+    }
+    // `--flash-pad on`: narrower heads run at the padded width, which must be allowed too.
+    let pad = sd_pipeline::runtime::FLASH_ATTN_PAD_WIDTH;
+    if FLASH_PAD.load(Ordering::Relaxed) && dims.iter().any(|&d| d < pad) && !dims.contains(&pad) {
+        dims.push(pad);
     }
     Ok(dims)
 }

@@ -387,6 +387,17 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
                     r.times.done = Some(at);
                 }
             }
+            // A device finishes its segments in order: a watched segment seen done after a
+            // later one (the watcher's wake-up came after that one's call returned) was
+            // done by then.
+            let mut next: Option<std::time::Instant> = None;
+            for r in reports.iter_mut().rev() {
+                if let Some(done) = r.times.done {
+                    let done = next.map_or(done, |n| done.min(n));
+                    r.times.done = Some(done);
+                    next = Some(done);
+                }
+            }
         }
         let out = self
             .session

@@ -1,0 +1,39 @@
+#!/bin/bash
+# The fourth call of the twentieth session (issue 19): the table of record, side by side in
+# one call. SD1.5: bare graph (with the flash padding), resident step, budgets 0.75 / 0.5 /
+# 0.25 / 0.2 / 0.15 of its weights (pinned params, reserve 0), diffusers resident (50
+# iterations) and leaf-level group offload; SDXL: bare, resident, 0.5 / 0.25, diffusers
+# resident and leaf offload. DEADLINE [500].
+CALL_T0=$(date +%s)
+source scripts/device/stage_module.sh 2>&1 | tail -3
+source scripts/device/stage_module.sh >/dev/null 2>&1
+source scripts/device/ab_run.sh
+late() { (( $(date +%s) - CALL_T0 > ${DEADLINE:-500} )) && echo "deadline: skipping $1"; }
+device_header
+peer() {  # peer LABEL ARGS...: diffusers_unet.py, one JSON line tagged LABEL
+  local label=$1; shift
+  timeout 200 env PYTHONUNBUFFERED=1 python3 scripts/device/diffusers_unet.py "$@" 2>&1 | grep '^{' | tail -1 |
+    sed "s/^{/{\"label\":\"$label\",/" | tee -a $OUT/results.jsonl | cut -c1-300
+}
+ls .whl/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+bench_model sd15
+ab_one sd15-bare "${W[@]}" --params device --direct on
+for f in 0.75 0.5 0.25 0.2 0.15; do
+  late sd15-$f && break
+  ab_one sd15-$f "${W[@]}" --max-vram $f
+done
+late peers || peer sd15-diffusers-resident /tmp/w-sd15/unet.safetensors --iters 50 --warmup 10
+late peers || peer sd15-diffusers-leaf /tmp/w-sd15/unet.safetensors --offload leaf --iters 20 --warmup 3
+rm -rf /tmp/w-sd15
+export STEPS=6
+late sdxl || {
+  bench_model sdxl
+  ab_one sdxl-bare "${W[@]}" --params device --direct on
+  for f in 0.5 0.25; do
+    late sdxl-$f && break
+    ab_one sdxl-$f "${W[@]}" --max-vram $f
+  done
+  late sdxl-peers || peer sdxl-diffusers-resident /tmp/w-sdxl/unet.safetensors --model sdxl --iters 20 --warmup 5
+  late sdxl-peers || peer sdxl-diffusers-leaf /tmp/w-sdxl/unet.safetensors --model sdxl --offload leaf --iters 10 --warmup 2
+}
+echo "done in $(($(date +%s)-CALL_T0)) s"
