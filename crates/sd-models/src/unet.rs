@@ -399,9 +399,7 @@ impl BasicTransformerBlock {
             .mark_fine(&out, LEVEL_SUBLAYER, &format!("{label}.ff"))?;
         Ok(out)
     }
-}
 
-impl BasicTransformerBlock {
     /// The feed-forward of `n` `[dim, tokens, B]` in chunks of tokens when its projection
     /// would take more than the context's band limit (`Context::band_bytes`), each
     /// chunk's projection within it: the same values, a smaller compute buffer (the
@@ -511,42 +509,35 @@ impl SpatialTransformer {
         // A 1x1 projection on tokens: a product over channels, as the convolution's own
         // 1x1 path computes it, without its transposes back and forth (ggml's ops; this
         // crate's CPU kernels keep the convolution).
-        let on_tokens = |conv: &Conv2d, tokens: &GTensor| -> Result<Option<GTensor>> {
+        let pointwise_on_tokens = |conv: &Conv2d| {
             let kn = conv.weight.ne();
-            if ctx.host_kernels()
-                || kn[0] != 1
-                || kn[1] != 1
-                || conv.stride != 1
-                || conv.padding != 0
-            {
-                return Ok(None);
-            }
+            !ctx.host_kernels() && kn[0] == 1 && kn[1] == 1 && conv.stride == 1 && conv.padding == 0
+        };
+        let on_tokens = |conv: &Conv2d, tokens: &GTensor| -> Result<GTensor> {
+            let kn = conv.weight.ne();
             let w = ctx.reshape(&conv.weight, &[kn[2], kn[3]])?;
             let y = ctx.mul_mat(&w, tokens)?; // [OC, tokens, B]
-            Ok(Some(match &conv.bias {
+            Ok(match &conv.bias {
                 Some(b) => ctx.add(&y, b)?,
                 None => y,
-            }))
+            })
         };
         let mut t = self.norm.forward(ctx, x)?;
         t = match &self.proj_in {
-            Projection::Conv(conv) => {
-                let tokens = to_tokens(&t)?;
-                match on_tokens(conv, &tokens)? {
-                    Some(y) => y,
-                    None => to_tokens(&conv.forward(g, &t)?)?,
-                }
+            Projection::Conv(conv) if pointwise_on_tokens(conv) => {
+                on_tokens(conv, &to_tokens(&t)?)?
             }
+            Projection::Conv(conv) => to_tokens(&conv.forward(g, &t)?)?,
             Projection::Linear(lin) => lin.forward(ctx, &to_tokens(&t)?)?,
         };
         for (k, block) in self.transformer_blocks.iter().enumerate() {
             t = block.forward(g, &t, context, &format!("transformer_blocks.{k}"))?;
         }
         let t = match &self.proj_out {
-            Projection::Conv(conv) => match on_tokens(conv, &t)? {
-                Some(y) => from_tokens(&y)?,
-                None => conv.forward(g, &from_tokens(&t)?)?,
-            },
+            Projection::Conv(conv) if pointwise_on_tokens(conv) => {
+                from_tokens(&on_tokens(conv, &t)?)?
+            }
+            Projection::Conv(conv) => conv.forward(g, &from_tokens(&t)?)?,
             Projection::Linear(lin) => from_tokens(&lin.forward(ctx, &t)?)?,
         };
         Ok(ctx.add(&t, x)?)

@@ -180,6 +180,23 @@ fn unet_fast_numerics_stay_close() {
     check("unet_sd1 fast", &got, &want, 1e-2);
 }
 
+/// ggml's ops as a GPU runs them (no CPU kernels, fast numerics, flash attention: Q read
+/// through a permuted view, K and V permuted by their f16 casts; GEGLU as one op;
+/// convolutions one product per image; 1x1 projections on tokens), SD1 and SD2 layouts,
+/// within f16 precision of diffusers.
+#[test]
+fn unet_ggml_ops_with_flash_attention_stay_close() {
+    let opts = ComputeOptions {
+        exact: false,
+        flash_attn: true,
+        host_kernels: false,
+    };
+    for name in ["unet_sd1", "unet_sd2"] {
+        let (got, want, _) = run(name, opts);
+        check(&format!("{name} ggml ops, flash"), &got, &want, 1e-2);
+    }
+}
+
 /// bf16 weights (`sd --type bf16`, or a bf16 checkpoint): the convolutions' products run on
 /// bf16 columns with the project's CPU kernels (ggml's CPU product takes a bf16 kernel
 /// against bf16 or f32 columns only; an f16 im2col aborted), and so do the attention's
