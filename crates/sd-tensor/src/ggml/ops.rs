@@ -951,7 +951,11 @@ impl Context {
     ) -> Result<GTensor> {
         let (kn, xn) = (kernel.ne(), input.ne());
         self.check_conv(kn, xn, stride, pad, dilation)?;
-        if let Some(limit) = self.band_bytes() {
+        // Bands pad f32 activations (ggml's CUDA padding takes f32 only).
+        let limit = self
+            .band_bytes()
+            .filter(|_| input.dtype() == Some(DType::F32));
+        if let Some(limit) = limit {
             let ext_h = dilation.1 * (kn[1] - 1) + 1;
             let ext_w = dilation.0 * (kn[0] - 1) + 1;
             let oh = (xn[1] + 2 * pad.1 - ext_h) / stride.1 + 1;
