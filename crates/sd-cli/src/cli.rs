@@ -918,6 +918,17 @@ pub fn exact_from_env() -> Result<Option<bool>, String> {
     exact_override(std::env::var(EXACT_ENV).ok().as_deref())
 }
 
+/// An on/off switch's value from environment variable `name`: unset, empty or `1`, `true`,
+/// `on`, `yes` is on; `0`, `false`, `off`, `no` off; anything else an error naming the
+/// variable and what each value means.
+fn on_off_setting(name: &str, value: Option<&str>, on: &str, off: &str) -> Result<bool, String> {
+    match value.map(str::trim) {
+        None | Some("") | Some("1" | "true" | "on" | "yes") => Ok(true),
+        Some("0" | "false" | "off" | "no") => Ok(false),
+        Some(other) => Err(format!("{name}={other}: expected 1 ({on}) or 0 ({off})")),
+    }
+}
+
 /// The environment variable that turns the project's CPU kernels off (`0`: ggml's ops only,
 /// the bits of every other backend) or on (`1`, the default; see
 /// `RuntimeOptions::host_kernels`).
@@ -925,13 +936,12 @@ pub const HOST_KERNELS_ENV: &str = "SD_HOST_KERNELS";
 
 /// [`HOST_KERNELS_ENV`]'s value as `RuntimeOptions::host_kernels`: unset or empty is on.
 pub fn host_kernels_setting(value: Option<&str>) -> Result<bool, String> {
-    match value.map(str::trim) {
-        None | Some("") | Some("1" | "true" | "on" | "yes") => Ok(true),
-        Some("0" | "false" | "off" | "no") => Ok(false),
-        Some(other) => Err(format!(
-            "{HOST_KERNELS_ENV}={other}: expected 1 (the project's CPU kernels) or 0 (ggml's ops only)"
-        )),
-    }
+    on_off_setting(
+        HOST_KERNELS_ENV,
+        value,
+        "the project's CPU kernels",
+        "ggml's ops only",
+    )
 }
 
 /// [`host_kernels_setting`] of the process environment.
@@ -946,13 +956,12 @@ pub const F32_PRODUCTS_ENV: &str = "SD_F32_PRODUCTS";
 
 /// [`F32_PRODUCTS_ENV`]'s value as `RuntimeOptions::f32_products`: unset or empty is on.
 pub fn f32_products_setting(value: Option<&str>) -> Result<bool, String> {
-    match value.map(str::trim) {
-        None | Some("") | Some("1" | "true" | "on" | "yes") => Ok(true),
-        Some("0" | "false" | "off" | "no") => Ok(false),
-        Some(other) => Err(format!(
-            "{F32_PRODUCTS_ENV}={other}: expected 1 (the project's f32 products) or 0 (ggml's f16 product, convolutions through the im2col)"
-        )),
-    }
+    on_off_setting(
+        F32_PRODUCTS_ENV,
+        value,
+        "the project's f32 products",
+        "ggml's f16 product, convolutions through the im2col",
+    )
 }
 
 /// [`f32_products_setting`] of the process environment.
@@ -968,13 +977,12 @@ pub const BANDS_ENV: &str = "SD_BANDS";
 
 /// [`BANDS_ENV`]'s value: whether bands are on (unset or empty: on).
 pub fn bands_setting(value: Option<&str>) -> Result<bool, String> {
-    match value.map(str::trim) {
-        None | Some("") | Some("1" | "true" | "on" | "yes") => Ok(true),
-        Some("0" | "false" | "off" | "no") => Ok(false),
-        Some(other) => Err(format!(
-            "{BANDS_ENV}={other}: expected 1 (large intermediates in bands under a budget) or 0 (whole ops)"
-        )),
-    }
+    on_off_setting(
+        BANDS_ENV,
+        value,
+        "large intermediates in bands under a budget",
+        "whole ops",
+    )
 }
 
 /// [`bands_setting`] of the process environment.

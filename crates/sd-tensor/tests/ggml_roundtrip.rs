@@ -498,18 +498,25 @@ fn compute_pairs(
     pairs: &[(GTensor, GTensor)],
     threads: usize,
 ) -> (usize, PairValues) {
-    let mut graph = Graph::new(ctx, 256).unwrap();
+    compute_pairs_counting(ctx, pairs, threads, "CUSTOM", 256)
+}
+
+/// [`compute_pairs`] in a graph of `size` nodes, counting the nodes of op `op`.
+fn compute_pairs_counting(
+    ctx: &Context,
+    pairs: &[(GTensor, GTensor)],
+    threads: usize,
+    op: &str,
+    size: usize,
+) -> (usize, PairValues) {
+    let mut graph = Graph::new(ctx, size).unwrap();
     for (a, b) in pairs {
         for t in [a, b] {
             t.set_output();
             graph.build_forward_expand(t).unwrap();
         }
     }
-    let custom = graph
-        .nodes()
-        .iter()
-        .filter(|n| n.op_name() == "CUSTOM")
-        .count();
+    let custom = graph.nodes().iter().filter(|n| n.op_name() == op).count();
     let backend = Backend::cpu(threads).unwrap();
     let mut galloc = Gallocr::new(backend.buffer_type()).unwrap();
     galloc.alloc_graph(&graph).unwrap();
@@ -1451,25 +1458,9 @@ fn banded_convolutions_equal_whole_ones() {
                 }
             }
             ctx.set_band_bytes(None);
-            let mut graph = Graph::new(&ctx, 4096).unwrap();
-            for (a, b) in &pairs {
-                for t in [a, b] {
-                    t.set_output();
-                    graph.build_forward_expand(t).unwrap();
-                }
-            }
-            let concats = graph
-                .nodes()
-                .iter()
-                .filter(|n| n.op_name() == "CONCAT")
-                .count();
+            let (concats, values) = compute_pairs_counting(&ctx, &pairs, 2, "CONCAT", 4096);
             assert_eq!(concats > 0, pays, "case {i}: {concats} concatenations");
-            let backend = Backend::cpu(2).unwrap();
-            let mut galloc = Gallocr::new(backend.buffer_type()).unwrap();
-            galloc.alloc_graph(&graph).unwrap();
-            backend.compute(&graph).unwrap();
-            for (a, b) in &pairs {
-                let (a, b) = (a.read_f32().unwrap(), b.read_f32().unwrap());
+            for (a, b) in values {
                 assert!(a.iter().any(|v| *v != 0.0));
                 // The same products; ggml's CPU matrix product may sum a narrower one in
                 // another order (its tiled kernels take some shapes only).

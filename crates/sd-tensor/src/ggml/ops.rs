@@ -66,6 +66,19 @@ fn bad(op: &'static str, detail: String) -> GgmlError {
     GgmlError::InvalidOperands { op, detail }
 }
 
+/// The type of a convolution's im2col for a kernel of `kernel` type: f32 for exact f32
+/// kernels; for bf16 kernels bf16 with this crate's im2col (`host`), else f32 (ggml's CPU
+/// product takes bf16 kernels against bf16 or f32 columns only, and widens f16 to f32 for
+/// f32 kernels alone); f16 otherwise.
+fn ggml_im2col_type(kernel: Option<DType>, exact_f32: bool, host: bool) -> sys::ggml_type {
+    match kernel {
+        Some(DType::BF16) if host => sys::GGML_TYPE_BF16,
+        Some(DType::BF16) => sys::GGML_TYPE_F32,
+        Some(DType::F32) if exact_f32 => sys::GGML_TYPE_F32,
+        _ => sys::GGML_TYPE_F16,
+    }
+}
+
 /// One custom op of this crate's CPU kernels giving a convolution's f32 output
 /// `[ow, oh, oc, n]` (`out`) from `src` (the input or its im2col), the kernel and the bias
 /// when there is one, with `userdata`.
@@ -950,19 +963,14 @@ impl Context {
         exact_f32: bool,
     ) -> Result<GTensor> {
         let (kn, xn) = (kernel.ne(), input.ne());
-        self.check_conv(kn, xn, stride, pad, dilation)?;
+        let (ow, oh) = self.check_conv(kn, xn, stride, pad, dilation)?;
         // Bands pad f32 activations (ggml's CUDA padding takes f32 only).
         let limit = self
             .band_bytes()
             .filter(|_| input.dtype() == Some(DType::F32));
         if let Some(limit) = limit {
-            let ext_h = dilation.1 * (kn[1] - 1) + 1;
-            let ext_w = dilation.0 * (kn[0] - 1) + 1;
-            let oh = (xn[1] + 2 * pad.1 - ext_h) / stride.1 + 1;
-            let ow = (xn[0] + 2 * pad.0 - ext_w) / stride.0 + 1;
-            let esz = match kernel.dtype() {
-                Some(DType::F32) if exact_f32 => 4,
-                Some(DType::BF16) => 4,
+            let esz = match ggml_im2col_type(kernel.dtype(), exact_f32, false) {
+                sys::GGML_TYPE_F32 => 4,
                 _ => 2,
             };
             let row_bytes = kn[0] * kn[1] * kn[2] * ow * xn[3] * esz;
@@ -983,16 +991,16 @@ impl Context {
                 let out = ow * oh * kn[3] * xn[3] * f32_bytes;
                 if whole - row_bytes * rows > padded + out {
                     return self
-                        .conv_2d_bands(kernel, input, stride, pad, dilation, exact_f32, rows);
+                        .conv_2d_bands(kernel, input, stride, pad, dilation, exact_f32, oh, rows);
                 }
             }
         }
         self.conv_2d_with(kernel, input, None, stride, pad, dilation, exact_f32, false)
     }
 
-    /// [`conv_2d`](Self::conv_2d) in bands of at most `rows` output rows: the input padded
-    /// in height once, each band an unpadded-in-height convolution of the rows it reads
-    /// (a view), the bands concatenated along the rows.
+    /// [`conv_2d`](Self::conv_2d) (checked, `oh` output rows) in bands of at most `rows`
+    /// output rows: the input padded in height once, each band an unpadded-in-height
+    /// convolution of the rows it reads (a view), the bands concatenated along the rows.
     #[allow(clippy::too_many_arguments)]
     fn conv_2d_bands(
         &self,
@@ -1002,11 +1010,11 @@ impl Context {
         pad: (usize, usize),
         dilation: (usize, usize),
         exact_f32: bool,
+        oh: usize,
         rows: usize,
     ) -> Result<GTensor> {
         let (kn, xn) = (kernel.ne(), input.ne());
         let ext_h = dilation.1 * (kn[1] - 1) + 1;
-        let oh = (xn[1] + 2 * pad.1 - ext_h) / stride.1 + 1;
         let padded = if pad.1 > 0 {
             self.pad_ext(input, [(0, 0), (pad.1, pad.1), (0, 0), (0, 0)])?
         } else if input.is_contiguous() {
@@ -1108,15 +1116,7 @@ impl Context {
                 (input.dtype() == Some(DType::F32) && rows_contiguous).then_some((g, ow, oh))
             })
             .flatten();
-        // ggml's CPU product takes bf16 kernels against bf16 or f32 columns only (it widens
-        // f16 to f32 for f32 kernels alone): for a bf16 kernel this crate's im2col writes bf16
-        // (the product then runs on bf16 dot products), ggml's writes f32.
-        let im2col_type = match kernel.dtype() {
-            Some(DType::BF16) if host.is_some() => sys::GGML_TYPE_BF16,
-            Some(DType::BF16) => sys::GGML_TYPE_F32,
-            Some(DType::F32) if exact_f32 => sys::GGML_TYPE_F32,
-            _ => sys::GGML_TYPE_F16,
-        };
+        let im2col_type = ggml_im2col_type(kernel.dtype(), exact_f32, host.is_some());
         // One custom op computing the convolution from the input itself with `fun` (the
         // im2col geometry packed as its userdata), named `name`; the callers check shapes,
         // types and strides for `fun` first.
@@ -1522,6 +1522,7 @@ impl Context {
         })
     }
 
+    /// Checks a convolution's operands; its output width and height.
     fn check_conv(
         &self,
         kn: [usize; 4],
@@ -1529,7 +1530,7 @@ impl Context {
         stride: (usize, usize),
         pad: (usize, usize),
         dilation: (usize, usize),
-    ) -> Result<()> {
+    ) -> Result<(usize, usize)> {
         if kn[2] != xn[2] {
             return Err(bad(
                 "conv_2d",
@@ -1550,7 +1551,10 @@ impl Context {
                 format!("kernel {kn:?} larger than padded input {xn:?}"),
             ));
         }
-        Ok(())
+        Ok((
+            (xn[0] + 2 * pad.0 - ext_w) / stride.0 + 1,
+            (xn[1] + 2 * pad.1 - ext_h) / stride.1 + 1,
+        ))
     }
 
     /// Resizes dims 0 and 1 to `w` x `h` (dims 2, 3 kept).
