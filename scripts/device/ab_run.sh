@@ -43,3 +43,20 @@ bench_model() {
   W=(--config $1 --weights /tmp/w-$1/unet.safetensors)
   ab_one $1-resident "${W[@]}" --params device
 }
+# `late WHAT`: true (and says so) once the call has run DEADLINE [480] s since CALL_T0 (set
+# it first thing in the script; else since this file was sourced).
+CALL_T0=${CALL_T0:-$(date +%s)}
+late() { (( $(date +%s) - CALL_T0 > ${DEADLINE:-480} )) && echo "deadline: skipping $1"; }
+# `install_wheels`: the diffusers wheels carried in .whl/ into /tmp/site (PYTHONPATH); false
+# without them.
+install_wheels() {
+  ls .whl/*.whl >/dev/null 2>&1 || return 1
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+}
+# `peer LABEL ARGS...`: scripts/device/diffusers_unet.py ARGS, its JSON line tagged LABEL
+# appended to $OUT/results.jsonl (and printed, cut).
+peer() {
+  local label=$1; shift
+  timeout ${PEER_TIMEOUT:-200} env PYTHONUNBUFFERED=1 python3 scripts/device/diffusers_unet.py "$@" 2>&1 | grep '^{' | tail -1 |
+    sed "s/^{/{\"label\":\"$label\",/" | tee -a $OUT/results.jsonl | cut -c1-${PEER_CUT:-300}
+}

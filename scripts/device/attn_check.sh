@@ -7,13 +7,12 @@ CALL_T0=$(date +%s)
 source scripts/device/stage_module.sh 2>&1 | tail -3
 source scripts/device/stage_module.sh >/dev/null 2>&1
 source scripts/device/ab_run.sh
-ls .whl/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+install_wheels
 bench_model sd15
 ab_one sd15-bare "${W[@]}" --params device --direct on
 ab_one sd15-0.5 "${W[@]}" --max-vram 0.5
 STEPS=2 ab_one sd15-dump "${W[@]}" --params device --dump /tmp/dump >/dev/null
-timeout 120 env PYTHONUNBUFFERED=1 python3 scripts/device/diffusers_unet.py /tmp/w-sd15/unet.safetensors --dump /tmp/dump --iters 30 --warmup 5 2>&1 | grep '^{' | tail -1 |
-  sed 's/^{/{"label":"sd15-parity",/' | tee -a $OUT/results.jsonl | cut -c1-900
+PEER_TIMEOUT=120 PEER_CUT=900 peer sd15-parity /tmp/w-sd15/unet.safetensors --dump /tmp/dump --iters 30 --warmup 5
 rm -rf /tmp/w-sd15
 STEPS=6 bench_model sdxl
 echo "done in $(($(date +%s)-CALL_T0)) s"

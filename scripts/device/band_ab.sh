@@ -10,11 +10,10 @@
 # until DEADLINE [500] s after the call began. JSON lines in $OUT/results.jsonl, summaries by
 # scripts/device/timeline.py. Run from the checkout root with stage/ (and .whl/ for
 # diffusers) as for keep_ab.sh.
-CALL_T0=$(date +%s)
+CALL_T0=$(date +%s); DEADLINE=${DEADLINE:-500}
 source scripts/device/stage_module.sh 2>&1 | tail -3
 source scripts/device/stage_module.sh >/dev/null 2>&1
 source scripts/device/ab_run.sh
-late() { (( $(date +%s) - CALL_T0 > ${DEADLINE:-500} )) && echo "deadline: skipping $1"; }
 device_header
 for m in ${MODELS-sd15 sdxl}; do
   [[ $m == sdxl ]] && export STEPS=6
@@ -35,13 +34,11 @@ for m in ${MODELS-sd15 sdxl}; do
       ab_one $m-$f-bands16 "${W[@]}" --max-vram $f --timeline on
     done
     # The banded output against diffusers' f32 UNet, and the resident one beside it.
-    if ! late dumps && ls .whl/*.whl >/dev/null 2>&1; then
-      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+    if ! late dumps && install_wheels; then
       for v in "res --params device" "band --max-vram 0.15"; do
         set -- $v; tag=$1; shift
         STEPS=2 ab_one $m-dump-$tag "${W[@]}" "$@" --dump /tmp/dump-$tag >/dev/null
-        timeout 150 env PYTHONUNBUFFERED=1 python3 scripts/device/diffusers_unet.py /tmp/w-$m/unet.safetensors --dump /tmp/dump-$tag --iters 3 --warmup 1 2>&1 | grep '^{' | tail -1 |
-          sed "s/^{/{\"label\":\"$m-parity-$tag\",/" | tee -a $OUT/results.jsonl | cut -c1-600
+        PEER_TIMEOUT=150 PEER_CUT=600 peer $m-parity-$tag /tmp/w-$m/unet.safetensors --dump /tmp/dump-$tag --iters 3 --warmup 1
       done
     fi
     late diffusers || DIFFUSERS=leaf diffusers_sd15 /tmp/w-$m/unet.safetensors

@@ -3,11 +3,10 @@
 # 8, 16, off) at the budgets where bands helped (SD1.5 0.25 and below, SDXL 0.25) and cost
 # (SD1.5 0.5 / 0.75), SDXL below a quarter of its weights, and diffusers' resident step
 # (50 timed iterations) in the same call. Env as band_ab.sh; DEADLINE [480].
-CALL_T0=$(date +%s)
+CALL_T0=$(date +%s); DEADLINE=${DEADLINE:-480}
 source scripts/device/stage_module.sh 2>&1 | tail -3
 source scripts/device/stage_module.sh >/dev/null 2>&1
 source scripts/device/ab_run.sh
-late() { (( $(date +%s) - CALL_T0 > ${DEADLINE:-480} )) && echo "deadline: skipping $1"; }
 device_header
 bench_model sd15
 ab_one sd15-bare "${W[@]}" --params device --direct on
@@ -17,11 +16,7 @@ for f in 0.5 0.25 0.75 0.2 0.15; do
     ab_one sd15-$f-bands$d "${W[@]}" --max-vram $f --band-divisor $d
   done
 done
-if ls .whl/*.whl >/dev/null 2>&1 && ! late diffusers; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-  timeout 120 env PYTHONUNBUFFERED=1 python3 scripts/device/diffusers_unet.py /tmp/w-sd15/unet.safetensors --iters 50 --warmup 10 2>&1 | grep '^{' | tail -1 |
-    sed 's/^{/{"label":"sd15-diffusers-resident",/' | tee -a $OUT/results.jsonl | cut -c1-400
-fi
+late diffusers || { install_wheels && PEER_TIMEOUT=120 PEER_CUT=400 peer sd15-diffusers-resident /tmp/w-sd15/unet.safetensors --iters 50 --warmup 10; }
 rm -rf /tmp/w-sd15
 export STEPS=6
 late sdxl || {

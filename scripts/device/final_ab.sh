@@ -4,18 +4,12 @@
 # 0.25 / 0.2 / 0.15 of its weights (pinned params, reserve 0), diffusers resident (50
 # iterations) and leaf-level group offload; SDXL: bare, resident, 0.5 / 0.25, diffusers
 # resident and leaf offload. DEADLINE [500].
-CALL_T0=$(date +%s)
+CALL_T0=$(date +%s); DEADLINE=${DEADLINE:-500}
 source scripts/device/stage_module.sh 2>&1 | tail -3
 source scripts/device/stage_module.sh >/dev/null 2>&1
 source scripts/device/ab_run.sh
-late() { (( $(date +%s) - CALL_T0 > ${DEADLINE:-500} )) && echo "deadline: skipping $1"; }
 device_header
-peer() {  # peer LABEL ARGS...: diffusers_unet.py, one JSON line tagged LABEL
-  local label=$1; shift
-  timeout 200 env PYTHONUNBUFFERED=1 python3 scripts/device/diffusers_unet.py "$@" 2>&1 | grep '^{' | tail -1 |
-    sed "s/^{/{\"label\":\"$label\",/" | tee -a $OUT/results.jsonl | cut -c1-300
-}
-ls .whl/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+install_wheels
 bench_model sd15
 ab_one sd15-bare "${W[@]}" --params device --direct on
 for f in 0.75 0.5 0.25 0.2 0.15; do

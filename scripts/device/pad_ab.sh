@@ -5,11 +5,10 @@
 # (stage/sd-bench-prev.xz: GEGLU as one op, bands) in the same call: bare graph, resident
 # step, budgets; the outputs against diffusers' f32 UNet (`diffusers_unet.py --dump`);
 # diffusers' resident step (50 iterations); SDXL. DEADLINE [520].
-CALL_T0=$(date +%s)
+CALL_T0=$(date +%s); DEADLINE=${DEADLINE:-520}
 source scripts/device/stage_module.sh 2>&1 | tail -3
 source scripts/device/stage_module.sh >/dev/null 2>&1
 source scripts/device/ab_run.sh
-late() { (( $(date +%s) - CALL_T0 > ${DEADLINE:-520} )) && echo "deadline: skipping $1"; }
 # Without the earlier build (the tree's 64 MiB), its runs are skipped; compare with the
 # second call (band_ab2.sh).
 PREV=/tmp/sd-bench-prev
@@ -28,13 +27,11 @@ for f in 0.5 0.25 0.75 0.2 0.15; do
   ab_one sd15-$f "${W[@]}" --max-vram $f
   [[ $f == 0.5 || $f == 0.25 ]] && B=$PREV ab_one sd15-prev-$f "${W[@]}" --max-vram $f
 done
-if ls .whl/*.whl >/dev/null 2>&1 && ! late diffusers; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+if ! late diffusers && install_wheels; then
   for v in "res --params device" "q --max-vram 0.25"; do
     set -- $v; tag=$1; shift
     STEPS=2 ab_one sd15-dump-$tag "${W[@]}" "$@" --dump /tmp/dump-$tag >/dev/null
-    timeout 150 env PYTHONUNBUFFERED=1 python3 scripts/device/diffusers_unet.py /tmp/w-sd15/unet.safetensors --dump /tmp/dump-$tag --iters 50 --warmup 10 2>&1 | grep '^{' | tail -1 |
-      sed "s/^{/{\"label\":\"sd15-parity-$tag\",/" | tee -a $OUT/results.jsonl | cut -c1-700
+    PEER_TIMEOUT=150 PEER_CUT=700 peer sd15-parity-$tag /tmp/w-sd15/unet.safetensors --dump /tmp/dump-$tag --iters 50 --warmup 10
   done
 fi
 rm -rf /tmp/w-sd15
