@@ -28,6 +28,15 @@ pub struct StreamingOptions {
     /// resident set that kept nothing whenever three of the largest segments overfilled
     /// the pool.)
     pub pool_sized_segments: bool,
+    /// With [`pool_sized_segments`](Self::pool_sized_segments), the share of the room for
+    /// weights a merged segment's weights stay within: `1 / segment_weight_share` of it.
+    /// Default: 4 (a quarter).
+    pub segment_weight_share: usize,
+    /// Whether a segmented plan with a staging pool is refined further (finer marks inside
+    /// the segments whose weights exceed `1 / segment_weight_share` of the pool's room for
+    /// weights), so that the resident set's streaming window is smaller and more weights
+    /// stay on the device from step to step. Default: off.
+    pub refine_for_residency: bool,
     /// Whether automatic segmentation may run consecutive cut groups as one segment while
     /// a segment stays within a third of the budget (fewer, larger segments: less
     /// per-segment overhead, with room left for the prefetched next segment and a resident
@@ -160,6 +169,8 @@ impl Default for StreamingOptions {
             prefetch_depth: usize::MAX,
             resident_set: true,
             pool_sized_segments: true,
+            segment_weight_share: 4,
+            refine_for_residency: false,
             merge_segments: true,
             staging_pool: true,
             refine_for_pool: true,

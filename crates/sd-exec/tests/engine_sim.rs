@@ -1295,6 +1295,79 @@ fn plans_are_refined_so_that_the_staging_pool_holds_a_window_of_segments() {
     );
 }
 
+/// Refining for the resident set (`StreamingOptions::refine_for_residency`): at some budget
+/// where the coarse plan already fits with a staging pool, cutting the block that holds
+/// most of the weights at its finer marks leaves a smaller streaming window, so more
+/// weights stay on the device from step to step and fewer bytes are uploaded a step; the
+/// output is the whole graph's and the device never exceeds the budget either way.
+#[test]
+fn refining_for_the_resident_set_streams_fewer_bytes_a_step() {
+    let (whole, _) = run("RES_REF", blocks, None, SegmentationPolicy::Never, false);
+    let (seg, _) = run("RES_PROBE", blocks, None, SegmentationPolicy::Always, false);
+    let weights = weight_bytes(&rig("RES_W", false), "tf.");
+    let footprint = seg.segments.iter().map(|s| s.footprint()).max().unwrap();
+    // (budget, (segments, bytes uploaded in step 4) without, with)
+    let mut rows = Vec::new();
+    for i in 0..24u64 {
+        let budget = footprint + 4096 + i * weights / 24;
+        let one = |refine: bool| -> Option<(usize, u64)> {
+            let mut r = rig(&format!("RES_{i}_{refine}"), true);
+            // (A window of one segment: the pool need only hold the largest, so that
+            // refining for the pool leaves the coarse plan to refine here.)
+            let streaming = StreamingOptions {
+                refine_for_residency: refine,
+                segment_weight_share: 8,
+                stream_window: 1,
+                ..StreamingOptions::default()
+            };
+            let id = r.engine.create_session(
+                SessionConfig::new("test", r.backend.clone(), r.gpu)
+                    .with_budget(Some(budget))
+                    .with_prefetch(true)
+                    .with_streaming(streaming),
+            );
+            r.engine.start(id).unwrap();
+            let mut last = None;
+            for step in 0..4 {
+                let before = r.engine.manager().upload_bytes();
+                // (Below the smallest budget that runs: none.)
+                let out = r.engine.execute(id, &blocks(&r.w)).ok()?;
+                let tag = format!("budget {budget} refine {refine} step {step}");
+                assert_eq!(
+                    out.output, whole.output,
+                    "{tag}: differs from the whole graph"
+                );
+                last = Some((
+                    out.segments.len(),
+                    r.engine.manager().upload_bytes() - before,
+                ));
+            }
+            assert_eq!(r.sim.stats().faults, 0, "refine {refine}: device faults");
+            assert!(
+                r.sim.peak_bytes() <= budget,
+                "refine {refine}: peak {} > budget {budget}",
+                r.sim.peak_bytes()
+            );
+            r.engine.end(id).unwrap();
+            last
+        };
+        let (Some(plain), Some(refined)) = (one(false), one(true)) else {
+            continue;
+        };
+        rows.push((budget, plain, refined));
+    }
+    for r in &rows {
+        println!(
+            "budget {} B: (segments, bytes a step) plain {:?}, refined {:?}",
+            r.0, r.1, r.2
+        );
+    }
+    assert!(
+        rows.iter().any(|(_, a, b)| b.0 > a.0 && b.1 < a.1),
+        "no budget where refining for the resident set streamed fewer bytes: {rows:?}"
+    );
+}
+
 /// A session that needs the device reclaims another (idle) session's staging pool, with
 /// the weights staged in it, after that session's idle workspace; the first session
 /// works again afterwards (and gets a pool again).

@@ -8,6 +8,7 @@
 //!               [--steps N] [--flash-attn auto|on|off] [--dump DIR] [--config NAME]
 //!               [--runtime-reserve BYTES] [--direct on] [--type q8_0|q4_K|...] [--reuse-graphs on|off]
 //!               [--async-compute on|off] [--segments-in-flight N]
+//!               [--refine-for-residency on|off] [--segment-weight-share N]
 //! sd-bench check --backend NAME                         tiny UNet: backend vs CPU, resident
 //!                                                       and streamed through a budget
 //! sd-bench copy-bw --backend NAME [--mib N]             host->device copy bandwidth
@@ -322,6 +323,14 @@ struct UnetArgs {
     /// `StreamingOptions::pool_sized_segments`)
     #[arg(long = "pool-sized-segments", value_enum, default_value = "on")]
     pool_sized_segments: OnOff,
+    /// `--segment-weight-share N`: a merged segment's weights within 1/N of the room for
+    /// weights (`StreamingOptions::segment_weight_share`).
+    #[arg(long = "segment-weight-share", default_value_t = 4)]
+    segment_weight_share: usize,
+    /// `--refine-for-residency on`: finer segments for a larger resident set
+    /// (`StreamingOptions::refine_for_residency`).
+    #[arg(long = "refine-for-residency", value_enum, default_value = "off")]
+    refine_for_residency: OnOff,
     /// How many segments' weights the staging pool is to hold at once (the one computing
     /// and those prefetched behind it; see `StreamingOptions::stream_window`)
     #[arg(long = "stream-window", value_name = "SEGMENTS", default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=16))]
@@ -1284,6 +1293,8 @@ fn cmd_unet(a: &UnetArgs) -> Result<()> {
         resident_set: a.resident_set == OnOff::On,
         compute_aware_residency: a.compute_aware_residency == OnOff::On,
         pool_sized_segments: a.pool_sized_segments == OnOff::On,
+        segment_weight_share: a.segment_weight_share,
+        refine_for_residency: a.refine_for_residency == OnOff::On,
         stream_window: a.stream_window as usize,
         evict_in_flight: a.evict_in_flight == OnOff::On,
         next_pass_prefetch: a.next_pass_prefetch == OnOff::On,
@@ -1437,6 +1448,8 @@ fn cmd_unet(a: &UnetArgs) -> Result<()> {
             "resident_set": a.resident_set == OnOff::On,
             "compute_aware_residency": a.compute_aware_residency == OnOff::On,
             "pool_sized_segments": a.pool_sized_segments == OnOff::On,
+            "segment_weight_share": a.segment_weight_share,
+            "refine_for_residency": a.refine_for_residency == OnOff::On,
             "stream_window": a.stream_window,
             "evict_in_flight": a.evict_in_flight == OnOff::On,
             "next_pass_prefetch": a.next_pass_prefetch == OnOff::On,

@@ -258,7 +258,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
                 })
                 .max()
                 .unwrap_or(0);
-            limit.saturating_sub(nonweight) / 4
+            limit.saturating_sub(nonweight) / cfg.streaming.segment_weight_share.max(1) as u64
         } else {
             u64::MAX
         };
