@@ -383,6 +383,60 @@ fn weights_of(w: &HashMap<String, GTensor>, prefix: &str) -> Vec<GTensor> {
 
 type Builder = fn(&HashMap<String, GTensor>) -> ComputeTask;
 
+/// One step of [`budgeted_steps`].
+struct BudgetedStep {
+    /// Segments the step ran.
+    segments: usize,
+    /// Of those, the ones whose weights were prefetched.
+    prefetched: usize,
+    /// Weight bytes uploaded during the step.
+    uploaded: u64,
+}
+
+/// Runs `build` for `steps` steps (a sampling loop) in a session of a fresh rig `tag`
+/// with prefetch, `budget` and `streaming`; every step's output must equal `whole`'s, and
+/// the device must see no fault and never exceed the budget. `None` where the budget is
+/// below the smallest that runs.
+fn budgeted_steps(
+    tag: &str,
+    build: Builder,
+    whole: &ComputeResult,
+    budget: u64,
+    streaming: StreamingOptions,
+    steps: usize,
+) -> Option<Vec<BudgetedStep>> {
+    let mut r = rig(tag, true);
+    let id = r.engine.create_session(
+        SessionConfig::new("test", r.backend.clone(), r.gpu)
+            .with_budget(Some(budget))
+            .with_prefetch(true)
+            .with_streaming(streaming),
+    );
+    r.engine.start(id).unwrap();
+    let mut out = Vec::with_capacity(steps);
+    for step in 0..steps {
+        let before = r.engine.manager().upload_bytes();
+        let res = r.engine.execute(id, &build(&r.w)).ok()?;
+        assert_eq!(
+            res.output, whole.output,
+            "{tag}, budget {budget}, step {step}: differs from the whole graph"
+        );
+        out.push(BudgetedStep {
+            segments: res.segments.len(),
+            prefetched: res.segments.iter().filter(|s| s.prefetched).count(),
+            uploaded: r.engine.manager().upload_bytes() - before,
+        });
+    }
+    assert_eq!(r.sim.stats().faults, 0, "{tag}: device faults");
+    assert!(
+        r.sim.peak_bytes() <= budget,
+        "{tag}: peak {} > budget {budget}",
+        r.sim.peak_bytes()
+    );
+    r.engine.end(id).unwrap();
+    Some(out)
+}
+
 fn run(
     name: &str,
     build: Builder,
@@ -1249,34 +1303,13 @@ fn plans_are_refined_so_that_the_staging_pool_holds_a_window_of_segments() {
     for i in 0..32u64 {
         let budget = footprint + 4096 + i * weights / 32;
         let one = |window: usize| -> Option<(usize, usize)> {
-            let mut r = rig(&format!("WIN_{i}_{window}"), true);
-            let id = r.engine.create_session(
-                SessionConfig::new("test", r.backend.clone(), r.gpu)
-                    .with_budget(Some(budget))
-                    .with_prefetch(true)
-                    .with_stream_window(window),
-            );
-            r.engine.start(id).unwrap();
-            let mut last = None;
-            for step in 0..3 {
-                // (Below the smallest budget that runs: none.)
-                let out = r.engine.execute(id, &blocks(&r.w)).ok()?;
-                let tag = format!("budget {budget} window {window} step {step}");
-                assert_eq!(
-                    out.output, whole.output,
-                    "{tag}: differs from the whole graph"
-                );
-                let prefetched = out.segments.iter().filter(|s| s.prefetched).count();
-                last = Some((out.segments.len(), prefetched));
-            }
-            assert_eq!(r.sim.stats().faults, 0, "window {window}: device faults");
-            assert!(
-                r.sim.peak_bytes() <= budget,
-                "window {window}: peak {} > budget {budget}",
-                r.sim.peak_bytes()
-            );
-            r.engine.end(id).unwrap();
-            last
+            let streaming = StreamingOptions {
+                stream_window: window,
+                ..StreamingOptions::default()
+            };
+            let tag = format!("WIN_{i}_{window}");
+            let steps = budgeted_steps(&tag, blocks, &whole, budget, streaming, 3)?;
+            steps.last().map(|s| (s.segments, s.prefetched))
         };
         let (Some(one_segment), Some(three)) = (one(1), one(3)) else {
             continue;
@@ -1311,7 +1344,6 @@ fn refining_for_the_resident_set_streams_fewer_bytes_a_step() {
     for i in 0..24u64 {
         let budget = footprint + 4096 + i * weights / 24;
         let one = |refine: bool| -> Option<(usize, u64)> {
-            let mut r = rig(&format!("RES_{i}_{refine}"), true);
             // (A window of one segment: the pool need only hold the largest, so that
             // refining for the pool leaves the coarse plan to refine here.)
             let streaming = StreamingOptions {
@@ -1320,36 +1352,9 @@ fn refining_for_the_resident_set_streams_fewer_bytes_a_step() {
                 stream_window: 1,
                 ..StreamingOptions::default()
             };
-            let id = r.engine.create_session(
-                SessionConfig::new("test", r.backend.clone(), r.gpu)
-                    .with_budget(Some(budget))
-                    .with_prefetch(true)
-                    .with_streaming(streaming),
-            );
-            r.engine.start(id).unwrap();
-            let mut last = None;
-            for step in 0..4 {
-                let before = r.engine.manager().upload_bytes();
-                // (Below the smallest budget that runs: none.)
-                let out = r.engine.execute(id, &blocks(&r.w)).ok()?;
-                let tag = format!("budget {budget} refine {refine} step {step}");
-                assert_eq!(
-                    out.output, whole.output,
-                    "{tag}: differs from the whole graph"
-                );
-                last = Some((
-                    out.segments.len(),
-                    r.engine.manager().upload_bytes() - before,
-                ));
-            }
-            assert_eq!(r.sim.stats().faults, 0, "refine {refine}: device faults");
-            assert!(
-                r.sim.peak_bytes() <= budget,
-                "refine {refine}: peak {} > budget {budget}",
-                r.sim.peak_bytes()
-            );
-            r.engine.end(id).unwrap();
-            last
+            let tag = format!("RES_{i}_{refine}");
+            let steps = budgeted_steps(&tag, blocks, &whole, budget, streaming, 4)?;
+            steps.last().map(|s| (s.segments, s.uploaded))
         };
         let (Some(plain), Some(refined)) = (one(false), one(true)) else {
             continue;

@@ -325,7 +325,8 @@ struct UnetArgs {
     pool_sized_segments: OnOff,
     /// `--segment-weight-share N`: a merged segment's weights within 1/N of the room for
     /// weights (`StreamingOptions::segment_weight_share`).
-    #[arg(long = "segment-weight-share", default_value_t = 4)]
+    #[arg(long = "segment-weight-share", default_value_t = 4,
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     segment_weight_share: usize,
     /// `--refine-for-residency on`: finer segments for a larger resident set
     /// (`StreamingOptions::refine_for_residency`).
