@@ -74,8 +74,14 @@ def main():
         from diffusers import SD3Transformer2DModel as Model
         cfg = SD35_LARGE if args.model == "sd35-large" else SD35_MEDIUM
     build_on = torch.device("cpu") if args.offload != "none" else dev
-    with build_on:
-        net = Model(**cfg).to(dtype).eval()
+    # Built in the target dtype (a FLUX.1-dev in f32 on the CPU would take 48 GB first).
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with build_on:
+            net = Model(**cfg).to(dtype).eval()
+    finally:
+        torch.set_default_dtype(default)
     if args.offload != "none":
         net.enable_group_offload(onload_device=dev, offload_device=torch.device("cpu"),
                                  offload_type=f"{args.offload}_level", num_blocks_per_group=1,

@@ -257,3 +257,126 @@ fn resident_equals_streamed(config: &str, budget: &str) {
     assert_eq!(outputs[0].1, outputs[1].1);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `SD_BENCH_SPAN_TIMES=1`: the host time of the engine's spans per timed step in the JSON
+/// line, with the spans of a budgeted step (segments queued, capacity checks, prefetches).
+#[test]
+fn span_times_report_the_engines_host_work_per_step() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = bench()
+        .args([
+            "write-weights",
+            dir.path().to_str().unwrap(),
+            "--config",
+            "tiny",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let weights = dir.path().join("unet.safetensors");
+    let run = |spans: bool| {
+        let mut cmd = bench();
+        cmd.args(["unet", "--config", "tiny", "--threads", "2", "--steps", "2"])
+            .args(["--weights", weights.to_str().unwrap()])
+            .args([
+                "--backend",
+                "sim:512",
+                "--params",
+                "pinned",
+                "--max-vram",
+                "0.5",
+            ]);
+        if spans {
+            cmd.env("SD_BENCH_SPAN_TIMES", "1");
+        }
+        let out = cmd.output().unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let lines = json_lines(&out.stdout);
+        assert_eq!(lines.len(), 1, "{lines:?}");
+        serde_json::from_str::<serde_json::Value>(&lines[0]).unwrap()
+    };
+    let on = run(true);
+    let spans = on["span_times"]
+        .as_object()
+        .expect("span_times is an object");
+    let segments = on["segments"].as_f64().unwrap();
+    assert!(segments > 1.0, "{on}");
+    // One launch span per segment of each timed step, and the execution around them.
+    assert_eq!(
+        spans["segment_launch"]["count"].as_f64(),
+        Some(segments),
+        "{on}"
+    );
+    assert_eq!(spans["execute"]["count"].as_f64(), Some(1.0), "{on}");
+    for name in ["ensure_capacity", "prefetch", "device_memory_report"] {
+        assert!(spans[name]["count"].as_f64().unwrap() > 0.0, "{name}: {on}");
+    }
+    for v in spans.values() {
+        let (total, own) = (
+            v["total_ms"].as_f64().unwrap(),
+            v["self_ms"].as_f64().unwrap(),
+        );
+        assert!(own >= 0.0 && own <= total + 1e-9, "{on}");
+    }
+    // A span's total holds its children's: the execution holds every segment's launch.
+    assert!(
+        spans["execute"]["total_ms"].as_f64() >= spans["segment_launch"]["total_ms"].as_f64(),
+        "{on}"
+    );
+    // Off: an empty object.
+    let off = run(false);
+    assert_eq!(off["span_times"], serde_json::json!({}), "{off}");
+}
+
+/// `copy-bw --contention on`: copies of four sizes and copies beside computing graphs, as
+/// rates (the CPU backend copies from pageable memory).
+#[test]
+fn copy_bandwidth_probe_reports_sizes_and_contention() {
+    let out = bench()
+        .args([
+            "copy-bw",
+            "--backend",
+            "CPU",
+            "--mib",
+            "4",
+            "--contention",
+            "on",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let lines = json_lines(&out.stdout);
+    assert_eq!(lines.len(), 1, "{lines:?}");
+    let v: serde_json::Value = serde_json::from_str(&lines[0]).unwrap();
+    let c = &v["contention"];
+    for size in ["1_mib", "4_mib", "16_mib", "64_mib"] {
+        assert!(c["sizes"][size].as_f64().unwrap() > 0.0, "{v}");
+    }
+    for case in ["alone", "products", "tiny_ops"] {
+        assert!(
+            c["concurrent_64_mib"][case]["gb_per_s"].as_f64().unwrap() > 0.0,
+            "{v}"
+        );
+    }
+    assert_eq!(c["concurrent_64_mib"]["alone"]["graphs"], 0, "{v}");
+    // Without the flag, no probe.
+    let out = bench()
+        .args(["copy-bw", "--backend", "CPU", "--mib", "4"])
+        .output()
+        .unwrap();
+    let lines = json_lines(&out.stdout);
+    let v: serde_json::Value = serde_json::from_str(&lines[0]).unwrap();
+    assert!(v["contention"].is_null(), "{v}");
+}

@@ -149,6 +149,7 @@ fn candidates<M: DeviceResidencyManager>(
     manager: &M,
     ask: &CapacityAsk<'_>,
 ) -> Vec<WeightResidencyBlock> {
+    let _span = tracing::debug_span!("eviction_candidates").entered();
     let keep_set: FxHashSet<ParamId> = ask.required.iter().chain(ask.protected).copied().collect();
     // (Blocks holding a kept parameter are left out here, with the fast hash, rather than
     // by the manager.)
@@ -179,6 +180,7 @@ fn make_pool_room<M: DeviceResidencyManager>(
     ask: &CapacityAsk<'_>,
     log: &mut Vec<ReclaimEvent>,
 ) -> Result<()> {
+    let _span = tracing::debug_span!("make_pool_room").entered();
     let backend = ask.request.backend;
     if ask.required.is_empty() || manager.pool_holds(backend, ask.required)? {
         return Ok(());

@@ -55,6 +55,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::{Parser, Subcommand, ValueEnum};
+
+mod sd_bench {
+    pub mod span_times;
+}
 use sd_exec::{ExecError, StreamingOptions};
 use sd_formats::files::{FileError, TensorCatalog};
 use sd_models::diffusion::{DiffusionArch, DiffusionInputs, DiffusionNet};
@@ -244,6 +248,11 @@ enum Cmd {
         /// MiB per copy
         #[arg(long, default_value_t = 1024)]
         mib: usize,
+        /// Also time pinned copies made of smaller copies, and copies on a thread while
+        /// the backend computes long products or many tiny ops (what slows a budgeted
+        /// step's uploads)
+        #[arg(long, value_enum, default_value = "off")]
+        contention: OnOff,
     },
 }
 
@@ -409,12 +418,31 @@ fn coalesce_uploads() -> bool {
 }
 
 fn main() -> ExitCode {
-    // The engine's decisions (segments, prefetches, evictions) with RUST_LOG, on stderr.
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-        .with_writer(std::io::stderr)
-        .with_ansi(false)
-        .try_init();
+    // The engine's decisions (segments, prefetches, evictions) with RUST_LOG, on stderr;
+    // with SD_BENCH_SPAN_TIMES=1, the host time of the engine's spans per timed step
+    // (`span_times` in the JSON line).
+    {
+        use tracing_subscriber::layer::SubscriberExt;
+        use tracing_subscriber::util::SubscriberInitExt;
+        use tracing_subscriber::Layer;
+        let fmt = tracing_subscriber::fmt::layer()
+            .with_writer(std::io::stderr)
+            .with_ansi(false)
+            .with_filter(tracing_subscriber::EnvFilter::from_default_env());
+        let spans = std::env::var("SD_BENCH_SPAN_TIMES")
+            .is_ok_and(|v| v == "1")
+            .then(|| {
+                let targets = tracing_subscriber::filter::Targets::new()
+                    .with_target("sd_exec", tracing::Level::DEBUG)
+                    .with_target("sd_residency", tracing::Level::DEBUG)
+                    .with_target("sd_pipeline", tracing::Level::DEBUG);
+                sd_bench::span_times::SpanTimes.with_filter(targets)
+            });
+        let _ = tracing_subscriber::registry()
+            .with(fmt)
+            .with(spans)
+            .try_init();
+    }
     let args = match Args::try_parse_from(std::env::args_os()) {
         Ok(a) => a,
         Err(e) => {
@@ -462,7 +490,11 @@ fn run(args: Args) -> Result<()> {
         }
         Cmd::Unet(a) => cmd_unet(&a),
         Cmd::Check { backend, threads } => cmd_check(&backend, threads),
-        Cmd::CopyBw { backend, mib } => cmd_copy_bw(&backend, mib),
+        Cmd::CopyBw {
+            backend,
+            mib,
+            contention,
+        } => cmd_copy_bw(&backend, mib, contention == OnOff::On),
     }
 }
 
@@ -1356,6 +1388,7 @@ fn cmd_unet(a: &UnetArgs) -> Result<()> {
     // copied during the step before it).
     let (mut prev_spans, mut last_spans) = (Vec::new(), Vec::new());
     let mut last_t0 = Instant::now();
+    sd_bench::span_times::reset();
     for _ in 0..steps {
         let t0 = Instant::now();
         last = rig.step(&inputs)?;
@@ -1368,6 +1401,7 @@ fn cmd_unet(a: &UnetArgs) -> Result<()> {
         );
     }
     let last_end = last_t0 + Duration::from_secs_f64(times.last().copied().unwrap_or(0.0));
+    let span_times = sd_bench::span_times::per_step_json(steps);
     let uploaded = rig.rt.engine().manager().upload_bytes() - up0;
     // The simulated device's buffer allocations and frees per timed step.
     let sim_churn = rig.rt.sim_device().zip(sim0).map(|(s, s0)| {
@@ -1499,6 +1533,7 @@ fn cmd_unet(a: &UnetArgs) -> Result<()> {
             "max_abs_diff_first_vs_last": repeat_diff,
             // Where the last step's time went (the engine's ExecTiming; the graph's build
             // before the engine is outside it, in the step time).
+            "span_times": span_times,
             "last_step_timing_ms": {
                 "plan": ms(timing.plan),
                 "capacity": ms(timing.capacity),
@@ -1684,7 +1719,7 @@ fn cmd_check(name: &str, threads: usize) -> Result<()> {
 
 /// Host->device copy bandwidth: one `--mib` MiB tensor copied from a pinned host buffer (the
 /// device's host buffer type) and from a pageable one into device memory; best of 5.
-fn cmd_copy_bw(name: &str, mib: usize) -> Result<()> {
+fn cmd_copy_bw(name: &str, mib: usize, contention: bool) -> Result<()> {
     let n = mib << 20;
     let backend = Backend::by_name(name)?;
     let device = backend
@@ -1718,15 +1753,143 @@ fn cmd_copy_bw(name: &str, mib: usize) -> Result<()> {
         );
     }
     let (idle_us, busy_us, busy_ms) = memory_query_cost(&backend, &device)?;
+    // (A device without pinned host memory copies from pageable memory here.)
+    let contention = if contention {
+        copy_contention(&backend, pinned.unwrap_or_else(BufferType::cpu))?
+    } else {
+        serde_json::Value::Null
+    };
     println!(
         "{}",
         json!({"cmd": "copy-bw", "backend": backend.name(), "bytes": n, "results": results,
+               "contention": contention,
                // One device memory report, idle and with a long graph queued: whether the
                // engine's capacity checks wait for the device.
                "memory_query_idle_us": idle_us, "memory_query_busy_us": busy_us,
                "busy_graph_ms": busy_ms})
     );
     Ok(())
+}
+
+/// Host and device tensors of `copy_contention`'s pieces, with their contexts and buffers.
+type Pieces = (
+    Context,
+    Context,
+    Vec<GTensor>,
+    Vec<GTensor>,
+    sd_tensor::ggml::Buffer,
+    sd_tensor::ggml::Buffer,
+);
+
+/// `copy-bw --contention`: pinned host-to-device copies of 256 MiB as copies of 1, 4, 16
+/// and 64 MiB one after the other (each synchronous, as a transfer thread copies), and
+/// the same 64 MiB copies made on a thread, alone, while the calling thread computes
+/// long matrix products on `backend`, and while it computes graphs of many tiny ops
+/// (kernel launches): GB/s each, best of 3 (the concurrent ones: one pass of 4 x 256
+/// MiB).
+fn copy_contention(backend: &Backend, pinned: BufferType) -> Result<serde_json::Value> {
+    const TOTAL: usize = 256 << 20;
+    let pieces = |chunk: usize| -> Result<Pieces> {
+        let k = TOTAL / chunk;
+        let hctx = Context::new_descriptors(k, 1, 0)?;
+        let dctx = Context::new_descriptors(k, 1, 0)?;
+        let src: Vec<GTensor> = (0..k)
+            .map(|_| hctx.new_tensor(DType::I8, &[chunk]))
+            .collect::<std::result::Result<_, _>>()?;
+        let dst: Vec<GTensor> = (0..k)
+            .map(|_| dctx.new_tensor(DType::I8, &[chunk]))
+            .collect::<std::result::Result<_, _>>()?;
+        let hb = pinned.alloc_context_tensors(&hctx)?;
+        let db = backend.buffer_type().alloc_context_tensors(&dctx)?;
+        for t in &src {
+            t.write_bytes(0, &vec![0x5a; chunk])?;
+        }
+        Ok((hctx, dctx, src, dst, hb, db))
+    };
+    let copy_all = |src: &[GTensor], dst: &[GTensor]| -> Result<Duration> {
+        let t0 = Instant::now();
+        for (s, d) in src.iter().zip(dst) {
+            Backend::copy_tensor(s, d)?;
+        }
+        Ok(t0.elapsed())
+    };
+    let gbps = |bytes: usize, t: Duration| bytes as f64 / t.as_secs_f64() / 1e9;
+    let mut sizes = serde_json::Map::new();
+    for chunk_mib in [1usize, 4, 16, 64] {
+        let (_h, _d, src, dst, _hb, _db) = pieces(chunk_mib << 20)?;
+        let mut best = Duration::MAX;
+        for _ in 0..3 {
+            backend.synchronize();
+            best = best.min(copy_all(&src, &dst)?);
+        }
+        sizes.insert(format!("{chunk_mib}_mib"), json!(gbps(TOTAL, best)));
+    }
+    // Long products: 8 chained 4096x4096 f32 products a graph (256x256 on the CPU, where
+    // the probe only checks itself).
+    let n_side: usize = if backend.is_cpu() { 256 } else { 4096 };
+    let gctx = Context::new_descriptors(64, 64, 1)?;
+    let a = gctx.new_tensor(DType::F32, &[n_side, n_side])?;
+    let mut x = gctx.new_tensor(DType::F32, &[n_side, n_side])?;
+    let inputs = [a.clone(), x.clone()];
+    for _ in 0..8 {
+        x = gctx.mul_mat(&a, &x)?;
+    }
+    let mut products = sd_tensor::ggml::Graph::new(&gctx, 64)?;
+    products.build_forward_expand(&x)?;
+    let _gbuf = backend.buffer_type().alloc_context_tensors(&gctx)?;
+    let ones = f32_bytes(&vec![1.0 / n_side as f32; n_side * n_side]);
+    for t in &inputs {
+        t.write_bytes(0, &ones)?;
+    }
+    // Many tiny ops: 2000 chained adds of 256 values.
+    let tctx = Context::new_descriptors(2100, 2048, 1)?;
+    let b = tctx.new_tensor(DType::F32, &[256])?;
+    let mut y = tctx.new_tensor(DType::F32, &[256])?;
+    let tiny_inputs = [b.clone(), y.clone()];
+    for _ in 0..2000 {
+        y = tctx.add(&y, &b)?;
+    }
+    let mut tiny = sd_tensor::ggml::Graph::new(&tctx, 2048)?;
+    tiny.build_forward_expand(&y)?;
+    let _tbuf = backend.buffer_type().alloc_context_tensors(&tctx)?;
+    for t in &tiny_inputs {
+        t.write_bytes(0, &f32_bytes(&[0.0; 256]))?;
+    }
+    let (_h, _d, src, dst, _hb, _db) = pieces(64 << 20)?;
+    let mut concurrent = serde_json::Map::new();
+    for (label, graph) in [
+        ("alone", None),
+        ("products", Some(&products)),
+        ("tiny_ops", Some(&tiny)),
+    ] {
+        backend.synchronize();
+        let done = std::sync::atomic::AtomicBool::new(false);
+        let mut graphs = 0usize;
+        let elapsed = std::thread::scope(|scope| -> Result<Duration> {
+            let copier = scope.spawn(|| -> Result<Duration> {
+                let mut t = Duration::ZERO;
+                for _ in 0..4 {
+                    t += copy_all(&src, &dst)?;
+                }
+                done.store(true, std::sync::atomic::Ordering::Release);
+                Ok(t)
+            });
+            if let Some(g) = graph {
+                while !done.load(std::sync::atomic::Ordering::Acquire) {
+                    backend.compute(g)?;
+                    graphs += 1;
+                }
+            }
+            copier
+                .join()
+                .map_err(|_| BenchError::Usage("the copy thread panicked".into()))?
+        })?;
+        concurrent.insert(
+            label.into(),
+            json!({"gb_per_s": gbps(4 * TOTAL, elapsed), "graphs": graphs}),
+        );
+    }
+    Ok(json!({"host_buffer_type": pinned.name(), "sizes": sizes, "concurrent_64_mib": concurrent}))
 }
 
 /// The time of one device memory report with the device idle, and with a queued graph of 16

@@ -461,6 +461,7 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
             return Ok(());
         };
         let t = Instant::now();
+        let _span = tracing::debug_span!("segment_wait").entered();
         match &f.done {
             Some(event) => event.synchronize(),
             None => self.session.slots[f.device].backend.synchronize(),
@@ -1012,8 +1013,10 @@ impl<M: DeviceResidencyManager> Exec<'_, M> {
             // (kept), and its weights (pinned until then); nothing writes them before then
             // without waiting for it first or being queued after it, and its outputs are
             // read only after.
+            let span = tracing::debug_span!("segment_launch").entered();
             unsafe { slot.backend.compute_async(sg.graph()) }
                 .map_err(ExecError::ggml(context()))?;
+            drop(span);
             event = slot.backend.device().and_then(Event::new).map(Arc::new);
             if let Some(e) = &event {
                 e.record(&slot.backend)

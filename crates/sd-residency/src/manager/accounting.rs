@@ -96,7 +96,10 @@ impl ModelManager {
         let others = self.runtime_bytes(&device, Some(request.owner));
         let tracked_weight_bytes = self.resident_bytes(&device);
         let tracked_runtime_bytes = others.saturating_add(request.runtime_resident_bytes);
-        let mem = device.memory();
+        let mem = {
+            let _span = tracing::debug_span!("device_memory_report").entered();
+            device.memory()
+        };
         let budget = match (self.device_budget(&device), request.max_backend_bytes) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),

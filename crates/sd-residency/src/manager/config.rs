@@ -212,8 +212,10 @@ impl ModelManager {
     /// backend of the device, ordered against compute with events; see `transfer`) where
     /// the backend has queued copies and events (default: off: on an H200 the copy stream
     /// slowed the kernels beside it, FLUX.1-dev's 8 GiB step 967 ms against 761 ms with
-    /// synchronous uploads; `docs/benchmarks.md`). Off, or on backends without them (the
-    /// CPU), a prefetch copies synchronously on a transfer thread.
+    /// synchronous uploads; `docs/benchmarks.md`; measured again on an H100 in the
+    /// twenty-second session: SD1.5 at 0.75 / 0.5 / 0.25 of its weights as fast or up to 15%
+    /// slower, SDXL at 0.5 190.4 ms a step against 159.3). Off, or on backends without them
+    /// (the CPU), a prefetch copies synchronously on a transfer thread.
     pub fn set_async_uploads(&mut self, on: bool) {
         if !on {
             self.finish_transfers();

@@ -398,6 +398,7 @@ impl ModelManager {
                 let coalesce = self.coalesce_uploads;
                 let after_compute = self.uploads_wait_for_compute;
                 let compute = self.backend(backend).cloned();
+                let _span = tracing::debug_span!("transfer_job_start").entered();
                 let job = match (compute, self.copy_stream(backend)) {
                     (Some(compute), Some(stream)) => {
                         TransferJob::queue(stream, compute, copies, blocks, coalesce, after_compute)
