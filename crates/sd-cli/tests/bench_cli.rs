@@ -8,6 +8,18 @@ fn bench() -> Command {
     Command::new(env!("CARGO_BIN_EXE_sd-bench"))
 }
 
+/// Runs `cmd`, asserting that it succeeded (showing its stderr otherwise), and returns
+/// its JSON lines.
+fn succeed(cmd: &mut Command) -> Vec<String> {
+    let out = cmd.output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    json_lines(&out.stdout)
+}
+
 fn json_lines(stdout: &[u8]) -> Vec<String> {
     String::from_utf8_lossy(stdout)
         .lines()
@@ -19,15 +31,7 @@ fn json_lines(stdout: &[u8]) -> Vec<String> {
 #[test]
 fn tiny_unet_step_runs_through_the_engine() {
     let dir = std::env::temp_dir().join(format!("sd-bench-cli-{}", std::process::id()));
-    let out = bench()
-        .args(["write-weights", dir.to_str().unwrap(), "--config", "tiny"])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    succeed(bench().args(["write-weights", dir.to_str().unwrap(), "--config", "tiny"]));
     let weights = dir.join("unet.safetensors");
     let mut outputs = Vec::new();
     // On the CPU and on a simulated device (the CPU's arithmetic without its own kernels),
@@ -55,18 +59,12 @@ fn tiny_unet_step_runs_through_the_engine() {
             "on",
         ],
     ] {
-        let out = bench()
-            .args(["unet", "--config", "tiny", "--threads", "2"])
-            .args(["--steps", "1", "--weights", weights.to_str().unwrap()])
-            .args(extra)
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
+        let lines = succeed(
+            bench()
+                .args(["unet", "--config", "tiny", "--threads", "2"])
+                .args(["--steps", "1", "--weights", weights.to_str().unwrap()])
+                .args(extra),
         );
-        let lines = json_lines(&out.stdout);
         assert_eq!(lines.len(), 1, "{lines:?}");
         let line = &lines[0];
         assert!(line.contains("\"output_finite\":true"), "{line}");
@@ -216,34 +214,20 @@ fn tiny_llm_runs_resident_and_streamed() {
 /// smallest segment's.
 fn resident_equals_streamed(config: &str, budget: &str) {
     let dir = std::env::temp_dir().join(format!("sd-bench-{config}-{}", std::process::id()));
-    let out = bench()
-        .args(["write-weights", dir.to_str().unwrap(), "--config", config])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    succeed(bench().args(["write-weights", dir.to_str().unwrap(), "--config", config]));
     let weights = dir.join("unet.safetensors");
     let mut outputs = Vec::new();
     for extra in [
         &["--params", "device"][..],
         &["--params", "ram", "--max-vram", budget],
     ] {
-        let out = bench()
-            .args(["unet", "--config", config, "--backend", "sim:512"])
-            .args(["--threads", "2", "--steps", "1"])
-            .args(["--weights", weights.to_str().unwrap()])
-            .args(extra)
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
+        let lines = succeed(
+            bench()
+                .args(["unet", "--config", config, "--backend", "sim:512"])
+                .args(["--threads", "2", "--steps", "1"])
+                .args(["--weights", weights.to_str().unwrap()])
+                .args(extra),
         );
-        let lines = json_lines(&out.stdout);
         assert_eq!(lines.len(), 1, "{lines:?}");
         assert!(lines[0].contains("\"output_finite\":true"), "{}", lines[0]);
         let segments = lines[0].split("\"segments\":").nth(1).unwrap();
@@ -263,20 +247,12 @@ fn resident_equals_streamed(config: &str, budget: &str) {
 #[test]
 fn span_times_report_the_engines_host_work_per_step() {
     let dir = tempfile::tempdir().unwrap();
-    let out = bench()
-        .args([
-            "write-weights",
-            dir.path().to_str().unwrap(),
-            "--config",
-            "tiny",
-        ])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    succeed(bench().args([
+        "write-weights",
+        dir.path().to_str().unwrap(),
+        "--config",
+        "tiny",
+    ]));
     let weights = dir.path().join("unet.safetensors");
     let run = |spans: bool| {
         let mut cmd = bench();
@@ -293,13 +269,7 @@ fn span_times_report_the_engines_host_work_per_step() {
         if spans {
             cmd.env("SD_BENCH_SPAN_TIMES", "1");
         }
-        let out = cmd.output().unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let lines = json_lines(&out.stdout);
+        let lines = succeed(&mut cmd);
         assert_eq!(lines.len(), 1, "{lines:?}");
         serde_json::from_str::<serde_json::Value>(&lines[0]).unwrap()
     };
@@ -340,24 +310,15 @@ fn span_times_report_the_engines_host_work_per_step() {
 /// rates (the CPU backend copies from pageable memory).
 #[test]
 fn copy_bandwidth_probe_reports_sizes_and_contention() {
-    let out = bench()
-        .args([
-            "copy-bw",
-            "--backend",
-            "CPU",
-            "--mib",
-            "4",
-            "--contention",
-            "on",
-        ])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let lines = json_lines(&out.stdout);
+    let lines = succeed(bench().args([
+        "copy-bw",
+        "--backend",
+        "CPU",
+        "--mib",
+        "4",
+        "--contention",
+        "on",
+    ]));
     assert_eq!(lines.len(), 1, "{lines:?}");
     let v: serde_json::Value = serde_json::from_str(&lines[0]).unwrap();
     let c = &v["contention"];

@@ -1771,15 +1771,13 @@ fn cmd_copy_bw(name: &str, mib: usize, contention: bool) -> Result<()> {
     Ok(())
 }
 
-/// Host and device tensors of `copy_contention`'s pieces, with their contexts and buffers.
-type Pieces = (
-    Context,
-    Context,
-    Vec<GTensor>,
-    Vec<GTensor>,
-    sd_tensor::ggml::Buffer,
-    sd_tensor::ggml::Buffer,
-);
+/// `copy_contention`'s pieces: host tensors and their device copies (the tensors keep
+/// their contexts; the buffers are kept here).
+struct Pieces {
+    src: Vec<GTensor>,
+    dst: Vec<GTensor>,
+    _buffers: [sd_tensor::ggml::Buffer; 2],
+}
 
 /// `copy-bw --contention`: pinned host-to-device copies of 256 MiB as copies of 1, 4, 16
 /// and 64 MiB one after the other (each synchronous, as a transfer thread copies), and
@@ -1804,7 +1802,11 @@ fn copy_contention(backend: &Backend, pinned: BufferType) -> Result<serde_json::
         for t in &src {
             t.write_bytes(0, &vec![0x5a; chunk])?;
         }
-        Ok((hctx, dctx, src, dst, hb, db))
+        Ok(Pieces {
+            src,
+            dst,
+            _buffers: [hb, db],
+        })
     };
     let copy_all = |src: &[GTensor], dst: &[GTensor]| -> Result<Duration> {
         let t0 = Instant::now();
@@ -1816,31 +1818,18 @@ fn copy_contention(backend: &Backend, pinned: BufferType) -> Result<serde_json::
     let gbps = |bytes: usize, t: Duration| bytes as f64 / t.as_secs_f64() / 1e9;
     let mut sizes = serde_json::Map::new();
     for chunk_mib in [1usize, 4, 16, 64] {
-        let (_h, _d, src, dst, _hb, _db) = pieces(chunk_mib << 20)?;
+        let p = pieces(chunk_mib << 20)?;
         let mut best = Duration::MAX;
         for _ in 0..3 {
             backend.synchronize();
-            best = best.min(copy_all(&src, &dst)?);
+            best = best.min(copy_all(&p.src, &p.dst)?);
         }
         sizes.insert(format!("{chunk_mib}_mib"), json!(gbps(TOTAL, best)));
     }
     // Long products: 8 chained 4096x4096 f32 products a graph (256x256 on the CPU, where
     // the probe only checks itself).
-    let n_side: usize = if backend.is_cpu() { 256 } else { 4096 };
-    let gctx = Context::new_descriptors(64, 64, 1)?;
-    let a = gctx.new_tensor(DType::F32, &[n_side, n_side])?;
-    let mut x = gctx.new_tensor(DType::F32, &[n_side, n_side])?;
-    let inputs = [a.clone(), x.clone()];
-    for _ in 0..8 {
-        x = gctx.mul_mat(&a, &x)?;
-    }
-    let mut products = sd_tensor::ggml::Graph::new(&gctx, 64)?;
-    products.build_forward_expand(&x)?;
-    let _gbuf = backend.buffer_type().alloc_context_tensors(&gctx)?;
-    let ones = f32_bytes(&vec![1.0 / n_side as f32; n_side * n_side]);
-    for t in &inputs {
-        t.write_bytes(0, &ones)?;
-    }
+    let side = if backend.is_cpu() { 256 } else { 4096 };
+    let (products, _gbuf) = chained_products(backend, side, 8)?;
     // Many tiny ops: 2000 chained adds of 256 values.
     let tctx = Context::new_descriptors(2100, 2048, 1)?;
     let b = tctx.new_tensor(DType::F32, &[256])?;
@@ -1855,7 +1844,7 @@ fn copy_contention(backend: &Backend, pinned: BufferType) -> Result<serde_json::
     for t in &tiny_inputs {
         t.write_bytes(0, &f32_bytes(&[0.0; 256]))?;
     }
-    let (_h, _d, src, dst, _hb, _db) = pieces(64 << 20)?;
+    let p = pieces(64 << 20)?;
     let mut concurrent = serde_json::Map::new();
     for (label, graph) in [
         ("alone", None),
@@ -1867,12 +1856,12 @@ fn copy_contention(backend: &Backend, pinned: BufferType) -> Result<serde_json::
         let mut graphs = 0usize;
         let elapsed = std::thread::scope(|scope| -> Result<Duration> {
             let copier = scope.spawn(|| -> Result<Duration> {
-                let mut t = Duration::ZERO;
-                for _ in 0..4 {
-                    t += copy_all(&src, &dst)?;
-                }
+                let copied = (0..4).try_fold(Duration::ZERO, |t, _| {
+                    Ok::<_, BenchError>(t + copy_all(&p.src, &p.dst)?)
+                });
+                // Also on a failed copy: the computing loop below stops on it.
                 done.store(true, std::sync::atomic::Ordering::Release);
-                Ok(t)
+                copied
             });
             if let Some(g) = graph {
                 while !done.load(std::sync::atomic::Ordering::Acquire) {
@@ -1892,6 +1881,30 @@ fn copy_contention(backend: &Backend, pinned: BufferType) -> Result<serde_json::
     Ok(json!({"host_buffer_type": pinned.name(), "sizes": sizes, "concurrent_64_mib": concurrent}))
 }
 
+/// A graph of `count` chained `side`x`side` f32 products on `backend` (inputs of
+/// `1/side`, so every product stays finite), with the buffer its tensors live in.
+fn chained_products(
+    backend: &Backend,
+    side: usize,
+    count: usize,
+) -> Result<(sd_tensor::ggml::Graph, sd_tensor::ggml::Buffer)> {
+    let ctx = Context::new_descriptors(count + 2, 64, 1)?;
+    let a = ctx.new_tensor(DType::F32, &[side, side])?;
+    let mut x = ctx.new_tensor(DType::F32, &[side, side])?;
+    let inputs = [a.clone(), x.clone()];
+    for _ in 0..count {
+        x = ctx.mul_mat(&a, &x)?;
+    }
+    let mut graph = sd_tensor::ggml::Graph::new(&ctx, 64)?;
+    graph.build_forward_expand(&x)?;
+    let buf = backend.buffer_type().alloc_context_tensors(&ctx)?;
+    let ones = f32_bytes(&vec![1.0 / side as f32; side * side]);
+    for t in &inputs {
+        t.write_bytes(0, &ones)?;
+    }
+    Ok((graph, buf))
+}
+
 /// The time of one device memory report with the device idle, and with a queued graph of 16
 /// chained 4096x4096 f32 products still computing (and that graph's time): a report that
 /// waits for queued work takes about as long as the graph. The CPU computes at the call:
@@ -1908,21 +1921,7 @@ fn memory_query_cost(
     if backend.is_cpu() {
         return Ok((idle_us, None, None));
     }
-    const N: usize = 4096;
-    let ctx = Context::new_descriptors(64, 64, 0)?;
-    let a = ctx.new_tensor(DType::F32, &[N, N])?;
-    let mut x = ctx.new_tensor(DType::F32, &[N, N])?;
-    let src = [a.clone(), x.clone()];
-    for _ in 0..16 {
-        x = ctx.mul_mat(&a, &x)?;
-    }
-    let mut graph = sd_tensor::ggml::Graph::new(&ctx, 64)?;
-    graph.build_forward_expand(&x)?;
-    let _buf = backend.buffer_type().alloc_context_tensors(&ctx)?;
-    let ones = f32_bytes(&vec![1.0 / N as f32; N * N]);
-    for t in &src {
-        t.write_bytes(0, &ones)?;
-    }
+    let (graph, _buf) = chained_products(backend, 4096, 16)?;
     backend.compute(&graph)?;
     backend.synchronize();
     let t = Instant::now();
