@@ -49,7 +49,15 @@ def main():
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--offload", choices=["none", "leaf", "block"], default="none")
     ap.add_argument("--smoke", action="store_true", help="2 blocks on the CPU (checks the script)")
+    ap.add_argument("--blocks", type=int, default=0,
+                    help="N blocks (FLUX: N double and 2N single, as sd-bench --blocks)")
+    ap.add_argument("--profile", action="store_true",
+                    help="after timing, one step under torch.profiler: `DIFF ms count kernel` lines")
     args = ap.parse_args()
+    if args.blocks > 0:
+        for c in (SD35_LARGE, SD35_MEDIUM, QWEN_IMAGE):
+            c.update(num_layers=args.blocks)
+        FLUX_DEV.update(num_layers=args.blocks, num_single_layers=2 * args.blocks)
     dev = torch.device("cpu" if args.smoke else "cuda")
     if args.smoke:
         for c in (SD35_LARGE, SD35_MEDIUM):
@@ -120,6 +128,20 @@ def main():
             if i > 0:
                 times.append(dt)
     assert torch.isfinite(out.float()).all()
+    if args.profile and not args.smoke:
+        import collections
+        from torch.profiler import ProfilerActivity, profile
+        with torch.inference_mode(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+            net(**kw, return_dict=False)
+            torch.cuda.synchronize()
+        agg = collections.defaultdict(lambda: [0.0, 0])
+        for e in prof.events():
+            if e.device_type == torch.autograd.DeviceType.CUDA:
+                agg[e.name[:90]][0] += e.device_time_total / 1000.0
+                agg[e.name[:90]][1] += 1
+        for name, (ms, k) in sorted(agg.items(), key=lambda kv: -kv[1][0])[:30]:
+            print(f"DIFF {ms:8.3f} ms {k:5d}  {name}")
+        print(f"DIFF total kernel ms {sum(v for v, _ in agg.values()):.3f}")
     times.sort()
     print(f"RESULT step_ms={times[0]:.2f}")
     print(f"RESULT step_ms_median={times[len(times) // 2]:.2f}")

@@ -89,15 +89,20 @@ pub fn chunks(ctx: &Context, x: &GTensor, count: usize) -> Result<Vec<GTensor>> 
 
 /// Rows `start..start + len` of the first axis of `[n0, n1, n2]`, contiguous.
 pub fn rows(ctx: &Context, x: &GTensor, start: usize, len: usize) -> Result<GTensor> {
+    Ok(ctx.cont(&row_view(ctx, x, start, len)?)?)
+}
+
+/// Rows `start..start + len` of the first axis of `[n0, n1, n2]` as a view (the strides of
+/// `x`).
+pub fn row_view(ctx: &Context, x: &GTensor, start: usize, len: usize) -> Result<GTensor> {
     let ne = x.ne();
     let nb = x.nb();
-    let v = ctx.view(
+    Ok(ctx.view(
         x,
         [len, ne[1], ne[2], ne[3]],
         [nb[1], nb[2], nb[3]],
         start * nb[0],
-    )?;
-    Ok(ctx.cont(&v)?)
+    )?)
 }
 
 /// The first `n_txt` tokens and the rest of `[h, n, B]`.
@@ -114,10 +119,11 @@ pub fn split_tokens(ctx: &Context, x: &GTensor, n_txt: usize) -> Result<(GTensor
     Ok((ctx.cont(&txt)?, ctx.cont(&img)?))
 }
 
-/// `ln(x) * (1 + scale) + shift` (scale and shift `[h, 1, B]`, broadcast over tokens).
+/// `ln(x) * (1 + scale) + shift` (scale and shift `[h, 1, B]`, broadcast over tokens): three
+/// passes over the tokens (the `1 + scale` is one vector).
 pub fn modulate(ctx: &Context, x: &GTensor, shift: &GTensor, scale: &GTensor) -> Result<GTensor> {
     let n = ctx.norm(x, LN_EPS)?;
-    let scaled = ctx.add(&n, &ctx.mul(&n, scale)?)?;
+    let scaled = ctx.mul(&n, &ctx.scale_bias(scale, 1.0, 1.0)?)?;
     Ok(ctx.add(&scaled, shift)?)
 }
 
@@ -141,16 +147,17 @@ pub enum QkvProj {
 }
 
 impl QkvProj {
-    /// q, k and v of `x` `[h, n, B]`, each `[h, n, B]`.
+    /// q, k and v of `x` `[h, n, B]`, each `[h, n, B]`: for the fused form views of the one
+    /// projection's rows (contiguous rows, not contiguous tensors).
     pub fn forward(&self, ctx: &Context, x: &GTensor) -> Result<[GTensor; 3]> {
         Ok(match self {
             QkvProj::Fused(l) => {
                 let qkv = l.forward(ctx, x)?;
                 let h = qkv.ne()[0] / 3;
                 [
-                    rows(ctx, &qkv, 0, h)?,
-                    rows(ctx, &qkv, h, h)?,
-                    rows(ctx, &qkv, 2 * h, h)?,
+                    row_view(ctx, &qkv, 0, h)?,
+                    row_view(ctx, &qkv, h, h)?,
+                    row_view(ctx, &qkv, 2 * h, h)?,
                 ]
             }
             QkvProj::Split([q, k, v]) => {
@@ -181,12 +188,20 @@ pub struct StreamParams {
 }
 
 impl StreamParams {
-    /// q, k (RMS-normed per head) and v of `x`.
-    fn qkv(&self, ctx: &Context, x: &GTensor, heads: usize) -> Result<[GTensor; 3]> {
+    /// q, k (laid out for `rope` and RMS-normed per head) and v (contiguous) of `x`.
+    fn qkv(&self, ctx: &Context, x: &GTensor, heads: usize, rope: &Rope) -> Result<[GTensor; 3]> {
         let [q, k, v] = self.qkv.forward(ctx, x)?;
-        let q = qk_norm(ctx, &q, &self.query_norm, heads)?;
-        let k = qk_norm(ctx, &k, &self.key_norm, heads)?;
-        Ok([q, k, v])
+        let norm = |t: &GTensor, scale: &GTensor| -> Result<GTensor> {
+            qk_norm(
+                ctx,
+                &rope.lay_out(ctx, t, heads)?,
+                &rope.lay_out_scale(ctx, scale)?,
+                heads,
+            )
+        };
+        let q = norm(&q, &self.query_norm)?;
+        let k = norm(&k, &self.key_norm)?;
+        Ok([q, k, crate::nn::contiguous(ctx, &v)?])
     }
 
     /// The gated MLP output (to add to `x`) from the modulation chunks `m` (3: shift, 4:
@@ -250,8 +265,8 @@ impl DoubleBlock {
         let (im, tm) = (chunks(&ctx, &imod, 6)?, chunks(&ctx, &tmod, 6)?);
         let img_n = modulate(&ctx, img, &im[0], &im[1])?;
         let txt_n = modulate(&ctx, txt, &tm[0], &tm[1])?;
-        let [iq, ik, iv] = self.img.qkv(&ctx, &img_n, heads)?;
-        let [tq, tk, tv] = self.txt.qkv(&ctx, &txt_n, heads)?;
+        let [iq, ik, iv] = self.img.qkv(&ctx, &img_n, heads, rope)?;
+        let [tq, tk, tv] = self.txt.qkv(&ctx, &txt_n, heads, rope)?;
         let q = rope.apply(&ctx, &ctx.concat(&tq, &iq, 1)?, heads)?;
         let k = rope.apply(&ctx, &ctx.concat(&tk, &ik, 1)?, heads)?;
         let v = ctx.concat(&tv, &iv, 1)?;
@@ -311,21 +326,85 @@ fn pair_tables(ids: &[[f32; 3]], axes: [usize; 3], theta: f32) -> (Vec<f32>, Vec
     (cos2, sin2)
 }
 
+/// The frequency factors of [`Rope`]'s sections form, `[d / 2]`: ggml's multi-section rope
+/// turns pair `i` by `p * theta^(-2i/d) / f[i]`; pair `i` is pair `j` of its axis `a` (width
+/// `d_a`), which turns by `p * theta^(-2j / d_a)`, so `f[i] = theta^(2j / d_a - 2i / d)`.
+pub fn section_freq_factors(axes: [usize; 3], theta: f32, d: usize) -> Vec<f32> {
+    let ln = (theta as f64).ln();
+    let mut f = Vec::with_capacity(d / 2);
+    for (a, &da) in axes.iter().enumerate() {
+        let start: usize = axes[..a].iter().sum::<usize>() / 2;
+        for j in 0..da / 2 {
+            let i = start + j;
+            f.push((ln * (2.0 * j as f64 / da as f64 - 2.0 * i as f64 / d as f64)).exp() as f32);
+        }
+    }
+    f
+}
+
+/// The integer position ids of `ids`, section-major as ggml's multi-section rope reads them
+/// (`[4 n]`: every token's axis-0 id, then axis 1, axis 2, and zeros for the unused fourth
+/// section); `None` when an id is not an integer of at most 2^24 in magnitude.
+fn section_positions(ids: &[[f32; 3]]) -> Option<Vec<i32>> {
+    let n = ids.len();
+    let mut pos = vec![0i32; 4 * n];
+    for (t, id) in ids.iter().enumerate() {
+        for (a, &v) in id.iter().enumerate() {
+            if v.fract() != 0.0 || v.abs() > (1 << 24) as f32 {
+                return None;
+            }
+            pos[a * n + t] = v as i32;
+        }
+    }
+    Some(pos)
+}
+
+/// How a [`Rope`] turns its pairs.
+enum RopeForm {
+    /// ggml's multi-section rope (`Context::rope_sections`), one op: it turns value `i`
+    /// of a head with value `i + d / 2`, so q and k are first laid out that way
+    /// ([`Rope::lay_out`]).
+    Sections {
+        /// Positions `[4 n]` (I32).
+        pos: GTensor,
+        /// Frequency factors `[d / 2]` ([`section_freq_factors`]).
+        freq: GTensor,
+        /// Pairs per section.
+        sections: [usize; 4],
+        /// The base.
+        theta: f32,
+    },
+    /// Host-made tables `[d, 1, n, 1]` ([`pair_tables`]) and the pair swap as a `[2, 2]`
+    /// matrix product: `x * cos + swap(x) * sin`, for ids that are not integers.
+    Tables {
+        cos: GTensor,
+        sin: GTensor,
+        swap: GTensor,
+    },
+}
+
 /// Rotary position embedding of adjacent pairs: `(x0, x1) -> (x0 cos - x1 sin, x0 sin + x1
-/// cos)` per head, as `x * cos + swap(x) * sin` with host-made tables `[d, 1, n, 1]`
-/// ([`pair_tables`]) and the pair swap a `[2, 2]` matrix product: every element-wise
-/// operation keeps the head width innermost (splitting the pairs into one-value rows made
-/// the GPU kernels crawl: FLUX.1-dev's step took 2.4 s instead of 0.62 s on an H200).
+/// cos)` per head, the angle of pair `j` of axis `a` being `id_a * theta^(-2j / d_a)`.
+///
+/// With integer position ids (FLUX.1's, Qwen-Image's) it is ggml's multi-section rope, one
+/// op that turns value `i` of a head with value `i + d / 2`: q and k are laid out for it by
+/// [`Rope::lay_out`], each head's values reordered (the first value of every pair, then the
+/// second; the same permutation of q and k, which leaves their products and so the
+/// attention unchanged) in the copy that makes them contiguous, and the QK norm's scale with
+/// them ([`Rope::lay_out_scale`]). Otherwise host-made cos/sin tables with the pair swap as
+/// a `[2, 2]` product (every element-wise operation keeping the head width innermost:
+/// splitting the pairs into one-value rows made the GPU kernels crawl, 2.4 s against 0.62 s
+/// for FLUX.1-dev's step on an H200); there the layout is the checkpoint's own. The
+/// sections form replaced the tables for integer ids after an H100 census of a FLUX step
+/// (the tables' f32 product, products and sums took about 10% of the GPU time).
 pub struct Rope {
-    cos: GTensor,
-    sin: GTensor,
-    swap: GTensor,
+    form: RopeForm,
 }
 
 impl Rope {
-    /// The tables for tokens with position ids `ids` (3 axes of widths `axes`, summing to
-    /// the head width `d`), as constant auxiliary inputs `<model>.rope_{cos,sin,swap}`
-    /// (every segment of a streamed run reads the same ones, and so does every step).
+    /// The rotation for tokens with position ids `ids` (3 axes of widths `axes`, summing to
+    /// the head width `d`), its data constant auxiliary inputs `<model>.rope_*` (every
+    /// segment of a streamed run reads the same ones, and so does every step).
     pub fn new(
         g: &mut GraphCtx,
         model: &str,
@@ -334,9 +413,50 @@ impl Rope {
         theta: f32,
         d: usize,
     ) -> Result<Rope> {
-        let (cos, sin) = pair_tables(ids, axes, theta);
+        if axes.iter().sum::<usize>() != d || axes.iter().any(|a| a % 2 != 0) {
+            return Err(ModelError::Config(format!(
+                "{model}: RoPE axes {axes:?} for head width {d} (even widths summing to it)"
+            )));
+        }
         let n = ids.len();
-        let shape = [d, 1, n, 1];
+        if let Some(pos) = section_positions(ids) {
+            let pos = g.constant_input(
+                &format!("{model}.rope_pos"),
+                DType::I32,
+                &[4 * n],
+                HostData::I32(pos),
+            )?;
+            let freq = g.constant_input(
+                &format!("{model}.rope_freq"),
+                DType::F32,
+                &[d / 2],
+                HostData::F32(section_freq_factors(axes, theta, d)),
+            )?;
+            let sections = [axes[0] / 2, axes[1] / 2, axes[2] / 2, 0];
+            return Ok(Rope {
+                form: RopeForm::Sections {
+                    pos,
+                    freq,
+                    sections,
+                    theta,
+                },
+            });
+        }
+        Self::new_tables(g, model, ids, axes, theta, d)
+    }
+
+    /// The table form whatever the ids (`Rope::new` takes it for ids that are not
+    /// integers): q and k keep the checkpoint's layout.
+    pub fn new_tables(
+        g: &mut GraphCtx,
+        model: &str,
+        ids: &[[f32; 3]],
+        axes: [usize; 3],
+        theta: f32,
+        d: usize,
+    ) -> Result<Rope> {
+        let (cos, sin) = pair_tables(ids, axes, theta);
+        let shape = [d, 1, ids.len(), 1];
         let cos = g.constant_input(
             &format!("{model}.rope_cos"),
             DType::F32,
@@ -355,17 +475,72 @@ impl Rope {
             &[2, 2],
             HostData::F32(vec![0.0, 1.0, 1.0, 0.0]),
         )?;
-        Ok(Rope { cos, sin, swap })
+        Ok(Rope {
+            form: RopeForm::Tables { cos, sin, swap },
+        })
     }
 
-    /// Rotates `[heads * d, n, B]`.
+    /// Whether this is ggml's multi-section rope (q and k laid out by [`Rope::lay_out`]).
+    pub fn is_sections(&self) -> bool {
+        matches!(self.form, RopeForm::Sections { .. })
+    }
+
+    /// q or k `[heads * d, n, B]` (f32 rows, any row stride: a view of a fused projection's
+    /// rows will do) as a contiguous tensor laid out for [`Rope::apply`]: for the sections
+    /// form each head's values `(x0, x1, x2, x3, ...)` become `(x0, x2, ..., x1, x3, ...)`
+    /// (one copy), else the checkpoint's layout (a copy only where `x` is not contiguous).
+    pub fn lay_out(&self, ctx: &Context, x: &GTensor, heads: usize) -> Result<GTensor> {
+        if !self.is_sections() {
+            return crate::nn::contiguous(ctx, x);
+        }
+        let [w, n, b, _] = x.ne();
+        let d = w / heads.max(1);
+        let es = x.dtype().map_or(0, |t| t.type_size());
+        let nb = x.nb();
+        // Contiguous rows, tokens and batch as one axis (the row stride carries over the
+        // batch); else a contiguous copy first.
+        let x = if es > 0 && nb[0] == es && nb[2] == n * nb[1] {
+            x.clone()
+        } else {
+            ctx.cont(x)?
+        };
+        let es = x.nb()[0];
+        let nb = x.nb();
+        let pairs = ctx.view(&x, [2, d / 2, heads, n * b], [2 * es, d * es, nb[1]], 0)?;
+        let laid = ctx.cont(&ctx.permute(&pairs, [1, 0, 2, 3])?)?;
+        Ok(ctx.reshape(&laid, &[w, n, b])?)
+    }
+
+    /// A per-value scale of a head `[d]` (the QK norm's) in the layout of [`Rope::lay_out`].
+    pub fn lay_out_scale(&self, ctx: &Context, scale: &GTensor) -> Result<GTensor> {
+        if !self.is_sections() {
+            return Ok(scale.clone());
+        }
+        let d = scale.ne()[0];
+        let es = scale.nb()[0];
+        let pairs = ctx.view(scale, [2, d / 2, 1, 1], [2 * es, d * es, d * es], 0)?;
+        let laid = ctx.cont(&ctx.permute(&pairs, [1, 0, 2, 3])?)?;
+        Ok(ctx.reshape(&laid, &[d])?)
+    }
+
+    /// Rotates `[heads * d, n, B]`, laid out by [`Rope::lay_out`].
     pub fn apply(&self, ctx: &Context, x: &GTensor, heads: usize) -> Result<GTensor> {
         let [w, n, b, _] = x.ne();
         let d = w / heads;
-        let x4 = ctx.reshape(&ctx.cont(x)?, &[d, heads, n, b])?;
-        let pairs = ctx.reshape(&x4, &[2, w * n * b / 2])?;
-        let swapped = ctx.reshape(&ctx.mul_mat(&self.swap, &pairs)?, &[d, heads, n, b])?;
-        let o = ctx.add(&ctx.mul(&x4, &self.cos)?, &ctx.mul(&swapped, &self.sin)?)?;
+        let x4 = ctx.reshape(&crate::nn::contiguous(ctx, x)?, &[d, heads, n, b])?;
+        let o = match &self.form {
+            RopeForm::Sections {
+                pos,
+                freq,
+                sections,
+                theta,
+            } => ctx.rope_sections(&x4, pos, freq, *sections, *theta)?,
+            RopeForm::Tables { cos, sin, swap } => {
+                let pairs = ctx.reshape(&x4, &[2, w * n * b / 2])?;
+                let swapped = ctx.reshape(&ctx.mul_mat(swap, &pairs)?, &[d, heads, n, b])?;
+                ctx.add(&ctx.mul(&x4, cos)?, &ctx.mul(&swapped, sin)?)?
+            }
+        };
         Ok(ctx.reshape(&o, &[w, n, b])?)
     }
 }

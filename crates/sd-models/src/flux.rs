@@ -38,8 +38,8 @@ use sd_tensor::ggml::{Context, GTensor};
 
 pub use crate::dit::rope_tables;
 use crate::dit::{
-    chunks, gelu, modulate, qk_norm, rows, split_tokens, DoubleBlock, QkvProj, Rope, StreamParams,
-    TextTokens,
+    chunks, gelu, modulate, qk_norm, row_view, rows, split_tokens, DoubleBlock, QkvProj, Rope,
+    StreamParams, TextTokens,
 };
 use crate::nn::{attention, Linear};
 use crate::weights::ParamBuilder;
@@ -531,10 +531,11 @@ impl FluxModel {
             let xm = modulate(&ctx, &x, &md[0], &md[1])?;
             let (q, k, v, mlp) = match &blk.linear1 {
                 SingleIn::Fused(l) => {
+                    // q and k stay views: `Rope::lay_out` copies them.
                     let l1 = l.forward(&ctx, &xm)?; // [3h + m, n, B]
                     (
-                        rows(&ctx, &l1, 0, h)?,
-                        rows(&ctx, &l1, h, h)?,
+                        row_view(&ctx, &l1, 0, h)?,
+                        row_view(&ctx, &l1, h, h)?,
                         rows(&ctx, &l1, 2 * h, h)?,
                         rows(&ctx, &l1, 3 * h, m)?,
                     )
@@ -549,16 +550,13 @@ impl FluxModel {
                     mlp.forward(&ctx, &xm)?,
                 ),
             };
-            let q = rope.apply(
-                &ctx,
-                &qk_norm(&ctx, &q, &blk.query_norm, c.num_heads)?,
-                c.num_heads,
-            )?;
-            let k = rope.apply(
-                &ctx,
-                &qk_norm(&ctx, &k, &blk.key_norm, c.num_heads)?,
-                c.num_heads,
-            )?;
+            let rotate = |t: &GTensor, scale: &GTensor| -> Result<GTensor> {
+                let t = rope.lay_out(&ctx, t, c.num_heads)?;
+                let scale = rope.lay_out_scale(&ctx, scale)?;
+                rope.apply(&ctx, &qk_norm(&ctx, &t, &scale, c.num_heads)?, c.num_heads)
+            };
+            let q = rotate(&q, &blk.query_norm)?;
+            let k = rotate(&k, &blk.key_norm)?;
             let mlp = gelu(g, &mlp)?;
             for (t, o) in [(&q, "q"), (&k, "k"), (&v, "v"), (&mlp, "mlp")] {
                 g.marks.mark_fine_output(t, LEVEL_SUBLAYER, "linear1", o)?;

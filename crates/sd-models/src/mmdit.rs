@@ -317,7 +317,9 @@ impl SelfAttention {
 
     /// q and k (normed when the model has QK norm) and v of `x` `[h, n, B]`.
     fn qkv(&self, ctx: &Context, x: &GTensor, heads: usize) -> Result<[GTensor; 3]> {
-        let [mut q, mut k, v] = self.qkv.forward(ctx, x)?;
+        let [q, k, v] = self.qkv.forward(ctx, x)?;
+        let dense = |t: &GTensor| crate::nn::contiguous(ctx, t);
+        let (mut q, mut k, v) = (dense(&q)?, dense(&k)?, dense(&v)?);
         if let Some(w) = &self.ln_q {
             q = qk_norm(ctx, &q, w, heads)?;
         }

@@ -21,8 +21,21 @@ fn ids(v: &[f32]) -> Vec<[f32; 3]> {
     v.chunks_exact(3).map(|c| [c[0], c[1], c[2]]).collect()
 }
 
+/// The options of the parity runs: f32 formulas on the project's CPU kernels, as `sd` runs
+/// DiTs on the CPU (ggml's ops are checked by the tests that say so).
+const EXACT_HOST: ComputeOptions = ComputeOptions {
+    exact: true,
+    flash_attn: false,
+    host_kernels: true,
+};
+
 /// Runs fixture `name` and returns (config, relative L2 error against diffusers).
 fn run(name: &str) -> (FluxConfig, f64) {
+    run_with(name, EXACT_HOST)
+}
+
+/// [`run`] with `opts`.
+fn run_with(name: &str, opts: ComputeOptions) -> (FluxConfig, f64) {
     let mut cat = TensorCatalog::new();
     cat.add_file(dir().join(format!("{name}.safetensors")), None)
         .unwrap();
@@ -30,7 +43,7 @@ fn run(name: &str) -> (FluxConfig, f64) {
     let model = FluxModel::new(&pb, FluxConfig::dev()).unwrap();
     let params = pb.finish();
     assert_eq!(params.tensors.len(), cat.len(), "every tensor is used");
-    let e = run_model(&model, &params, &cat, name, "out");
+    let e = run_model(&model, &params, &cat, name, "out", opts);
     (model.config.clone(), e)
 }
 
@@ -42,21 +55,11 @@ fn run_model(
     cat: &TensorCatalog,
     name: &str,
     want: &str,
+    opts: ComputeOptions,
 ) -> f64 {
     let _buf = load_all_to_cpu(params, cat).unwrap();
     let io = io_in(&dir(), name);
-    let mut g = GraphCtx::new(
-        model.graph_size(),
-        model.graph_size(),
-        ComputeOptions {
-            exact: true,
-            flash_attn: false,
-            // The CPU kernels, as `sd` runs DiTs on the CPU (ggml's attention, the other
-            // backends' path, is held to diffusers by the UNet and CLIP tests).
-            host_kernels: true,
-        },
-    )
-    .unwrap();
+    let mut g = GraphCtx::new(model.graph_size(), model.graph_size(), opts).unwrap();
     let new = |g: &GraphCtx, key: &str| g.ctx.new_tensor(DType::F32, &ne(&io[key].shape)).unwrap();
     let img = new(&g, "img");
     let txt = new(&g, "txt");
@@ -108,6 +111,21 @@ fn flux_dev_matches_diffusers() {
     assert!(e < 1e-4, "relative L2 {e:.3e}");
 }
 
+/// ggml's ops as the GPUs run them: flash attention (f16 K and V read through permuted
+/// views of their contiguous casts), GELU's kernel, the rotation as ggml's multi-section
+/// rope on q and k laid out for it; within f16's precision of diffusers' f32 output.
+#[test]
+fn flux_ggml_ops_with_flash_attention_stay_close() {
+    let opts = ComputeOptions {
+        exact: false,
+        flash_attn: true,
+        host_kernels: false,
+    };
+    let (_, e) = run_with("flux_tiny", opts);
+    println!("flux dev tiny, ggml ops and flash attention: relative L2 {e:.2e}");
+    assert!(e < 1e-2, "relative L2 {e:.3e}");
+}
+
 #[test]
 fn flux_schnell_matches_diffusers() {
     let (c, e) = run("flux_tiny_schnell");
@@ -128,6 +146,44 @@ fn rope_tables_follow_the_axes() {
     // Axis 2, frequency 1: 3 * 10000^(-2/14).
     let a = 3.0f64 * 10_000f64.powf(-2.0 / 14.0);
     assert!((cos[10] as f64 - a.cos()).abs() < 1e-6);
+}
+
+/// ggml's multi-section rope on q laid out for it gives the host tables' rotation (values
+/// moved as `Rope::lay_out` moves them): FLUX.1's head width and axes, a 32x32 grid of
+/// image ids after 8 text tokens, two images.
+#[test]
+fn rope_sections_equal_the_tables() {
+    use sd_models::dit::Rope;
+    let (heads, d, axes) = (2usize, 128usize, [16, 56, 56]);
+    let mut ids = vec![[0.0f32; 3]; 8];
+    ids.extend((0..32).flat_map(|r| (0..32).map(move |c| [0.0, r as f32, c as f32])));
+    let n = ids.len();
+    let b = 2;
+    let mut g = GraphCtx::new(64, 64, ComputeOptions::default()).unwrap();
+    let ctx = g.ctx.clone();
+    let x = ctx.new_tensor(DType::F32, &[heads * d, n, b]).unwrap();
+    let sections = Rope::new(&mut g, "s", &ids, axes, 10_000.0, d).unwrap();
+    let tables = Rope::new_tables(&mut g, "t", &ids, axes, 10_000.0, d).unwrap();
+    assert!(sections.is_sections() && !tables.is_sections());
+    let got = sections
+        .apply(&ctx, &sections.lay_out(&ctx, &x, heads).unwrap(), heads)
+        .unwrap();
+    let want = tables.apply(&ctx, &x, heads).unwrap();
+    let data: Vec<f32> = (0..heads * d * n * b)
+        .map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0)
+        .collect();
+    let out = run_cpu(&g, &[&got, &want], &[(&x, HostData::F32(data))], 64, 2).unwrap();
+    // Head value 2j + e of the tables' layout is value j + e d / 2 of the laid-out one.
+    let mut worst = 0f32;
+    for (row, want_row) in out[1].chunks_exact(d).enumerate() {
+        let got_row = &out[0][row * d..(row + 1) * d];
+        for (i, w) in want_row.iter().enumerate() {
+            let g = got_row[i / 2 + (i % 2) * d / 2];
+            worst = worst.max((g - w).abs());
+        }
+    }
+    println!("rope sections against tables: max abs difference {worst:.2e}");
+    assert!(worst < 1e-4, "{worst}");
 }
 
 /// Unpacks tokens `[B, (h/2)(w/2), 4c]` (diffusers' `_pack_latents` layout) into latents
@@ -324,7 +380,7 @@ fn diffusers_names_match_diffusers() {
     assert_eq!(model.config.layout, FluxLayout::Diffusers);
     let params = pb.finish();
     assert_eq!(params.tensors.len(), cat.len(), "every tensor is used");
-    let e = run_model(&model, &params, &cat, "flux_tiny", "out");
+    let e = run_model(&model, &params, &cat, "flux_tiny", "out", EXACT_HOST);
     println!("flux dev tiny, diffusers names: relative L2 {e:.2e}");
     assert!(e < 1e-4, "relative L2 {e:.3e}");
 }
@@ -349,8 +405,8 @@ fn q8_0_gguf_matches_diffusers_on_its_weights() {
     let model = FluxModel::new(&pb, FluxConfig::dev()).unwrap();
     let params = pb.finish();
     assert_eq!(params.tensors.len(), cat.len(), "every tensor is used");
-    let e = run_model(&model, &params, &cat, "flux_tiny", "out_q8_0");
-    let e_f32 = run_model(&model, &params, &cat, "flux_tiny", "out");
+    let e = run_model(&model, &params, &cat, "flux_tiny", "out_q8_0", EXACT_HOST);
+    let e_f32 = run_model(&model, &params, &cat, "flux_tiny", "out", EXACT_HOST);
     println!("flux dev tiny, q8_0 GGUF: relative L2 {e:.2e} ({e_f32:.2e} to the f32 weights')");
     assert!(e < 3e-2, "relative L2 {e:.3e}");
 }

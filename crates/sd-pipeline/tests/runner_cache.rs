@@ -112,9 +112,9 @@ fn constants_stay_on_the_device_with_the_same_bits_and_fewer_uploads() {
     assert_eq!(step(&mut g, 0), want[0]);
     assert_eq!(g.embedded.len(), 2, "one embedding per prompt");
     let (entries, disabled) = g.runtime.constants_state(h).unwrap();
-    // Per prompt: its embedding and the cos and sin tables of its token count; one swap
-    // matrix (same name, shape and bytes) serves both.
-    assert_eq!(entries, 7, "entries held");
+    // Per prompt: its embedding and the RoPE positions of its token count; one table of
+    // frequency factors (same name, shape and bytes) serves both.
+    assert_eq!(entries, 5, "entries held");
     assert_eq!(disabled, None);
 
     // A later step with the constants held uploads less than the same step without them.
@@ -130,8 +130,8 @@ fn constants_stay_on_the_device_with_the_same_bits_and_fewer_uploads() {
     let before = sim2.stats().host_to_device_bytes;
     step(&mut g2, 1);
     let all = sim2.stats().host_to_device_bytes - before;
-    // Embeddings (7 + 5 tokens x 64) and RoPE tables (31 + 29 tokens x 16, twice) in f32.
-    let constant_bytes = ((7 + 5) * 64 + 2 * (31 + 29) * 16) * 4;
+    // Embeddings (7 + 5 tokens x 64, f32) and RoPE positions (31 + 29 tokens x 4, i32).
+    let constant_bytes = ((7 + 5) * 64 + 4 * (31 + 29)) * 4;
     assert!(
         kept + constant_bytes as u64 <= all,
         "kept constants: {kept} B uploaded; uploading them: {all} B"
@@ -180,7 +180,7 @@ fn a_step_out_of_memory_releases_the_cache_and_runs_again() {
     let (mut rt, h, net) = rig(true);
     let mut g = guided(&mut rt, h, &net, &cond);
     assert_eq!(step(&mut g, 0), want[0]);
-    assert_eq!(g.runtime.constants_state(h).unwrap().0, 7);
+    assert_eq!(g.runtime.constants_state(h).unwrap().0, 5);
     let sim = g.runtime.sim_device().unwrap().clone();
     let failed = sim.stats().failed_allocations;
     sim.fail_next_allocations(N);

@@ -223,7 +223,8 @@ enum Cmd {
         /// The UNet
         #[arg(long, value_enum, default_value = "sd15")]
         config: ConfigName,
-        /// Blocks of a DiT or layers of an LLM (default: the configuration's); `unet` reads
+        /// Blocks of a DiT (FLUX: N double and 2N single) or layers of an LLM (default: the
+        /// configuration's); `unet` reads
         /// the count back from the file, so a smaller model of the same widths can stand in
         /// for the whole one
         #[arg(long, value_name = "N")]
@@ -543,9 +544,18 @@ fn with_blocks(cfg: BenchArch, blocks: Option<usize>) -> Result<BenchArch> {
         BenchArch::Diffusion(DiffusionArch::Mmdit(m)) => {
             BenchArch::Diffusion(DiffusionArch::Mmdit(MmditConfig { depth: n, ..m }))
         }
+        // FLUX: N double-stream and 2N single-stream blocks (the whole model's 19 and 38).
+        BenchArch::Diffusion(DiffusionArch::Flux(f)) => {
+            BenchArch::Diffusion(DiffusionArch::Flux(FluxConfig {
+                depth: n,
+                depth_single_blocks: 2 * n,
+                ..f
+            }))
+        }
         _ => {
             return Err(BenchError::Usage(
-                "--blocks applies to qwen-image, the SD3 configurations and the LLMs".into(),
+                "--blocks applies to flux-dev, qwen-image, the SD3 configurations and the LLMs"
+                    .into(),
             ))
         }
     })

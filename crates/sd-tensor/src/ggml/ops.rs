@@ -282,6 +282,14 @@ impl Context {
         self.op("scale", 1, |c| unsafe { sys::ggml_scale(c, a.raw(), s) })
     }
 
+    /// `a * s + b` (ggml's `scale` with a bias).
+    pub fn scale_bias(&self, a: &GTensor, s: f32, b: f32) -> Result<GTensor> {
+        // SAFETY: any float tensor.
+        self.op("scale_bias", 1, |c| unsafe {
+            sys::ggml_scale_bias(c, a.raw(), s, b)
+        })
+    }
+
     fn unary(
         &self,
         name: &'static str,
@@ -1646,6 +1654,77 @@ impl Context {
         // SAFETY: checked.
         self.op("timestep_embedding", 1, |c| unsafe {
             sys::ggml_timestep_embedding(c, t.raw(), dim as i32, max_period)
+        })
+    }
+
+    /// Rotary position embedding of sections with their own positions (`ggml_rope_multi`,
+    /// mode `GGML_ROPE_TYPE_MROPE`): `a` `[d, heads, n, B]` (f32, contiguous rows), each row's
+    /// value `i < d / 2` rotated with value `i + d / 2` by the angle `p * freq_base^(-2i/d) /
+    /// freq_factors[i]`, where `p` is the token's position in the section of pair `i`
+    /// (`sections`: pairs per section, at most four, summing to `d / 2`; `pos` I32 `[4 n]`:
+    /// the tokens' positions of section 0, then 1, 2 and 3). `freq_factors` F32 `[d / 2]`.
+    pub fn rope_sections(
+        &self,
+        a: &GTensor,
+        pos: &GTensor,
+        freq_factors: &GTensor,
+        sections: [usize; 4],
+        freq_base: f32,
+    ) -> Result<GTensor> {
+        let [d, _, n, _] = a.ne();
+        let half = d / 2;
+        let rows_ok = a.nb()[0] == 4;
+        if a.dtype() != Some(DType::F32)
+            || !rows_ok
+            || d == 0
+            || d % 2 != 0
+            || sections.iter().sum::<usize>() != half
+        {
+            return Err(bad(
+                "rope_sections",
+                format!(
+                    "{:?} {:?} with sections {sections:?} (f32 rows of an even width, the \
+                     sections summing to half of it)",
+                    a.dtype(),
+                    a.ne()
+                ),
+            ));
+        }
+        if pos.dtype() != Some(DType::I32) || pos.ne() != [4 * n, 1, 1, 1] {
+            return Err(bad(
+                "rope_sections",
+                format!("positions {:?} {:?} for {n} tokens", pos.dtype(), pos.ne()),
+            ));
+        }
+        if freq_factors.dtype() != Some(DType::F32) || freq_factors.ne() != [half, 1, 1, 1] {
+            return Err(bad(
+                "rope_sections",
+                format!(
+                    "frequency factors {:?} {:?} for width {d}",
+                    freq_factors.dtype(),
+                    freq_factors.ne()
+                ),
+            ));
+        }
+        let mut s = sections.map(|x| x as i32);
+        // SAFETY: checked; ggml copies the sections into the op's parameters.
+        self.op("rope_sections", 1, |c| unsafe {
+            sys::ggml_rope_multi(
+                c,
+                a.raw(),
+                pos.raw(),
+                freq_factors.raw(),
+                d as i32,
+                s.as_mut_ptr(),
+                sys::GGML_ROPE_TYPE_MROPE as i32,
+                0,
+                freq_base,
+                1.0,
+                0.0,
+                1.0,
+                0.0,
+                0.0,
+            )
         })
     }
 
