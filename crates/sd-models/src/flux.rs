@@ -445,7 +445,7 @@ impl FluxModel {
 
     /// Graph nodes a forward pass needs (generous).
     pub fn graph_size(&self) -> usize {
-        2048 + 160 * (self.double_blocks.len() + self.single_blocks.len())
+        2048 + 256 * (self.double_blocks.len() + self.single_blocks.len())
     }
 
     /// The text stream's input, `txt_in(states)`: `[context_in_dim, n_txt, B]` in,

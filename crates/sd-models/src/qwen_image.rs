@@ -232,7 +232,7 @@ impl QwenImageModel {
 
     /// Graph nodes a forward pass needs (generous).
     pub fn graph_size(&self) -> usize {
-        2048 + 160 * self.blocks.len()
+        2048 + 256 * self.blocks.len()
     }
 
     /// The text stream's input, `txt_in(txt_norm(states))`: `[joint_attention_dim, n_txt, B]`
