@@ -16,7 +16,7 @@ BASE=/tmp/sd-bench-base; xz -dc stage/sd-bench-base.xz > $BASE; chmod +x $BASE
 $NEW write-weights /tmp/w-fluxs --config flux-dev --blocks 2 | tail -1
 W=(--config flux-dev --weights /tmp/w-fluxs/unet.safetensors)
 export STEPS=${STEPS:-5}
-for round in 1 2; do
+for round in $(seq ${ROUNDS:-2}); do
   B=$BASE ab_one flux2-bare-base "${W[@]}" --params device --direct on
   B=$NEW ab_one flux2-bare-new "${W[@]}" --params device --direct on
 done
@@ -30,7 +30,7 @@ rm -rf /tmp/w-fluxs
 $NEW write-weights /tmp/w-sdxl --config sdxl >/dev/null
 W=(--config sdxl --weights /tmp/w-sdxl/unet.safetensors)
 export STEPS=6
-for round in 1 2; do
+for round in $(seq ${ROUNDS:-2}); do
   B=$BASE ab_one sdxl-bare-base "${W[@]}" --params device --direct on
   B=$NEW ab_one sdxl-bare-new "${W[@]}" --params device --direct on
 done
