@@ -15,27 +15,28 @@ NEW=$B
 BASE=/tmp/sd-bench-base; xz -dc stage/sd-bench-base.xz > $BASE; chmod +x $BASE
 $NEW write-weights /tmp/w-fluxs --config flux-dev --blocks 2 | tail -1
 W=(--config flux-dev --weights /tmp/w-fluxs/unet.safetensors)
+# `ab_builds NAME`: the bare graph of W with both builds, ROUNDS [2] times interleaved, then
+# the resident step with both.
+ab_builds() {
+  for round in $(seq ${ROUNDS:-2}); do
+    B=$BASE ab_one $1-bare-base "${W[@]}" --params device --direct on
+    B=$NEW ab_one $1-bare-new "${W[@]}" --params device --direct on
+  done
+  B=$BASE ab_one $1-resident-base "${W[@]}" --params device
+  B=$NEW ab_one $1-resident-new "${W[@]}" --params device
+}
 export STEPS=${STEPS:-5}
-for round in $(seq ${ROUNDS:-2}); do
-  B=$BASE ab_one flux2-bare-base "${W[@]}" --params device --direct on
-  B=$NEW ab_one flux2-bare-new "${W[@]}" --params device --direct on
-done
-B=$BASE ab_one flux2-resident-base "${W[@]}" --params device
-B=$NEW ab_one flux2-resident-new "${W[@]}" --params device
+ab_builds flux2
 NCU=$(which ncu 2>/dev/null || ls /usr/local/cuda*/bin/ncu | head -1)
 GGML_CUDA_DISABLE_GRAPHS=1 timeout ${NCU_TIMEOUT:-120} $NCU --clock-control none --cache-control none --metrics gpu__time_duration.sum --csv --print-units base \
   $NEW unet --backend CUDA0 "${W[@]}" --params device --direct on --steps 1 >$OUT/ncu.csv 2>$OUT/ncu.err
 echo "ncu rc $? at $(($(date +%s)-CALL_T0)) s"
+python3 scripts/device/ncu_census.py $OUT/ncu.csv | tee $OUT/census.txt
 rm -rf /tmp/w-fluxs
 $NEW write-weights /tmp/w-sdxl --config sdxl >/dev/null
 W=(--config sdxl --weights /tmp/w-sdxl/unet.safetensors)
 export STEPS=6
-for round in $(seq ${ROUNDS:-2}); do
-  B=$BASE ab_one sdxl-bare-base "${W[@]}" --params device --direct on
-  B=$NEW ab_one sdxl-bare-new "${W[@]}" --params device --direct on
-done
-B=$BASE ab_one sdxl-resident-base "${W[@]}" --params device
-B=$NEW ab_one sdxl-resident-new "${W[@]}" --params device
+ab_builds sdxl
 rm -rf /tmp/w-sdxl
 late flux-full && { echo "done in $(($(date +%s)-CALL_T0)) s"; exit 0; }
 tw=$(date +%s); $NEW write-weights /tmp/w-flux --config flux-dev | tail -1; echo "weights written in $(($(date +%s)-tw)) s"

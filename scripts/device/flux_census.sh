@@ -21,22 +21,7 @@ NCU=$(which ncu 2>/dev/null || ls /usr/local/cuda*/bin/ncu | head -1)
 GGML_CUDA_DISABLE_GRAPHS=1 timeout ${NCU_TIMEOUT:-240} $NCU --clock-control none --cache-control none --metrics gpu__time_duration.sum --csv --print-units base \
   $B unet --backend CUDA0 "${W[@]}" --params device --direct on --steps 1 >$OUT/ncu.csv 2>$OUT/ncu.err
 echo "ncu rc $? at $(($(date +%s)-CALL_T0)) s"; tail -2 $OUT/ncu.err
-python3 - $OUT/ncu.csv <<'PY' | tee $OUT/census.txt
-import csv, sys, collections
-rows = [r for r in csv.reader(l for l in open(sys.argv[1]) if l.startswith('"'))]
-hdr = rows[0]; rows = rows[1:]
-iname = hdr.index("Kernel Name"); ival = hdr.index("Metric Value"); iid = hdr.index("ID")
-ks = sorted((int(r[iid]), r[iname], float(r[ival].replace(",", ""))) for r in rows if r[ival])
-half = ks[len(ks)//2:]
-agg = collections.defaultdict(lambda: [0.0, 0])
-for _, n, v in half:
-    key = n.split("(")[0][:110]
-    agg[key][0] += v / 1e6; agg[key][1] += 1
-tot = sum(v for v, _ in agg.values())
-print(f"GGML kernels {len(ks)} total, timed half {len(half)}: {tot:.3f} ms")
-for k, (ms, n) in sorted(agg.items(), key=lambda kv: -kv[1][0])[:45]:
-    print(f"GGML {ms:8.3f} ms {n:5d}  {k}")
-PY
+python3 scripts/device/ncu_census.py $OUT/ncu.csv | tee $OUT/census.txt
 rm -rf /tmp/w-fluxs
 if install_wheels; then
   timeout 200 env PYTHONUNBUFFERED=1 python3 scripts/bench/dit_step_diffusers.py --model flux-dev --dtype bf16 --reps 5 --blocks $BLOCKS --profile 2>&1 | grep -E "RESULT|DIFF|diffusers" | tee $OUT/peer.txt

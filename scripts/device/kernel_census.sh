@@ -17,23 +17,7 @@ GGML_CUDA_DISABLE_GRAPHS=1 timeout ${NCU_TIMEOUT:-300} $NCU --clock-control none
   $B unet --backend CUDA0 --config $MODEL --weights /tmp/w-$MODEL/unet.safetensors --params device --direct on --steps 1 \
   >$OUT/ncu.csv 2>$OUT/ncu.err
 echo "ncu rc $? in $(($(date +%s)-CALL_T0)) s"; tail -3 $OUT/ncu.err
-python3 - $OUT/ncu.csv <<'PY'
-import csv, sys, collections
-rows = [r for r in csv.reader(l for l in open(sys.argv[1]) if l.startswith('"'))]
-hdr = rows[0]; rows = rows[1:]
-iname = hdr.index("Kernel Name"); ival = hdr.index("Metric Value"); iid = hdr.index("ID")
-ks = [(int(r[iid]), r[iname], float(r[ival].replace(",", ""))) for r in rows if r[ival]]
-ks.sort()
-half = ks[len(ks)//2:]
-agg = collections.defaultdict(lambda: [0.0, 0])
-for _, n, v in half:
-    key = n.split("(")[0].split("<")[0][:60] + ("<" + n.split("<")[1][:50] if "<" in n else "")
-    agg[key][0] += v / 1e6; agg[key][1] += 1
-tot = sum(v for v, _ in agg.values())
-print(f"GGML kernels {len(ks)} total, timed half {len(half)}: {tot:.3f} ms")
-for k, (ms, n) in sorted(agg.items(), key=lambda kv: -kv[1][0])[:40]:
-    print(f"GGML {ms:8.3f} ms {n:5d}  {k}")
-PY
+python3 scripts/device/ncu_census.py $OUT/ncu.csv 40
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
   timeout 150 python3 scripts/device/kernel_profile.py $MODEL 2>&1 | grep DIFF

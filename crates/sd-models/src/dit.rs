@@ -191,16 +191,8 @@ impl StreamParams {
     /// q, k (laid out for `rope` and RMS-normed per head) and v (contiguous) of `x`.
     fn qkv(&self, ctx: &Context, x: &GTensor, heads: usize, rope: &Rope) -> Result<[GTensor; 3]> {
         let [q, k, v] = self.qkv.forward(ctx, x)?;
-        let norm = |t: &GTensor, scale: &GTensor| -> Result<GTensor> {
-            qk_norm(
-                ctx,
-                &rope.lay_out(ctx, t, heads)?,
-                &rope.lay_out_scale(ctx, scale)?,
-                heads,
-            )
-        };
-        let q = norm(&q, &self.query_norm)?;
-        let k = norm(&k, &self.key_norm)?;
+        let q = rope.normed(ctx, &q, &self.query_norm, heads)?;
+        let k = rope.normed(ctx, &k, &self.key_norm, heads)?;
         Ok([q, k, crate::nn::contiguous(ctx, &v)?])
     }
 
@@ -359,6 +351,28 @@ fn section_positions(ids: &[[f32; 3]]) -> Option<Vec<i32>> {
     Some(pos)
 }
 
+/// RoPE axes must be even and sum to the head width `d`.
+fn check_axes(model: &str, axes: [usize; 3], d: usize) -> Result<()> {
+    if axes.iter().sum::<usize>() != d || axes.iter().any(|a| a % 2 != 0) {
+        return Err(ModelError::Config(format!(
+            "{model}: RoPE axes {axes:?} for head width {d} (even widths summing to it)"
+        )));
+    }
+    Ok(())
+}
+
+/// A constant auxiliary input `<model>.rope_<what>` of [`Rope`].
+fn rope_constant(
+    g: &mut GraphCtx,
+    model: &str,
+    what: &str,
+    dtype: DType,
+    ne: &[usize],
+    data: HostData,
+) -> Result<GTensor> {
+    g.constant_input(&format!("{model}.rope_{what}"), dtype, ne, data)
+}
+
 /// How a [`Rope`] turns its pairs.
 enum RopeForm {
     /// ggml's multi-section rope (`Context::rope_sections`), one op: it turns value `i`
@@ -413,25 +427,18 @@ impl Rope {
         theta: f32,
         d: usize,
     ) -> Result<Rope> {
-        if axes.iter().sum::<usize>() != d || axes.iter().any(|a| a % 2 != 0) {
-            return Err(ModelError::Config(format!(
-                "{model}: RoPE axes {axes:?} for head width {d} (even widths summing to it)"
-            )));
-        }
-        let n = ids.len();
+        check_axes(model, axes, d)?;
         if let Some(pos) = section_positions(ids) {
-            let pos = g.constant_input(
-                &format!("{model}.rope_pos"),
+            let pos = rope_constant(
+                g,
+                model,
+                "pos",
                 DType::I32,
-                &[4 * n],
+                &[4 * ids.len()],
                 HostData::I32(pos),
             )?;
-            let freq = g.constant_input(
-                &format!("{model}.rope_freq"),
-                DType::F32,
-                &[d / 2],
-                HostData::F32(section_freq_factors(axes, theta, d)),
-            )?;
+            let freq = HostData::F32(section_freq_factors(axes, theta, d));
+            let freq = rope_constant(g, model, "freq", DType::F32, &[d / 2], freq)?;
             let sections = [axes[0] / 2, axes[1] / 2, axes[2] / 2, 0];
             return Ok(Rope {
                 form: RopeForm::Sections {
@@ -455,26 +462,13 @@ impl Rope {
         theta: f32,
         d: usize,
     ) -> Result<Rope> {
+        check_axes(model, axes, d)?;
         let (cos, sin) = pair_tables(ids, axes, theta);
         let shape = [d, 1, ids.len(), 1];
-        let cos = g.constant_input(
-            &format!("{model}.rope_cos"),
-            DType::F32,
-            &shape,
-            HostData::F32(cos),
-        )?;
-        let sin = g.constant_input(
-            &format!("{model}.rope_sin"),
-            DType::F32,
-            &shape,
-            HostData::F32(sin),
-        )?;
-        let swap = g.constant_input(
-            &format!("{model}.rope_swap"),
-            DType::F32,
-            &[2, 2],
-            HostData::F32(vec![0.0, 1.0, 1.0, 0.0]),
-        )?;
+        let cos = rope_constant(g, model, "cos", DType::F32, &shape, HostData::F32(cos))?;
+        let sin = rope_constant(g, model, "sin", DType::F32, &shape, HostData::F32(sin))?;
+        let swap = HostData::F32(vec![0.0, 1.0, 1.0, 0.0]);
+        let swap = rope_constant(g, model, "swap", DType::F32, &[2, 2], swap)?;
         Ok(Rope {
             form: RopeForm::Tables { cos, sin, swap },
         })
@@ -521,6 +515,19 @@ impl Rope {
         let pairs = ctx.view(scale, [2, d / 2, 1, 1], [2 * es, d * es, d * es], 0)?;
         let laid = ctx.cont(&ctx.permute(&pairs, [1, 0, 2, 3])?)?;
         Ok(ctx.reshape(&laid, &[d])?)
+    }
+
+    /// q or k laid out by [`Rope::lay_out`] and RMS-normed per head with `scale` (laid out
+    /// by [`Rope::lay_out_scale`]): what [`Rope::apply`] rotates.
+    pub fn normed(
+        &self,
+        ctx: &Context,
+        x: &GTensor,
+        scale: &GTensor,
+        heads: usize,
+    ) -> Result<GTensor> {
+        let x = self.lay_out(ctx, x, heads)?;
+        qk_norm(ctx, &x, &self.lay_out_scale(ctx, scale)?, heads)
     }
 
     /// Rotates `[heads * d, n, B]`, laid out by [`Rope::lay_out`].

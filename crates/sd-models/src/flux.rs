@@ -38,8 +38,8 @@ use sd_tensor::ggml::{Context, GTensor};
 
 pub use crate::dit::rope_tables;
 use crate::dit::{
-    chunks, gelu, modulate, qk_norm, row_view, rows, split_tokens, DoubleBlock, QkvProj, Rope,
-    StreamParams, TextTokens,
+    chunks, gelu, modulate, row_view, rows, split_tokens, DoubleBlock, QkvProj, Rope, StreamParams,
+    TextTokens,
 };
 use crate::nn::{attention, Linear};
 use crate::weights::ParamBuilder;
@@ -551,9 +551,8 @@ impl FluxModel {
                 ),
             };
             let rotate = |t: &GTensor, scale: &GTensor| -> Result<GTensor> {
-                let t = rope.lay_out(&ctx, t, c.num_heads)?;
-                let scale = rope.lay_out_scale(&ctx, scale)?;
-                rope.apply(&ctx, &qk_norm(&ctx, &t, &scale, c.num_heads)?, c.num_heads)
+                let normed = rope.normed(&ctx, t, scale, c.num_heads)?;
+                rope.apply(&ctx, &normed, c.num_heads)
             };
             let q = rotate(&q, &blk.query_norm)?;
             let k = rotate(&k, &blk.key_norm)?;
