@@ -6,7 +6,7 @@
 # build's bare graph under Nsight Compute (kernels summed by name, one step); SDXL's UNet
 # (head width 64: flash attention with the new K/V casts) bare and resident; then, time
 # allowing, the whole FLUX.1-dev (23.8 GB) bare with both builds and resident with the new.
-CALL_T0=$(date +%s); DEADLINE=${DEADLINE:-420}
+CALL_T0=${CALL_T0:-$(date +%s)}; DEADLINE=${DEADLINE:-420}
 source scripts/device/stage_module.sh 2>&1 | tail -3
 source scripts/device/stage_module.sh >/dev/null 2>&1
 source scripts/device/ab_run.sh

@@ -341,3 +341,40 @@ fn copy_bandwidth_probe_reports_sizes_and_contention() {
     let v: serde_json::Value = serde_json::from_str(&lines[0]).unwrap();
     assert!(v["contention"].is_null(), "{v}");
 }
+
+#[test]
+fn attention_probe_variants_compute_one_attention() {
+    let lines = succeed(bench().args([
+        "attn",
+        "--backend",
+        "CPU",
+        "--shape",
+        "64,3,96,2",
+        "--iters",
+        "2",
+        "--threads",
+        "2",
+    ]));
+    assert_eq!(lines.len(), 4, "{lines:?}");
+    let v: Vec<serde_json::Value> = lines
+        .iter()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let variants: Vec<&str> = v.iter().map(|x| x["variant"].as_str().unwrap()).collect();
+    assert_eq!(variants, ["views", "heads", "heads_f16q", "products"]);
+    for x in &v {
+        assert!(x["ms"].as_f64().unwrap() > 0.0, "{x}");
+        assert!(x["mean_abs"].as_f64().unwrap() > 1e-3, "{x}");
+    }
+    // The same values laid out per head: the same kernel, the same bits; products and
+    // softmax in f32 against f16 K/V: close.
+    assert_eq!(v[1]["max_diff"].as_f64(), Some(0.0), "{}", v[1]);
+    assert!(v[3]["max_diff"].as_f64().unwrap() < 1e-3, "{}", v[3]);
+    // A shape of three numbers is a usage error naming the flag.
+    let out = bench()
+        .args(["attn", "--shape", "64,3,96"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--shape"));
+}

@@ -57,6 +57,7 @@ use std::time::{Duration, Instant};
 use clap::{Parser, Subcommand, ValueEnum};
 
 mod sd_bench {
+    pub mod attn;
     pub mod span_times;
 }
 use sd_exec::{ExecError, StreamingOptions};
@@ -254,6 +255,26 @@ enum Cmd {
         /// step's uploads)
         #[arg(long, value_enum, default_value = "off")]
         contention: OnOff,
+    },
+    /// One attention of a model's shape, timed alone in the layouts the models can build
+    /// (flash attention through permuted views, per-head contiguous, f16 Q; products and
+    /// softmax)
+    Attn {
+        /// The ggml backend
+        #[arg(long, value_name = "NAME", default_value = "CPU")]
+        backend: String,
+        /// `d,heads,tokens,batch` (repeatable; default: the models' largest attentions)
+        #[arg(long, value_name = "D,HEADS,TOKENS,BATCH", value_parser = sd_bench::attn::AttnShape::parse)]
+        shape: Vec<sd_bench::attn::AttnShape>,
+        /// Variants to time (repeatable; default: all)
+        #[arg(long, value_parser = clap::builder::PossibleValuesParser::new(sd_bench::attn::VARIANTS))]
+        variant: Vec<String>,
+        /// Timed computes per variant (the median is reported)
+        #[arg(long, default_value_t = 10)]
+        iters: usize,
+        /// CPU threads (default: all cores)
+        #[arg(long, default_value_t = all_cores())]
+        threads: usize,
     },
 }
 
@@ -496,6 +517,34 @@ fn run(args: Args) -> Result<()> {
             mib,
             contention,
         } => cmd_copy_bw(&backend, mib, contention == OnOff::On),
+        Cmd::Attn {
+            backend,
+            shape,
+            variant,
+            iters,
+            threads,
+        } => {
+            let shapes: Vec<(String, sd_bench::attn::AttnShape)> = if shape.is_empty() {
+                sd_bench::attn::MODEL_SHAPES
+                    .iter()
+                    .map(|(l, s)| (l.to_string(), *s))
+                    .collect()
+            } else {
+                shape
+                    .iter()
+                    .map(|s| (format!("{},{},{},{}", s.d, s.heads, s.tokens, s.batch), *s))
+                    .collect()
+            };
+            let variants: Vec<String> = if variant.is_empty() {
+                sd_bench::attn::VARIANTS
+                    .iter()
+                    .map(|v| v.to_string())
+                    .collect()
+            } else {
+                variant
+            };
+            sd_bench::attn::cmd_attn(&backend, &shapes, &variants, iters, threads)
+        }
     }
 }
 
