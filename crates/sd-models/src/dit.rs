@@ -38,12 +38,15 @@ impl<'a> TextTokens<'a> {
     }
 }
 
-/// GELU, tanh form: f32 formula with `opts.exact`, ggml's kernel otherwise.
+/// GELU, tanh form: with `opts.exact` in f32 (one pass on the project's CPU kernel where
+/// the graph runs on the CPU, else the formula in ggml's ops), ggml's kernel otherwise.
 pub fn gelu(g: &GraphCtx, x: &GTensor) -> Result<GTensor> {
-    if g.opts.exact {
-        gelu_tanh_exact(&g.ctx, x)
-    } else {
-        Ok(g.ctx.gelu(x)?)
+    if !g.opts.exact {
+        return Ok(g.ctx.gelu(x)?);
+    }
+    match g.ctx.gelu_tanh_host(x, None)? {
+        Some(y) => Ok(y),
+        None => gelu_tanh_exact(&g.ctx, x),
     }
 }
 

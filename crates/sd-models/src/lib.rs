@@ -163,7 +163,9 @@ pub struct ComputeOptions {
     /// im2col and epilogue (`sd_tensor`'s `conv_2d_host`) and the per-channel scale and
     /// shift of group norms and time embeddings (`channel_affine`). Within f32 rounding of
     /// ggml's: unmasked attention (`attention_host`, all f32) and the upscalers'
-    /// channels-innermost convolutions (`conv_2d_cwh`).
+    /// channels-innermost convolutions (`conv_2d_cwh`). With `exact`, the DiTs' and T5's
+    /// tanh GELU in one pass (`gelu_tanh_host`: within 1e-6 of the formula in ggml's f32
+    /// ops, closer to it in f64 where those cancel).
     pub host_kernels: bool,
 }
 

@@ -401,12 +401,25 @@ impl T5EncoderModel {
     fn feed_forward(&self, g: &GraphCtx, ff: &T5DenseGatedGelu, x: &GTensor) -> Result<GTensor> {
         let ctx = &g.ctx;
         let gate = ff.wi_0.forward(ctx, x)?;
-        let gate = if g.opts.exact {
-            gelu_tanh_exact(ctx, &gate)?
+        let value = ff.wi_1.forward(ctx, x)?;
+        // Exact numerics on the CPU: the GELU and the product in one pass (the project's
+        // kernel); else ggml's ops.
+        let fused = if g.opts.exact {
+            ctx.gelu_tanh_host(&gate, Some(&value))?
         } else {
-            ctx.gelu(&gate)?
+            None
         };
-        let hidden = ctx.mul(&gate, &ff.wi_1.forward(ctx, x)?)?;
+        let hidden = match fused {
+            Some(h) => h,
+            None => {
+                let gate = if g.opts.exact {
+                    gelu_tanh_exact(ctx, &gate)?
+                } else {
+                    ctx.gelu(&gate)?
+                };
+                ctx.mul(&gate, &value)?
+            }
+        };
         let y = ctx.mul_mat(&ff.wo.weight, &ctx.scale(&hidden, WO_INPUT_SCALE)?)?;
         ctx.set_precision(&y, Precision::F32);
         Ok(ctx.scale(&y, 1.0 / WO_INPUT_SCALE)?)

@@ -38,6 +38,16 @@ fn run(cat: &TensorCatalog) -> (T5Config, Vec<DType>, Vec<f32>) {
 
 /// [`run`] with the weights converted to `weight_type` when loaded (`--type`).
 fn run_as(cat: &TensorCatalog, weight_type: Option<DType>) -> (T5Config, Vec<DType>, Vec<f32>) {
+    let (config, dtypes, out, _) = run_with(cat, weight_type, ComputeOptions::default());
+    (config, dtypes, out)
+}
+
+/// [`run_as`] with `opts`; also counts the graph's nodes of the project's tanh-GELU kernel.
+fn run_with(
+    cat: &TensorCatalog,
+    weight_type: Option<DType>,
+    opts: ComputeOptions,
+) -> (T5Config, Vec<DType>, Vec<f32>, usize) {
     let mut arch = TextEncoderArch::T5(T5Config::xxl());
     arch.set_prefix(T5_PREFIX);
     let pb = ParamBuilder::new(Some(cat), 256).unwrap();
@@ -53,13 +63,20 @@ fn run_as(cat: &TensorCatalog, weight_type: Option<DType>) -> (T5Config, Vec<DTy
     let _buf = load_all_to_cpu(&params, cat).unwrap();
     let refs = io_in(&dir(), "t5_tiny");
     let ids = &refs["input_ids"];
-    let mut g = GraphCtx::new(4096, enc.graph_size(), ComputeOptions::default()).unwrap();
+    let mut g = GraphCtx::new(4096, enc.graph_size(), opts).unwrap();
     let input = g.ctx.new_tensor(DType::I32, &ne(&ids.shape)).unwrap();
     let out = enc.forward(&mut g, &input).unwrap();
     assert_eq!(out.ne()[..3].to_vec(), ne(&refs["out"].shape));
+    let mut graph = sd_tensor::ggml::Graph::new(&g.ctx, enc.graph_size()).unwrap();
+    graph.build_forward_expand(&out).unwrap();
+    let gelu_nodes = graph
+        .nodes()
+        .iter()
+        .filter(|n| n.name() == sd_tensor::ggml::GELU_TANH_HOST_NAME)
+        .count();
     let data = HostData::I32(ids.data.iter().map(|&v| v as i32).collect());
     let got = run_cpu(&g, &[&out], &[(&input, data)], enc.graph_size(), 2).unwrap();
-    (config, dtypes, got.into_iter().next().unwrap())
+    (config, dtypes, got.into_iter().next().unwrap(), gelu_nodes)
 }
 
 #[test]
@@ -99,6 +116,24 @@ fn t5_reads_its_dimensions_from_the_tensors() {
 fn t5_matches_transformers_in_f32() {
     let (_, _, got) = run(&catalog("t5_tiny.safetensors"));
     check("t5 f32", &got, &io_in(&dir(), "t5_tiny")["out"].data, 1e-4);
+}
+
+/// With the project's CPU kernels, each block's gated GELU (`gelu_new(wi_0 x) * wi_1 x`)
+/// is one op of the tanh-GELU kernel, and the output still matches transformers.
+#[test]
+fn t5_on_the_cpu_kernels_matches_transformers_in_f32() {
+    let opts = ComputeOptions {
+        host_kernels: true,
+        ..ComputeOptions::default()
+    };
+    let (cfg, _, got, gelu_nodes) = run_with(&catalog("t5_tiny.safetensors"), None, opts);
+    assert_eq!(gelu_nodes, cfg.num_layers);
+    check(
+        "t5 f32, CPU kernels",
+        &got,
+        &io_in(&dir(), "t5_tiny")["out"].data,
+        1e-4,
+    );
 }
 
 #[test]

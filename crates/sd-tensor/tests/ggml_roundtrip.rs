@@ -932,6 +932,85 @@ fn host_geglu_agrees_with_ggmls_gelu_erf_and_mul() {
     }
 }
 
+/// `gelu_tanh_host` (one custom op) agrees with GELU's tanh form built from ggml's f32 ops
+/// (as the models built it: `0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`) to 1e-6 of
+/// the values' scale: contiguous, from a view with wider row strides, and times a second
+/// tensor (T5's gated form), values reaching both tails, 1 and 3 threads; other shapes,
+/// types or no host kernels are `None`.
+#[test]
+fn host_gelu_tanh_agrees_with_the_formula_in_ggml_ops() {
+    for threads in [1, 3] {
+        let ctx = Context::new_descriptors(96, 96, 1).unwrap();
+        ctx.set_host_kernels(true);
+        let (inner, tokens, b) = (48, 29, 2);
+        let x = ctx.new_tensor(DType::F32, &[inner, tokens, b]).unwrap();
+        let times = ctx.new_tensor(DType::F32, &[inner, tokens, b]).unwrap();
+        let wide = ctx
+            .new_tensor(DType::F32, &[inner + 10, tokens, b])
+            .unwrap();
+        let half = ctx.new_tensor(DType::F16, &[inner, tokens, b]).unwrap();
+        let buf = BufferType::cpu().alloc_context_tensors(&ctx).unwrap();
+        x.write_f32(
+            &rnd(x.nelements(), 71)
+                .iter()
+                .map(|v| 8.0 * v)
+                .collect::<Vec<_>>(),
+        )
+        .unwrap();
+        times.write_f32(&rnd(times.nelements(), 72)).unwrap();
+        wide.write_f32(
+            &rnd(wide.nelements(), 73)
+                .iter()
+                .map(|v| 5.0 * v)
+                .collect::<Vec<_>>(),
+        )
+        .unwrap();
+        let nb = wide.nb();
+        let view = ctx
+            .view(&wide, [inner, tokens, b, 1], [nb[1], nb[2], nb[3]], 4)
+            .unwrap();
+        let formula = |t: &GTensor| {
+            let t = ctx.cont(t).unwrap();
+            let cube = ctx.mul(&ctx.mul(&t, &t).unwrap(), &t).unwrap();
+            let inner = ctx.add(&t, &ctx.scale(&cube, 0.044715).unwrap()).unwrap();
+            let th = ctx
+                .tanh(
+                    &ctx.scale(&inner, (2.0f32 / std::f32::consts::PI).sqrt())
+                        .unwrap(),
+                )
+                .unwrap();
+            let halfx = ctx.scale(&t, 0.5).unwrap();
+            ctx.add(&halfx, &ctx.mul(&halfx, &th).unwrap()).unwrap()
+        };
+        let outs = vec![
+            (formula(&x), ctx.gelu_tanh_host(&x, None).unwrap().unwrap()),
+            (
+                formula(&view),
+                ctx.gelu_tanh_host(&view, None).unwrap().unwrap(),
+            ),
+            (
+                ctx.mul(&formula(&x), &times).unwrap(),
+                ctx.gelu_tanh_host(&x, Some(&times)).unwrap().unwrap(),
+            ),
+        ];
+        assert!(ctx.gelu_tanh_host(&half, None).unwrap().is_none());
+        assert!(ctx.gelu_tanh_host(&x, Some(&wide)).unwrap().is_none());
+        let (custom, values) = compute_pairs(&ctx, &outs, threads);
+        assert_eq!(custom, 3);
+        for (i, (a, g)) in values.into_iter().enumerate() {
+            let scale = a.iter().fold(1f32, |m, v| m.max(v.abs()));
+            assert!(
+                max_abs(&a, &g) <= 1e-6 * scale,
+                "case {i}, {threads} threads: max diff {} (scale {scale})",
+                max_abs(&a, &g)
+            );
+        }
+        ctx.set_host_kernels(false);
+        assert!(ctx.gelu_tanh_host(&x, None).unwrap().is_none());
+        drop(buf);
+    }
+}
+
 /// `group_norm_host` (one custom op: the norm, its per-channel scale and shift, and the
 /// SiLU when asked) agrees with ggml's `group_norm`, a broadcast `mul` and `add`, and
 /// `silu`, to 2e-6 of the values' scale: groups of one and of several channels, planes of

@@ -32,6 +32,7 @@ mod host_conv;
 mod host_conv_cwh;
 mod host_conv_implicit;
 mod host_geglu;
+mod host_gelu_tanh;
 mod host_group_norm;
 mod host_io;
 mod host_linear;
@@ -54,8 +55,8 @@ pub use graph::Graph;
 pub use mapped::SharedBytes;
 pub use modules::{load_backend_modules, ModuleOutcome, MODULES_ENV};
 pub use ops::{
-    Interpolation, Precision, ATTENTION_HOST_NAME, GEGLU_HOST_NAME, GROUP_NORM_HOST_NAME,
-    IM2COL_CONV_NAME, IMPLICIT_CONV_NAME, LINEAR_HOST_NAME, TILE_CONV_NAME,
+    Interpolation, Precision, ATTENTION_HOST_NAME, GEGLU_HOST_NAME, GELU_TANH_HOST_NAME,
+    GROUP_NORM_HOST_NAME, IM2COL_CONV_NAME, IMPLICIT_CONV_NAME, LINEAR_HOST_NAME, TILE_CONV_NAME,
 };
 #[cfg(feature = "rpc")]
 pub use rpc::rpc_device_memory;

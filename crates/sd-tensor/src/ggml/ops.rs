@@ -39,6 +39,10 @@ pub const ATTENTION_HOST_NAME: &str = "attention_host";
 /// projection `[2 I, ...]`).
 pub const GEGLU_HOST_NAME: &str = "geglu_host";
 
+/// The name of the node [`Context::gelu_tanh_host`] makes (a `CUSTOM` op; its sources are
+/// the GELU's input and, where given, the factor).
+pub const GELU_TANH_HOST_NAME: &str = "gelu_tanh_host";
+
 /// The name of the node [`Context::group_norm_host`] makes (a `CUSTOM` op; its sources are
 /// the input, the scales and the shifts).
 pub const GROUP_NORM_HOST_NAME: &str = "group_norm_host";
@@ -712,6 +716,37 @@ impl Context {
                 [ne[0] / 2, ne[1], ne[2], ne[3]],
                 &[p],
                 Some(super::host_geglu::geglu_kernel),
+                0,
+            )
+        }
+        .map(Some)
+    }
+
+    /// GELU's tanh form on this crate's CPU kernel (a ggml custom op, see
+    /// `host_gelu_tanh.rs`; only the CPU backend runs it), in f32 to a few ulp of the
+    /// formula: `gelu(x)`, or `gelu(x) * times` ([`GELU_TANH_HOST_NAME`]). `x` and `times`
+    /// f32 of one shape with contiguous rows (any row strides: a view of a projection's
+    /// rows will do); the result is contiguous. `None` without
+    /// [`Context::set_host_kernels`] or when the operands are not of that form (the caller
+    /// uses ggml's ops).
+    pub fn gelu_tanh_host(&self, x: &GTensor, times: Option<&GTensor>) -> Result<Option<GTensor>> {
+        let fits = |t: &GTensor| {
+            t.dtype() == Some(DType::F32)
+                && t.nb()[0] == 4
+                && t.nb()[1..].iter().all(|b| b.is_multiple_of(4))
+                && t.ne() == x.ne()
+        };
+        if !self.host_kernels() || x.nelements() == 0 || !fits(x) || !times.is_none_or(fits) {
+            return Ok(None);
+        }
+        let args: Vec<&GTensor> = std::iter::once(x).chain(times).collect();
+        // SAFETY: shapes, types and strides checked.
+        unsafe {
+            self.host_kernel_op(
+                GELU_TANH_HOST_NAME,
+                x.ne(),
+                &args,
+                Some(super::host_gelu_tanh::gelu_tanh_kernel),
                 0,
             )
         }
