@@ -40,13 +40,19 @@ impl<'a> TextTokens<'a> {
 
 /// GELU, tanh form: with `opts.exact` in f32 (one pass on the project's CPU kernel where
 /// the graph runs on the CPU, else the formula in ggml's ops), ggml's kernel otherwise.
+/// `x` may be a view with contiguous rows (the project's kernel reads it in place; ggml's
+/// ops get a contiguous copy).
 pub fn gelu(g: &GraphCtx, x: &GTensor) -> Result<GTensor> {
-    if !g.opts.exact {
-        return Ok(g.ctx.gelu(x)?);
+    if g.opts.exact {
+        if let Some(y) = g.ctx.gelu_tanh_host(x, None)? {
+            return Ok(y);
+        }
     }
-    match g.ctx.gelu_tanh_host(x, None)? {
-        Some(y) => Ok(y),
-        None => gelu_tanh_exact(&g.ctx, x),
+    let x = crate::nn::contiguous(&g.ctx, x)?;
+    if g.opts.exact {
+        gelu_tanh_exact(&g.ctx, &x)
+    } else {
+        Ok(g.ctx.gelu(&x)?)
     }
 }
 

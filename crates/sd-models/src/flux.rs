@@ -537,7 +537,9 @@ impl FluxModel {
                         row_view(&ctx, &l1, 0, h)?,
                         row_view(&ctx, &l1, h, h)?,
                         rows(&ctx, &l1, 2 * h, h)?,
-                        rows(&ctx, &l1, 3 * h, m)?,
+                        // Read in place by the GELU (a copy first where its kernel is
+                        // ggml's).
+                        row_view(&ctx, &l1, 3 * h, m)?,
                     )
                 }
                 SingleIn::Split {
