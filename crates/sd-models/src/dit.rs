@@ -136,11 +136,20 @@ pub fn modulate(ctx: &Context, x: &GTensor, shift: &GTensor, scale: &GTensor) ->
     Ok(ctx.add(&scaled, shift)?)
 }
 
-/// RMS norm over each head's width with a learned scale: `[heads * d, n, B]` in and out.
+/// RMS norm over each head's width with a learned scale: `[heads * d, n, B]` in (f32 rows,
+/// any row stride: a view of a fused projection's rows is read in place), contiguous out.
+/// The product follows the norm directly, which ggml's CUDA backend fuses (the weights of a
+/// segment graph precede its ops).
 pub fn qk_norm(ctx: &Context, x: &GTensor, scale: &GTensor, heads: usize) -> Result<GTensor> {
     let [w, n, b, _] = x.ne();
     let d = w / heads;
-    let x = ctx.reshape(x, &[d, heads, n, b])?;
+    let es = x.dtype().map_or(0, |t| t.type_size());
+    let x = if es > 0 && x.nb()[0] == es {
+        let nb = x.nb();
+        ctx.view(x, [d, heads, n, b], [d * es, nb[1], nb[2]], 0)?
+    } else {
+        ctx.reshape(&ctx.cont(x)?, &[d, heads, n, b])?
+    };
     let x = ctx.mul(&ctx.rms_norm(&x, RMS_EPS)?, scale)?;
     Ok(ctx.reshape(&x, &[w, n, b])?)
 }
@@ -413,9 +422,9 @@ enum RopeForm {
 /// op that turns value `i` of a head with value `i + d / 2`: q and k are laid out for it by
 /// [`Rope::lay_out`], each head's values reordered (the first value of every pair, then the
 /// second; the same permutation of q and k, which leaves their products and so the
-/// attention unchanged) in the copy that makes them contiguous, and the QK norm's scale with
-/// them ([`Rope::lay_out_scale`]). Otherwise host-made cos/sin tables with the pair swap as
-/// a `[2, 2]` product (every element-wise operation keeping the head width innermost:
+/// attention unchanged) in a copy, after the QK norm, which does not depend on their order
+/// ([`Rope::normed`]). Otherwise host-made cos/sin tables with the pair swap as a `[2, 2]`
+/// product (every element-wise operation keeping the head width innermost:
 /// splitting the pairs into one-value rows made the GPU kernels crawl, 2.4 s against 0.62 s
 /// for FLUX.1-dev's step on an H200); there the layout is the checkpoint's own. The
 /// sections form replaced the tables for integer ids after an H100 census of a FLUX step
@@ -514,20 +523,11 @@ impl Rope {
         Ok(ctx.reshape(&laid, &[w, n, b])?)
     }
 
-    /// A per-value scale of a head `[d]` (the QK norm's) in the layout of [`Rope::lay_out`].
-    pub fn lay_out_scale(&self, ctx: &Context, scale: &GTensor) -> Result<GTensor> {
-        if !self.is_sections() {
-            return Ok(scale.clone());
-        }
-        let d = scale.ne()[0];
-        let es = scale.nb()[0];
-        let pairs = ctx.view(scale, [2, d / 2, 1, 1], [2 * es, d * es, d * es], 0)?;
-        let laid = ctx.cont(&ctx.permute(&pairs, [1, 0, 2, 3])?)?;
-        Ok(ctx.reshape(&laid, &[d])?)
-    }
-
-    /// q or k laid out by [`Rope::lay_out`] and RMS-normed per head with `scale` (laid out
-    /// by [`Rope::lay_out_scale`]): what [`Rope::apply`] rotates.
+    /// q or k RMS-normed per head with `scale` ([`qk_norm`], reading a projection's view in
+    /// place) and laid out by [`Rope::lay_out`]: what [`Rope::apply`] rotates. The norm goes
+    /// first: it does not depend on the order of a head's values, and the checkpoint's scale
+    /// then applies as it is (no reordering copy between the norm and its product, which
+    /// ggml's CUDA backend fuses).
     pub fn normed(
         &self,
         ctx: &Context,
@@ -535,8 +535,8 @@ impl Rope {
         scale: &GTensor,
         heads: usize,
     ) -> Result<GTensor> {
-        let x = self.lay_out(ctx, x, heads)?;
-        qk_norm(ctx, &x, &self.lay_out_scale(ctx, scale)?, heads)
+        let x = qk_norm(ctx, x, scale, heads)?;
+        self.lay_out(ctx, &x, heads)
     }
 
     /// Rotates `[heads * d, n, B]`, laid out by [`Rope::lay_out`].

@@ -106,3 +106,69 @@ fn dit_step_flops_at_1024() {
     // 70.6 TFLOP.
     assert!((66e12..76e12).contains(&qwen), "{qwen:e}");
 }
+
+/// In FLUX's and Qwen-Image's graphs every RMS norm (the QK norms) is followed by the
+/// product with its scale and nothing else that computes (only weights, which a segment
+/// graph lists before its ops, may sit between in a graph built from the output): ggml's
+/// CUDA backend fuses the pair only when they are adjacent. Built only, nothing computed.
+#[test]
+fn qk_norms_are_followed_by_their_scale_product() {
+    use sd_models::diffusion::{DiffusionArch, DiffusionInputs, DiffusionNet};
+    use sd_models::{ComputeOptions, GraphCtx};
+    use sd_tensor::DType;
+    let mut flux = FluxConfig::dev();
+    flux.depth = 1;
+    flux.depth_single_blocks = 1;
+    let qwen = QwenImageConfig {
+        num_layers: 1,
+        ..QwenImageConfig::default()
+    };
+    for arch in [DiffusionArch::Flux(flux), DiffusionArch::QwenImage(qwen)] {
+        let pb = ParamBuilder::new(None, 1 << 14).unwrap();
+        let net = DiffusionNet::new(&pb, &arch).unwrap();
+        let _params = pb.finish();
+        let opts = ComputeOptions {
+            flash_attn: true,
+            ..ComputeOptions::default()
+        };
+        let mut g = GraphCtx::new(net.graph_size(), net.graph_size(), opts).unwrap();
+        let ctx = g.ctx.clone();
+        let (ctx_dim, y_dim) = match &arch {
+            DiffusionArch::Flux(f) => (f.context_in_dim, f.vec_in_dim),
+            DiffusionArch::QwenImage(q) => (q.joint_attention_dim, 0),
+            _ => unreachable!(),
+        };
+        let x = ctx.new_tensor(DType::F32, &[16, 16, 16, 1]).unwrap();
+        let t = ctx.new_tensor(DType::F32, &[1]).unwrap();
+        let c = ctx.new_tensor(DType::F32, &[ctx_dim, 8, 1]).unwrap();
+        let y = ctx.new_tensor(DType::F32, &[y_dim.max(1), 1]).unwrap();
+        let gd = ctx.new_tensor(DType::F32, &[1]).unwrap();
+        let mut inputs = DiffusionInputs::new(&x, &t);
+        inputs.context = Some(&c);
+        inputs.y = (y_dim > 0).then_some(&y);
+        inputs.guidance = matches!(arch, DiffusionArch::Flux(_)).then_some(&gd);
+        let out = net.forward(&mut g, &inputs).unwrap();
+        let mut graph = sd_tensor::ggml::Graph::new(&ctx, net.graph_size()).unwrap();
+        graph.build_forward_expand(&out).unwrap();
+        let ops: Vec<_> = graph
+            .nodes()
+            .into_iter()
+            .filter(|n| !n.is_param())
+            .collect();
+        let norms: Vec<usize> = (0..ops.len())
+            .filter(|&i| ops[i].op_name() == "RMS_NORM")
+            .collect();
+        // Two per attention stream: FLUX's double block (image, text) and single block,
+        // Qwen-Image's block (image, text).
+        assert!(norms.len() >= 4, "{} RMS norms", norms.len());
+        for i in norms {
+            let next = &ops[i + 1];
+            assert!(
+                next.op_name() == "MUL" && next.src(0).is_some_and(|s| s.id() == ops[i].id()),
+                "RMS norm {i} is followed by {} ({})",
+                next.op_name(),
+                next.name()
+            );
+        }
+    }
+}
