@@ -85,13 +85,12 @@ fn run_model(
     if opts.exact && opts.host_kernels {
         // Every MLP's GELU (two per double block, one per single block) is one op of the
         // project's tanh-GELU kernel.
-        let mut graph = sd_tensor::ggml::Graph::new(&g.ctx, model.graph_size()).unwrap();
-        graph.build_forward_expand(&out).unwrap();
-        let gelus = graph
-            .nodes()
-            .iter()
-            .filter(|n| n.name() == sd_tensor::ggml::GELU_TANH_HOST_NAME)
-            .count();
+        let gelus = common::nodes_named(
+            &g.ctx,
+            &out,
+            model.graph_size(),
+            sd_tensor::ggml::GELU_TANH_HOST_NAME,
+        );
         let c = &model.config;
         assert_eq!(gelus, 2 * c.depth + c.depth_single_blocks);
     }

@@ -67,13 +67,12 @@ fn run_with(
     let input = g.ctx.new_tensor(DType::I32, &ne(&ids.shape)).unwrap();
     let out = enc.forward(&mut g, &input).unwrap();
     assert_eq!(out.ne()[..3].to_vec(), ne(&refs["out"].shape));
-    let mut graph = sd_tensor::ggml::Graph::new(&g.ctx, enc.graph_size()).unwrap();
-    graph.build_forward_expand(&out).unwrap();
-    let gelu_nodes = graph
-        .nodes()
-        .iter()
-        .filter(|n| n.name() == sd_tensor::ggml::GELU_TANH_HOST_NAME)
-        .count();
+    let gelu_nodes = common::nodes_named(
+        &g.ctx,
+        &out,
+        enc.graph_size(),
+        sd_tensor::ggml::GELU_TANH_HOST_NAME,
+    );
     let data = HostData::I32(ids.data.iter().map(|&v| v as i32).collect());
     let got = run_cpu(&g, &[&out], &[(&input, data)], enc.graph_size(), 2).unwrap();
     (config, dtypes, got.into_iter().next().unwrap(), gelu_nodes)

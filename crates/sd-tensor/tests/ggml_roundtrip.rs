@@ -874,6 +874,19 @@ fn host_linear_agrees_with_ggmls_f32_product() {
     }
 }
 
+/// Each pair's values (reference, kernel) agree within `tol` of the reference's largest
+/// magnitude (at least 1).
+fn assert_within_scale(values: PairValues, tol: f32, threads: usize) {
+    for (i, (a, g)) in values.into_iter().enumerate() {
+        let scale = a.iter().fold(1f32, |m, v| m.max(v.abs()));
+        assert!(
+            max_abs(&a, &g) <= tol * scale,
+            "case {i}, {threads} threads: max diff {} (scale {scale})",
+            max_abs(&a, &g)
+        );
+    }
+}
+
 /// `geglu_host` (one custom op) agrees with ggml's GEGLU (the row halves copied out, the
 /// exact erf GELU of the gate, the product) to 1e-6 of the values' scale: rows read in place
 /// from a projection with contiguous rows and from a view with wider row strides, values
@@ -918,14 +931,7 @@ fn host_geglu_agrees_with_ggmls_gelu_erf_and_mul() {
         assert!(ctx.geglu_host(&odd).unwrap().is_none());
         let (custom, values) = compute_pairs(&ctx, &outs, threads);
         assert_eq!(custom, 2);
-        for (i, (a, g)) in values.into_iter().enumerate() {
-            let scale = a.iter().fold(1f32, |m, v| m.max(v.abs()));
-            assert!(
-                max_abs(&a, &g) <= 1e-6 * scale,
-                "case {i}, {threads} threads: max diff {} (scale {scale})",
-                max_abs(&a, &g)
-            );
-        }
+        assert_within_scale(values, 1e-6, threads);
         ctx.set_host_kernels(false);
         assert!(ctx.geglu_host(&p).unwrap().is_none());
         drop(buf);
@@ -997,14 +1003,7 @@ fn host_gelu_tanh_agrees_with_the_formula_in_ggml_ops() {
         assert!(ctx.gelu_tanh_host(&x, Some(&wide)).unwrap().is_none());
         let (custom, values) = compute_pairs(&ctx, &outs, threads);
         assert_eq!(custom, 3);
-        for (i, (a, g)) in values.into_iter().enumerate() {
-            let scale = a.iter().fold(1f32, |m, v| m.max(v.abs()));
-            assert!(
-                max_abs(&a, &g) <= 1e-6 * scale,
-                "case {i}, {threads} threads: max diff {} (scale {scale})",
-                max_abs(&a, &g)
-            );
-        }
+        assert_within_scale(values, 1e-6, threads);
         ctx.set_host_kernels(false);
         assert!(ctx.gelu_tanh_host(&x, None).unwrap().is_none());
         drop(buf);

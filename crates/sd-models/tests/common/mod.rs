@@ -128,3 +128,16 @@ pub fn row_slice(t: &F32Tensor, from: usize, n: usize) -> (Vec<usize>, Vec<f32>)
     shape[0] = n;
     (shape, t.2[from * row..(from + n) * row].to_vec())
 }
+
+/// How many nodes named `name` the graph of `out` has (built in `ctx`, at most `capacity`
+/// nodes): a test's check that a model took one of the project's kernels.
+pub fn nodes_named(
+    ctx: &sd_tensor::ggml::Context,
+    out: &sd_tensor::ggml::GTensor,
+    capacity: usize,
+    name: &str,
+) -> usize {
+    let mut graph = sd_tensor::ggml::Graph::new(ctx, capacity).unwrap();
+    graph.build_forward_expand(out).unwrap();
+    graph.nodes().iter().filter(|n| n.name() == name).count()
+}
