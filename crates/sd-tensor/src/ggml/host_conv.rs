@@ -227,6 +227,64 @@ pub(super) fn thread_share(items: usize, ith: c_int, nth: c_int) -> std::ops::Ra
     items * ith / nth..items * (ith + 1) / nth
 }
 
+/// Work counters of the custom-op calls in progress that hand out their work in chunks:
+/// `(key, next item, threads still to leave)`. Few calls run at once (one per computing
+/// backend), so a short list under a lock.
+type Counters = Vec<(usize, std::sync::Arc<std::sync::atomic::AtomicUsize>, usize)>;
+static SHARED_COUNTERS: std::sync::Mutex<Counters> = std::sync::Mutex::new(Vec::new());
+
+/// Hands the items `0..total` of one custom-op call out to its `nth` threads in chunks of
+/// `grain` items, each chunk to whichever thread asks first, and runs `f` on this thread's
+/// chunks: a thread on a faster core takes more of the work than an equal share would give
+/// it (this project's 2-core VM has cores 6% apart; hybrid desktop CPUs have cores twice as
+/// fast as others), where a static split leaves it waiting at ggml's barrier. `key` names
+/// the call (its `dst` tensor's address); every thread of the call passes the same `key`,
+/// `total` and `grain`. ggml runs each thread of a custom op exactly once per call, so the
+/// counter is dropped when the last thread leaves, before the next op starts.
+pub(super) fn claim_chunks(
+    key: usize,
+    nth: c_int,
+    total: usize,
+    grain: usize,
+    mut f: impl FnMut(std::ops::Range<usize>),
+) {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let (nth, grain) = (nth.max(1) as usize, grain.max(1));
+    let lock = || SHARED_COUNTERS.lock().unwrap_or_else(|e| e.into_inner());
+    let counter = if nth == 1 {
+        std::sync::Arc::new(AtomicUsize::new(0))
+    } else {
+        let mut list = lock();
+        match list.iter().find(|(k, ..)| *k == key) {
+            Some((_, c, _)) => c.clone(),
+            None => {
+                let c = std::sync::Arc::new(AtomicUsize::new(0));
+                list.push((key, c.clone(), nth));
+                c
+            }
+        }
+    };
+    loop {
+        let start = counter.fetch_add(grain, Ordering::Relaxed);
+        if start >= total {
+            break;
+        }
+        f(start..(start + grain).min(total));
+    }
+    if nth > 1 {
+        let mut list = lock();
+        if let Some(i) = list
+            .iter()
+            .position(|(k, c, _)| *k == key && std::sync::Arc::ptr_eq(c, &counter))
+        {
+            list[i].2 -= 1;
+            if list[i].2 == 0 {
+                list.swap_remove(i);
+            }
+        }
+    }
+}
+
 thread_local! {
     /// Each compute thread's scratch for the kernels of this crate that need some (the
     /// attention's score block, the channels-innermost convolution's band and kernel
@@ -492,5 +550,59 @@ mod tests {
         assert_eq!(Im2colGeometry::new((0, 1), (0, 0), (1, 1), (3, 3)), None);
         assert_eq!(g.output_size(8, 16), Some((4, 4)));
         assert_eq!(g.output_size(8, 8), None);
+    }
+
+    /// Threads of one call (same key) take every chunk exactly once between them, two calls
+    /// at once (other keys) do not mix, a slow thread takes fewer chunks, and the counters
+    /// are gone afterwards.
+    #[test]
+    fn chunks_go_to_the_threads_that_ask_each_once() {
+        use std::sync::Mutex;
+        let (total, grain, nth) = (1000usize, 7usize, 3usize);
+        // Per call: (thread, chunk) as taken.
+        type Taken = Mutex<Vec<(usize, std::ops::Range<usize>)>>;
+        let seen: Vec<Taken> = (0..2).map(|_| Mutex::new(Vec::new())).collect();
+        std::thread::scope(|s| {
+            for call in 0..2usize {
+                for ith in 0..nth {
+                    let seen = &seen[call];
+                    s.spawn(move || {
+                        claim_chunks(0xA000 + call, nth as c_int, total, grain, |r| {
+                            if ith == 0 {
+                                std::thread::sleep(std::time::Duration::from_millis(2));
+                            }
+                            seen.lock().unwrap().push((ith, r));
+                        });
+                    });
+                }
+            }
+        });
+        for call in seen {
+            let mut got = call.into_inner().unwrap();
+            let slow = got.iter().filter(|(t, _)| *t == 0).count();
+            got.sort_by_key(|(_, r)| r.start);
+            let mut next = 0;
+            for (_, r) in &got {
+                assert_eq!(r.start, next);
+                assert!(r.end - r.start <= grain && r.end > r.start);
+                next = r.end;
+            }
+            assert_eq!(next, total);
+            assert!(
+                slow < got.len() / nth,
+                "the slow thread took {slow} of {}",
+                got.len()
+            );
+        }
+        // (Other tests' calls may hold counters of their own meanwhile.)
+        assert!(!SHARED_COUNTERS
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|(k, ..)| (0xA000..0xA002).contains(k)));
+        // One thread: every chunk, in order, no counter kept.
+        let mut one = Vec::new();
+        claim_chunks(0xB000, 1, 20, 8, |r| one.push(r));
+        assert_eq!(one, [0..8, 8..16, 16..20]);
     }
 }

@@ -8,10 +8,11 @@
 //!
 //! **The op.** Sources: `src[0]` the input `[K, N1, N2, N3]` f32 (contiguous), `src[1]` the
 //! weight `[K, M]` f16 or f32 (contiguous), `src[2]` the bias `[M]` f32 or absent; `dst`
-//! `[M, N1, N2, N3]` f32. Each thread takes a share of the output features (rows of the
-//! weight), converts them to f32 in chunks of at most [`CHUNK_VALUES`], starts its rows of
-//! the output at the bias (when there is one) and accumulates one product of the chunk with all
-//! `N = N1 N2 N3` columns. The weight is read once a call; its conversion costs `1 / (2 N)`
+//! `[M, N1, N2, N3]` f32. The output features (rows of the weight) go in chunks of at most
+//! [`CHUNK_VALUES`] values (and at least three a thread) to whichever thread asks first
+//! (`claim_chunks`: threads on faster cores take more); each converts its chunk to f32,
+//! starts those rows of the output at the bias (when there is one) and accumulates one
+//! product of the chunk with all `N = N1 N2 N3` columns. The weight is read once a call; its conversion costs `1 / (2 N)`
 //! of the work per value, so the op is used from [`MIN_COLUMNS`] columns.
 //!
 //! Sums run in another order than ggml's and in f32 throughout: results agree with ggml's
@@ -30,7 +31,7 @@ use std::ffi::{c_int, c_void};
 
 use ggml_sys as sys;
 
-use super::host_conv::{thread_share, with_scratch, F32Source};
+use super::host_conv::{claim_chunks, thread_share, with_scratch, F32Source};
 use crate::dtype::DType;
 
 /// Columns (`N1 N2 N3`) below which a linear layer keeps ggml's product.
@@ -103,6 +104,16 @@ pub(crate) fn covers(
 fn feature_rows(m: usize, ith: usize, nth: usize) -> std::ops::Range<usize> {
     let tiles = thread_share(m.div_ceil(16), ith as c_int, nth as c_int);
     (tiles.start * 16).min(m)..(tiles.end * 16).min(m)
+}
+
+/// The output features (weight rows) of `m` a thread converts and multiplies at a time, of
+/// an `m x k` weight computed by `nth` threads: a multiple of 16 (the products' row tiles)
+/// of at most [`CHUNK_VALUES`] values, and at least three chunks a thread where the layer
+/// is large enough, so that handing them out by demand evens out the threads' speeds.
+fn feature_chunk(m: usize, k: usize, nth: usize) -> usize {
+    let by_size = (CHUNK_VALUES / k.max(1)).max(16);
+    let by_threads = m.div_ceil(3 * nth.max(1)).max(16);
+    by_size.min(by_threads).div_ceil(16) * 16
 }
 
 /// `dst (+)= lhs x`: `lhs` the weight's rows as f32 (`[h, k]` row-major, `h = lhs.len() / k`),
@@ -179,18 +190,14 @@ pub(crate) unsafe extern "C" fn linear_kernel(
         unsafe { super::host_amx::linear(d, x, w, bias, ith as usize, nth as usize) };
         return;
     }
-    let rows = feature_rows(m, ith as usize, nth as usize);
-    if rows.is_empty() {
-        return;
-    }
-    let chunk = (CHUNK_VALUES / k.max(1)).max(16).min(rows.len());
+    let chunk = feature_chunk(m, k, nth as usize);
     let out = d.data as *mut f32;
     // SAFETY: the weight holds K*M f16 or f32 values, contiguous (`covers`).
     let weight = unsafe { F32Source::of(w, k * m) };
     with_scratch(chunk * k, |buf| {
-        let mut r0 = rows.start;
-        while r0 < rows.end {
-            let r1 = (r0 + chunk).min(rows.end);
+        // Chunks of output features to whichever thread is free (see `claim_chunks`).
+        claim_chunks(dst as usize, nth, m, chunk, |rows| {
+            let (r0, r1) = (rows.start, rows.end);
             let lhs = weight.f32_values(r0 * k..r1 * k, buf);
             // Output rows r0..r1 of every column start at the bias.
             if let Some(b) = bias {
@@ -215,8 +222,7 @@ pub(crate) unsafe extern "C" fn linear_kernel(
                     bias.is_some(),
                 )
             };
-            r0 = r1;
-        }
+        });
     });
 }
 
@@ -226,11 +232,13 @@ const CONV_COLUMN_BLOCK: usize = 512;
 
 /// The convolution op (see the module doc): `dst` `[OW, OH, OC, N]` f32 from `src[0]`, the
 /// f32 im2col `[K, OW, OH, N]` (contiguous), `src[1]`, the kernel `[KW, KH, C, OC]` f16 or f32
-/// (contiguous, `K = KW KH C`), and `src[2]`, the bias `[OC]` f32 or null. The threads form a
-/// grid of row groups (tiles of 16 output channels) by column groups (output pixels of all
-/// images, in order); each converts its rows of the kernel in chunks and, for blocks of
-/// [`CONV_COLUMN_BLOCK`] pixels of one image, runs the product as the linear layer does
-/// (channels innermost, into its scratch), then writes the block into the image's planes.
+/// (contiguous, `K = KW KH C`), and `src[2]`, the bias `[OC]` f32 or null. With at least as
+/// many tiles of 16 output channels as threads, chunks of channels go to whichever thread
+/// asks first (`claim_chunks`), each for all pixels; else the threads form a grid of row
+/// groups by column groups (output pixels of all images, in order). A thread converts its
+/// rows of the kernel to f32 and, for blocks of [`CONV_COLUMN_BLOCK`] pixels of one image,
+/// runs the product as the linear layer does (channels innermost, into its scratch), then
+/// writes the block into the image's planes.
 ///
 /// # Safety
 /// Called by ggml with a live `dst` built by `Context::conv_2d_host` after [`covers_conv`]
@@ -257,9 +265,65 @@ pub(crate) unsafe extern "C" fn conv_kernel(
     // SAFETY: the bias holds M f32 values when present.
     let bias = bias.map(|b| unsafe { std::slice::from_raw_parts(b.data as *const f32, m) });
     let (ith, nth) = (ith.max(0) as usize, nth.max(1) as usize);
-    // Row groups first; the threads left over split the columns.
+    let out = d.data as *mut f32;
+    let x = im.data as *const f32;
+    // SAFETY: the kernel holds K*M f16 or f32 values, contiguous (`covers_conv`).
+    let weight = unsafe { F32Source::of(w, k * m) };
+    // Output channels r0..r1 for the columns (pixels of all images, in order) `cols`, with
+    // this thread's scratch: the kernel's rows as f32, and a block of the product.
+    let run = |rows: std::ops::Range<usize>,
+               cols: std::ops::Range<usize>,
+               buf: &mut [f32],
+               block: &mut [f32]| {
+        let (r0, r1) = (rows.start, rows.end);
+        let h = r1 - r0;
+        let lhs = weight.f32_values(r0 * k..r1 * k, buf);
+        // Blocks of one image's pixels.
+        let mut c0 = cols.start;
+        while c0 < cols.end {
+            let img = c0 / plane;
+            let c1 = cols.end.min((img + 1) * plane).min(c0 + CONV_COLUMN_BLOCK);
+            let wide = c1 - c0;
+            // SAFETY: the im2col's column c (all images in order) is K values at c K; the
+            // block is [h, wide], column j at j h, this thread's scratch.
+            unsafe {
+                rows_times_columns(lhs, k, x.add(c0 * k), wide, block.as_mut_ptr(), h, false)
+            };
+            // Plane `oc` of image `img` starts at (img M + oc) * plane; this block is its
+            // pixels p0..p0 + wide.
+            let p0 = c0 - img * plane;
+            for oc in r0..r1 {
+                let b = bias.map_or(0.0, |b| b[oc]);
+                // SAFETY: oc < M and p0 + wide <= plane: inside dst; rows r0..r1 of these
+                // pixels belong to this thread alone.
+                let dst = unsafe {
+                    std::slice::from_raw_parts_mut(out.add((img * m + oc) * plane + p0), wide)
+                };
+                for (j, v) in dst.iter_mut().enumerate() {
+                    *v = block[j * h + (oc - r0)] + b;
+                }
+            }
+            c0 = c1;
+        }
+    };
     let tiles = m.div_ceil(16);
-    let row_groups = tiles.min(nth);
+    if tiles == 0 {
+        return;
+    }
+    if tiles >= nth {
+        // Chunks of output channels, all pixels each, to whichever thread is free (see
+        // `claim_chunks`).
+        let chunk = feature_chunk(m, k, nth);
+        with_scratch(chunk * k + chunk * CONV_COLUMN_BLOCK, |scratch| {
+            let (buf, block) = scratch.split_at_mut(chunk * k);
+            claim_chunks(dst as usize, nth as c_int, m, chunk, |rows| {
+                run(rows, 0..plane * images, buf, block)
+            });
+        });
+        return;
+    }
+    // Fewer channel tiles than threads: a grid of row groups by column groups.
+    let row_groups = tiles;
     let col_groups = nth / row_groups;
     if ith >= row_groups * col_groups {
         return;
@@ -271,44 +335,12 @@ pub(crate) unsafe extern "C" fn conv_kernel(
         return;
     }
     let chunk = (CHUNK_VALUES / k.max(1)).max(16).min(rows.len());
-    let out = d.data as *mut f32;
-    let x = im.data as *const f32;
-    // SAFETY: the kernel holds K*M f16 or f32 values, contiguous (`covers_conv`).
-    let weight = unsafe { F32Source::of(w, k * m) };
     with_scratch(chunk * k + chunk * CONV_COLUMN_BLOCK, |scratch| {
         let (buf, block) = scratch.split_at_mut(chunk * k);
         let mut r0 = rows.start;
         while r0 < rows.end {
             let r1 = (r0 + chunk).min(rows.end);
-            let h = r1 - r0;
-            let lhs = weight.f32_values(r0 * k..r1 * k, buf);
-            // Blocks of one image's pixels.
-            let mut c0 = cols.start;
-            while c0 < cols.end {
-                let img = c0 / plane;
-                let c1 = cols.end.min((img + 1) * plane).min(c0 + CONV_COLUMN_BLOCK);
-                let wide = c1 - c0;
-                // SAFETY: the im2col's column c (all images in order) is K values at c K;
-                // the block is [h, wide], column j at j h, this thread's scratch.
-                unsafe {
-                    rows_times_columns(lhs, k, x.add(c0 * k), wide, block.as_mut_ptr(), h, false)
-                };
-                // Plane `oc` of image `img` starts at (img M + oc) * plane; this block is its
-                // pixels p0..p0 + wide.
-                let p0 = c0 - img * plane;
-                for oc in r0..r1 {
-                    let b = bias.map_or(0.0, |b| b[oc]);
-                    // SAFETY: oc < M and p0 + wide <= plane: inside dst; rows r0..r1 of these
-                    // pixels belong to this thread alone.
-                    let dst = unsafe {
-                        std::slice::from_raw_parts_mut(out.add((img * m + oc) * plane + p0), wide)
-                    };
-                    for (j, v) in dst.iter_mut().enumerate() {
-                        *v = block[j * h + (oc - r0)] + b;
-                    }
-                }
-                c0 = c1;
-            }
+            run(r0..r1, cols.clone(), buf, block);
             r0 = r1;
         }
     });
