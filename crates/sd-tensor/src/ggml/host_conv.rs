@@ -228,9 +228,14 @@ pub(super) fn thread_share(items: usize, ith: c_int, nth: c_int) -> std::ops::Ra
 }
 
 /// Work counters of the custom-op calls in progress that hand out their work in chunks:
-/// `(key, next item, threads still to leave)`. Few calls run at once (one per computing
-/// backend), so a short list under a lock.
-type Counters = Vec<(usize, std::sync::Arc<std::sync::atomic::AtomicUsize>, usize)>;
+/// `(key, next item, threads arrived, threads still to leave)`. Few calls run at once (one
+/// per computing backend), so a short list under a lock.
+type Counters = Vec<(
+    usize,
+    std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    usize,
+    usize,
+)>;
 static SHARED_COUNTERS: std::sync::Mutex<Counters> = std::sync::Mutex::new(Vec::new());
 
 /// Hands the items `0..total` of one custom-op call out to its `nth` threads in chunks of
@@ -255,11 +260,19 @@ pub(super) fn claim_chunks(
         std::sync::Arc::new(AtomicUsize::new(0))
     } else {
         let mut list = lock();
-        match list.iter().find(|(k, ..)| *k == key) {
-            Some((_, c, _)) => c.clone(),
+        // A call all of whose threads have arrived is not this one (it could only be left
+        // over from a call whose threads did not all finish).
+        match list
+            .iter_mut()
+            .find(|(k, _, arrived, _)| *k == key && *arrived < nth)
+        {
+            Some((_, c, arrived, _)) => {
+                *arrived += 1;
+                c.clone()
+            }
             None => {
                 let c = std::sync::Arc::new(AtomicUsize::new(0));
-                list.push((key, c.clone(), nth));
+                list.push((key, c.clone(), 1, nth));
                 c
             }
         }
@@ -275,10 +288,10 @@ pub(super) fn claim_chunks(
         let mut list = lock();
         if let Some(i) = list
             .iter()
-            .position(|(k, c, _)| *k == key && std::sync::Arc::ptr_eq(c, &counter))
+            .position(|(k, c, ..)| *k == key && std::sync::Arc::ptr_eq(c, &counter))
         {
-            list[i].2 -= 1;
-            if list[i].2 == 0 {
+            list[i].3 -= 1;
+            if list[i].3 == 0 {
                 list.swap_remove(i);
             }
         }
