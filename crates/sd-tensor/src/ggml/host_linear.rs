@@ -12,8 +12,9 @@
 //! [`CHUNK_VALUES`] values (and at least three a thread) to whichever thread asks first
 //! (`claim_chunks`: threads on faster cores take more); each converts its chunk to f32,
 //! starts those rows of the output at the bias (when there is one) and accumulates one
-//! product of the chunk with all `N = N1 N2 N3` columns. The weight is read once a call; its conversion costs `1 / (2 N)`
-//! of the work per value, so the op is used from [`MIN_COLUMNS`] columns.
+//! product of the chunk with all `N = N1 N2 N3` columns. The weight is read once a call;
+//! its conversion costs `1 / (2 N)` of the work per value, so the op is used from
+//! [`MIN_COLUMNS`] columns.
 //!
 //! Sums run in another order than ggml's and in f32 throughout: results agree with ggml's
 //! f32 product to f32 rounding.
