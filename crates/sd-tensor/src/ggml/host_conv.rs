@@ -220,6 +220,20 @@ pub(crate) unsafe extern "C" fn epilogue_kernel(
     }
 }
 
+/// Row `r` (rows numbered over dims 1-3 in order) of `t`: `n` f32 values at its strides
+/// `nb[1..]`.
+///
+/// # Safety
+/// `t` is a live f32 tensor whose rows hold at least `n` contiguous values, and `r` one of
+/// its rows.
+pub(super) unsafe fn f32_row(t: &sys::ggml_tensor, r: usize, n: usize) -> &[f32] {
+    let (n1, n2) = (t.ne[1] as usize, t.ne[2] as usize);
+    let (i1, i2, i3) = (r % n1, (r / n1) % n2, r / (n1 * n2));
+    let at = i1 * t.nb[1] + i2 * t.nb[2] + i3 * t.nb[3];
+    // SAFETY: see the function's contract.
+    unsafe { std::slice::from_raw_parts((t.data as *const u8).add(at) as *const f32, n) }
+}
+
 /// Thread `ith` of `nth`'s share of `items` items (planes, rows, blocks), as ggml numbers
 /// a custom op's threads.
 pub(super) fn thread_share(items: usize, ith: c_int, nth: c_int) -> std::ops::Range<usize> {

@@ -19,7 +19,7 @@ use std::ffi::{c_int, c_void};
 
 use ggml_sys as sys;
 
-use super::host_conv::thread_share;
+use super::host_conv::{f32_row, thread_share};
 
 /// `x (1 + erf(x / sqrt 2)) / 2` (see the module doc), branch-free so that a loop of it
 /// vectorises.
@@ -75,18 +75,16 @@ pub(crate) unsafe extern "C" fn geglu_kernel(
     // SAFETY: see the function's contract.
     let (d, p) = unsafe { (&*dst, &*(*dst).src[0]) };
     let inner = d.ne[0] as usize;
-    let (n1, n2) = (d.ne[1] as usize, d.ne[2] as usize);
-    let rows = n1 * n2 * d.ne[3] as usize;
+    let rows = (d.ne[1] * d.ne[2] * d.ne[3]) as usize;
     #[cfg(target_arch = "x86_64")]
     let wide = std::arch::is_x86_feature_detected!("avx512f");
     for r in thread_share(rows, ith, nth) {
-        let (i1, i2, i3) = (r % n1, (r / n1) % n2, r / (n1 * n2));
-        // SAFETY: row r of the source (2 I values at its strides) and of dst (I values,
-        // contiguous) lie inside them; this thread alone writes row r of dst.
+        // SAFETY: row r of the source (2 I values at its strides; its dims 1-3 are dst's)
+        // and of dst (I values, contiguous) lie inside them; this thread alone writes row r
+        // of dst.
         let (src, out) = unsafe {
-            let at = i1 * p.nb[1] + i2 * p.nb[2] + i3 * p.nb[3];
             (
-                std::slice::from_raw_parts((p.data as *const u8).add(at) as *const f32, 2 * inner),
+                f32_row(p, r, 2 * inner),
                 std::slice::from_raw_parts_mut((d.data as *mut f32).add(r * inner), inner),
             )
         };

@@ -23,7 +23,7 @@ use std::ffi::{c_int, c_void};
 use ggml_sys as sys;
 
 use super::host_attention::exp_nonpositive;
-use super::host_conv::thread_share;
+use super::host_conv::{f32_row, thread_share};
 
 /// `sqrt(2 / pi)`.
 const SQRT_2_OVER_PI: f32 = 0.797_884_6;
@@ -65,18 +65,6 @@ unsafe fn gelu_tanh_row_avx512(x: &[f32], times: Option<&[f32]>, out: &mut [f32]
     gelu_tanh_row(x, times, out)
 }
 
-/// Row `r` of `t` (`n` f32 values at its strides `nb[1..]`).
-///
-/// # Safety
-/// `t` is an f32 tensor with contiguous rows of at least `n` values and `r` one of its rows.
-unsafe fn row(t: &sys::ggml_tensor, r: usize, n: usize) -> &[f32] {
-    let (n1, n2) = (t.ne[1] as usize, t.ne[2] as usize);
-    let (i1, i2, i3) = (r % n1, (r / n1) % n2, r / (n1 * n2));
-    let at = i1 * t.nb[1] + i2 * t.nb[2] + i3 * t.nb[3];
-    // SAFETY: see the function's contract.
-    unsafe { std::slice::from_raw_parts((t.data as *const u8).add(at) as *const f32, n) }
-}
-
 /// The custom op: `dst` f32 (contiguous) from `src[0]` of the same shape, f32 with
 /// contiguous rows (any row strides), and optionally `src[1]` likewise: each value's GELU,
 /// times `src[1]`'s where it is given. Thread `ith` of `nth` takes a share of the rows.
@@ -102,8 +90,8 @@ pub(crate) unsafe extern "C" fn gelu_tanh_kernel(
         // thread alone writes row r of dst, which is contiguous.
         let (xr, tr, out) = unsafe {
             (
-                row(x, r, n),
-                times.map(|t| row(t, r, n)),
+                f32_row(x, r, n),
+                times.map(|t| f32_row(t, r, n)),
                 std::slice::from_raw_parts_mut((d.data as *mut f32).add(r * n), n),
             )
         };
