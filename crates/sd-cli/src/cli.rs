@@ -671,8 +671,7 @@ pub fn params_location(cli: &Cli) -> Result<ParamsLocation, String> {
 }
 
 fn parse_weight_type(text: &str) -> Result<DType, String> {
-    let t = DType::parse(text).filter(|d| (d.is_float() && *d != DType::F64) || d.is_quantized());
-    match t {
+    match DType::parse_weight_type(text) {
         Some(d) => Ok(d),
         None => Err(format!(
             "unknown weight type '{text}' (known: f32, f16, bf16, q8_0, q5_0, q5_1, q4_0, q4_1, q2_K, \

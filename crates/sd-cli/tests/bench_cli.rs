@@ -180,6 +180,23 @@ fn bad_flags_files_and_modules_are_clear_errors() {
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(err.contains(bad) && err.contains("positive size"), "{err}");
     }
+    // Weight types as `sd --type` takes them (no integers, no f64), checked before the
+    // weights are read.
+    for bad in ["i32", "f64", "q9_0"] {
+        let out = bench()
+            .args([
+                "unet",
+                "--weights",
+                missing.to_str().unwrap(),
+                "--type",
+                bad,
+            ])
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(2), "{bad}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(&format!("--type {bad}")), "{err}");
+    }
     let out = bench()
         .args(["unet", "--weights", "w", "--prefetch-depth", "0"])
         .output()
@@ -208,6 +225,39 @@ fn tiny_dit_step_runs_resident_and_streamed() {
 #[test]
 fn tiny_llm_runs_resident_and_streamed() {
     resident_equals_streamed("tiny-llm", "0.85");
+}
+
+/// `--type bf16` (as `sd --type bf16`, the AMX tiles' type; `cargo xtask bench dit
+/// --weights bf16`) converts the linear weights as they load: the DiT step runs and its
+/// output moves by bf16's rounding, no further.
+#[test]
+fn weights_convert_to_bf16_as_they_load() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().to_str().unwrap();
+    succeed(bench().args(["write-weights", d, "--config", "tiny-dit"]));
+    let weights = dir.path().join("unet.safetensors");
+    let rms = |extra: &[&str]| -> f64 {
+        let lines = succeed(
+            bench()
+                .args([
+                    "unet",
+                    "--config",
+                    "tiny-dit",
+                    "--threads",
+                    "2",
+                    "--steps",
+                    "1",
+                ])
+                .args(["--weights", weights.to_str().unwrap()])
+                .args(extra),
+        );
+        assert!(lines[0].contains("\"output_finite\":true"), "{}", lines[0]);
+        let v = lines[0].split("\"output_rms\":").nth(1).unwrap();
+        v.split([',', '}']).next().unwrap().parse().unwrap()
+    };
+    let (f16, bf16) = (rms(&[]), rms(&["--type", "bf16"]));
+    assert!(f16 != bf16, "bf16 weights computed as the f16 ones: {f16}");
+    assert!((f16 - bf16).abs() < 0.02 * f16, "{f16} vs {bf16}");
 }
 
 /// `budget`: a fraction of the weight bytes under the whole graph's need and over its

@@ -185,6 +185,13 @@ impl DType {
             .copied()
             .find(|d| d.name().to_ascii_lowercase() == l)
     }
+
+    /// Parses a type weights can be converted to when loaded (`sd --type`, `sd-bench
+    /// --type`): f32, f16, bf16 or one of ggml's quantized formats; `None` for anything else
+    /// (integers, f64, unknown names).
+    pub fn parse_weight_type(s: &str) -> Option<DType> {
+        DType::parse(s).filter(|d| (d.is_float() && *d != DType::F64) || d.is_quantized())
+    }
 }
 
 impl fmt::Display for DType {
@@ -209,6 +216,16 @@ mod tests {
             assert_eq!(name.to_str().unwrap(), d.name());
             assert_eq!(DType::from_ggml(t), Some(d));
             assert_eq!(DType::parse(&d.name().to_uppercase()), Some(d));
+        }
+    }
+
+    #[test]
+    fn weight_types_are_floats_and_block_formats() {
+        assert_eq!(DType::parse_weight_type("BF16"), Some(DType::BF16));
+        assert_eq!(DType::parse_weight_type("q4_k"), Some(DType::Q4K));
+        assert_eq!(DType::parse_weight_type("f32"), Some(DType::F32));
+        for no in ["f64", "i8", "i32", "q9_0", ""] {
+            assert_eq!(DType::parse_weight_type(no), None, "{no}");
         }
     }
 

@@ -419,7 +419,8 @@ struct UnetArgs {
     /// `StreamingOptions::evict_later_uses`)
     #[arg(long = "evict-later-uses", value_enum, default_value = "off")]
     evict_later_uses: OnOff,
-    /// Convert the linear weights when loading (q8_0, q4_K, f16...; default: the file's)
+    /// Convert the linear weights when loading (as `sd --type`: bf16, q8_0, q4_K, f16...;
+    /// default: the file's)
     #[arg(long = "type", value_name = "TYPE")]
     weight_type: Option<String>,
     /// On the CPU backend, this project's CPU kernels where they replace ggml's (the
@@ -1306,8 +1307,7 @@ fn cmd_unet(a: &UnetArgs) -> Result<()> {
     let backend_name = a.backend.as_str();
     let cfg = config_of(a.config);
     if let Some(t) = &a.weight_type {
-        let dtype = DType::parse(t)
-            .filter(|d| d.is_quantized() || *d == DType::F16)
+        let dtype = DType::parse_weight_type(t)
             .ok_or_else(|| BenchError::Usage(format!("--type {t}: not a weight type")))?;
         let _ = WEIGHT_TYPE.set(dtype);
     }
