@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""One DiT step in diffusers on a GPU: the peer of `sd-bench unet --config sd35-large`
-(and `sd35-medium`, `flux-dev`, `qwen-image`).
+"""One DiT step in diffusers on a GPU or the CPU: the peer of `sd-bench unet --config
+sd35-large` (and `sd35-medium`, `flux-dev`, `qwen-image`; on the CPU, of `cargo xtask bench
+dit`).
 
 The transformer is built from its published `transformer/config.json` values with random
 weights (diffusers' default initialisation; values do not change the work) directly on the
@@ -9,13 +10,14 @@ RMS norm, a 192x192 position table), SD3.5 Medium (24 blocks of 1536, MMDiT-X at
 blocks 0-12, 384x384 table), FLUX.1-dev (`FluxTransformer2DModel`, 19 + 38 blocks of 3072),
 Qwen-Image (`QwenImageTransformer2DModel`, 60 blocks of 3072; one pass of CFG's two: batch 1,
 a 64x64 grid of patches, 128 text tokens of 3584).
-Inputs as sd-bench builds them: a 1024x1024 image (128x128 latents), SD3 with CFG (batch 2,
-333 context tokens of 4096, pooled 2048), FLUX without (batch 1, 512 T5 tokens, guidance
-3.5). `--offload leaf|block` runs diffusers' group offloading (`enable_group_offload`, CUDA
+Inputs as sd-bench builds them: a 1024x1024 image (128x128 latents; `--latent N` as sd-bench's
+`--latent`), SD3 with CFG (batch 2, 333 context tokens of 4096, pooled 2048), FLUX without
+(batch 1, 512 T5 tokens, guidance 3.5). `--device cpu` runs it on PyTorch's CPU with
+`--threads` threads (`--dtype f32` there is the reference's own precision). `--offload leaf|block` runs diffusers' group offloading (`enable_group_offload`, CUDA
 streams, weights in pinned CPU memory) instead of the resident model.
 
 Prints `RESULT key=value` lines: `step_ms` (best of `--reps` after a warm-up),
-`step_ms_median`, `peak_mib` (`torch.cuda.max_memory_allocated`), `params_b`.
+`step_ms_median`, `peak_mib` (`torch.cuda.max_memory_allocated`; 0 on the CPU), `params_b`.
 
     python3 scripts/bench/dit_step_diffusers.py --model sd35-large --dtype bf16 --reps 5
 """
@@ -45,7 +47,11 @@ QWEN_IMAGE = dict(patch_size=2, in_channels=64, out_channels=16, num_layers=60,
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", choices=["sd35-large", "sd35-medium", "flux-dev", "qwen-image"], default="sd35-large")
-    ap.add_argument("--dtype", choices=["bf16", "f16"], default="bf16")
+    ap.add_argument("--dtype", choices=["bf16", "f16", "f32"], default="bf16")
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    ap.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
+    ap.add_argument("--latent", type=int, default=128,
+                    help="the latent side (128: 1024x1024); FLUX and Qwen-Image take (N/2)^2 tokens")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--offload", choices=["none", "leaf", "block"], default="none")
     ap.add_argument("--smoke", action="store_true", help="2 blocks on the CPU (checks the script)")
@@ -58,16 +64,22 @@ def main():
         for c in (SD35_LARGE, SD35_MEDIUM, QWEN_IMAGE):
             c.update(num_layers=args.blocks)
         FLUX_DEV.update(num_layers=args.blocks, num_single_layers=2 * args.blocks)
-    dev = torch.device("cpu" if args.smoke else "cuda")
+    if args.latent <= 0 or args.latent % 2:
+        ap.error(f"--latent {args.latent}: a positive even number")
+    cpu = args.smoke or args.device == "cpu"
+    dev = torch.device("cpu" if cpu else "cuda")
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    if cpu:
+        torch.cuda.synchronize = lambda: None
+        torch.cuda.reset_peak_memory_stats = lambda: None
+        torch.cuda.max_memory_allocated = lambda: 0
     if args.smoke:
         for c in (SD35_LARGE, SD35_MEDIUM):
             c.update(num_layers=2, dual_attention_layers=(0,) if "dual_attention_layers" in c else ())
         FLUX_DEV.update(num_layers=1, num_single_layers=1)
         QWEN_IMAGE.update(num_layers=1)
-        torch.cuda.synchronize = lambda: None
-        torch.cuda.reset_peak_memory_stats = lambda: None
-        torch.cuda.max_memory_allocated = lambda: 0
-    dtype = {"bf16": torch.bfloat16, "f16": torch.float16}[args.dtype]
+    dtype = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}[args.dtype]
     torch.manual_seed(0)
     t0 = time.perf_counter()
     flux = args.model == "flux-dev"
@@ -99,21 +111,22 @@ def main():
           f"{args.offload}, built in {time.perf_counter() - t0:.1f} s, torch {torch.__version__}")
     g = torch.Generator().manual_seed(7)
     r = lambda *s: torch.randn(s, generator=g).to(dtype).to(dev)
+    side = args.latent // 2
     if flux:
-        tokens = 64 * 64
+        tokens = side * side
         ids = torch.zeros((tokens, 3))
-        ids[:, 1] = torch.arange(64).repeat_interleave(64)
-        ids[:, 2] = torch.arange(64).repeat(64)
+        ids[:, 1] = torch.arange(side).repeat_interleave(side)
+        ids[:, 2] = torch.arange(side).repeat(side)
         kw = dict(hidden_states=r(1, tokens, 64), encoder_hidden_states=r(1, 512, 4096),
                   pooled_projections=r(1, 768), timestep=torch.tensor([0.7], device=dev, dtype=dtype),
                   guidance=torch.tensor([3.5], device=dev, dtype=dtype), img_ids=ids.to(dev),
                   txt_ids=torch.zeros((512, 3), device=dev))
     elif qwen:
-        kw = dict(hidden_states=r(1, 64 * 64, 64), encoder_hidden_states=r(1, 128, 3584),
+        kw = dict(hidden_states=r(1, side * side, 64), encoder_hidden_states=r(1, 128, 3584),
                   encoder_hidden_states_mask=torch.ones((1, 128), dtype=torch.long, device=dev),
-                  timestep=torch.tensor([0.7], device=dev, dtype=dtype), img_shapes=[[(1, 64, 64)]])
+                  timestep=torch.tensor([0.7], device=dev, dtype=dtype), img_shapes=[[(1, side, side)]])
     else:
-        kw = dict(hidden_states=r(2, 16, 128, 128), encoder_hidden_states=r(2, 333, 4096),
+        kw = dict(hidden_states=r(2, 16, args.latent, args.latent), encoder_hidden_states=r(2, 333, 4096),
                   pooled_projections=r(2, 2048), timestep=torch.tensor([700.0, 700.0], device=dev))
     torch.cuda.reset_peak_memory_stats()
     times = []
@@ -128,7 +141,7 @@ def main():
             if i > 0:
                 times.append(dt)
     assert torch.isfinite(out.float()).all()
-    if args.profile and not args.smoke:
+    if args.profile and not cpu:
         import collections
         from torch.profiler import ProfilerActivity, profile
         with torch.inference_mode(), profile(activities=[ProfilerActivity.CUDA]) as prof:

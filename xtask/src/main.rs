@@ -20,6 +20,7 @@ use std::env;
 use std::path::{Path, PathBuf};
 use std::process::{exit, Command};
 
+mod dit;
 mod e2e;
 mod gpu;
 
@@ -232,9 +233,10 @@ fn bench(rest: &[String]) -> Res<()> {
         "unet" => bench_unet(&benv, &rest[1..]),
         "vae" => bench_vae(&benv, &rest[1..]),
         "upscale" => bench_upscale(&benv, &rest[1..]),
+        "dit" => dit::bench(&benv, &rest[1..]),
         "e2e" => e2e::bench(&benv),
         other => Err(format!(
-            "unknown benchmark '{other}' (known: matmul, exec, unet, vae, upscale, e2e)"
+            "unknown benchmark '{other}' (known: matmul, exec, unet, vae, upscale, dit, e2e)"
         )),
     }
 }
