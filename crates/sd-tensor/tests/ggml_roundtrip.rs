@@ -1371,14 +1371,17 @@ fn amx_tiles_agree_with_ggmls_f32_ops_on_bf16_values() {
             );
         }
     };
-    // (the second and fourth: 512 features, from one block of 32 tokens on). q8_0 weights
-    // (`sd --type q8_0`) take the same products, each block of rows converted to bf16: the
-    // reference multiplies ggml's dequantized values rounded to bf16.
+    // (the second, fourth and fifth: 512 features or more, from one block of 32 tokens on).
+    // q8_0 weights (`sd --type q8_0`) take the same products, each block of rows converted
+    // to bf16: the reference multiplies ggml's dequantized values rounded to bf16; the
+    // fourth (fewer tokens than features) and fifth (rows wider than 2048) take chunks of
+    // the weight's rows, each thread packing every token.
     for (i, (k, m, cols)) in [
         (64, 96, 515),
         (96, 512, 520),
         (320, 320, 600),
         (64, 512, 40),
+        (2080, 544, 600),
     ]
     .into_iter()
     .enumerate()

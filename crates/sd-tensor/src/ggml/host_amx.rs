@@ -378,6 +378,20 @@ pub(crate) unsafe fn pack_bf16_columns(
 /// weight): about half of a Sapphire Rapids core's 2 MiB L2.
 const PANEL_BYTES: usize = 1 << 20;
 
+/// Column blocks of `k` values packed at once (a panel of [`PANEL_BYTES`]).
+fn panel_blocks(k: usize) -> usize {
+    (PANEL_BYTES / (k / 2 * BLOCK * 4)).max(1)
+}
+
+/// Bytes of bf16 rows [`product`] converts from a q8_0 weight at once (a super-block of
+/// rows, used for every column block it is given; a few times the L2).
+const Q8_0_SUPER_BYTES: usize = 4 << 20;
+
+/// Rows of a `k`-wide q8_0 weight converted at once: a multiple of 32, at least 32.
+fn q8_0_super_rows(k: usize) -> usize {
+    (Q8_0_SUPER_BYTES / (2 * k) / BLOCK).max(1) * BLOCK
+}
+
 /// Bytes of one q8_0 block (ggml's `block_q8_0`: an f16 scale, then 32 signed bytes).
 const Q8_0_BLOCK_BYTES: usize = 34;
 
@@ -489,7 +503,11 @@ pub(crate) fn covers(k: usize, m: usize, weight_bf16_contiguous: bool) -> bool {
 /// range in whole blocks of 32) with the column blocks `blocks` (32 columns each; `cols`
 /// columns in all), packing each block with `pack(block, dst)` and handing every finished
 /// `32 x 32` result to `write(row0, col0, ncols, c)` (`c[r * 32 + j]` is row `row0 + r`,
-/// column `col0 + j`).
+/// column `col0 + j`). The columns go in panels of [`PANEL_BYTES`] packed (kept in L2 for
+/// every row block) unless `packed_all` holds the blocks packed already (block `b` at
+/// `(b - blocks.start) * k / 2 * 32`); a q8_0 weight's rows are converted a super-block
+/// at a time ([`q8_0_super_rows`]), each once, the panels packed again for each
+/// super-block where `packed_all` is absent.
 ///
 /// # Safety
 /// `weight` holds the rows `rows_of_a` of `k` values; [`covers`] accepted `k` and the rows;
@@ -501,6 +519,7 @@ unsafe fn product(
     rows_of_a: std::ops::Range<usize>,
     cols: usize,
     blocks: std::ops::Range<usize>,
+    packed_all: Option<&[u32]>,
     mut pack: impl FnMut(usize, &mut [u32]),
     mut write: impl FnMut(usize, usize, usize, &[f32; BLOCK * BLOCK]),
 ) {
@@ -508,34 +527,59 @@ unsafe fn product(
         return;
     }
     let block_words = k / 2 * BLOCK;
-    let panel = (PANEL_BYTES / (block_words * 4)).clamp(1, blocks.len());
-    super::host_conv::with_scratch(panel * block_words, |scratch| {
+    let panel = panel_blocks(k).min(blocks.len());
+    let panel_words = if packed_all.is_some() {
+        0
+    } else {
+        panel * block_words
+    };
+    // Rows converted at once: all of them for bf16 (used in place).
+    let super_rows = match weight {
+        WeightRows::Bf16(_) => rows_of_a.len(),
+        WeightRows::Q8_0(_) => q8_0_super_rows(k).min(rows_of_a.len()),
+    };
+    let converted_words = match weight {
+        WeightRows::Bf16(_) => 0,
+        WeightRows::Q8_0(_) => super_rows * k / 2,
+    };
+    super::host_conv::with_scratch(panel_words + converted_words, |scratch| {
         // SAFETY: the scratch's f32 values reinterpreted as words of the same size.
-        let packed =
-            std::slice::from_raw_parts_mut(scratch.as_mut_ptr() as *mut u32, panel * block_words);
+        let scratch = std::slice::from_raw_parts_mut(
+            scratch.as_mut_ptr() as *mut u32,
+            panel_words + converted_words,
+        );
+        let (packed, converted) = scratch.split_at_mut(panel_words);
+        let converted =
+            std::slice::from_raw_parts_mut(converted.as_mut_ptr() as *mut u16, converted_words * 2);
         let mut tiles = Blocks::new();
         let mut c = [0f32; BLOCK * BLOCK];
-        // Converted weight rows (q8_0): one block of 32 at a time.
-        let mut rows = match weight {
-            WeightRows::Bf16(_) => Vec::new(),
-            WeightRows::Q8_0(_) => vec![0u16; BLOCK * k],
-        };
-        let mut b0 = blocks.start;
-        while b0 < blocks.end {
-            let b1 = (b0 + panel).min(blocks.end);
-            for (i, b) in (b0..b1).enumerate() {
-                pack(b, &mut packed[i * block_words..(i + 1) * block_words]);
-            }
-            for row0 in rows_of_a.clone().step_by(BLOCK) {
-                let a = weight.rows(row0, BLOCK, k, &mut rows) as *const u8;
-                for (i, b) in (b0..b1).enumerate() {
-                    let bp = packed[i * block_words..].as_ptr() as *const u8;
-                    tiles.run(a, k * 2, bp, BLOCK * 4, k / BLOCK, &mut c);
-                    let col0 = b * BLOCK;
-                    write(row0, col0, (cols - col0).min(BLOCK), &c);
+        for s0 in rows_of_a.clone().step_by(super_rows) {
+            let s1 = (s0 + super_rows).min(rows_of_a.end);
+            let a0 = weight.rows(s0, s1 - s0, k, converted);
+            let mut b0 = blocks.start;
+            while b0 < blocks.end {
+                let b1 = (b0 + panel).min(blocks.end);
+                // The panel's packed blocks: packed here, or where `packed_all` has them.
+                let (panel_of, first) = match packed_all {
+                    Some(all) => (all, b0 - blocks.start),
+                    None => {
+                        for (i, b) in (b0..b1).enumerate() {
+                            pack(b, &mut packed[i * block_words..(i + 1) * block_words]);
+                        }
+                        (&*packed, 0)
+                    }
+                };
+                for row0 in (s0..s1).step_by(BLOCK) {
+                    let a = a0.add((row0 - s0) * k) as *const u8;
+                    for (i, b) in (b0..b1).enumerate() {
+                        let bp = panel_of[(first + i) * block_words..].as_ptr() as *const u8;
+                        tiles.run(a, k * 2, bp, BLOCK * 4, k / BLOCK, &mut c);
+                        let col0 = b * BLOCK;
+                        write(row0, col0, (cols - col0).min(BLOCK), &c);
+                    }
                 }
+                b0 = b1;
             }
-            b0 = b1;
         }
     });
 }
@@ -564,7 +608,9 @@ pub(crate) fn to_bf16_row(src: &[f32], dst: &mut [u16]) {
 pub(crate) const TOKEN_ROWS_BELOW: usize = 512;
 
 /// The linear layer's custom op on tiles (see `host_linear.rs` for the sources and the
-/// output): thread `ith` of `nth` takes a share of the columns (tokens) in blocks of 32.
+/// output): the threads take chunks of the work (blocks of 32 tokens, or of a q8_0
+/// weight's rows) as they ask for them (`host_conv::claim_chunks`), so that a faster core
+/// takes more.
 ///
 /// # Safety
 /// As `host_linear::linear_kernel`, with a bf16 weight [`covers`] accepted.
@@ -573,13 +619,12 @@ pub(crate) unsafe fn linear(
     x: &ggml_sys::ggml_tensor,
     w: &ggml_sys::ggml_tensor,
     bias: Option<&[f32]>,
-    ith: usize,
     nth: usize,
 ) {
     if (w.ne[1] as usize) < TOKEN_ROWS_BELOW {
-        linear_token_rows(dst, x, w, bias, ith, nth);
+        linear_token_rows(dst, x, w, bias, nth);
     } else {
-        linear_weight_rows(dst, x, w, bias, ith, nth);
+        linear_weight_rows(dst, x, w, bias, nth);
     }
 }
 
@@ -593,7 +638,6 @@ unsafe fn linear_weight_rows(
     x: &ggml_sys::ggml_tensor,
     w: &ggml_sys::ggml_tensor,
     bias: Option<&[f32]>,
-    ith: usize,
     nth: usize,
 ) {
     let (k, m) = (w.ne[0] as usize, w.ne[1] as usize);
@@ -601,42 +645,115 @@ unsafe fn linear_weight_rows(
     let Some(weight) = WeightRows::of(w) else {
         return;
     };
-    let share = |items: usize| super::host_conv::thread_share(items, ith as _, nth as _);
-    // Threads take shares of the tokens, each running every weight row; a q8_0 weight over
-    // fewer tokens than features (the 16x16 and 8x8 levels' layers: 128 to 512 tokens of
-    // 1280 features) is converted where its rows are used, so there they take shares of the
-    // rows instead (each thread packing every token, fewer values than the rows it would
-    // convert again).
+    // Threads take chunks of the tokens (at most a panel's worth), each running every
+    // weight row: as stored (bf16), or converted for each panel (q8_0). Where a q8_0
+    // weight would be converted too often that way (fewer tokens than features, or panels
+    // of fewer than 256 tokens: `k` past 2048, FLUX's and SDXL's wide layers), they take
+    // chunks of its rows instead (each super-block converted once), every token packed by
+    // each thread beforehand, in groups of at most `PACKED_TOKENS_BYTES` in all.
     let col_blocks = n.div_ceil(BLOCK);
-    let by_rows = matches!(weight, WeightRows::Q8_0(_)) && n < m && nth > 1;
-    let (rows_of_a, blocks) = if by_rows {
-        let r = share(m / BLOCK);
-        (r.start * BLOCK..r.end * BLOCK, 0..col_blocks)
-    } else {
-        (0..m, share(col_blocks))
-    };
+    let nth = nth.max(1);
+    let by_rows = matches!(weight, WeightRows::Q8_0(_)) && (n < m || k > ROWS_PAST_K);
     let (xd, out) = (x.data as *const f32, dst.data as *mut f32);
     let mut row = vec![0u16; k];
-    product(
-        weight,
-        k,
-        rows_of_a,
-        n,
-        blocks,
-        |b, dst| {
-            let col0 = b * BLOCK;
-            let cols = (n - col0).min(BLOCK);
-            pack_f32_columns(cols, k, k, |j| xd.add((col0 + j) * k), &mut row, dst)
-        },
-        |row0, col0, ncols, c| {
-            for j in 0..ncols {
-                let o = std::slice::from_raw_parts_mut(out.add((col0 + j) * m + row0), BLOCK);
-                for (r, v) in o.iter_mut().enumerate() {
-                    *v = c[r * BLOCK + j] + bias.map_or(0.0, |b| b[row0 + r]);
-                }
+    let mut pack = |b: usize, dst: &mut [u32]| {
+        let col0 = b * BLOCK;
+        let cols = (n - col0).min(BLOCK);
+        pack_f32_columns(cols, k, k, |j| xd.add((col0 + j) * k), &mut row, dst)
+    };
+    let mut write = |row0: usize, col0: usize, ncols: usize, c: &[f32; BLOCK * BLOCK]| {
+        for j in 0..ncols {
+            let o = std::slice::from_raw_parts_mut(out.add((col0 + j) * m + row0), BLOCK);
+            for (r, v) in o.iter_mut().enumerate() {
+                *v = c[r * BLOCK + j] + bias.map_or(0.0, |b| b[row0 + r]);
             }
-        },
-    );
+        }
+    };
+    let key = dst as *const _ as usize;
+    if !by_rows {
+        // At least three chunks a thread, so that a faster core can take more.
+        let grain = panel_blocks(k).min(col_blocks.div_ceil(3 * nth)).max(1);
+        super::host_conv::claim_chunks(key, nth as _, col_blocks, grain, |blocks| {
+            product(weight, k, 0..m, n, blocks, None, &mut pack, &mut write)
+        });
+        return;
+    }
+    let per_thread = (PACKED_TOKENS_BYTES / nth).max(4 << 20);
+    by_rows_in_groups(weight, k, m, n, nth, key, per_thread, pack, write);
+}
+
+/// The product of `weight` (`m` rows of `k`) with `n` tokens by rows: the tokens packed
+/// (`pack(block, dst)`) by each thread in groups of at most `per_thread` bytes, and for each
+/// group the threads claiming super-blocks of rows (under `key`, as [`claim_chunks`]),
+/// each converted once; `write` as [`product`]'s.
+///
+/// [`claim_chunks`]: super::host_conv::claim_chunks
+///
+/// # Safety
+/// As [`product`] for the rows `0..m`.
+#[allow(clippy::too_many_arguments)]
+unsafe fn by_rows_in_groups(
+    weight: WeightRows,
+    k: usize,
+    m: usize,
+    n: usize,
+    nth: usize,
+    key: usize,
+    per_thread: usize,
+    mut pack: impl FnMut(usize, &mut [u32]),
+    mut write: impl FnMut(usize, usize, usize, &[f32; BLOCK * BLOCK]),
+) {
+    let col_blocks = n.div_ceil(BLOCK);
+    let block_words = k / 2 * BLOCK;
+    let group = (per_thread / (block_words * 4)).clamp(1, col_blocks);
+    let row_blocks = m / BLOCK;
+    let grain = (q8_0_super_rows(k) / BLOCK)
+        .min(row_blocks.div_ceil(3 * nth))
+        .max(1);
+    PACKED_TOKENS.with_borrow_mut(|all| {
+        if all.len() < group * block_words {
+            all.resize(group * block_words, 0);
+        }
+        // Every thread goes through the groups in order; each group is one `claim_chunks`
+        // call of the same key (a call whose threads have all arrived is not joined again).
+        for g0 in (0..col_blocks).step_by(group) {
+            let g1 = (g0 + group).min(col_blocks);
+            for b in g0..g1 {
+                let i = b - g0;
+                pack(b, &mut all[i * block_words..(i + 1) * block_words]);
+            }
+            let packed = &all[..(g1 - g0) * block_words];
+            super::host_conv::claim_chunks(key, nth as _, row_blocks, grain, |r| {
+                let rows = r.start * BLOCK..r.end * BLOCK;
+                product(
+                    weight,
+                    k,
+                    rows,
+                    n,
+                    g0..g1,
+                    Some(packed),
+                    |_, _| {},
+                    &mut write,
+                )
+            });
+        }
+    });
+}
+
+/// The width past which a q8_0 product goes by rows (see [`linear_weight_rows`]): a panel
+/// of tokens at this width is 256 tokens, so converting the weight for each panel costs
+/// one value a 512 tile operations.
+const ROWS_PAST_K: usize = 2048;
+
+/// The bytes of packed tokens the threads of one q8_0 product by rows keep in all
+/// (divided among them, at least 4 MiB each): FLUX's 1536 tokens at 512x512 are 9 MiB for
+/// its 3072-wide layers, 45 MiB for the 15360-wide `linear2`; past a thread's share the
+/// tokens go in groups, each weight row converted once a group.
+const PACKED_TOKENS_BYTES: usize = 128 << 20;
+
+std::thread_local! {
+    /// The tokens of a q8_0 product packed (see [`PACKED_TOKENS_BYTES`]).
+    static PACKED_TOKENS: std::cell::RefCell<Vec<u32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// [`linear`] with the tokens as the product's `A` (rows of `K` values, rounded to bf16 a
@@ -650,22 +767,26 @@ unsafe fn linear_token_rows(
     x: &ggml_sys::ggml_tensor,
     w: &ggml_sys::ggml_tensor,
     bias: Option<&[f32]>,
-    ith: usize,
     nth: usize,
 ) {
     let (k, m) = (w.ne[0] as usize, w.ne[1] as usize);
     let n = (x.ne[1] * x.ne[2] * x.ne[3]) as usize;
-    let blocks = super::host_conv::thread_share(n.div_ceil(BLOCK), ith as _, nth as _);
     let (xd, out) = (x.data as *const f32, dst.data as *mut f32);
     let Some(weight) = WeightRows::of(w) else {
         return;
     };
+    let key = dst as *const _ as usize;
     token_rows(
         weight,
         k,
         m,
         n,
-        blocks,
+        |f| {
+            // At most `token_chunk` blocks, at least three chunks a thread.
+            let blocks = n.div_ceil(BLOCK);
+            let grain = token_chunk(k).min(blocks.div_ceil(3 * nth.max(1))).max(1);
+            super::host_conv::claim_chunks(key, nth as _, blocks, grain, f)
+        },
         |t, d| to_bf16_row(std::slice::from_raw_parts(xd.add(t * k), k), d),
         |t, col0, c| {
             let o = std::slice::from_raw_parts_mut(out.add(t * m + col0), BLOCK);
@@ -683,9 +804,10 @@ unsafe fn linear_token_rows(
 
 /// The product `rows x weight^T` with the rows (`n` of them, `k` values each) as the tiles'
 /// `A` and the weight (`m` rows of `k` values, as `k / 2` words of bf16 pairs each) as `B`,
-/// packed (a q8_0 weight converted) once a call by each thread. `row(t, dst)` writes row `t` as bf16; `write(t, col0, c)`
-/// takes the 32 results of row `t`, columns `col0..col0 + 32`. Rows are taken in blocks of
-/// 32 (`blocks`), converted about 512 KiB at a time.
+/// packed (a q8_0 weight converted) once a call by each thread. `row(t, dst)` writes row `t`
+/// as bf16; `write(t, col0, c)` takes the 32 results of row `t`, columns `col0..col0 + 32`.
+/// `claim(f)` calls `f` with each range of 32-row blocks this thread is to compute, at most
+/// [`token_chunk`]`(k)` blocks each (about 512 KiB of rows, converted at once).
 ///
 /// # Safety
 /// `weight` holds `m` rows of `k` values; [`covers`] accepted `k`, `m`.
@@ -694,14 +816,11 @@ unsafe fn token_rows(
     k: usize,
     m: usize,
     n: usize,
-    blocks: std::ops::Range<usize>,
+    claim: impl FnOnce(&mut dyn FnMut(std::ops::Range<usize>)),
     row: impl Fn(usize, &mut [u16]),
     mut write: impl FnMut(usize, usize, &[f32]),
 ) {
-    if blocks.is_empty() {
-        return;
-    }
-    let chunk = ((1usize << 18) / k).clamp(1, blocks.len());
+    let chunk = token_chunk(k);
     let (wwords, awords) = (k / 2 * m, chunk * BLOCK * k / 2);
     super::host_conv::with_scratch(wwords + awords, |scratch| {
         // SAFETY: the scratch's f32 values reinterpreted as words of the same size.
@@ -725,9 +844,8 @@ unsafe fn token_rows(
         let rows = std::slice::from_raw_parts_mut(rows.as_mut_ptr() as *mut u16, awords * 2);
         let mut tiles = Blocks::new();
         let mut c = [0f32; BLOCK * BLOCK];
-        let mut b0 = blocks.start;
-        while b0 < blocks.end {
-            let b1 = (b0 + chunk).min(blocks.end);
+        claim(&mut |blocks| {
+            let (b0, b1) = (blocks.start, blocks.end.min(blocks.start + chunk));
             let (t0, t1) = (b0 * BLOCK, (b1 * BLOCK).min(n));
             for t in t0..b1 * BLOCK {
                 let d = &mut rows[(t - t0) * k..(t - t0 + 1) * k];
@@ -747,9 +865,13 @@ unsafe fn token_rows(
                     }
                 }
             }
-            b0 = b1;
-        }
+        });
     });
+}
+
+/// Blocks of 32 rows of `k` values [`token_rows`] converts at once (about 512 KiB of bf16).
+fn token_chunk(k: usize) -> usize {
+    ((1usize << 18) / k).max(1)
 }
 
 /// A convolution's product and epilogue on tiles, as one custom op: `src[0]` the bf16
@@ -789,6 +911,7 @@ pub(crate) unsafe extern "C" fn conv_kernel(
             0..oc,
             p,
             i0 - img * per_image..i1 - img * per_image,
+            None,
             |b, dst| {
                 let col0 = b * BLOCK;
                 pack_bf16_columns(
@@ -988,6 +1111,76 @@ mod tests {
 
     fn value(i: usize, seed: usize) -> f32 {
         ((i.wrapping_mul(2654435761).wrapping_add(seed) >> 8) % 1000) as f32 / 500.0 - 1.0
+    }
+
+    /// q8_0 blocks of `rows` rows of `k` values (`k` a multiple of 32): a scale and 32 small
+    /// integers a block, with the values they stand for (rounded to bf16, as the tiles read them).
+    fn q8_0_rows(rows: usize, k: usize) -> (Vec<u8>, Vec<f32>) {
+        let (mut bytes, mut values) = (Vec::new(), Vec::new());
+        for blk in 0..rows * k / BLOCK {
+            let d = half::f16::from_f32(0.01 + 0.001 * (blk % 7) as f32);
+            bytes.extend_from_slice(&d.to_bits().to_le_bytes());
+            for i in 0..BLOCK {
+                let q = ((blk * 31 + i * 17) % 255) as i32 - 127;
+                bytes.push(q as i8 as u8);
+                values.push(half::bf16::from_f32(d.to_f32() * q as f32).to_f32());
+            }
+        }
+        (bytes, values)
+    }
+
+    #[test]
+    fn q8_0_by_rows_in_token_groups_equals_the_product() {
+        if !available() {
+            eprintln!("skipped: no AMX-BF16 on this CPU");
+            return;
+        }
+        // 96 rows of 64, 200 tokens (7 blocks, the last partial) in groups of 2 blocks
+        // (the bytes of two packed blocks): four groups, each weight row converted in each.
+        let (m, k, n) = (96, 64, 200);
+        let (q, w) = q8_0_rows(m, k);
+        let x: Vec<f32> = (0..n * k).map(|i| value(i, 3)).collect();
+        let mut out = vec![f32::NAN; n * m];
+        let block_words = k / 2 * BLOCK;
+        let mut row = vec![0u16; k];
+        // SAFETY: AMX present; the weight holds m rows of k q8_0 values; each pack fills
+        // block_words words from tokens inside x; writes land inside out.
+        unsafe {
+            by_rows_in_groups(
+                WeightRows::Q8_0(q.as_ptr()),
+                k,
+                m,
+                n,
+                1,
+                0xC000,
+                2 * block_words * 4,
+                |b, dst| {
+                    let col0 = b * BLOCK;
+                    let cols = (n - col0).min(BLOCK);
+                    pack_f32_columns(cols, k, k, |j| x[(col0 + j) * k..].as_ptr(), &mut row, dst)
+                },
+                |row0, col0, ncols, c| {
+                    for j in 0..ncols {
+                        for r in 0..BLOCK {
+                            out[(col0 + j) * m + row0 + r] = c[r * BLOCK + j];
+                        }
+                    }
+                },
+            );
+        }
+        let round = |v: f32| half::bf16::from_f32(v).to_f32() as f64;
+        for t in 0..n {
+            for r in 0..m {
+                let want: f64 = (0..k)
+                    .map(|i| w[r * k + i] as f64 * round(x[t * k + i]))
+                    .sum();
+                let got = out[t * m + r] as f64;
+                assert!(
+                    (got - want).abs() < 1e-4 * (1.0 + want.abs()),
+                    "token {t}, row {r}: {got} vs {want}"
+                );
+            }
+        }
     }
 
     #[test]

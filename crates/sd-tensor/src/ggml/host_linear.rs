@@ -159,15 +159,15 @@ unsafe fn rows_times_columns(
     }
 }
 
-/// The custom op (see the module doc): thread `ith` of `nth` computes its share of the
-/// output features.
+/// The custom op (see the module doc): each of the `nth` threads computes the chunks of
+/// the output it claims (`claim_chunks`); ggml's thread index is not needed.
 ///
 /// # Safety
 /// Called by ggml with a live `dst` built by `Context::linear_host` after [`covers`]
 /// accepted its sources (the bias checked there too).
 pub(crate) unsafe extern "C" fn linear_kernel(
     dst: *mut sys::ggml_tensor,
-    ith: c_int,
+    _ith: c_int,
     nth: c_int,
     _userdata: *mut c_void,
 ) {
@@ -188,7 +188,7 @@ pub(crate) unsafe extern "C" fn linear_kernel(
     #[cfg(target_arch = "x86_64")]
     if w.type_ == sys::GGML_TYPE_BF16 || w.type_ == sys::GGML_TYPE_Q8_0 {
         // SAFETY: `covers` took a bf16 or q8_0 weight only where the tile products cover it.
-        unsafe { super::host_amx::linear(d, x, w, bias, ith as usize, nth as usize) };
+        unsafe { super::host_amx::linear(d, x, w, bias, nth as usize) };
         return;
     }
     let chunk = feature_chunk(m, k, nth as usize);
