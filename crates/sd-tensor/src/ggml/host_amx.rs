@@ -715,15 +715,18 @@ unsafe fn by_rows_in_groups(
             all.resize(group * block_words, 0);
         }
         // Every thread goes through the groups in order; each group is one `claim_chunks`
-        // call of the same key (a call whose threads have all arrived is not joined again).
-        for g0 in (0..col_blocks).step_by(group) {
+        // call under a key of its own (the op's key with the group's number in the bits
+        // above any address): a thread done with one group's chunks before another thread
+        // has arrived there must not join that group's counter for the next group.
+        for (gi, g0) in (0..col_blocks).step_by(group).enumerate() {
+            let group_key = key ^ (gi << 48);
             let g1 = (g0 + group).min(col_blocks);
             for b in g0..g1 {
                 let i = b - g0;
                 pack(b, &mut all[i * block_words..(i + 1) * block_words]);
             }
             let packed = &all[..(g1 - g0) * block_words];
-            super::host_conv::claim_chunks(key, nth as _, row_blocks, grain, |r| {
+            super::host_conv::claim_chunks(group_key, nth as _, row_blocks, grain, |r| {
                 let rows = r.start * BLOCK..r.end * BLOCK;
                 product(
                     weight,
@@ -1168,6 +1171,76 @@ mod tests {
                 },
             );
         }
+        let round = |v: f32| half::bf16::from_f32(v).to_f32() as f64;
+        for t in 0..n {
+            for r in 0..m {
+                let want: f64 = (0..k)
+                    .map(|i| w[r * k + i] as f64 * round(x[t * k + i]))
+                    .sum();
+                let got = out[t * m + r] as f64;
+                assert!(
+                    (got - want).abs() < 1e-4 * (1.0 + want.abs()),
+                    "token {t}, row {r}: {got} vs {want}"
+                );
+            }
+        }
+    }
+
+    /// Two threads of one product by rows, the second held up in its first packing until
+    /// the first has claimed every chunk of the first group: each group's chunks are still
+    /// computed once, with that group's tokens (a thread must not take the next group's
+    /// work from the counter of a group another thread has not reached).
+    #[test]
+    fn a_thread_late_to_a_group_leaves_the_next_group_whole() {
+        if !available() {
+            eprintln!("skipped: no AMX-BF16 on this CPU");
+            return;
+        }
+        let (m, k, n) = (96, 64, 200);
+        let (q, w) = q8_0_rows(m, k);
+        let x: Vec<f32> = (0..n * k).map(|i| value(i, 5)).collect();
+        let mut out = vec![f32::NAN; n * m];
+        let block_words = k / 2 * BLOCK;
+        let (qp, op) = (q.as_ptr() as usize, out.as_mut_ptr() as usize);
+        std::thread::scope(|s| {
+            for t in 0..2 {
+                let x = &x;
+                s.spawn(move || {
+                    let mut row = vec![0u16; k];
+                    let mut first = true;
+                    // SAFETY: as in the test above; the threads write disjoint chunks of out,
+                    // which outlives the scope.
+                    unsafe {
+                        by_rows_in_groups(
+                            WeightRows::Q8_0(qp as *const u8),
+                            k,
+                            m,
+                            n,
+                            2,
+                            0xD000,
+                            2 * block_words * 4,
+                            |b, dst| {
+                                if t == 1 && std::mem::take(&mut first) {
+                                    std::thread::sleep(std::time::Duration::from_millis(300));
+                                }
+                                let col0 = b * BLOCK;
+                                let cols = (n - col0).min(BLOCK);
+                                let col = |j: usize| x[(col0 + j) * k..].as_ptr();
+                                pack_f32_columns(cols, k, k, col, &mut row, dst)
+                            },
+                            |row0, col0, ncols, c| {
+                                let out = op as *mut f32;
+                                for j in 0..ncols {
+                                    for r in 0..BLOCK {
+                                        *out.add((col0 + j) * m + row0 + r) = c[r * BLOCK + j];
+                                    }
+                                }
+                            },
+                        );
+                    }
+                });
+            }
+        });
         let round = |v: f32| half::bf16::from_f32(v).to_f32() as f64;
         for t in 0..n {
             for r in 0..m {
