@@ -2,8 +2,9 @@
 //! backend four ways: ggml's f16 product, this crate's f32 product of f16 weights
 //! (`Context::linear`), ggml's q8_0 product, and ggml's q8_0 product with the weights in the
 //! CPU's `AMX` buffer type (int8 tiles), on the SD UNet's linear and convolution shapes:
-//! `cargo run --release -p sd-tensor --example amx_probe [threads] [products|attention|conv]`
-//! (a part alone; all three by default).
+//! `cargo run --release -p sd-tensor --example amx_probe [threads] [products|attention|conv|flux]`
+//! (a part alone; the first three by default; `flux`: FLUX.1's linear layers over the 1536
+//! tokens of a 512x512 image on tiles, bf16 and q8_0 weights, and its attention).
 
 #[path = "probe/common.rs"]
 mod common;
@@ -23,6 +24,16 @@ const PRODUCTS: [(usize, usize, usize); 9] = [
     (5760, 640, 2048),
     (11520, 1280, 512),
     (2048, 2048, 2048),
+];
+
+/// (K, N, M) of FLUX.1's linear layers at 512x512 (1024 image and 512 text tokens):
+/// attention projections, MLP up and down, a single block's `linear1` and `linear2`.
+const FLUX_PRODUCTS: [(usize, usize, usize); 5] = [
+    (3072, 3072, 1536),
+    (3072, 12288, 1024),
+    (12288, 3072, 1024),
+    (3072, 21504, 1536),
+    (15360, 3072, 1536),
 ];
 
 fn main() {
@@ -63,10 +74,22 @@ fn main() {
     }
     // SD1.5 self-attention at 64x64 and 32x32 latents (batch 2): f32 products, then bf16
     // (tiles where the CPU has AMX-BF16 and `SD_AMX` is not 0, else AVX512-BF16).
-    let attentions = if runs("attention") {
-        &[(8, 40, 4096), (8, 80, 1024)][..]
-    } else {
-        &[]
+    if part.as_deref() == Some("flux") {
+        for &(k, n, m) in &FLUX_PRODUCTS {
+            let mut line = format!("{k}->{n} x{m}:");
+            let flop = 2.0 * (k * n * m) as f64;
+            for (name, dtype) in [("tiles bf16", DType::BF16), ("tiles q8_0", DType::Q8_0)] {
+                let best =
+                    linear_seconds(&backend, (k, n, m), dtype, BufferType::cpu(), true, false);
+                line += &rate(name, best, flop);
+            }
+            println!("{line}");
+        }
+    }
+    let attentions = match part.as_deref() {
+        None | Some("attention") => &[(8, 40, 4096), (8, 80, 1024)][..],
+        Some("flux") => &[(24, 128, 1536)][..],
+        _ => &[],
     };
     for &(heads, d, n) in attentions {
         let mut line = format!("attention {heads}x{d} over {n}:");
