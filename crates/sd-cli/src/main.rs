@@ -473,7 +473,8 @@ fn generate(cli: &Cli, threads: usize) -> Result<(), Fail> {
     if on_cpu && cli.weight_type.is_none() && sd_tensor::ggml::cpu_amx_bf16() {
         tracing::info!(
             "this CPU has AMX-BF16 tiles: with f16 or f32 weights, `--type bf16` runs the \
-             UNet step about 2x faster, at bf16's precision"
+             UNet step about 2x faster and a DiT step about 3x, at bf16's precision \
+             (`--type q8_0` uses the tiles too, in half the memory)"
         );
     } else if on_cpu && cli.weight_type.is_none() && devices::cpu_has_bf16_products() {
         tracing::info!(
