@@ -131,17 +131,18 @@ fn last_json_line(out: &str) -> Res<String> {
         .ok_or_else(|| "sd-bench printed no JSON result".to_string())
 }
 
-/// The number under `"key":` in a one-line JSON object (sd-bench's compact output: a flat
-/// key is enough here, so the xtask keeps no JSON dependency).
-fn json_number(json: &str, key: &str) -> Res<f64> {
+/// The number under `"key":` in a one-line JSON object (sd-bench's compact output, the
+/// upscale benchmark's `"key": value`): the benchmarks' results are flat, so the xtask
+/// keeps no JSON dependency.
+pub(crate) fn json_number(json: &str, key: &str) -> Res<f64> {
     let pat = format!("\"{key}\":");
     let rest = json
         .split_once(&pat)
         .map(|(_, r)| r)
-        .ok_or_else(|| format!("no {key} in sd-bench's result"))?;
+        .ok_or_else(|| format!("no {key} in the result {json}"))?;
     let v = rest.split([',', '}']).next().unwrap_or("").trim();
     v.parse()
-        .map_err(|e| format!("sd-bench's {key} {v:?}: {e}"))
+        .map_err(|e| format!("the result's {key} {v:?}: {e}"))
 }
 
 #[cfg(test)]
@@ -155,6 +156,10 @@ mod tests {
         assert_eq!(json_number(&j, "graph_tflops").unwrap(), 0.25);
         assert_eq!(json_number(&j, "step_ms_median").unwrap(), 1234.5);
         assert!(json_number(&j, "missing").is_err());
+        assert_eq!(
+            json_number("{\"seconds\": 2.5, \"x\": 1}", "seconds").unwrap(),
+            2.5
+        );
         assert!(json_number("{\"step_ms_median\":null}", "step_ms_median").is_err());
         assert!(last_json_line("no json here").is_err());
     }

@@ -562,14 +562,7 @@ fn bench_upscale(benv: &BuildEnv, args: &[String]) -> Res<()> {
             .arg(root().join("scripts/bench/upscale_bench.py"))
             .args(args),
     )?;
-    let secs = |json: &str| -> Res<f64> {
-        let v = json
-            .split("\"seconds\": ")
-            .nth(1)
-            .and_then(|r| r.split([',', '}']).next())
-            .ok_or_else(|| format!("no seconds in {json}"))?;
-        v.trim().parse().map_err(|e| format!("{v}: {e}"))
-    };
+    let secs = |json: &str| dit::json_number(json, "seconds");
     let (a, b) = (secs(&ours)?, secs(&peer)?);
     println!("{}", ours.trim());
     println!("{}", peer.trim());
