@@ -1132,45 +1132,55 @@ mod tests {
         (bytes, values)
     }
 
-    #[test]
-    fn q8_0_by_rows_in_token_groups_equals_the_product() {
-        if !available() {
-            eprintln!("skipped: no AMX-BF16 on this CPU");
-            return;
-        }
-        // 96 rows of 64, 200 tokens (7 blocks, the last partial) in groups of 2 blocks
-        // (the bytes of two packed blocks): four groups, each weight row converted in each.
-        let (m, k, n) = (96, 64, 200);
-        let (q, w) = q8_0_rows(m, k);
-        let x: Vec<f32> = (0..n * k).map(|i| value(i, 3)).collect();
-        let mut out = vec![f32::NAN; n * m];
+    /// One thread's part of a q8_0 product by rows of the weight at `q` (`m` rows of `k`)
+    /// with the `n` tokens of `x`, written transposed at `out` (`n` rows of `m`): groups of
+    /// two packed blocks, `nth` threads under `key`; `hold` sleeps before the first packing.
+    ///
+    /// # Safety
+    /// AMX present; `q` holds `m` rows of `k` q8_0 values; `out` holds `n * m` f32, the
+    /// other threads of the call writing other chunks of it.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn by_rows_part(
+        q: *const u8,
+        x: &[f32],
+        out: *mut f32,
+        (m, k, n): (usize, usize, usize),
+        nth: usize,
+        key: usize,
+        hold: bool,
+    ) {
         let block_words = k / 2 * BLOCK;
         let mut row = vec![0u16; k];
-        // SAFETY: AMX present; the weight holds m rows of k q8_0 values; each pack fills
-        // block_words words from tokens inside x; writes land inside out.
-        unsafe {
-            by_rows_in_groups(
-                WeightRows::Q8_0(q.as_ptr()),
-                k,
-                m,
-                n,
-                1,
-                0xC000,
-                2 * block_words * 4,
-                |b, dst| {
-                    let col0 = b * BLOCK;
-                    let cols = (n - col0).min(BLOCK);
-                    pack_f32_columns(cols, k, k, |j| x[(col0 + j) * k..].as_ptr(), &mut row, dst)
-                },
-                |row0, col0, ncols, c| {
-                    for j in 0..ncols {
-                        for r in 0..BLOCK {
-                            out[(col0 + j) * m + row0 + r] = c[r * BLOCK + j];
-                        }
+        let mut first = hold;
+        by_rows_in_groups(
+            WeightRows::Q8_0(q),
+            k,
+            m,
+            n,
+            nth,
+            key,
+            2 * block_words * 4,
+            |b, dst| {
+                if std::mem::take(&mut first) {
+                    std::thread::sleep(std::time::Duration::from_millis(300));
+                }
+                let col0 = b * BLOCK;
+                let cols = (n - col0).min(BLOCK);
+                pack_f32_columns(cols, k, k, |j| x[(col0 + j) * k..].as_ptr(), &mut row, dst)
+            },
+            |row0, col0, ncols, c| {
+                for j in 0..ncols {
+                    for r in 0..BLOCK {
+                        *out.add((col0 + j) * m + row0 + r) = c[r * BLOCK + j];
                     }
-                },
-            );
-        }
+                }
+            },
+        );
+    }
+
+    /// `out` (`n` rows of `m`) is `x` (`n` rows of `k`, rounded to bf16) times the weight
+    /// values `w` (`m` rows of `k`), to f32 summation's error.
+    fn assert_product(out: &[f32], w: &[f32], x: &[f32], (m, k, n): (usize, usize, usize)) {
         let round = |v: f32| half::bf16::from_f32(v).to_f32() as f64;
         for t in 0..n {
             for r in 0..m {
@@ -1186,6 +1196,24 @@ mod tests {
         }
     }
 
+    #[test]
+    fn q8_0_by_rows_in_token_groups_equals_the_product() {
+        if !available() {
+            eprintln!("skipped: no AMX-BF16 on this CPU");
+            return;
+        }
+        // 96 rows of 64, 200 tokens (7 blocks, the last partial) in groups of 2 blocks
+        // (the bytes of two packed blocks): four groups, each weight row converted in each.
+        let dims = (96, 64, 200);
+        let (m, k, n) = dims;
+        let (q, w) = q8_0_rows(m, k);
+        let x: Vec<f32> = (0..n * k).map(|i| value(i, 3)).collect();
+        let mut out = vec![f32::NAN; n * m];
+        // SAFETY: AMX present; q holds m rows of k q8_0 values, out n * m values.
+        unsafe { by_rows_part(q.as_ptr(), &x, out.as_mut_ptr(), dims, 1, 0xC000, false) };
+        assert_product(&out, &w, &x, dims);
+    }
+
     /// Two threads of one product by rows, the second held up in its first packing until
     /// the first has claimed every chunk of the first group: each group's chunks are still
     /// computed once, with that group's tokens (a thread must not take the next group's
@@ -1196,64 +1224,23 @@ mod tests {
             eprintln!("skipped: no AMX-BF16 on this CPU");
             return;
         }
-        let (m, k, n) = (96, 64, 200);
+        let dims = (96, 64, 200);
+        let (m, k, n) = dims;
         let (q, w) = q8_0_rows(m, k);
         let x: Vec<f32> = (0..n * k).map(|i| value(i, 5)).collect();
         let mut out = vec![f32::NAN; n * m];
-        let block_words = k / 2 * BLOCK;
         let (qp, op) = (q.as_ptr() as usize, out.as_mut_ptr() as usize);
         std::thread::scope(|s| {
             for t in 0..2 {
                 let x = &x;
-                s.spawn(move || {
-                    let mut row = vec![0u16; k];
-                    let mut first = true;
-                    // SAFETY: as in the test above; the threads write disjoint chunks of out,
-                    // which outlives the scope.
-                    unsafe {
-                        by_rows_in_groups(
-                            WeightRows::Q8_0(qp as *const u8),
-                            k,
-                            m,
-                            n,
-                            2,
-                            0xD000,
-                            2 * block_words * 4,
-                            |b, dst| {
-                                if t == 1 && std::mem::take(&mut first) {
-                                    std::thread::sleep(std::time::Duration::from_millis(300));
-                                }
-                                let col0 = b * BLOCK;
-                                let cols = (n - col0).min(BLOCK);
-                                let col = |j: usize| x[(col0 + j) * k..].as_ptr();
-                                pack_f32_columns(cols, k, k, col, &mut row, dst)
-                            },
-                            |row0, col0, ncols, c| {
-                                let out = op as *mut f32;
-                                for j in 0..ncols {
-                                    for r in 0..BLOCK {
-                                        *out.add((col0 + j) * m + row0 + r) = c[r * BLOCK + j];
-                                    }
-                                }
-                            },
-                        );
-                    }
+                // SAFETY: as above; the threads write disjoint chunks of out, which
+                // outlives the scope.
+                s.spawn(move || unsafe {
+                    by_rows_part(qp as _, x, op as _, dims, 2, 0xD000, t == 1)
                 });
             }
         });
-        let round = |v: f32| half::bf16::from_f32(v).to_f32() as f64;
-        for t in 0..n {
-            for r in 0..m {
-                let want: f64 = (0..k)
-                    .map(|i| w[r * k + i] as f64 * round(x[t * k + i]))
-                    .sum();
-                let got = out[t * m + r] as f64;
-                assert!(
-                    (got - want).abs() < 1e-4 * (1.0 + want.abs()),
-                    "token {t}, row {r}: {got} vs {want}"
-                );
-            }
-        }
+        assert_product(&out, &w, &x, dims);
     }
 
     #[test]
